@@ -1,0 +1,36 @@
+# Quick start: `make demo` then `make test`. Both create .venv and install with the tested pins.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+
+.PHONY: demo test install benchmarks clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e .
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/planner plan --model llama3-8b --cluster dgx-h100 --num-devices 64 --global-batch 512 --seq-len 8192
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest tests
+
+benchmarks: $(STAMP)
+	$(PY) benchmarks/capture_speed.py
+	$(PY) benchmarks/search_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

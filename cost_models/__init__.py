@@ -1,0 +1,1 @@
+"""Analytical cost models: communication, compute, memory, pipeline schedules, step time, reliability."""

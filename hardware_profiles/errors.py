@@ -1,0 +1,40 @@
+"""One error type for bad user input, rendered as a single clear paragraph."""
+from __future__ import annotations
+
+
+class UserInputError(Exception):
+    """Bad input from a user: a file, a field, a flag or a layout.
+
+    The CLI prints `str(error)` and exits with status 2; it never shows a traceback.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, field: str | None = None,
+                 expected: str | None = None):
+        self.source = source
+        self.field = field
+        self.expected = expected
+        parts = []
+        if source:
+            parts.append(f"{source}:")
+        if field:
+            parts.append(f"field '{field}':")
+        parts.append(message.rstrip("."))
+        text = " ".join(parts) + "."
+        if expected:
+            text += f" Expected {expected.rstrip('.')}."
+        super().__init__(text)
+
+
+def format_pydantic_error(source: str, exc) -> UserInputError:
+    """Turn a pydantic ValidationError into one paragraph naming the file and the fields."""
+    problems = []
+    for err in exc.errors():
+        location = ".".join(str(part) for part in err.get("loc", ())) or "(top level)"
+        given = err.get("input")
+        given_text = "" if isinstance(given, dict) else f" (got {given!r})"
+        problems.append(f"field '{location}': {err.get('msg', 'invalid')}{given_text}")
+    first_field = ".".join(str(p) for p in exc.errors()[0].get("loc", ())) if exc.errors() else None
+    message = "; ".join(problems)
+    error = UserInputError(f"invalid profile: {message}", source=source)
+    error.field = first_field
+    return error

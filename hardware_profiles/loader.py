@@ -1,0 +1,117 @@
+"""Load device and cluster profiles from YAML: built-ins by name, or any file by path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from .errors import UserInputError, format_pydantic_error
+from .schema import Cluster, Device
+
+PROFILE_DIR = Path(__file__).resolve().parent
+DEVICE_DIR = PROFILE_DIR / "devices"
+CLUSTER_DIR = PROFILE_DIR / "clusters"
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserInputError("file not found", source=str(path),
+                             expected="a readable YAML profile")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserInputError(f"not valid YAML ({str(exc).splitlines()[0]})", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise UserInputError("the file does not hold a mapping of fields", source=str(path),
+                             expected="a YAML mapping such as 'name: h100-sxm'")
+    return data
+
+
+def list_devices() -> list[str]:
+    return sorted(p.stem for p in DEVICE_DIR.glob("*.yaml"))
+
+
+def list_clusters() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+
+
+def _resolve(name_or_path: str, directory: Path, names: list[str], kind: str) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        return candidate
+    if name_or_path in names:
+        return directory / f"{name_or_path}.yaml"
+    raise UserInputError(f"unknown {kind} '{name_or_path}'",
+                         expected=f"a path to a YAML file or one of: {', '.join(names)}")
+
+
+def parse_device(data: dict, source: str) -> Device:
+    try:
+        return Device.model_validate(data)
+    except ValidationError as exc:
+        raise format_pydantic_error(source, exc) from None
+
+
+def load_device(name_or_path: str) -> Device:
+    path = _resolve(name_or_path, DEVICE_DIR, list_devices(), "device")
+    return parse_device(_read_yaml(path), str(path))
+
+
+def parse_cluster(data: dict, source: str) -> Cluster:
+    data = dict(data)
+    device_ref = data.get("device")
+    if isinstance(device_ref, str):
+        try:
+            data["device"] = load_device(device_ref)
+        except UserInputError as exc:
+            raise UserInputError(f"cannot load device '{device_ref}': {exc}", source=source,
+                                 field="device") from None
+    elif device_ref is None:
+        raise UserInputError("missing", source=source, field="device",
+                             expected=f"a device name ({', '.join(list_devices())}) or a device path")
+    try:
+        return Cluster.model_validate(data)
+    except ValidationError as exc:
+        raise format_pydantic_error(source, exc) from None
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    path = _resolve(name_or_path, CLUSTER_DIR, list_clusters(), "cluster")
+    return parse_cluster(_read_yaml(path), str(path))
+
+
+def default_cluster_for(device: Device) -> Cluster | None:
+    """The built-in cluster whose device is `device`, used to fill network and storage figures."""
+    for name in list_clusters():
+        cluster = load_cluster(name)
+        if cluster.device.name == device.name:
+            return cluster
+    return None
+
+
+def cluster_from_device(device_name: str, num_devices: int, devices_per_node: int | None = None) -> Cluster:
+    """A cluster built on the command line: `--device h100-sxm --num-devices 16384`.
+
+    Network, storage and reliability come from the built-in cluster of that device.
+    """
+    device = load_device(device_name)
+    template = default_cluster_for(device)
+    if template is None:
+        raise UserInputError(f"no built-in cluster uses device '{device_name}' to take network figures from",
+                             field="--device", expected="a device with a built-in cluster, or --cluster FILE")
+    per_node = devices_per_node or template.devices_per_node
+    if num_devices <= 0:
+        raise UserInputError(f"{num_devices} devices", field="--num-devices", expected="a positive count")
+    if num_devices % per_node:
+        raise UserInputError(f"{num_devices} devices do not fill whole nodes of {per_node}",
+                             field="--num-devices", expected=f"a multiple of {per_node}")
+    fast = min(template.fast_domain_devices, max(per_node, template.fast_domain_devices))
+    if num_devices < fast:
+        fast = per_node
+    update = {"name": f"{device_name}-x{num_devices}", "num_nodes": num_devices // per_node,
+              "devices_per_node": per_node, "fast_domain_devices": fast}
+    data = template.model_dump()
+    data.update(update)
+    data["device"] = device
+    return parse_cluster(data, f"--device {device_name} --num-devices {num_devices}")

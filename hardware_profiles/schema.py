@@ -1,0 +1,147 @@
+"""Typed schemas of device and cluster profiles.
+
+Units live in field names: `_tflops` (10^12 FLOP/s, dense), `_bytes`, `_gbytes_per_s` (10^9 B/s),
+`_gbit_per_s` (10^9 bit/s, how NICs are sold), `_us` (microseconds), `_fraction` (0..1].
+Every model forbids unknown fields so that a typo is an error, never a silent default.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FabricKind(str, Enum):
+    nvswitch = "nvswitch"       # NVIDIA NVLink through NVSwitch: every pair at full per-device bandwidth
+    full_mesh = "full-mesh"     # Ascend HCCS: a direct link to every peer, bandwidth split over peers
+    xgmi_mesh = "xgmi-mesh"     # AMD/Hygon Infinity Fabric (xGMI) point-to-point mesh
+    ub_clos = "ub-clos"         # Huawei CloudMatrix unified bus: switched, all-to-all across the supernode
+
+
+class PeakTflops(Strict):
+    """Dense (no 2:4 sparsity) peak per data type; None where the device lacks it."""
+    fp32: float = Field(gt=0)
+    tf32: float | None = Field(default=None, gt=0)
+    bf16: float = Field(gt=0)
+    fp16: float = Field(gt=0)
+    fp8: float | None = Field(default=None, gt=0)
+
+
+class GemmEfficiency(Strict):
+    """Achievable GEMM throughput: peak_fraction * work / (work + half_work_flops).
+
+    The saturating curve makes small GEMMs (small micro-batch, high TP) less efficient; the
+    fraction at large sizes is the measured maximum achievable matmul FLOPS (MAMF).
+    """
+    peak_fraction: float = Field(gt=0, le=1)
+    fp8_peak_fraction: float | None = Field(default=None, gt=0, le=1)
+    half_work_gflop: float = Field(ge=0)
+    kernel_floor_us: float = Field(ge=0)
+
+
+class IntraNodeFabric(Strict):
+    kind: FabricKind
+    bandwidth_per_direction_gbytes_per_s: float = Field(gt=0)
+    ring_busbw_fraction: float = Field(gt=0, le=1)
+    in_network_reduction: bool = False
+    in_network_fraction: float | None = Field(default=None, gt=0, le=1)
+    in_network_min_ranks: int = Field(default=2, ge=2)
+    base_latency_us: float = Field(ge=0)
+    hop_latency_us: float = Field(ge=0)
+    all_to_all_fraction: float = Field(gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _in_network_needs_fraction(self):
+        if self.in_network_reduction and self.in_network_fraction is None:
+            raise ValueError("in_network_reduction is true but in_network_fraction is missing")
+        return self
+
+
+class MemoryReserve(Strict):
+    """HBM the training process cannot use for tensors."""
+    runtime_context_bytes: int = Field(ge=0)
+    fragmentation_fraction: float = Field(ge=0, lt=1)
+
+
+class Device(Strict):
+    name: str
+    display_name: str
+    vendor: Literal["nvidia", "amd", "huawei", "hygon", "cpu"]
+    peak_tflops: PeakTflops
+    hbm_bytes: int = Field(gt=0)
+    hbm_bandwidth_gbytes_per_s: float = Field(gt=0)
+    hbm_bandwidth_fraction: float = Field(gt=0, le=1)
+    gemm: GemmEfficiency
+    intra_node: IntraNodeFabric
+    collective_backend: Literal["nccl", "hccl", "rccl", "gloo"]
+    torch_device_type: Literal["cuda", "npu", "cpu"]
+    memory_reserve: MemoryReserve
+
+    def peak_flops(self, precision: Precision) -> float:
+        """Dense peak in FLOP/s for a precision; raises if the device lacks it."""
+        value = getattr(self.peak_tflops, precision)
+        if value is None:
+            raise ValueError(f"device {self.name} has no {precision} peak")
+        return value * 1e12
+
+
+class InterNodeNetwork(Strict):
+    kind: Literal["infiniband", "roce", "ethernet", "efa", "none"]
+    nic_bandwidth_gbit_per_s: float = Field(gt=0)
+    nics_per_node: int = Field(gt=0)
+    busbw_fraction: float = Field(gt=0, le=1)
+    latency_us: float = Field(ge=0)
+    pod_size_devices: int | None = Field(default=None, gt=0)
+    oversubscription_above_pod: float = Field(default=1.0, ge=1)
+    in_network_reduction: bool = False
+
+
+class Storage(Strict):
+    checkpoint_write_gbytes_per_s: float = Field(gt=0)
+    checkpoint_read_gbytes_per_s: float = Field(gt=0)
+    per_writer_gbytes_per_s: float = Field(gt=0)
+    async_blocking_fraction: float = Field(ge=0, le=1)
+
+
+class Reliability(Strict):
+    node_failures_per_1000_node_days: float = Field(ge=0)
+    restart_s: float = Field(ge=0)
+    rewarm_s: float = Field(ge=0)
+    source: str
+
+
+class Cluster(Strict):
+    name: str
+    description: str = ""
+    device: Device
+    devices_per_node: int = Field(gt=0)
+    num_nodes: int = Field(gt=0)
+    fast_domain_devices: int = Field(gt=0)
+    inter_node: InterNodeNetwork
+    storage: Storage
+    reliability: Reliability
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    @model_validator(mode="after")
+    def _domains_divide(self):
+        if self.fast_domain_devices % self.devices_per_node and self.devices_per_node % self.fast_domain_devices:
+            raise ValueError(
+                f"fast_domain_devices={self.fast_domain_devices} and devices_per_node="
+                f"{self.devices_per_node} must divide one another")
+        return self
+
+    def with_devices(self, num_devices: int) -> "Cluster":
+        """The same cluster with another device count (what-if sweeps)."""
+        if num_devices <= 0 or num_devices % self.devices_per_node:
+            raise ValueError(f"{num_devices} devices do not fill whole nodes of {self.devices_per_node}")
+        return self.model_copy(update={"num_nodes": num_devices // self.devices_per_node})

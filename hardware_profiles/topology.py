@@ -1,0 +1,124 @@
+"""The physical topology as a graph, and where each dim of a device mesh lands on it.
+
+Ranks are numbered as Megatron-Core does: the first mesh dim is innermost (fastest varying), so with
+the order tp-cp-ep-dp-pp a tp group is a run of consecutive ranks and sits inside one node.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .schema import Cluster, FabricKind
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where the process groups of one mesh dim sit on the cluster."""
+    dim: str
+    size: int                     # ranks per group
+    ranks_per_domain: int         # members of one group inside one fast (NVLink/HCCS) domain
+    domains: int                  # fast domains one group spans
+    ranks_per_node: int           # members of one group on one node
+    intra_bandwidth_share: float  # share of a device's fast-domain bandwidth the group can use
+    nic_share_per_rank: float     # NICs per rank of this group leaving its node (contention < 1)
+    spans_pods: bool              # extends beyond one full-bisection pod
+
+    @property
+    def crosses_domains(self) -> bool:
+        return self.domains > 1
+
+
+@dataclass(frozen=True)
+class MeshPlacement:
+    dims: tuple[MeshDim, ...]
+    groups: tuple[GroupPlacement, ...]
+
+    def of(self, dim: str) -> GroupPlacement:
+        for group in self.groups:
+            if group.dim == dim:
+                return group
+        raise KeyError(f"mesh has no dim '{dim}' (dims: {[d.name for d in self.dims]})")
+
+
+def _max_members_per_block(members: list[int], block: int) -> int:
+    return max(Counter(rank // block for rank in members).values())
+
+
+def place_group(dim: str, size: int, stride: int, cluster: Cluster) -> GroupPlacement:
+    """Placement of the group that holds rank 0 along a dim with this stride; all groups are alike."""
+    members = [i * stride for i in range(size)]
+    per_node = cluster.devices_per_node
+    per_domain_devices = cluster.fast_domain_devices
+    k_domain = _max_members_per_block(members, per_domain_devices)
+    k_node = _max_members_per_block(members, per_node)
+    fabric = cluster.device.intra_node
+    if fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh) and per_domain_devices > 1:
+        # a point-to-point mesh gives each peer 1/(D-1) of a device's links: a small group uses few of them
+        share = (k_domain - 1) / (per_domain_devices - 1) if k_domain > 1 else 1.0
+    else:
+        share = 1.0
+    # every device of a node belongs to one group of this dim; the node's NICs are shared by all of them
+    nic_share = cluster.inter_node.nics_per_node / per_node
+    extent = members[-1] + 1
+    pod = cluster.inter_node.pod_size_devices
+    return GroupPlacement(dim=dim, size=size, ranks_per_domain=k_domain, domains=size // k_domain,
+                          ranks_per_node=k_node, intra_bandwidth_share=share,
+                          nic_share_per_rank=min(1.0, nic_share), spans_pods=bool(pod and extent > pod))
+
+
+def place_mesh(dims: tuple[MeshDim, ...], cluster: Cluster) -> MeshPlacement:
+    """Map an ordered mesh (innermost first) onto the cluster and place every dim's groups."""
+    world = 1
+    for dim in dims:
+        world *= dim.size
+    if world > cluster.num_devices:
+        raise ValueError(f"mesh of {world} ranks does not fit {cluster.num_devices} devices")
+    groups = []
+    stride = 1
+    for dim in dims:
+        groups.append(place_group(dim.name, dim.size, stride, cluster))
+        stride *= dim.size
+    return MeshPlacement(dims=tuple(dims), groups=tuple(groups))
+
+
+def build_topology_graph(cluster: Cluster) -> nx.Graph:
+    """Devices, node fabric switches, NICs, leaf and spine switches, with link bandwidths (GB/s)."""
+    graph = nx.Graph()
+    device = cluster.device
+    nic_gbytes = cluster.inter_node.nic_bandwidth_gbit_per_s / 8
+    domain_switch_of = {}
+    for domain in range(cluster.num_devices // cluster.fast_domain_devices):
+        switch = f"fabric{domain}"
+        graph.add_node(switch, kind="fabric", fabric=device.intra_node.kind.value)
+        domain_switch_of[domain] = switch
+    nics_per_node = cluster.inter_node.nics_per_node
+    pod = cluster.inter_node.pod_size_devices or cluster.num_devices
+    for spine in range(max(1, cluster.num_devices // pod)):
+        graph.add_node(f"spine{spine}", kind="spine")
+    for node in range(cluster.num_nodes):
+        leaf = f"leaf{node * cluster.devices_per_node // pod}"
+        if leaf not in graph:
+            graph.add_node(leaf, kind="leaf")
+            graph.add_edge(leaf, f"spine{node * cluster.devices_per_node // pod % max(1, cluster.num_devices // pod)}",
+                           bandwidth_gbytes_per_s=nic_gbytes * pod / cluster.inter_node.oversubscription_above_pod)
+        for nic in range(nics_per_node):
+            nic_name = f"node{node}/nic{nic}"
+            graph.add_node(nic_name, kind="nic")
+            graph.add_edge(nic_name, leaf, bandwidth_gbytes_per_s=nic_gbytes)
+        for local in range(cluster.devices_per_node):
+            rank = node * cluster.devices_per_node + local
+            name = f"dev{rank}"
+            graph.add_node(name, kind="device", node=node)
+            graph.add_edge(name, domain_switch_of[rank // cluster.fast_domain_devices],
+                           bandwidth_gbytes_per_s=device.intra_node.bandwidth_per_direction_gbytes_per_s)
+            graph.add_edge(name, f"node{node}/nic{local * nics_per_node // cluster.devices_per_node}",
+                           bandwidth_gbytes_per_s=nic_gbytes)
+    return graph

@@ -1,0 +1,146 @@
+"""Every shipped profile validates; malformed ones give one clear error naming file and field."""
+import copy
+
+import pytest
+import yaml
+
+from hardware_profiles import (UserInputError, cluster_from_device, list_clusters, list_devices, load_cluster,
+                               load_device)
+from hardware_profiles.loader import CLUSTER_DIR, DEVICE_DIR
+
+EXPECTED_DEVICES = {"a100-40g", "a100-80g", "h100-sxm", "h800", "h200", "b200", "gb200", "mi300x",
+                    "ascend-910b-376t", "ascend-910b-313t", "ascend-910c", "hygon-k100-ai", "cpu"}
+EXPECTED_CLUSTERS = {"dgx-a100", "dgx-h100", "h800-deepseek", "dgx-h200", "dgx-b200", "gb200-nvl72",
+                     "ascend-910b", "ascend-910c-supernode", "hygon-k100-ai", "cpu-gloo"}
+
+
+def test_all_builtins_present_and_valid():
+    assert EXPECTED_DEVICES <= set(list_devices())
+    assert EXPECTED_CLUSTERS <= set(list_clusters())
+    for name in list_devices():
+        device = load_device(name)
+        assert device.peak_tflops.bf16 > 0
+    for name in list_clusters():
+        cluster = load_cluster(name)
+        assert cluster.num_devices == cluster.devices_per_node * cluster.num_nodes
+
+
+def test_dense_peaks_are_half_the_sparse_datasheet():
+    # H100 datasheet BF16 1,979 TFLOPS is with sparsity (HF notes on Table 1)
+    assert load_device("h100-sxm").peak_tflops.bf16 == pytest.approx(1979 / 2, rel=1e-3)
+
+
+def test_fast_domain_sizes():
+    assert load_cluster("gb200-nvl72").fast_domain_devices == 72
+    assert load_cluster("ascend-910c-supernode").fast_domain_devices == 384
+    assert load_cluster("dgx-h100").fast_domain_devices == 8
+
+
+def test_cluster_from_device_on_command_line():
+    cluster = cluster_from_device("h100-sxm", 16384)
+    assert cluster.num_devices == 16384 and cluster.devices_per_node == 8
+    with pytest.raises(UserInputError, match="whole nodes"):
+        cluster_from_device("h100-sxm", 12)
+    with pytest.raises(UserInputError, match="unknown device"):
+        cluster_from_device("h1000", 8)
+
+
+def _device_data():
+    return yaml.safe_load((DEVICE_DIR / "h100-sxm.yaml").read_text())
+
+
+def _cluster_data():
+    return yaml.safe_load((CLUSTER_DIR / "dgx-h100.yaml").read_text())
+
+
+def _set(data, path, value):
+    keys = path.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return data
+
+
+_DELETE = object()
+
+BAD_DEVICES = [
+    ("hbm_bytes", _DELETE, "hbm_bytes"),
+    ("hbm_bytes", "eighty gigabytes", "hbm_bytes"),
+    ("hbm_bytes", -1, "hbm_bytes"),
+    ("hbm_bandwidth_gbytes_per_s", 0, "hbm_bandwidth_gbytes_per_s"),
+    ("peak_tflops.bf16", _DELETE, "peak_tflops.bf16"),
+    ("peak_tflops.bf16", "fast", "peak_tflops.bf16"),
+    ("peak_tflops.fp8", -5, "peak_tflops.fp8"),
+    ("gemm.peak_fraction", 1.5, "gemm.peak_fraction"),
+    ("gemm.half_work_gflop", -1, "gemm.half_work_gflop"),
+    ("intra_node.kind", "token-ring", "intra_node.kind"),
+    ("intra_node.bandwidth_per_direction_gbytes_per_s", -450, "intra_node.bandwidth_per_direction_gbytes_per_s"),
+    ("intra_node.in_network_fraction", _DELETE, "in_network_fraction"),
+    ("collective_backend", "mpi", "collective_backend"),
+    ("vendor", "intel", "vendor"),
+    ("intra_node.nvlink_speed", 9, "nvlink_speed"),
+    ("memory_reserve.fragmentation_fraction", 2, "fragmentation_fraction"),
+]
+
+
+@pytest.mark.parametrize("path,value,named", BAD_DEVICES)
+def test_malformed_device_files(tmp_path, path, value, named):
+    data = _set(copy.deepcopy(_device_data()), path, value)
+    bad = tmp_path / "bad-device.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(UserInputError) as info:
+        load_device(str(bad))
+    message = str(info.value)
+    assert str(bad) in message and named in message
+    assert "\n" not in message
+
+
+BAD_CLUSTERS = [
+    ("device", "h1000", "device"),
+    ("device", _DELETE, "device"),
+    ("devices_per_node", 0, "devices_per_node"),
+    ("devices_per_node", "eight", "devices_per_node"),
+    ("num_nodes", -2, "num_nodes"),
+    ("fast_domain_devices", 3, "fast_domain_devices"),
+    ("inter_node.nic_bandwidth_gbit_per_s", -400, "inter_node.nic_bandwidth_gbit_per_s"),
+    ("inter_node.nic_bandwidth_gbit_per_s", "400Gb", "inter_node.nic_bandwidth_gbit_per_s"),
+    ("inter_node.kind", "carrier-pigeon", "inter_node.kind"),
+    ("inter_node.oversubscription_above_pod", 0.5, "oversubscription_above_pod"),
+    ("storage.checkpoint_write_gbytes_per_s", 0, "checkpoint_write_gbytes_per_s"),
+    ("reliability", _DELETE, "reliability"),
+    ("reliability.node_failures_per_1000_node_days", -1, "node_failures_per_1000_node_days"),
+]
+
+
+@pytest.mark.parametrize("path,value,named", BAD_CLUSTERS)
+def test_malformed_cluster_files(tmp_path, path, value, named):
+    data = _set(copy.deepcopy(_cluster_data()), path, value)
+    bad = tmp_path / "bad-cluster.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(UserInputError) as info:
+        load_cluster(str(bad))
+    message = str(info.value)
+    assert str(bad) in message and named in message
+
+
+@pytest.mark.parametrize("text,named", [
+    ("name: [unclosed", "not valid YAML"),
+    ("- just\n- a list\n", "mapping"),
+    ("", "mapping"),
+])
+def test_unparseable_files(tmp_path, text, named):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text(text)
+    with pytest.raises(UserInputError, match=named):
+        load_cluster(str(bad))
+
+
+def test_missing_file_and_unknown_name():
+    with pytest.raises(UserInputError, match="file not found"):
+        load_cluster("/nonexistent/cluster.yaml")
+    with pytest.raises(UserInputError, match="unknown cluster"):
+        load_cluster("dgx-z9000")
