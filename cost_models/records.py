@@ -1,0 +1,93 @@
+"""The small records the cost models consume: the work of an op and of a layer kind.
+
+Capture (`planner.capture`) produces them from a traced graph; the cost models never import `planner`.
+All figures are for one micro-batch of size 1 at the captured sequence length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class OpKind(str, Enum):
+    gemm = "gemm"               # a Linear or a matmul with a weight
+    attention = "attention"     # the attention core: activation x activation matmuls or a fused SDPA
+    elementwise = "elementwise" # memory-bound ops: norms, activations, residuals, rotary
+    embedding = "embedding"     # a gather from a table
+    loss = "loss"               # softmax cross-entropy over the vocabulary
+
+
+class Sharding(str, Enum):
+    """How tensor parallelism divides an op's work or a saved tensor."""
+    tensor = "tensor"           # inside a column->row pair: divided by tp always
+    sequence = "sequence"       # outside pairs: divided by tp only with sequence parallelism
+    expert = "expert"           # expert weights: divided by ep x etp
+
+
+@dataclass(frozen=True)
+class OpCost:
+    name: str
+    kind: OpKind
+    sharding: Sharding
+    forward_flops: float
+    backward_input_flops: float
+    backward_weight_flops: float
+    bytes_accessed: float                   # forward reads + writes
+    gemm_mnk: tuple[int, int, int] | None   # shape of one GEMM, for the efficiency curve
+    gemm_count: int = 1                     # identical GEMMs in this op (experts, heads batched)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor autograd keeps for backward, measured under saved_tensors_hooks."""
+    producer: str
+    bytes: float
+    sharding: Sharding
+    attention_matrix: bool      # s x s shaped: dropped by selective recomputation
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    count: int
+    sharding: Sharding          # tensor: split by tp; sequence: replicated over tp; expert: split by ep x etp
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One distinct kind of layer (repeated layers share one record)."""
+    name: str                   # "embedding", "dense", "moe", "head" or a user block's signature
+    role: str                   # embedding | block | head
+    ops: tuple[OpCost, ...]
+    saved: tuple[SavedTensor, ...]
+    params: tuple[ParamGroup, ...]
+    input_bytes: float          # the layer's input for one sample: what full recomputation keeps
+    tokens: int                 # tokens per sample (the captured sequence length)
+    hidden_size: int
+    num_experts: int = 0
+    router_topk: int = 0
+    logits_fp32_bytes: float = 0.0  # head only: fp32 logits kept for the loss
+
+    @property
+    def param_count(self) -> int:
+        return sum(group.count for group in self.params)
+
+    def params_by(self, sharding: Sharding) -> int:
+        return sum(group.count for group in self.params if group.sharding is sharding)
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token touches: experts count by top-k of num_experts."""
+        expert = self.params_by(Sharding.expert)
+        if not self.num_experts:
+            return self.param_count
+        return self.param_count - expert + expert * self.router_topk // self.num_experts
+
+    @property
+    def forward_flops(self) -> float:
+        return sum(op.forward_flops for op in self.ops)
+
+    @property
+    def model_flops(self) -> float:
+        """Forward + backward matmul FLOPs (GEMM and attention), the MFU numerator per sample."""
+        return sum(op.forward_flops + op.backward_input_flops + op.backward_weight_flops
+                   for op in self.ops if op.kind in (OpKind.gemm, OpKind.attention))

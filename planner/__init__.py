@@ -1,0 +1,1 @@
+"""parallel-planner: capture, cost, search and apply parallel layouts for LLM training."""

@@ -1,0 +1,208 @@
+"""Capture: trace any nn.Module with torch.fx on the meta device and measure what each node costs.
+
+Repeated blocks are found from the module tree (a ModuleList of alike modules) and each distinct kind
+is traced and measured once, so capture time does not grow with depth or width. Saved-for-backward
+bytes are measured for real: the graph runs forward on meta tensors under saved_tensors_hooks and every
+saved storage is attributed to the node that produced it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from cost_models.records import OpCost, SavedTensor, Sharding
+from hardware_profiles.errors import UserInputError
+
+from .graph_analysis import (attention_heads, find_tp_pairs, is_expert_container, is_norm_like, routed_experts,
+                             router_topk, signature)
+from .graph import BlockStructure, TensorParallelPair
+from .op_costs import node_costs
+
+
+class CaptureTracer(fx.Tracer):
+    """fx tracer that treats norms, expert containers and chosen modules as leaves."""
+    proxy_buffer_attributes = True  # RoPE slices its cos/sin buffers (torch-notes: fixes cos[:s])
+
+    def __init__(self, leaf_ids: set[int] = frozenset(), leaf_names: tuple[str, ...] = ()):
+        super().__init__()
+        self.leaf_ids = set(leaf_ids)
+        self.leaf_names = leaf_names
+        self.entered_modules: list[str] = []
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self.leaf_ids or is_norm_like(m) or is_expert_container(m):
+            return True
+        if any(qualname == n or qualname.endswith("." + n) for n in self.leaf_names):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self.entered_modules.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.entered_modules[-1]
+            raise
+        finally:
+            self.entered_modules.pop()
+
+
+def trace(root: nn.Module, leaf_ids: set[int] = frozenset(), leaf_names: tuple[str, ...] = (),
+          label: str = "model") -> fx.GraphModule:
+    tracer = CaptureTracer(leaf_ids, leaf_names)
+    try:
+        graph = tracer.trace(root)
+    except Exception as exc:  # turn any tracing failure into one paragraph naming the module
+        where = tracer.failed_in or type(root).__name__
+        op = str(exc).splitlines()[0][:300]
+        raise UserInputError(
+            f"cannot trace {label}: module '{where or type(root).__name__}' failed with {type(exc).__name__}: "
+            f"{op}", expected=f"a module torch.fx can trace; mark it a leaf with leaf_modules=['{where}'] "
+            "(--leaf-modules on the CLI) so that it is measured as one op") from None
+    return fx.GraphModule(root, graph)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class Measured:
+    ops: list[OpCost] = field(default_factory=list)
+    saved: list[SavedTensor] = field(default_factory=list)
+    shapes: dict[str, tuple] = field(default_factory=dict)
+    output: object = None
+
+
+class _Analyzer(fx.Interpreter):
+    """Runs a graph on meta tensors; records node costs and attributes saved tensors to producers."""
+
+    def __init__(self, gm: fx.GraphModule, tensor_region: set[str], seq_len: int, part_of=None):
+        super().__init__(gm)
+        self.modules = dict(gm.named_modules())
+        self.tensor_region = tensor_region
+        self.seq_len = seq_len
+        self.part_of = part_of or (lambda node: "all")
+        self.state_keys = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
+        self.param_ids = {id(p) for p in gm.parameters()}
+        self.producer: dict[int, str] = {}
+        self.seen: set[int] = set()
+        self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
+        self.current: fx.Node | None = None
+        self.results: dict[str, Measured] = {}
+
+    def _sharding(self, node: fx.Node) -> Sharding:
+        return Sharding.tensor if node.name in self.tensor_region else Sharding.sequence
+
+    def pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key in self.state_keys or key in self.seen or self.current is None:
+            return t
+        self.seen.add(key)
+        self.alive.append(t)
+        producer = self.producer.get(key, self.current.name)
+        nbytes = t.untyped_storage().nbytes()
+        is_dropout = self.current.target is F.dropout or isinstance(self.modules.get(self.current.target), nn.Dropout)
+        if is_dropout and key not in self.producer:
+            nbytes = t.numel()  # dropout keeps a 1-byte mask (meta decomposes it to the input dtype)
+        producer_node = next((n for n in self.module.graph.nodes if n.name == producer), self.current)
+        attention_matrix = t.dim() >= 2 and t.shape[-1] == self.seq_len and t.shape[-2] == self.seq_len
+        self.results.setdefault(self.part_of(self.current), Measured()).saved.append(SavedTensor(
+            producer, float(nbytes), self._sharding(producer_node), attention_matrix))
+        return t
+
+    def run_node(self, node: fx.Node):
+        self.current = node
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        out = super().run_node(node)
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.producer.setdefault(_storage_key(t), node.name)
+                self.alive.append(t)
+        measured = self.results.setdefault(self.part_of(node), Measured())
+        if isinstance(out, torch.Tensor):
+            measured.shapes[node.name] = tuple(out.shape)
+        module = self.modules.get(node.target) if node.op == "call_module" else None
+        measured.ops.extend(node_costs(node, module, list(args) + list(kwargs.values()), out,
+                                       self._sharding(node), self.param_ids))
+        if node.op == "output":
+            measured.output = out
+        return out
+
+    def measure(self, *inputs) -> dict[str, Measured]:
+        try:
+            with saved_tensors_hooks(self.pack, lambda t: t):
+                self.run(*inputs)
+        except UserInputError as exc:  # the interpreter decorates messages; keep ours one paragraph
+            raise UserInputError(str(exc).split("\n")[0]) from None
+        return self.results
+
+
+def find_block_stack(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The largest ModuleList of modules outside any expert container: the repeated blocks."""
+    best_name, best = "", []
+    expert_lists = {id(routed_experts(m).module_list) for m in model.modules() if is_expert_container(m)}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and id(module) not in expert_lists and len(module) > len(best):
+            best_name, best = name, [(f"{name}.{i}", child) for i, child in enumerate(module)]
+    return best_name, best
+
+
+def measure_block(block: nn.Module, example: torch.Tensor, seq_len: int, label: str,
+                  leaf_names: tuple[str, ...] = ()) -> tuple[Measured, BlockStructure, fx.GraphModule]:
+    gm = trace(block, leaf_names=leaf_names, label=label)
+    modules = dict(gm.named_modules())
+    pairs, region = find_tp_pairs(gm.graph, modules)
+    pair_linears = {name for pair in pairs for name in pair.columns + (pair.row,)}
+    region |= {n.name for n in gm.graph.nodes if n.op == "call_module" and n.target in pair_linears}
+    x = example.detach().requires_grad_(True)
+    measured = _Analyzer(gm, region, seq_len).measure(x)["all"]
+    heads, groups = attention_heads(gm.graph, measured.shapes)
+    experts = next(((n, m) for n, m in block.named_modules() if is_expert_container(m)), None)
+    structure = BlockStructure(
+        kind=label, tp_pairs=tuple(pairs), attention_heads=heads, kv_groups=groups,
+        norms=tuple(n for n, m in block.named_modules() if is_norm_like(m) or isinstance(m, nn.LayerNorm)),
+        expert_container=experts[0] if experts else None,
+        num_experts=routed_experts(experts[1]).count if experts else 0,
+        router_topk=router_topk(experts[1]) if experts else 0)
+    return measured, structure, gm
+
+
+def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, int]:
+    """Parameters by how tp/ep divide them: pair Linears by tp, routed experts by ep x etp."""
+    pair_linears = {name for pair in structure.tp_pairs for name in pair.columns + (pair.row,)}
+    routed = set()
+    if structure.expert_container:
+        container = block.get_submodule(structure.expert_container)
+        routed = set(routed_experts(container).param_ids)
+    counts = {Sharding.tensor: 0, Sharding.sequence: 0, Sharding.expert: 0}
+    for name, param in block.named_parameters():
+        module_name = name.rsplit(".", 1)[0]
+        in_shared_tp = structure.expert_container and module_name.startswith(structure.expert_container) \
+            and param.dim() == 2 and id(param) not in routed and param.shape[0] != structure.num_experts
+        if id(param) in routed:
+            counts[Sharding.expert] += param.numel()
+        elif module_name in pair_linears or in_shared_tp:
+            counts[Sharding.tensor] += param.numel()
+        else:
+            counts[Sharding.sequence] += param.numel()
+    return counts
+
+
+def timed(fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        return result, time.perf_counter() - start
+    return wrapper
+
+
+__all__ = ["CaptureTracer", "trace", "Measured", "find_block_stack", "measure_block", "block_params",
+           "TensorParallelPair", "_Analyzer", "timed"]

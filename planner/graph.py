@@ -1,0 +1,96 @@
+"""`ModelGraph`: what capture learned about a model, read by the cost models, the search and the runtime."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.records import LayerKind
+
+
+@dataclass(frozen=True)
+class TensorParallelPair:
+    """Linears found by dataflow: `columns` feed `row` through element-wise or attention ops."""
+    columns: tuple[str, ...]    # module paths relative to the block
+    row: str
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    module_name: str            # e.g. "layers.17" ("" for the embedding and head parts)
+    kind: str                   # LayerKind.name
+
+
+@dataclass(frozen=True)
+class BlockStructure:
+    """Per block kind: what capture recognised in the graph."""
+    kind: str
+    tp_pairs: tuple[TensorParallelPair, ...]
+    attention_heads: int
+    kv_groups: int
+    norms: tuple[str, ...]
+    expert_container: str | None    # module path of the routed-experts leaf, if any
+    num_experts: int
+    router_topk: int
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    name: str
+    seq_len: int
+    hidden_size: int
+    vocab_size: int
+    activation_dtype_bytes: int
+    block_stack: str                # module path of the repeated blocks (e.g. "layers")
+    kinds: tuple[LayerKind, ...]
+    layers: tuple[LayerSlot, ...]   # embedding, blocks in order, head
+    structures: tuple[BlockStructure, ...]
+    capture_seconds: float
+
+    def kind(self, name: str) -> LayerKind:
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise KeyError(name)
+
+    def structure(self, kind: str) -> BlockStructure | None:
+        return next((s for s in self.structures if s.kind == kind), None)
+
+    @property
+    def blocks(self) -> tuple[LayerSlot, ...]:
+        return tuple(slot for slot in self.layers if self.kind(slot.kind).role == "block")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.kind(slot.kind).param_count for slot in self.layers)
+
+    @property
+    def active_params(self) -> int:
+        return sum(self.kind(slot.kind).active_param_count for slot in self.layers)
+
+    @property
+    def attention_heads(self) -> int:
+        return min((s.attention_heads for s in self.structures if s.attention_heads), default=0)
+
+    @property
+    def kv_groups(self) -> int:
+        return min((s.kv_groups for s in self.structures if s.kv_groups), default=0)
+
+    @property
+    def num_experts(self) -> int:
+        return max((s.num_experts for s in self.structures), default=0)
+
+    def model_flops_per_sample(self) -> float:
+        """Forward + backward matmul FLOPs of one sequence (no recomputation)."""
+        return sum(self.kind(slot.kind).model_flops for slot in self.layers)
+
+    def model_flops_per_token(self) -> float:
+        return self.model_flops_per_sample() / self.seq_len
+
+    def layer_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for slot in self.layers:
+            counts[slot.kind] = counts.get(slot.kind, 0) + 1
+        return counts

@@ -1,0 +1,172 @@
+"""From a model argument to a `ModelGraph`: build on meta, trace, measure each layer kind once."""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch import fx, nn
+
+from cost_models.records import LayerKind, OpCost, OpKind, ParamGroup, Sharding
+from hardware_profiles.errors import UserInputError
+
+from .capture import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
+from .graph import BlockStructure, LayerSlot, ModelGraph
+from .graph_analysis import signature
+from .model_config import ModelConfig
+from .model_sources import UserModule, resolve_model
+from .op_costs import tensor_bytes
+from .reference_model import build_model
+
+ACTIVATION_DTYPE = torch.bfloat16
+
+
+class _TopAnalyzer(_Analyzer):
+    """The whole model with blocks as leaves: measures each block kind once, skips repeats."""
+
+    def __init__(self, gm, block_names: list[str], modules: dict[str, nn.Module], seq_len: int,
+                 leaf_names: tuple[str, ...]):
+        self.block_names = set(block_names)
+        self.first_block, self.last_block = block_names[0], block_names[-1]
+        self.passed_first = False
+        super().__init__(gm, set(), seq_len, part_of=self._part_of)
+        self.block_modules = modules
+        self.leaf_names = leaf_names
+        self.kind_of_signature: dict[tuple, str] = {}
+        self.kinds: dict[str, tuple[Measured, BlockStructure, nn.Module, float, tuple]] = {}
+        self.slots: list[LayerSlot] = []
+
+    def _part_of(self, node: fx.Node) -> str:
+        if node.op == "call_module" and node.target in self.block_names:
+            self.passed_first = True
+            return "blocks"
+        return "head" if self.passed_first else "embedding"
+
+    def _kind_name(self, measured: Measured, structure: BlockStructure) -> str:
+        base = "moe" if structure.num_experts else "dense"
+        existing = [k for k in self.kinds if k.startswith(base)]
+        return base if not existing else f"{base}{len(existing) + 1}"
+
+    def run_node(self, node: fx.Node):
+        if not (node.op == "call_module" and node.target in self.block_names):
+            return super().run_node(node)
+        self.current = node
+        self._part_of(node)
+        args, _ = self.fetch_args_kwargs_from_env(node)
+        block = self.block_modules[node.target]
+        key = signature(block)
+        if key not in self.kind_of_signature:
+            measured, structure, _ = measure_block(block, args[0], self.seq_len, node.target, self.leaf_names)
+            name = self._kind_name(measured, structure)
+            structure = BlockStructure(**{**structure.__dict__, "kind": name})
+            self.kind_of_signature[key] = name
+            out = measured.output
+            self.kinds[name] = (measured, structure, block, tensor_bytes(args[0]), tuple(out.shape), out.dtype)
+        name = self.kind_of_signature[key]
+        self.slots.append(LayerSlot(node.target, name))
+        _, _, _, _, shape, dtype = self.kinds[name]
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+
+
+def _instantiate(source: ModelConfig | UserModule, seq_len: int) -> tuple[nn.Module, str]:
+    if isinstance(source, ModelConfig):
+        cfg = source if seq_len <= source.seq_length else source.model_copy(update={"seq_length": seq_len})
+        return build_model(cfg, "meta", ACTIVATION_DTYPE), cfg.name
+    try:
+        with torch.device("meta"):
+            module = source.factory()
+    except Exception as exc:
+        raise UserInputError(f"the factory failed: {type(exc).__name__}: {exc}", source=source.source) from None
+    if not isinstance(module, nn.Module):
+        raise UserInputError(f"the factory returned {type(module).__name__}", source=source.source,
+                             expected="a torch.nn.Module")
+    return module.to(device="meta", dtype=ACTIVATION_DTYPE), source.name
+
+
+def _params_of(modules: list[nn.Module], seen: set[int]) -> list[ParamGroup]:
+    counts = {Sharding.tensor: 0, Sharding.sequence: 0}
+    for module in modules:
+        for sub in module.modules():
+            for param in sub.parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                big = isinstance(sub, nn.Embedding | nn.Linear)  # vocab-parallel embedding and output layer
+                counts[Sharding.tensor if big else Sharding.sequence] += param.numel()
+    return [ParamGroup(c, s) for s, c in counts.items() if c]
+
+
+def _loss_op(seq_len: int, vocab: int) -> OpCost:
+    # softmax cross-entropy over fp32 logits: read logits, write probabilities, read for the gradient
+    moved = 3.0 * seq_len * vocab * 4
+    return OpCost("loss", OpKind.loss, Sharding.tensor, 5.0 * seq_len * vocab, 2.0 * seq_len * vocab, 0.0,
+                  moved, None)
+
+
+def _vocab_of(model: nn.Module) -> int:
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise UserInputError("the model has no nn.Embedding to take token ids",
+                             expected="a language model taking [batch, seq] token ids")
+    return embeddings[0].num_embeddings
+
+
+@functools.lru_cache(maxsize=32)
+def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelGraph:
+    start = time.perf_counter()
+    model, name = _instantiate(source, seq_len)
+    model.train()
+    stack_name, blocks = find_block_stack(model)
+    if not blocks:
+        raise UserInputError(f"no repeated blocks (an nn.ModuleList of layers) found in {name}",
+                             expected="a model whose layers are held in an nn.ModuleList")
+    block_ids = {id(module) for _, module in blocks}
+    top = trace(model, leaf_ids=block_ids, leaf_names=leaf_names, label=name)
+    vocab = _vocab_of(model)
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    analyzer = _TopAnalyzer(top, [n for n, _ in blocks], dict(blocks), seq_len, leaf_names)
+    parts = analyzer.measure(tokens)
+
+    seen_params: set[int] = set()
+    kinds: list[LayerKind] = []
+    structures = []
+    block_param_ids = set()
+    for kind_name, (measured, structure, block, input_bytes, _, _) in analyzer.kinds.items():
+        counts = block_params(block, structure)
+        kinds.append(LayerKind(kind_name, "block", tuple(measured.ops), tuple(measured.saved),
+                               tuple(ParamGroup(c, s) for s, c in counts.items() if c), input_bytes, seq_len,
+                               int(measured.output.shape[-1]), structure.num_experts, structure.router_topk))
+        structures.append(structure)
+    for _, block in blocks:
+        block_param_ids |= {id(p) for p in block.parameters()}
+    outside = [m for m in model.modules() if not list(m.children())]
+    embeddings = [m for m in outside if isinstance(m, nn.Embedding)]
+    seen_params |= block_param_ids
+    embed_params = _params_of(embeddings, seen_params)
+    head_params = _params_of([m for m in outside if not isinstance(m, nn.Embedding)], seen_params)
+    hidden = kinds[0].hidden_size
+    embed = parts.get("embedding", Measured())
+    head = parts.get("head", Measured())
+    kinds.insert(0, LayerKind("embedding", "embedding", tuple(embed.ops), tuple(embed.saved),
+                              tuple(embed_params), 0.0, seq_len, hidden))
+    kinds.append(LayerKind("head", "head", tuple(head.ops) + (_loss_op(seq_len, vocab),), tuple(head.saved),
+                           tuple(head_params), hidden * seq_len * 2.0, seq_len, hidden,
+                           logits_fp32_bytes=seq_len * vocab * 4.0))
+    slots = (LayerSlot("", "embedding"),) + tuple(analyzer.slots) + (LayerSlot("", "head"),)
+    return ModelGraph(name=name, seq_len=seq_len, hidden_size=hidden, vocab_size=vocab,
+                      activation_dtype_bytes=torch.finfo(ACTIVATION_DTYPE).bits // 8, block_stack=stack_name,
+                      kinds=tuple(kinds), layers=slots, structures=tuple(structures),
+                      capture_seconds=time.perf_counter() - start)
+
+
+def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = ()) -> ModelGraph:
+    """Capture a model (built-in name, YAML, HF config, `file.py:factory`, ModelConfig or nn.Module)."""
+    source = resolve_model(model)
+    if seq_len is None:
+        if not isinstance(source, ModelConfig):
+            raise UserInputError("a user module needs a sequence length", field="seq_len",
+                                 expected="seq_len=... (--seq-len on the CLI)")
+        seq_len = source.seq_length
+    if seq_len <= 0:
+        raise UserInputError(f"{seq_len}", field="seq_len", expected="a positive sequence length")
+    return _capture_cached(source, int(seq_len), tuple(leaf_modules))

@@ -1,0 +1,84 @@
+"""The project's model schema (docs/models.md): what the reference decoder is built from."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MLAConfig(_Strict):
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+    q_lora_rank: int | None = Field(default=None, gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+
+class MoEConfig(_Strict):
+    num_experts: int = Field(gt=1)
+    router_topk: int = Field(gt=0)
+    moe_ffn_hidden_size: int = Field(gt=0)
+    num_shared_experts: int = Field(default=0, ge=0)
+    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0)
+    first_k_dense_layers: int = Field(default=0, ge=0)
+    layer_frequency: int = Field(default=1, gt=0)
+
+    @model_validator(mode="after")
+    def _topk_fits(self):
+        if self.router_topk > self.num_experts:
+            raise ValueError(f"router_topk={self.router_topk} exceeds num_experts={self.num_experts}")
+        return self
+
+
+class ModelConfig(_Strict):
+    name: str = "custom"
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_query_groups: int | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    seq_length: int = Field(gt=0)
+    activation: Literal["gelu", "swiglu", "relu2"] = "swiglu"
+    normalization: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    position_embedding: Literal["rope", "learned"] = "rope"
+    tied_embeddings: bool = False
+    attention: Literal["mha", "gqa", "mla"] = "gqa"
+    attention_impl: Literal["flash", "math"] = "flash"
+    add_bias: bool = False
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @model_validator(mode="after")
+    def _shapes_agree(self):
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} does not divide "
+                             f"hidden_size={self.hidden_size} (set head_dim if heads are not hidden/heads)")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(f"num_query_groups={self.query_groups} does not divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.attention == "mla" and self.mla is None:
+            raise ValueError("attention is 'mla' but the 'mla' section is missing")
+        if self.moe and self.moe.first_k_dense_layers > self.num_layers:
+            raise ValueError("moe.first_k_dense_layers exceeds num_layers")
+        return self
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.moe is None or index < self.moe.first_k_dense_layers:
+            return False
+        return (index - self.moe.first_k_dense_layers) % self.moe.layer_frequency == 0

@@ -1,0 +1,156 @@
+"""Where a model comes from: a built-in name, a model YAML, a Hugging Face config.json, or a user module.
+
+The first three give a `ModelConfig` that builds the reference decoder; the last gives any
+`torch.nn.Module` from `path/to/file.py:factory`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from pydantic import ValidationError
+from torch import nn
+
+from hardware_profiles.errors import UserInputError, format_pydantic_error
+
+from .model_config import ModelConfig
+
+MODEL_DIR = Path(__file__).resolve().parent / "models"
+
+
+@dataclass(frozen=True)
+class UserModule:
+    """A user's module: a factory returning an nn.Module, with its source for messages."""
+    name: str
+    factory: Callable[[], nn.Module]
+    source: str
+
+
+def list_builtin_models() -> list[str]:
+    return sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
+
+
+def _validate(data: dict, source: str) -> ModelConfig:
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        raise format_pydantic_error(source, exc) from None
+
+
+def load_model_yaml(path: Path) -> ModelConfig:
+    if not path.is_file():
+        raise UserInputError("file not found", source=str(path), expected="a model YAML or config.json")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserInputError(f"not valid YAML ({str(exc).splitlines()[0]})", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise UserInputError("the file does not hold a mapping of fields", source=str(path))
+    data.setdefault("name", path.stem)
+    return _validate(data, str(path))
+
+
+def _first(config: dict, *keys, default=None):
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return default
+
+
+def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
+    """Map Hugging Face key names (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3, GPT-2, NeoX)."""
+    model_type = config.get("model_type", "")
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    heads = _first(config, "num_attention_heads", "n_head")
+    layers = _first(config, "num_hidden_layers", "n_layer")
+    missing = [name for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                                        ("num_hidden_layers", layers)) if value is None]
+    if missing:
+        raise UserInputError(f"missing {', '.join(missing)}", source=source,
+                             expected="a Hugging Face config.json of a decoder model")
+    gpt_like = model_type in ("gpt2", "gpt_neox")
+    data = {
+        "name": config.get("_name_or_path") or model_type or Path(source).parent.name or "hf-model",
+        "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_query_groups": _first(config, "num_key_value_heads", default=heads),
+        "head_dim": config.get("head_dim"),
+        "ffn_hidden_size": _first(config, "intermediate_size", "n_inner", default=4 * hidden),
+        "vocab_size": config.get("vocab_size"),
+        "seq_length": _first(config, "max_position_embeddings", "n_positions", "n_ctx", default=4096),
+        "activation": "gelu" if gpt_like or "gelu" in str(config.get("hidden_act", "")) else "swiglu",
+        "normalization": "layernorm" if gpt_like else "rmsnorm",
+        "position_embedding": "learned" if model_type == "gpt2" else "rope",
+        "tied_embeddings": bool(config.get("tie_word_embeddings", model_type == "gpt2")),
+        "attention": "gqa",
+        "add_bias": gpt_like,
+    }
+    if data["num_query_groups"] == heads:
+        data["attention"] = "mha"
+    if config.get("kv_lora_rank"):
+        data["attention"] = "mla"
+        data["mla"] = {key: config[key] for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim")}
+    experts = _first(config, "num_local_experts", "n_routed_experts", "num_experts")
+    if experts:
+        data["moe"] = {
+            "num_experts": experts,
+            "router_topk": _first(config, "num_experts_per_tok", default=2),
+            "moe_ffn_hidden_size": _first(config, "moe_intermediate_size", "intermediate_size"),
+            "num_shared_experts": config.get("n_shared_experts") or 0,
+            "first_k_dense_layers": config.get("first_k_dense_replace") or 0,
+        }
+    return _validate(data, source)
+
+
+def load_user_module(spec: str) -> UserModule:
+    path_text, _, factory_name = spec.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise UserInputError("file not found", source=path_text, expected="'path/to/file.py:factory'")
+    module_spec = importlib.util.spec_from_file_location(f"user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: report, never a traceback
+        raise UserInputError(f"importing the file failed: {type(exc).__name__}: {exc}", source=path_text) from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise UserInputError(f"no callable named '{factory_name}'", source=path_text,
+                             expected="a function or class that returns a torch.nn.Module")
+    return UserModule(name=f"{path.stem}:{factory_name}", factory=factory, source=spec)
+
+
+def resolve_model(spec) -> ModelConfig | UserModule:
+    """A model argument as the CLI and API accept it."""
+    if isinstance(spec, ModelConfig | UserModule):
+        return spec
+    if isinstance(spec, dict):
+        return config_from_hf(spec, "config dict") if "model_type" in spec or "n_embd" in spec \
+            else _validate(spec, "model dict")
+    if isinstance(spec, nn.Module):
+        return UserModule(name=type(spec).__name__, factory=lambda: spec, source="module object")
+    text = str(spec)
+    if text.endswith(".py") or ".py:" in text:
+        if ":" not in text.split(".py")[-1]:
+            raise UserInputError("a Python model needs a factory name", source=text,
+                                 expected="'path/to/file.py:factory'")
+        return load_user_module(text)
+    path = Path(text)
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise UserInputError("file not found", source=text, expected="a Hugging Face config.json")
+        try:
+            return config_from_hf(json.loads(path.read_text()), text)
+        except json.JSONDecodeError as exc:
+            raise UserInputError(f"not valid JSON ({exc})", source=text) from None
+    if path.suffix in (".yaml", ".yml"):
+        return load_model_yaml(path)
+    if text in list_builtin_models():
+        return load_model_yaml(MODEL_DIR / f"{text}.yaml")
+    raise UserInputError(f"unknown model '{text}'",
+                         expected="a built-in name (" + ", ".join(list_builtin_models())
+                         + "), a model .yaml, a config.json or 'file.py:factory'")

@@ -1,0 +1,289 @@
+"""The project's reference decoder: a real, trainable torch model built from a `ModelConfig`.
+
+MHA/GQA/MLA attention on `scaled_dot_product_attention` (or an explicit "math" path that materialises
+the attention matrix, as Megatron-LM's GPT did), GELU/SwiGLU/ReLU^2 MLPs, top-k routed MoE with shared
+experts, RMSNorm/LayerNorm, tied or untied embeddings. Tensors are [batch, seq, hidden].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    return nn.LayerNorm(dim) if cfg.normalization == "layernorm" else RMSNorm(dim)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int, max_seq: int, base: float = 10000.0):
+        super().__init__()
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x, offset: int = 0):
+        # x: [b, heads, s, d]; offset lets a context-parallel shard use its global positions
+        s = x.shape[-2]
+        cos = self.cos[offset:offset + s].to(x.dtype)
+        sin = self.sin[offset:offset + s].to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v, causal. The unit that selective recomputation and CP replace."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.impl = cfg.attention_impl
+        self.dropout = cfg.dropout
+        self.kv_repeat = 1 if cfg.attention == "mla" else cfg.num_attention_heads // cfg.query_groups
+        if self.impl == "math":
+            causal = torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool).triu(1)
+            self.register_buffer("causal_mask", causal, persistent=False)
+
+    def forward(self, q, k, v):
+        if self.kv_repeat > 1:  # GQA: every kv head serves kv_repeat query heads
+            k = k.repeat_interleave(self.kv_repeat, dim=1)
+            v = v.repeat_interleave(self.kv_repeat, dim=1)
+        if self.impl == "flash":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        s = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        probs = torch.softmax(scores.masked_fill(self.causal_mask[:s, :s], float("-inf")), dim=-1)
+        if self.dropout:
+            probs = F.dropout(probs, self.dropout, self.training)
+        return torch.matmul(probs, v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.kv_channels
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.query_groups, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=cfg.add_bias)
+        self.k_proj = nn.Linear(h, self.groups * d, bias=cfg.add_bias)
+        self.v_proj = nn.Linear(h, self.groups * d, bias=cfg.add_bias)
+        self.core = CoreAttention(cfg)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=cfg.add_bias)
+        self.rotary = Rotary(d, cfg.seq_length) if cfg.position_embedding == "rope" else None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        out = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(out)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention: low-rank compressed q and kv (DeepSeek-V2 section 2.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m, h = cfg.mla, cfg.hidden_size
+        self.heads, self.m = cfg.num_attention_heads, m
+        qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(m.q_lora_rank)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.heads * qk_dim, bias=False)
+        self.kv_a_proj = nn.Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.core = CoreAttention(cfg)
+        self.o_proj = nn.Linear(self.heads * m.v_head_dim, h, bias=False)
+        self.rotary = Rotary(m.qk_rope_head_dim, cfg.seq_length)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        m = self.m
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if m.q_lora_rank else self.q_proj(x)
+        q = q.view(b, s, self.heads, -1).transpose(1, 2)
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        kv_a = self.kv_a_proj(x)
+        kv_latent, k_rope = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(kv_latent)).view(b, s, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k_rope = self.rotary(k_rope.unsqueeze(1)).expand(b, self.heads, s, m.qk_rope_head_dim)
+        q = torch.cat([q_nope, self.rotary(q_rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        out = self.core(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ffn: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.activation = cfg.activation
+        if self.activation == "swiglu":
+            self.gate_proj = nn.Linear(h, ffn, bias=cfg.add_bias)
+        self.up_proj = nn.Linear(h, ffn, bias=cfg.add_bias)
+        self.down_proj = nn.Linear(ffn, h, bias=cfg.add_bias)
+
+    def forward(self, x):
+        if self.activation == "swiglu":
+            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        elif self.activation == "gelu":
+            hidden = F.gelu(self.up_proj(x))
+        else:
+            hidden = F.relu(self.up_proj(x)).square()
+        return self.down_proj(hidden)
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts of a layer as stacked weights [experts, in, out] (as torchtitan and
+    Megatron-Core's grouped GEMM hold them), so that expert parallelism shards dim 0."""
+
+    def __init__(self, cfg: ModelConfig, num_experts: int, ffn: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.activation = cfg.activation
+        self.w_up = nn.Parameter(torch.empty(num_experts, h, ffn))
+        self.w_gate = nn.Parameter(torch.empty(num_experts, h, ffn)) if cfg.activation == "swiglu" else None
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn, h))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for weight in (self.w_up, self.w_gate, self.w_down):
+            if weight is not None:
+                nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+
+    def expert_forward(self, e: int, x):
+        """One expert on its tokens [n, h] (e is the local expert index)."""
+        up = x @ self.w_up[e]
+        if self.activation == "swiglu":
+            hidden = F.silu(x @ self.w_gate[e]) * up
+        elif self.activation == "gelu":
+            hidden = F.gelu(up)
+        else:
+            hidden = F.relu(up).square()
+        return hidden @ self.w_down[e]
+
+    def forward(self, x):
+        """Every expert on an equal share of tokens, batched: x is [experts, n, h]."""
+        up = torch.bmm(x, self.w_up)
+        if self.activation == "swiglu":
+            hidden = F.silu(torch.bmm(x, self.w_gate)) * up
+        elif self.activation == "gelu":
+            hidden = F.gelu(up)
+        else:
+            hidden = F.relu(up).square()
+        return torch.bmm(hidden, self.w_down)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts plus shared experts. Traced as a leaf: routing is data-dependent.
+
+    On meta tensors (analysis) routing is balanced and static: every expert gets tokens*k/E tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.router_topk
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg, moe.num_experts, moe.moe_ffn_hidden_size)
+        shared = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size or moe.moe_ffn_hidden_size)
+        self.shared_experts = MLP(cfg, shared) if shared else None
+
+    def route(self, tokens):
+        logits = self.router(tokens)
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(tokens.dtype)
+        return weights, chosen
+
+    def routed(self, tokens, weights, chosen):
+        """Routed experts on real tensors, all experts local (expert parallelism replaces this)."""
+        out = torch.zeros_like(tokens)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out = out.index_add(0, rows, self.experts.expert_forward(e, tokens[rows]) * weights[rows, slot, None])
+        return out
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, chosen = self.route(tokens)
+        if tokens.is_meta:
+            per_expert = max(1, tokens.shape[0] * self.top_k // self.num_experts)
+            batched = tokens[:per_expert].expand(self.num_experts, per_expert, shape[-1])
+            out = self.experts(batched).reshape(-1, shape[-1])[: tokens.shape[0]] * weights[:, :1]
+        else:
+            out = self.routed(tokens, weights, chosen)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.input_norm = make_norm(cfg, cfg.hidden_size)
+        self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.post_attention_norm = make_norm(cfg, cfg.hidden_size)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg, cfg.ffn_hidden_size)
+        self.dropout = cfg.dropout
+
+    def _drop(self, x):
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
+
+    def forward(self, x):
+        x = x + self._drop(self.attention(self.input_norm(x)))
+        return x + self._drop(self.mlp(self.post_attention_norm(x)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_positions = (nn.Embedding(cfg.seq_length, cfg.hidden_size)
+                                if cfg.position_embedding == "learned" else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg, cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens):
+        x = self.embed_tokens(tokens)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions.weight[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.final_norm(x))
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta", dtype=torch.float32) -> Decoder:
+    with torch.device(device):
+        model = Decoder(cfg)
+    return model.to(dtype=dtype)
