@@ -66,6 +66,8 @@ class LayerKind:
     num_experts: int = 0
     router_topk: int = 0
     logits_fp32_bytes: float = 0.0  # head only: fp32 logits kept for the loss
+    tp_pair_count: int = 0          # column->row pairs: each costs one TP collective forward and one backward
+    kv_channels: int = 0            # kv heads x head dim: what context parallelism all-gathers
 
     @property
     def param_count(self) -> int:
@@ -91,3 +93,32 @@ class LayerKind:
         """Forward + backward matmul FLOPs (GEMM and attention), the MFU numerator per sample."""
         return sum(op.forward_flops + op.backward_input_flops + op.backward_weight_flops
                    for op in self.ops if op.kind in (OpKind.gemm, OpKind.attention))
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What the cost models need of a captured model: its layer kinds and their order."""
+    name: str
+    seq_len: int
+    hidden_size: int
+    kinds: tuple[LayerKind, ...]
+    blocks: tuple[str, ...]     # kind name of each repeated block, in order
+
+    def kind(self, name: str) -> LayerKind:
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise KeyError(name)
+
+    @property
+    def embedding(self) -> LayerKind:
+        return next(k for k in self.kinds if k.role == "embedding")
+
+    @property
+    def head(self) -> LayerKind:
+        return next(k for k in self.kinds if k.role == "head")
+
+    @property
+    def model_flops_per_sample(self) -> float:
+        return (self.embedding.model_flops + self.head.model_flops
+                + sum(self.kind(name).model_flops for name in self.blocks))

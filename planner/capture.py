@@ -73,12 +73,30 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+class _FlashAttention(torch.autograd.Function):
+    """SDPA measured as a fused flash kernel: saves q, k, v, the output and the fp32 log-sum-exp,
+    never the s x s matrix (on meta SDPA would take the math path and save it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
 @dataclass
 class Measured:
     ops: list[OpCost] = field(default_factory=list)
     saved: list[SavedTensor] = field(default_factory=list)
     shapes: dict[str, tuple] = field(default_factory=dict)
     output: object = None
+    warnings: list[str] = field(default_factory=list)
 
 
 class _Analyzer(fx.Interpreter):
@@ -117,6 +135,23 @@ class _Analyzer(fx.Interpreter):
         self.results.setdefault(self.part_of(self.current), Measured()).saved.append(SavedTensor(
             producer, float(nbytes), self._sharding(producer_node), attention_matrix))
         return t
+
+    def call_function(self, target, args, kwargs):
+        if target is F.scaled_dot_product_attention:
+            return _FlashAttention.apply(args[0], args[1], args[2])
+        return super().call_function(target, args, kwargs)
+
+    def call_module(self, target, args, kwargs):
+        try:
+            return super().call_module(target, args, kwargs)
+        except Exception as exc:  # a leaf that cannot run on meta (data-dependent): shape-preserving op
+            first = args[0] if args else None
+            if not isinstance(first, torch.Tensor):
+                raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+            self.results.setdefault(self.part_of(self.current), Measured()).warnings.append(
+                f"leaf '{target}' cannot run on meta tensors; measured as a shape-preserving op")
+            return first * 1.0
 
     def run_node(self, node: fx.Node):
         self.current = node
@@ -164,10 +199,10 @@ def measure_block(block: nn.Module, example: torch.Tensor, seq_len: int, label: 
     region |= {n.name for n in gm.graph.nodes if n.op == "call_module" and n.target in pair_linears}
     x = example.detach().requires_grad_(True)
     measured = _Analyzer(gm, region, seq_len).measure(x)["all"]
-    heads, groups = attention_heads(gm.graph, measured.shapes)
+    heads, groups, head_dim = attention_heads(gm.graph, measured.shapes)
     experts = next(((n, m) for n, m in block.named_modules() if is_expert_container(m)), None)
     structure = BlockStructure(
-        kind=label, tp_pairs=tuple(pairs), attention_heads=heads, kv_groups=groups,
+        kind=label, tp_pairs=tuple(pairs), attention_heads=heads, kv_groups=groups, head_dim=head_dim,
         norms=tuple(n for n, m in block.named_modules() if is_norm_like(m) or isinstance(m, nn.LayerNorm)),
         expert_container=experts[0] if experts else None,
         num_experts=routed_experts(experts[1]).count if experts else 0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.records import LayerKind
+from cost_models.records import LayerKind, ModelCosts
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class BlockStructure:
     tp_pairs: tuple[TensorParallelPair, ...]
     attention_heads: int
     kv_groups: int
+    head_dim: int
     norms: tuple[str, ...]
     expert_container: str | None    # module path of the routed-experts leaf, if any
     num_experts: int
@@ -88,6 +89,10 @@ class ModelGraph:
 
     def model_flops_per_token(self) -> float:
         return self.model_flops_per_sample() / self.seq_len
+
+    def costs(self) -> ModelCosts:
+        return ModelCosts(self.name, self.seq_len, self.hidden_size, self.kinds,
+                          tuple(slot.kind for slot in self.blocks))
 
     def layer_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -137,8 +137,8 @@ def _kv_parent(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def attention_heads(graph: fx.Graph, shapes: dict[str, tuple]) -> tuple[int, int]:
-    """(query heads, kv groups) from the first attention op's operands, [b, heads, s, d] layout."""
+def attention_heads(graph: fx.Graph, shapes: dict[str, tuple]) -> tuple[int, int, int]:
+    """(query heads, kv groups, head dim) from the first attention op's operands, [b, heads, s, d]."""
     for node in graph.nodes:
         if node.op == "call_function" and (node.target in ATTENTION_FUNCS or node.target in MATMUL_FUNCS):
             q, k = node.args[0], node.args[1]
@@ -150,5 +150,5 @@ def attention_heads(graph: fx.Graph, shapes: dict[str, tuple]) -> tuple[int, int
             parent = _kv_parent(k)
             while parent is not None and len(shapes.get(parent.name, ())) == 4:
                 k, parent = parent, _kv_parent(parent)
-            return q_shape[1], shapes[k.name][1]
-    return 0, 0
+            return q_shape[1], shapes[k.name][1], q_shape[3]
+    return 0, 0, 0

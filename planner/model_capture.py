@@ -135,7 +135,9 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelG
         counts = block_params(block, structure)
         kinds.append(LayerKind(kind_name, "block", tuple(measured.ops), tuple(measured.saved),
                                tuple(ParamGroup(c, s) for s, c in counts.items() if c), input_bytes, seq_len,
-                               int(measured.output.shape[-1]), structure.num_experts, structure.router_topk))
+                               int(measured.output.shape[-1]), structure.num_experts, structure.router_topk,
+                               tp_pair_count=len(structure.tp_pairs),
+                               kv_channels=structure.kv_groups * structure.head_dim))
         structures.append(structure)
     for _, block in blocks:
         block_param_ids |= {id(p) for p in block.parameters()}
@@ -148,10 +150,10 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelG
     embed = parts.get("embedding", Measured())
     head = parts.get("head", Measured())
     kinds.insert(0, LayerKind("embedding", "embedding", tuple(embed.ops), tuple(embed.saved),
-                              tuple(embed_params), 0.0, seq_len, hidden))
+                              tuple(embed_params), 0.0, seq_len, hidden, tp_pair_count=1))
     kinds.append(LayerKind("head", "head", tuple(head.ops) + (_loss_op(seq_len, vocab),), tuple(head.saved),
                            tuple(head_params), hidden * seq_len * 2.0, seq_len, hidden,
-                           logits_fp32_bytes=seq_len * vocab * 4.0))
+                           logits_fp32_bytes=seq_len * vocab * 4.0, tp_pair_count=1))
     slots = (LayerSlot("", "embedding"),) + tuple(analyzer.slots) + (LayerSlot("", "head"),)
     return ModelGraph(name=name, seq_len=seq_len, hidden_size=hidden, vocab_size=vocab,
                       activation_dtype_bytes=torch.finfo(ACTIVATION_DTYPE).bits // 8, block_stack=stack_name,

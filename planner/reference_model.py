@@ -64,11 +64,11 @@ class CoreAttention(nn.Module):
             self.register_buffer("causal_mask", causal, persistent=False)
 
     def forward(self, q, k, v):
-        if self.kv_repeat > 1:  # GQA: every kv head serves kv_repeat query heads
+        if self.impl == "flash":  # GQA inside the kernel: kv heads are not materialised per query head
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_repeat > 1)
+        if self.kv_repeat > 1:  # every kv head serves kv_repeat query heads
             k = k.repeat_interleave(self.kv_repeat, dim=1)
             v = v.repeat_interleave(self.kv_repeat, dim=1)
-        if self.impl == "flash":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
         probs = torch.softmax(scores.masked_fill(self.causal_mask[:s, :s], float("-inf")), dim=-1)

@@ -1,0 +1,100 @@
+"""Compute time of ops and layers on a device for a given sharding.
+
+GEMMs run at flops / (peak(dtype) * efficiency(work)) with the saturating efficiency curve and kernel
+floor from the device profile; memory-bound ops at bytes / (HBM bandwidth * fraction). Backward and
+recomputation reuse the same rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware_profiles.schema import Device
+
+from .records import LayerKind, OpCost, OpKind, Sharding
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one micro-batch of one layer is divided on a rank."""
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    micro_batch: int = 1
+    precision: str = "bf16"
+    causal_attention_work: float = 0.5
+
+
+@dataclass(frozen=True)
+class LayerCompute:
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    attention_core_forward_s: float   # what selective recomputation repeats
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+
+def work_divisor(sharding: Sharding, spec: ShardSpec) -> int:
+    """Ranks sharing an op's work: tp for pair ops and experts (tokens spread), tp with SP elsewhere; cp always."""
+    tp_share = spec.tp if sharding in (Sharding.tensor, Sharding.expert) or spec.sp else 1
+    return tp_share * spec.cp
+
+
+def gemm_efficiency(device: Device, gemm_flops: float, precision: str) -> float:
+    # saturating curve: peak_fraction * W / (W + W_half) (profile parameters, calibrated on MAMF tables)
+    fraction = device.gemm.peak_fraction
+    if precision == "fp8" and device.gemm.fp8_peak_fraction:
+        fraction = device.gemm.fp8_peak_fraction
+    half = device.gemm.half_work_gflop * 1e9
+    return fraction * gemm_flops / (gemm_flops + half) if half else fraction
+
+
+def gemm_seconds(device: Device, flops: float, count: int, precision: str) -> float:
+    if flops <= 0:
+        return 0.0
+    dtype = precision if precision == "fp8" and device.peak_tflops.fp8 else "bf16"
+    peak = device.peak_flops(dtype)
+    per_gemm = flops / max(1, count)
+    seconds = flops / (peak * gemm_efficiency(device, per_gemm, dtype))
+    return max(seconds, device.gemm.kernel_floor_us * 1e-6)
+
+
+def memory_seconds(device: Device, nbytes: float) -> float:
+    return nbytes / (device.hbm_bandwidth_gbytes_per_s * 1e9 * device.hbm_bandwidth_fraction)
+
+
+def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, float, float]:
+    """(forward, backward-input, backward-weight) seconds of one op for one micro-batch."""
+    scale = spec.micro_batch / work_divisor(op.sharding, spec)
+    if op.kind is OpKind.gemm:
+        return (gemm_seconds(device, op.forward_flops * scale, op.gemm_count, spec.precision),
+                gemm_seconds(device, op.backward_input_flops * scale, op.gemm_count, spec.precision),
+                gemm_seconds(device, op.backward_weight_flops * scale, op.gemm_count, spec.precision))
+    if op.kind is OpKind.attention:
+        work = spec.causal_attention_work * scale
+        return (gemm_seconds(device, op.forward_flops * work, 1, "bf16"),
+                gemm_seconds(device, op.backward_input_flops * work, 1, "bf16"), 0.0)
+    # memory-bound: forward moves its bytes once; backward reads the gradient and input, writes one
+    forward = memory_seconds(device, op.bytes_accessed * scale)
+    return forward, 2 * forward, 0.0
+
+
+def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerCompute:
+    forward = backward_input = backward_weight = attention = 0.0
+    for op in kind.ops:
+        f, bi, bw = op_seconds(op, device, spec)
+        forward += f
+        backward_input += bi
+        backward_weight += bw
+        if op.kind is OpKind.attention:
+            attention += f
+    return LayerCompute(forward, backward_input, backward_weight, attention)
+
+
+def layer_flops(kind: LayerKind, spec: ShardSpec) -> float:
+    """Model FLOPs (matmul forward + backward) of one micro-batch on one rank."""
+    return sum((op.forward_flops + op.backward_input_flops + op.backward_weight_flops)
+               * spec.micro_batch / work_divisor(op.sharding, spec)
+               for op in kind.ops if op.kind in (OpKind.gemm, OpKind.attention))

@@ -1,0 +1,177 @@
+"""Per-layer, per-micro-batch costs of one mesh: compute, recomputation, exposed communication, memory.
+
+The search's solver and the step-time estimate both read these numbers, so a plan's predicted time is
+exactly the objective the solver minimised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from hardware_profiles.schema import Cluster
+from hardware_profiles.topology import MeshDim, place_mesh
+
+from .communication import Collective, CollectiveCost, collective_time
+from .compute import ShardSpec, layer_compute, memory_seconds
+from .layout import Layout, OverlapModel, Recompute
+from .memory import ModelStateBytes, StateSharding, activation_bytes, model_state_bytes, params_on_rank
+from .records import LayerKind, ModelCosts
+
+RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
+ACTIVATION_BYTES = 2       # bf16 activations on the wire
+GRAD_REDUCE_BYTES = 4      # fp32 gradient reduction (Megatron default without --grad-reduce-in-bf16)
+ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master/m/v 12, write 12 + bf16 weight 2
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one micro-batch, one rank."""
+    forward_s: float
+    backward_s: float
+    recompute_s: tuple[float, float, float]        # by RECOMPUTE_ORDER
+    tp_comm_s: float                               # exposed, forward + backward
+    cp_comm_s: float
+    ep_comm_s: float
+    activation_bytes: tuple[float, float, float]   # by RECOMPUTE_ORDER
+    working_bytes: float                           # a recomputed layer's activations, live during its backward
+    states: ModelStateBytes
+    grad_reduce_bytes: float                       # dense gradient bytes for the dp x cp reduction
+    expert_grad_reduce_bytes: float
+    optimizer_params: float                        # parameters whose optimizer step runs on this rank
+    weight_bytes_unsharded: float                  # bf16 weights a ZeRO-3 all-gather materialises
+    forward_flops_model: float                     # matmul forward FLOPs per sample: what full recompute repeats
+    attention_forward_flops: float
+
+    zero3_exposed_s: float = 0.0                   # FSDP weight gathers not hidden by this layer's compute
+
+    def work_s(self, recompute: Recompute) -> float:
+        return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
+                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.zero3_exposed_s)
+
+
+class MeshCosts:
+    """Costs of every layer kind for one layout's degrees (partition and recomputation left free)."""
+
+    def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, overlap: OverlapModel,
+                 ep_imbalance: float = 1.0):
+        self.model, self.cluster, self.layout, self.overlap = model, cluster, layout, overlap
+        self.ep_imbalance = ep_imbalance
+        self.spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
+                              precision=layout.precision, causal_attention_work=overlap.causal_attention_work)
+        self.state_sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp,
+                                            dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
+                                            zero=layout.zero)
+        self._cache: dict[str, LayerCost] = {}
+
+    @cached_property
+    def placement(self):
+        dims = tuple(MeshDim(name, size) for name, size in self.layout.mesh_dims())
+        attention = place_mesh(dims, self.cluster)
+        lay = self.layout
+        dp_cp_stride_dims = tuple(MeshDim(n, s) for n, s in lay.mesh_dims() if n == "tp")
+        dp_cp = place_mesh(dp_cp_stride_dims + (MeshDim("dpcp", lay.dp * lay.cp),), self.cluster).of("dpcp")
+        experts = place_mesh((MeshDim("etp", lay.etp), MeshDim("ep", lay.ep),
+                              MeshDim("edp", lay.expert_data_parallel), MeshDim("pp", lay.pp)), self.cluster)
+        return attention, dp_cp, experts
+
+    def collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
+        attention, dp_cp, experts = self.placement
+        group = {"dpcp": dp_cp, "ep": experts.of("ep") if self.layout.ep > 1 else None,
+                 "edp": experts.of("edp")}.get(dim) or attention.of(dim)
+        return collective_time(op, size, group, self.cluster, **kwargs)
+
+    @property
+    def activation_message_bytes(self) -> float:
+        """One micro-batch's hidden states on one tp group: b * s * h / cp."""
+        lay = self.layout
+        return lay.micro_batch * self.model.seq_len * self.model.hidden_size * ACTIVATION_BYTES / lay.cp
+
+    def tp_comm_s(self, kind: LayerKind) -> float:
+        # Megatron: per pair one all-reduce forward and one backward of b*s*h (an all-gather plus a
+        # reduce-scatter with SP, the same bytes)
+        if self.layout.tp == 1 or not kind.tp_pair_count:
+            return 0.0
+        size = self.activation_message_bytes
+        if self.layout.sp:
+            one = (self.collective(Collective.all_gather, size, "tp").seconds
+                   + self.collective(Collective.reduce_scatter, size, "tp").seconds)
+        else:
+            one = self.collective(Collective.all_reduce, size, "tp").seconds
+        return 2 * kind.tp_pair_count * one * (1 - self.overlap.tp_hidden)
+
+    def cp_comm_s(self, kind: LayerKind, attention_forward_s: float) -> float:
+        # all-gather K and V forward, reduce-scatter their gradients backward (Llama 3 CP)
+        if self.layout.cp == 1 or not kind.kv_channels:
+            return 0.0
+        lay = self.layout
+        size = 2 * lay.micro_batch * self.model.seq_len * kind.kv_channels * ACTIVATION_BYTES / lay.tp
+        forward = self.collective(Collective.all_gather, size, "cp").seconds
+        backward = self.collective(Collective.reduce_scatter, size, "cp").seconds
+        hidden_fwd = self.overlap.cp_hidden * attention_forward_s
+        hidden_bwd = self.overlap.cp_hidden * 2 * attention_forward_s
+        return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
+
+    def ep_comm_s(self, kind: LayerKind) -> float:
+        # dispatch and combine all-to-alls, forward and backward, of the tokens times top-k
+        if not kind.num_experts or self.layout.ep == 1:
+            return 0.0
+        lay = self.layout
+        tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
+        size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
+        one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+        return 4 * one * (1 - self.overlap.ep_hidden)
+
+    def layer(self, kind: LayerKind) -> LayerCost:
+        if kind.name in self._cache:
+            return self._cache[kind.name]
+        lay = self.layout
+        compute = layer_compute(kind, self.cluster.device, self.spec)
+        recompute = (0.0, compute.attention_core_forward_s, compute.forward_s)
+        activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch)
+                            for r in RECOMPUTE_ORDER)
+        states = model_state_bytes(kind, self.state_sharding)
+        dense_params, expert_params = params_on_rank(kind, self.state_sharding)
+        optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
+            if lay.zero >= 1 else dense_params + expert_params
+        attention_flops = sum(op.forward_flops for op in kind.ops if op.kind.value == "attention")
+        cost = LayerCost(
+            forward_s=compute.forward_s, backward_s=compute.backward_s, recompute_s=recompute,
+            tp_comm_s=self.tp_comm_s(kind), cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
+            ep_comm_s=self.ep_comm_s(kind), activation_bytes=activations, working_bytes=activations[0],
+            states=states, grad_reduce_bytes=dense_params * GRAD_REDUCE_BYTES,
+            expert_grad_reduce_bytes=expert_params * GRAD_REDUCE_BYTES, optimizer_params=optimizer_params,
+            weight_bytes_unsharded=(dense_params + expert_params) * 2,
+            forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind.value in ("gemm", "attention")),
+            attention_forward_flops=attention_flops)
+        if lay.zero >= 3:
+            gathers = self.zero3_comm_s(cost.weight_bytes_unsharded)
+            cost = replace(cost, zero3_exposed_s=max(0.0, gathers - compute.forward_s - compute.backward_s))
+        self._cache[kind.name] = cost
+        return cost
+
+    def p2p_s(self) -> float:
+        if self.layout.pp == 1:
+            return 0.0
+        size = self.activation_message_bytes / (self.layout.tp if self.layout.sp else 1)
+        return self.collective(Collective.send_recv, size, "pp").seconds * (1 - self.overlap.pp_hidden)
+
+    def optimizer_s(self, params: float) -> float:
+        return memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)
+
+    def dp_comm_s(self, grad_bytes: float, expert_grad_bytes: float) -> float:
+        """Gradient reduction (reduce-scatter with ZeRO >= 1, else all-reduce) plus the bf16 parameter
+        all-gather after the optimizer step (ZeRO 1-2); ZeRO-3 gathers per micro-batch (see zero3_comm_s)."""
+        lay = self.layout
+        op = Collective.reduce_scatter if lay.zero >= 1 else Collective.all_reduce
+        seconds = self.collective(op, grad_bytes, "dpcp").seconds
+        seconds += self.collective(op, expert_grad_bytes, "edp").seconds
+        if lay.zero in (1, 2):
+            seconds += self.collective(Collective.all_gather, grad_bytes / 2, "dpcp").seconds
+            seconds += self.collective(Collective.all_gather, expert_grad_bytes / 2, "edp").seconds
+        return seconds
+
+    def zero3_comm_s(self, weight_bytes: float) -> float:
+        """FSDP: all-gather weights for forward and again for backward, every micro-batch."""
+        if self.layout.zero < 3:
+            return 0.0
+        return 2 * self.collective(Collective.all_gather, weight_bytes, "dpcp").seconds

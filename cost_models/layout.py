@@ -1,0 +1,95 @@
+"""`Layout`: one parallel layout, the third typed input beside the model graph and the cluster."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"   # recompute the attention core (Megatron --recompute-granularity selective)
+    full = "full"             # keep only the layer input, recompute the whole layer
+
+
+class Schedule(str, Enum):
+    one_f_one_b = "1f1b"
+    interleaved = "interleaved-1f1b"
+
+
+MEGATRON_ORDER = ("tp", "cp", "ep", "dp", "pp")  # innermost first (design-notes: tp-cp-ep-dp-pp)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees, batch split, ZeRO, schedule and (optionally) the stage partition and recomputation.
+
+    With MoE parallel folding, attention layers use tp x cp x dp x pp and expert layers etp x ep x edp x pp
+    over the same ranks: ep divides dp x cp x tp / etp.
+    """
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    zero: int = 1
+    sequence_parallel: bool = True
+    recompute: Recompute = Recompute.none
+    precision: str = "bf16"
+    mesh_order: tuple[str, ...] = MEGATRON_ORDER
+    stage_layers: tuple[int, ...] | None = None        # blocks per virtual stage (pp * vp entries)
+    layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule.interleaved if self.vp > 1 else Schedule.one_f_one_b
+
+    @property
+    def expert_data_parallel(self) -> int:
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def recompute_of(self, block_index: int) -> Recompute:
+        if self.layer_recompute is not None:
+            return self.layer_recompute[block_index]
+        return self.recompute
+
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        sizes = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+        return tuple((name, sizes[name]) for name in self.mesh_order if name in sizes)
+
+    def short(self) -> str:
+        text = (f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep},etp={self.etp},vp={self.vp},"
+                f"mbs={self.micro_batch},zero={self.zero},recompute={self.recompute.value}")
+        return text
+
+
+@dataclass(frozen=True)
+class OverlapModel:
+    """How much communication each runtime hides behind compute (0 = fully exposed, 1 = fully hidden).
+
+    Defaults follow Megatron-LM's defaults with the distributed optimizer: overlapped gradient
+    reduce-scatter and parameter all-gather, no TP communication overlap, CP ring exchange overlapped
+    with attention compute, EP all-to-all exposed (no DeepEP/1F1B A2A overlap).
+    """
+    tp_hidden: float = 0.0
+    cp_hidden: float = 1.0
+    ep_hidden: float = 0.0
+    pp_hidden: float = 0.0
+    dp_window_fraction: float = 1.0   # share of the last micro-batch's backward that hides DP reduction
+    causal_attention_work: float = 0.5  # flash kernels skip masked blocks: about half of s x s work
+    extra: dict = field(default_factory=dict, compare=False, hash=False)

@@ -1,0 +1,173 @@
+"""Step time, throughput, MFU and memory of a fully specified layout, as sums of named parts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware_profiles.schema import Cluster
+
+from .layer_costs import RECOMPUTE_ORDER, LayerCost, MeshCosts
+from .layout import Layout, OverlapModel, Recompute
+from .memory import StageMemory, logits_bytes, usable_bytes
+from .pipeline import in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds
+from .records import ModelCosts
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Named parts that add up to the step time (seconds)."""
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    ep_comm_s: float
+    zero3_comm_s: float
+    pipeline_bubble_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.parts().values())
+
+    def parts(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    step_time_s: float
+    breakdown: StepBreakdown
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    hfu: float
+    stage_memory: tuple[StageMemory, ...]
+    stage_layers: tuple[int, ...]
+    layer_recompute: tuple[Recompute, ...]
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(stage.total for stage in self.stage_memory)
+
+    @property
+    def fits(self) -> bool:
+        return all(stage.fits for stage in self.stage_memory)
+
+
+@dataclass(frozen=True)
+class StageTotals:
+    work_s: float
+    compute_s: float
+    recompute_s: float
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    zero3_s: float
+    memory: StageMemory
+    grad_bytes: float
+    expert_grad_bytes: float
+    optimizer_params: float
+
+
+def even_partition(num_blocks: int, chunks: int) -> tuple[int, ...]:
+    base, extra = divmod(num_blocks, chunks)
+    return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+
+
+def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:
+    ranges, start = [], 0
+    for count in stage_layers:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: tuple[Recompute, ...],
+                 with_embedding: bool, with_head: bool, micro_batches: int) -> StageTotals:
+    model, lay = costs.model, costs.layout
+    items: list[tuple[LayerCost, Recompute]] = [(costs.layer(model.kind(model.blocks[b])), recompute[b])
+                                                for b in block_ids]
+    if with_embedding:
+        items.append((costs.layer(model.embedding), Recompute.none))
+    if with_head:
+        items.append((costs.layer(model.head), Recompute.none))
+    index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
+    compute = sum(c.forward_s + c.backward_s for c, _ in items)
+    recomputed = sum(c.recompute_s[index[r]] for c, r in items)
+    in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp)
+    activations = in_flight * sum(c.activation_bytes[index[r]] for c, r in items)
+    working = max((c.working_bytes for c, r in items if r is not Recompute.none), default=0.0)
+    states = sum((c.states for c, _ in items[1:]), items[0][0].states) if items else None
+    largest_layer = max((c.weight_bytes_unsharded for c, _ in items), default=0.0)
+    buffers = 2 * costs.activation_message_bytes + (2 * largest_layer if lay.zero >= 3 else 0.0)
+    memory = StageMemory(
+        stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
+        activations=activations,
+        logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) if with_head else 0.0,
+        recompute_working=working, comm_buffers=buffers, capacity=usable_bytes(costs.cluster.device))
+    return StageTotals(
+        work_s=sum(c.work_s(r) for c, r in items), compute_s=compute, recompute_s=recomputed,
+        tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),
+        ep_s=sum(c.ep_comm_s for c, _ in items), zero3_s=sum(c.zero3_exposed_s for c, _ in items),
+        memory=memory, grad_bytes=sum(c.grad_reduce_bytes for c, _ in items),
+        expert_grad_bytes=sum(c.expert_grad_reduce_bytes for c, _ in items),
+        optimizer_params=sum(c.optimizer_params for c, _ in items))
+
+
+def physical_stages(costs: MeshCosts, stage_layers: tuple[int, ...], recompute: tuple[Recompute, ...]) -> list[StageTotals]:
+    """Chunk j of the pp * vp chunks runs on stage j mod pp (Megatron's interleaved assignment)."""
+    lay = costs.layout
+    ranges = chunk_blocks(stage_layers)
+    chunks = len(stage_layers)
+    stages = []
+    for stage in range(lay.pp):
+        owned = [j for j in range(chunks) if j % lay.pp == stage]
+        blocks = [b for j in owned for b in ranges[j]]
+        stages.append(stage_totals(costs, stage, blocks, recompute, 0 in owned, chunks - 1 in owned,
+                                   lay.num_micro_batches))
+    return stages
+
+
+def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, overlap: OverlapModel = OverlapModel(),
+             ep_imbalance: float = 1.0, mesh_costs: MeshCosts | None = None) -> Estimate:
+    """Predict one training step of `layout` (partition and recomputation default to even / uniform)."""
+    costs = mesh_costs or MeshCosts(model, cluster, layout, overlap, ep_imbalance)
+    num_blocks = len(model.blocks)
+    stage_layers = layout.stage_layers or even_partition(num_blocks, layout.pp * layout.vp)
+    recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(num_blocks))
+    stages = physical_stages(costs, stage_layers, recompute)
+    m = layout.num_micro_batches
+    pipeline = pipeline_seconds([s.work_s for s in stages], m, layout.vp)
+    slowest = max(stages, key=lambda s: s.work_s)
+    pp_comm = p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
+    # gradient reduction overlaps the last micro-batch's compute on each stage (Megatron overlap_grad_reduce)
+    dp_exposed = max(max(0.0, costs.dp_comm_s(s.grad_bytes, s.expert_grad_bytes)
+                         - costs.overlap.dp_window_fraction * s.compute_s) for s in stages)
+    optimizer = max(costs.optimizer_s(s.optimizer_params) for s in stages)
+    breakdown = StepBreakdown(
+        compute_s=m * slowest.compute_s, recompute_s=m * slowest.recompute_s, tp_comm_s=m * slowest.tp_s,
+        cp_comm_s=m * slowest.cp_s, ep_comm_s=m * slowest.ep_s, zero3_comm_s=m * slowest.zero3_s,
+        pipeline_bubble_s=pipeline - m * slowest.work_s, pp_comm_s=pp_comm, dp_comm_s=dp_exposed,
+        optimizer_s=optimizer)
+    step = breakdown.total_s
+    tokens = layout.global_batch * model.seq_len
+    model_flops = model.model_flops_per_sample * layout.global_batch
+    recompute_flops = layout.global_batch * sum(
+        _recompute_flops(costs.layer(model.kind(model.blocks[b])), recompute[b]) for b in range(num_blocks))
+    peak = cluster.device.peak_flops("bf16") * layout.world_size
+    return Estimate(layout=layout, step_time_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
+                    tflops_per_device=model_flops / step / layout.world_size / 1e12,
+                    mfu=model_flops / step / peak, hfu=(model_flops + recompute_flops) / step / peak,
+                    stage_memory=tuple(s.memory for s in stages), stage_layers=tuple(stage_layers),
+                    layer_recompute=tuple(recompute))
+
+
+def _recompute_flops(cost: LayerCost, recompute: Recompute) -> float:
+    """Matmul FLOPs per sample that recomputation repeats (HFU counts them, MFU does not)."""
+    if recompute is Recompute.full:
+        return cost.forward_flops_model
+    if recompute is Recompute.selective:
+        return cost.attention_forward_flops
+    return 0.0

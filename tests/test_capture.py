@@ -1,0 +1,169 @@
+"""Graph-derived numbers against closed forms written independently here."""
+from pathlib import Path
+
+import pytest
+
+from cost_models.layout import Recompute
+from cost_models.memory import activation_bytes
+from hardware_profiles import UserInputError
+from planner.model_capture import capture
+from planner.model_config import ModelConfig
+from planner.model_sources import config_from_hf, resolve_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def gpt(l=2, h=1024, a=16, s=512, V=8192, impl="math", dropout=0.1):
+    return ModelConfig(name=f"gpt-{l}-{h}-{impl}", num_layers=l, hidden_size=h, num_attention_heads=a,
+                       ffn_hidden_size=4 * h, vocab_size=V, seq_length=s, activation="gelu",
+                       normalization="layernorm", position_embedding="learned", tied_embeddings=True,
+                       attention="mha", attention_impl=impl, add_bias=True, dropout=dropout)
+
+
+def test_gpt_parameters_equal_narayanan_eq2():
+    for l, h, V, s in [(2, 1024, 8192, 512), (4, 768, 50257, 1024), (3, 2048, 51200, 2048)]:
+        graph = capture(gpt(l=l, h=h, a=16, s=s, V=V))
+        eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))  # SC21 Eq. 2
+        final_norm = 2 * h  # the paper's count leaves out the final LayerNorm
+        assert graph.total_params == round(eq2) + final_norm
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("llama3-405b", 405.0e9, None),       # Llama 3 Herd: 405B
+    ("mixtral-8x7b", 46.7e9, 12.9e9),     # Mistral AI: 46.7B total, 12.9B active
+    ("deepseek-v3", 671e9, 37e9),         # DeepSeek-V3: 671B total, 37B activated (main model, no MTP)
+])
+def test_published_parameter_counts_within_half_a_percent(name, total, active):
+    graph = capture(name)
+    assert graph.total_params == pytest.approx(total, rel=0.005)
+    if active:
+        assert graph.active_params == pytest.approx(active, rel=0.02 if name == "deepseek-v3" else 0.005)
+
+
+def test_gpt_flops_equal_narayanan_eq3():
+    l, h, s, V = 4, 1024, 1024, 51200
+    graph = capture(gpt(l=l, h=h, s=s, V=V, impl="flash", dropout=0.0))
+    B = 1
+    exact = 72 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V  # layers x3 passes + logits
+    assert graph.model_flops_per_sample() == pytest.approx(exact, rel=1e-9)
+    paper = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    big = capture("gpt3-175b")
+    s, l, h, V = 2048, 96, 12288, 51200
+    assert big.model_flops_per_sample() == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)),
+                                                         rel=0.01)
+    assert paper > 0
+
+
+S, H, A = 512, 1024, 16
+
+
+@pytest.fixture(scope="module")
+def gpt_layer():
+    return capture(gpt(l=2, h=H, a=A, s=S)).kind("dense")
+
+
+@pytest.mark.parametrize("tp,sp,recompute,formula", [
+    (1, False, Recompute.none, lambda t: 34 + 5 * A * S / H),
+    (4, False, Recompute.none, lambda t: 10 + 24 / t + 5 * A * S / (H * t)),
+    (8, False, Recompute.none, lambda t: 10 + 24 / t + 5 * A * S / (H * t)),
+    (4, True, Recompute.none, lambda t: 34 / t + 5 * A * S / (H * t)),
+    (4, True, Recompute.selective, lambda t: 34 / t),
+    (1, False, Recompute.full, lambda t: 2),
+])
+def test_activation_bytes_equal_korthikanti(gpt_layer, tp, sp, recompute, formula):
+    # Korthikanti et al. 2022, Table 2 (b = 1): bytes per layer = s*b*h * formula
+    got = activation_bytes(gpt_layer, recompute, tp, sp, 1, 1)
+    assert got == pytest.approx(S * H * formula(tp), rel=0.02)
+
+
+def test_flash_attention_removes_the_attention_matrix_term():
+    layer = capture(gpt(l=2, h=H, a=A, s=S, impl="flash", dropout=0.0)).kind("dense")
+    got = activation_bytes(layer, Recompute.none, 1, False, 1, 1)
+    assert not any(t.attention_matrix for t in layer.saved)
+    # without dropout masks (2 x sbh x 1 byte) and with flash's saved output/logsumexp instead of s x s
+    assert got < S * H * 40
+    assert got > S * H * 30
+
+
+def test_capture_time_does_not_grow_with_hidden_size():
+    small = capture(gpt(l=2, h=1024, s=512, impl="flash", dropout=0.0)).capture_seconds
+    large = capture(gpt(l=2, h=16384, s=512, impl="flash", dropout=0.0)).capture_seconds
+    assert large < small * 3 + 0.5
+
+
+def test_user_module_is_captured_with_its_tp_pairs():
+    graph = capture(f"{EXAMPLES / 'user_gpt.py'}:build", seq_len=256)
+    assert graph.num_blocks == 4
+    pairs = {(p.columns, p.row) for p in graph.structures[0].tp_pairs}
+    assert (("attn.qkv",), "attn.proj") in pairs and (("fc",), "out") in pairs
+    assert graph.attention_heads == 4
+
+
+def test_moe_experts_and_gqa_found_in_graph():
+    graph = capture("mixtral-8x7b")
+    structure = graph.structure("moe")
+    assert structure.num_experts == 8 and structure.router_topk == 2
+    assert structure.expert_container == "mlp"
+    assert graph.attention_heads == 32 and graph.kv_groups == 8
+
+
+def test_hf_config_mapping():
+    qwen_moe = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48, "intermediate_size": 6144,
+                "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                "vocab_size": 151936, "max_position_embeddings": 40960}
+    cfg = config_from_hf(qwen_moe)
+    assert cfg.moe.num_experts == 128 and cfg.kv_channels == 128 and cfg.query_groups == 4
+    graph = capture(cfg, seq_len=4096)
+    assert graph.total_params == pytest.approx(30.5e9, rel=0.01)  # Qwen3-30B-A3B: 30.5B total
+    assert graph.active_params == pytest.approx(3.3e9, rel=0.03)  # 3.3B activated
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("num_layers: 2\nhidden_size: 100\nnum_attention_heads: 3\nffn_hidden_size: 8\nvocab_size: 10\nseq_length: 8\n",
+     "does not divide"),
+    ("hidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 8\nvocab_size: 10\nseq_length: 8\n", "num_layers"),
+    ("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 8\nvocab_size: 10\nseq_length: 8\n"
+     "activation: tanh\n", "activation"),
+    ("num_layers: two\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 8\nvocab_size: 10\nseq_length: 8\n",
+     "num_layers"),
+    ("num_layers: [oops", "not valid YAML"),
+])
+def test_bad_model_files(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserInputError, match=needle) as info:
+        resolve_model(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_untraceable_module_names_the_module(tmp_path):
+    path = tmp_path / "bad_model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Gate(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        if x.sum() > 0:\n            return x\n        return -x\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.lin = nn.Linear(8, 8); self.gate = Gate()\n"
+        "    def forward(self, x):\n        return self.gate(self.lin(x))\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.emb = nn.Embedding(10, 8)\n"
+        "        self.layers = nn.ModuleList(Block() for _ in range(2)); self.out = nn.Linear(8, 10)\n"
+        "    def forward(self, t):\n        x = self.emb(t)\n        for l in self.layers:\n            x = l(x)\n"
+        "        return self.out(x)\n"
+        "def build():\n    return M()\n")
+    with pytest.raises(UserInputError, match="gate") as info:
+        capture(f"{path}:build", seq_len=16)
+    assert "leaf" in str(info.value)
+    graph = capture(f"{path}:build", seq_len=16, leaf_modules=("gate",))
+    assert graph.num_blocks == 2
+
+
+def test_unknown_model_and_missing_factory(tmp_path):
+    with pytest.raises(UserInputError, match="unknown model"):
+        resolve_model("gpt-9000")
+    path = tmp_path / "m.py"
+    path.write_text("x = 1\n")
+    with pytest.raises(UserInputError, match="no callable"):
+        resolve_model(f"{path}:build")
