@@ -149,6 +149,14 @@ class MeshCosts:
         self._cache[kind.name] = cost
         return cost
 
+    @cached_property
+    def comm_buffer_bytes(self) -> float:
+        """Two activation messages in flight, plus two layers of gathered weights with ZeRO-3 prefetch."""
+        buffers = 2 * self.activation_message_bytes
+        if self.layout.zero >= 3:
+            buffers += 2 * max(self.layer(kind).weight_bytes_unsharded for kind in self.model.kinds)
+        return buffers
+
     def p2p_s(self) -> float:
         if self.layout.pp == 1:
             return 0.0
@@ -158,17 +166,33 @@ class MeshCosts:
     def optimizer_s(self, params: float) -> float:
         return memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)
 
-    def dp_comm_s(self, grad_bytes: float, expert_grad_bytes: float) -> float:
-        """Gradient reduction (reduce-scatter with ZeRO >= 1, else all-reduce) plus the bf16 parameter
-        all-gather after the optimizer step (ZeRO 1-2); ZeRO-3 gathers per micro-batch (see zero3_comm_s)."""
+    @cached_property
+    def dp_lines(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(latency, seconds per byte) of the per-step gradient reduction for dense and expert gradients,
+        taken at the size of one stage's share so that stage cost stays linear in its layers."""
+        lay = self.layout
+        kinds = [self.model.kind(name) for name in self.model.blocks]
+        dense = sum(params_on_rank(k, self.state_sharding)[0] for k in kinds) * GRAD_REDUCE_BYTES / lay.pp
+        expert = sum(params_on_rank(k, self.state_sharding)[1] for k in kinds) * GRAD_REDUCE_BYTES / lay.pp
+        return self._line(max(dense, 1.0), "dpcp"), self._line(max(expert, 1.0), "edp") if expert else (0.0, 0.0)
+
+    def _line(self, size: float, dim: str) -> tuple[float, float]:
         lay = self.layout
         op = Collective.reduce_scatter if lay.zero >= 1 else Collective.all_reduce
-        seconds = self.collective(op, grad_bytes, "dpcp").seconds
-        seconds += self.collective(op, expert_grad_bytes, "edp").seconds
-        if lay.zero in (1, 2):
-            seconds += self.collective(Collective.all_gather, grad_bytes / 2, "dpcp").seconds
-            seconds += self.collective(Collective.all_gather, expert_grad_bytes / 2, "edp").seconds
-        return seconds
+        cost = self.collective(op, size, dim)
+        per_byte = cost.bandwidth_seconds / size
+        latency = cost.latency_seconds
+        if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step: half the fp32 bytes
+            gather = self.collective(Collective.all_gather, size / 2, dim)
+            per_byte += gather.bandwidth_seconds / size
+            latency += gather.latency_seconds
+        return latency, per_byte
+
+    def dp_comm_s(self, grad_bytes: float, expert_grad_bytes: float) -> float:
+        """Gradient reduction (reduce-scatter with ZeRO >= 1, else all-reduce) plus, for ZeRO 1-2, the bf16
+        parameter all-gather after the optimizer step; ZeRO-3 gathers per micro-batch (zero3_comm_s)."""
+        (a_dense, b_dense), (a_expert, b_expert) = self.dp_lines
+        return a_dense + b_dense * grad_bytes + a_expert + b_expert * expert_grad_bytes
 
     def zero3_comm_s(self, weight_bytes: float) -> float:
         """FSDP: all-gather weights for forward and again for backward, every micro-batch."""

@@ -100,13 +100,11 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     activations = in_flight * sum(c.activation_bytes[index[r]] for c, r in items)
     working = max((c.working_bytes for c, r in items if r is not Recompute.none), default=0.0)
     states = sum((c.states for c, _ in items[1:]), items[0][0].states) if items else None
-    largest_layer = max((c.weight_bytes_unsharded for c, _ in items), default=0.0)
-    buffers = 2 * costs.activation_message_bytes + (2 * largest_layer if lay.zero >= 3 else 0.0)
     memory = StageMemory(
         stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         activations=activations,
         logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) if with_head else 0.0,
-        recompute_working=working, comm_buffers=buffers, capacity=usable_bytes(costs.cluster.device))
+        recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device))
     return StageTotals(
         work_s=sum(c.work_s(r) for c, r in items), compute_s=compute, recompute_s=recomputed,
         tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),

@@ -44,6 +44,8 @@ class ModelGraph:
     kinds: tuple[LayerKind, ...]
     layers: tuple[LayerSlot, ...]   # embedding, blocks in order, head
     structures: tuple[BlockStructure, ...]
+    embedding_modules: tuple[str, ...]   # top-level modules before the blocks (first pipeline stage)
+    head_modules: tuple[str, ...]        # top-level modules after the blocks (last pipeline stage)
     capture_seconds: float
 
     def kind(self, name: str) -> LayerKind:

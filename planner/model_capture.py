@@ -35,6 +35,7 @@ class _TopAnalyzer(_Analyzer):
         self.kind_of_signature: dict[tuple, str] = {}
         self.kinds: dict[str, tuple[Measured, BlockStructure, nn.Module, float, tuple]] = {}
         self.slots: list[LayerSlot] = []
+        self.part_modules: dict[str, list[str]] = {}
 
     def _part_of(self, node: fx.Node) -> str:
         if node.op == "call_module" and node.target in self.block_names:
@@ -49,6 +50,11 @@ class _TopAnalyzer(_Analyzer):
 
     def run_node(self, node: fx.Node):
         if not (node.op == "call_module" and node.target in self.block_names):
+            if node.op in ("call_module", "get_attr"):
+                owner = node.target if node.op == "call_module" else node.target.rsplit(".", 1)[0]
+                modules = self.part_modules.setdefault("head" if self.passed_first else "embedding", [])
+                if owner not in modules:
+                    modules.append(owner)
             return super().run_node(node)
         self.current = node
         self._part_of(node)
@@ -158,6 +164,8 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelG
     return ModelGraph(name=name, seq_len=seq_len, hidden_size=hidden, vocab_size=vocab,
                       activation_dtype_bytes=torch.finfo(ACTIVATION_DTYPE).bits // 8, block_stack=stack_name,
                       kinds=tuple(kinds), layers=slots, structures=tuple(structures),
+                      embedding_modules=tuple(analyzer.part_modules.get("embedding", ())),
+                      head_modules=tuple(analyzer.part_modules.get("head", ())),
                       capture_seconds=time.perf_counter() - start)
 
 

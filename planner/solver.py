@@ -1,0 +1,192 @@
+"""CP-SAT model: contiguous layer-to-stage partition and per-layer recomputation for one mesh.
+
+Minimises the pipeline critical path of `cost_models.pipeline.pipeline_seconds` plus the exposed
+data-parallel reduction and the optimizer step, under a memory cap per stage. Layers of one kind are
+interchangeable inside a chunk, so the decisions are counts: blocks of each kind per chunk and how many
+of them recompute selectively or fully. Coefficients come from `MeshCosts`, the same numbers the
+step-time estimate uses, so the solver's optimum is the estimate's optimum.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+from cost_models.layout import Recompute
+from cost_models.memory import logits_bytes, usable_bytes
+from cost_models.pipeline import in_flight_micro_batches
+
+TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
+MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
+
+
+def _t(seconds: float) -> int:
+    return int(round(seconds / TIME_UNIT_S))
+
+
+def _m(nbytes: float) -> int:
+    return int(round(nbytes / MEMORY_UNIT_BYTES))
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    stage_layers: tuple[int, ...]
+    layer_recompute: tuple[Recompute, ...]
+    objective_s: float
+    status: str
+    gap: float
+    wall_s: float
+
+
+def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """Maximal runs of consecutive blocks of one kind: (kind, start, end)."""
+    runs: list[tuple[str, int, int]] = []
+    for index, kind in enumerate(blocks):
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], index + 1)
+        else:
+            runs.append((kind, index, index + 1))
+    return runs
+
+
+def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 10.0,
+                    hint: tuple[int, ...] | None = None) -> PartitionResult:
+    start_time = time.perf_counter()
+    lay, model = costs.layout, costs.model
+    num_blocks, chunks, pp, v = len(model.blocks), lay.pp * lay.vp, lay.pp, lay.vp
+    m = lay.num_micro_batches
+    runs = block_runs(model.blocks)
+    layer = {kind: costs.layer(model.kind(kind)) for kind, _, _ in runs}
+    emb, head = costs.layer(model.embedding), costs.layer(model.head)
+    extra = [r for r in RECOMPUTE_ORDER[1:] if r in allowed]
+    index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
+    cp = cp_model.CpModel()
+
+    # variables: blocks per chunk, their start positions, blocks of each run in each chunk
+    size = [cp.NewIntVar(1, num_blocks, f"size{j}") for j in range(chunks)]
+    begin = [cp.NewIntVar(0, num_blocks, f"begin{j}") for j in range(chunks)]
+    count = [[None] * len(runs) for _ in range(chunks)]
+    for j in range(chunks):
+        end = cp.NewIntVar(0, num_blocks, f"end{j}")
+        cp.Add(end == begin[j] + size[j])
+        for r, (_, r0, r1) in enumerate(runs):
+            if len(runs) == 1:
+                count[j][r] = size[j]
+                continue
+            lo, hi = cp.NewIntVar(0, num_blocks, ""), cp.NewIntVar(0, num_blocks, "")
+            cp.AddMaxEquality(lo, [begin[j], r0])
+            cp.AddMinEquality(hi, [end, r1])
+            diff = cp.NewIntVar(-num_blocks, num_blocks, "")
+            cp.Add(diff == hi - lo)
+            count[j][r] = cp.NewIntVar(0, r1 - r0, f"n{j}_{r}")
+            cp.AddMaxEquality(count[j][r], [diff, 0])
+    # variables: recomputed blocks per chunk, run and method
+    redo = {(j, r, k): cp.NewIntVar(0, runs[r][2] - runs[r][1], f"rc{j}_{r}_{k.value}")
+            for j in range(chunks) for r in range(len(runs)) for k in extra}
+
+    # constraints: chunks tile the blocks in order
+    cp.Add(begin[0] == 0)
+    for j in range(1, chunks):
+        cp.Add(begin[j] == begin[j - 1] + size[j - 1])
+    cp.Add(sum(size) == num_blocks)
+    # constraints: a block recomputes at most one way
+    for j in range(chunks):
+        for r in range(len(runs)):
+            if extra:
+                cp.Add(sum(redo[j, r, k] for k in extra) <= count[j][r])
+
+    capacity = usable_bytes(costs.cluster.device)
+    work, compute, grads, opt_params = [], [], [], []
+    for i in range(pp):
+        owned = [j for j in range(chunks) if j % pp == i]
+        first, last = 0 in owned, chunks - 1 in owned
+        flight = in_flight_micro_batches(i, pp, m, v)
+        w_terms, c_terms, mem_terms, g_terms, o_terms = [], [], [], [], []
+        for j in owned:
+            for r, (kind, _, _) in enumerate(runs):
+                c = layer[kind]
+                n = count[j][r]
+                w_terms.append(_t(c.work_s(Recompute.none)) * n)
+                c_terms.append(_t(c.forward_s + c.backward_s) * n)
+                mem_terms.append(_m(c.states.total + flight * c.activation_bytes[0]) * n)
+                g_terms.append(_m(c.grad_reduce_bytes) * n)
+                o_terms.append(_m(c.optimizer_params) * n)
+                for k in extra:
+                    w_terms.append(_t(c.work_s(k) - c.work_s(Recompute.none)) * redo[j, r, k])
+                    mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[j, r, k])
+        fixed = [c for c, on in ((emb, first), (head, last)) if on]
+        fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
+        fixed_mem = sum(c.states.total + flight * c.activation_bytes[0] for c in fixed)
+        fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) if last else 0.0
+        fixed_mem += costs.comm_buffer_bytes
+        # working set: a recomputed layer's full activations while its backward runs
+        working = cp.NewIntVar(0, _m(max(c.working_bytes for c in layer.values())), f"working{i}")
+        for r, (kind, r0, r1) in enumerate(runs):
+            if extra:
+                has = cp.NewBoolVar(f"has_rc{i}_{r}")
+                cp.Add(sum(redo[j, r, k] for j in owned for k in extra) <= (r1 - r0) * has)
+                cp.Add(working >= _m(layer[kind].working_bytes) * has)
+        # constraint: memory of each stage within the usable HBM
+        cp.Add(sum(mem_terms) + _m(fixed_mem) + working <= _m(capacity))
+        work.append(sum(w_terms) + fixed_work)
+        compute.append(sum(c_terms) + sum(_t(c.forward_s + c.backward_s) for c in fixed))
+        grads.append(sum(g_terms) + sum(_m(c.grad_reduce_bytes) for c in fixed))
+        opt_params.append(sum(o_terms) + sum(_m(c.optimizer_params) for c in fixed))
+
+    horizon = _t(1e4)
+    slowest = cp.NewIntVar(0, horizon, "slowest")
+    dp_exposed = cp.NewIntVar(0, horizon, "dp_exposed")
+    optimizer = cp.NewIntVar(0, horizon, "optimizer")
+    adam_s_per_unit = costs.optimizer_s(MEMORY_UNIT_BYTES)
+    for i in range(pp):
+        # constraint: the slowest stage paces the steady state
+        cp.Add(slowest >= work[i])
+        # constraint: the optimizer step of the stage with the most optimizer-local parameters
+        cp.Add(optimizer * 1000 >= _t(adam_s_per_unit * 1e3) * opt_params[i])
+    # constraint: gradient reduction not hidden behind each stage's last micro-batch
+    _add_dp_constraints(cp, costs, dp_exposed, grads, compute)
+
+    # objective: v * step = v (m - 1) max W + sum W + (v - 1) max W + v (dp + optimizer)
+    cp.Minimize(v * (m - 1) * slowest + sum(work) + (v - 1) * slowest + v * (dp_exposed + optimizer))
+    if hint:
+        for j, value in enumerate(hint):
+            cp.AddHint(size[j], value)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1  # deterministic: same inputs, same plan
+    status = solver.Solve(cp)
+    wall = time.perf_counter() - start_time
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return PartitionResult((), (), float("inf"), name, float("inf"), wall)
+    sizes = tuple(solver.Value(s) for s in size)
+    recompute = _decode_recompute(solver, runs, sizes, redo, extra, count)
+    objective = solver.ObjectiveValue() * TIME_UNIT_S / v
+    bound = solver.BestObjectiveBound() * TIME_UNIT_S / v
+    gap = (objective - bound) / objective if objective else 0.0
+    return PartitionResult(sizes, recompute, objective, name, max(0.0, gap), wall)
+
+
+def _add_dp_constraints(cp, costs: MeshCosts, dp_exposed, grads, compute) -> None:
+    """dp_exposed >= a + b * grad_bytes_i - window * compute_i for every stage (and >= 0)."""
+    (a_dense, b_dense), (a_expert, _) = costs.dp_lines
+    scale = 1000  # keep per-KiB slopes integral
+    slope = int(round(b_dense * MEMORY_UNIT_BYTES / TIME_UNIT_S * scale))
+    window = int(round(costs.overlap.dp_window_fraction * scale))
+    for i in range(len(grads)):
+        cp.Add(dp_exposed * scale >= _t(a_dense + a_expert) * scale + slope * grads[i] - window * compute[i])
+
+
+def _decode_recompute(solver, runs, sizes, redo, extra, count) -> tuple[Recompute, ...]:
+    """Within each chunk and run, the first blocks recompute fully, the next selectively."""
+    layers: list[Recompute] = []
+    for j in range(len(sizes)):
+        for r in range(len(runs)):
+            n = solver.Value(count[j][r])
+            full = solver.Value(redo[j, r, Recompute.full]) if Recompute.full in extra else 0
+            selective = solver.Value(redo[j, r, Recompute.selective]) if Recompute.selective in extra else 0
+            layers += [Recompute.full] * full + [Recompute.selective] * selective + [Recompute.none] * (n - full - selective)
+    return tuple(layers)

@@ -1,0 +1,154 @@
+"""The layout space: validity rules and the enumeration of candidate degrees."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
+from hardware_profiles.errors import UserInputError
+
+from .graph import ModelGraph
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision")
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Parts of the layout the user fixed (`--fix tp=8,pp=16` or `planner.plan(..., tp=8)`)."""
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    vp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
+    mbs: int | None = None
+    zero: int | None = None
+    recompute: Recompute | None = None
+    sp: bool | None = None
+
+    def allows(self, name: str, value) -> bool:
+        pinned = getattr(self, name)
+        return pinned is None or pinned == value
+
+
+def parse_layout_text(text: str, source: str = "--layout") -> dict:
+    """'tp=8,pp=16,recompute=selective' -> typed values; a clear error for anything else."""
+    values: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if "=" not in item:
+            raise UserInputError(f"'{item}' is not key=value", field=source,
+                                 expected="comma-separated key=value pairs such as 'tp=8,pp=4'")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        if key not in LAYOUT_KEYS:
+            raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
+        values[key] = _parse_value(key, raw, source)
+    return values
+
+
+def _parse_value(key: str, raw: str, source: str):
+    if key == "recompute":
+        try:
+            return Recompute(raw)
+        except ValueError:
+            raise UserInputError(f"recompute={raw}", field=source, expected="none, selective or full") from None
+    if key == "precision":
+        if raw not in ("bf16", "fp8"):
+            raise UserInputError(f"precision={raw}", field=source, expected="bf16 or fp8")
+        return raw
+    if key == "sp":
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise UserInputError(f"sp={raw}", field=source, expected="true or false")
+        return raw.lower() in ("true", "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserInputError(f"{key}={raw} is not an integer", field=source, expected=f"{key}=<positive integer>") from None
+    if key == "zero" and value not in (0, 1, 2, 3):
+        raise UserInputError(f"zero={value}", field=source, expected="a ZeRO stage 0, 1, 2 or 3")
+    if key != "zero" and value <= 0:
+        raise UserInputError(f"{key}={value}", field=source, expected=f"{key} >= 1")
+    return value
+
+
+def pins_from(values: dict) -> Pins:
+    known = {f.name for f in fields(Pins)}
+    return Pins(**{k: v for k, v in values.items() if k in known})
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list[str]:
+    """Every validity rule the layout breaks, each as a sentence naming the numbers."""
+    problems = []
+    heads, groups, experts = graph.attention_heads, graph.kv_groups, graph.num_experts
+    if layout.world_size != num_devices:
+        problems.append(f"dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = {layout.world_size} "
+                        f"does not equal the {num_devices} devices")
+    if heads and heads % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide the {heads} attention heads")
+    if groups and groups % layout.tp and layout.tp % groups:
+        problems.append(f"tp={layout.tp} and the {groups} kv groups do not divide one another")
+    if layout.ep > 1 and (not experts or experts % layout.ep):
+        problems.append(f"ep={layout.ep} does not divide the {experts} experts")
+    if layout.ep * layout.etp > layout.dp * layout.cp * layout.tp or (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp):
+        problems.append(f"ep*etp = {layout.ep * layout.etp} does not divide dp*cp*tp = {layout.dp * layout.cp * layout.tp}")
+    if layout.etp > layout.tp:
+        problems.append(f"etp={layout.etp} exceeds tp={layout.tp}")
+    if graph.seq_len % (2 * layout.cp) and layout.cp > 1:
+        problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * layout.cp} causal chunks")
+    if graph.num_blocks < layout.pp * layout.vp:
+        problems.append(f"{graph.num_blocks} layers cannot fill pp*vp = {layout.pp * layout.vp} stages")
+    if layout.global_batch % (layout.dp * layout.micro_batch):
+        problems.append(f"global batch {layout.global_batch} is not a multiple of dp*mbs = "
+                        f"{layout.dp}*{layout.micro_batch}")
+    elif layout.vp > 1 and layout.num_micro_batches % layout.pp:
+        problems.append(f"interleaving needs micro-batches ({layout.num_micro_batches}) divisible by pp={layout.pp}")
+    if layout.stage_layers is not None and (len(layout.stage_layers) != layout.pp * layout.vp
+                                            or sum(layout.stage_layers) != graph.num_blocks
+                                            or min(layout.stage_layers) < 1):
+        problems.append(f"stage_layers {list(layout.stage_layers)} does not split {graph.num_blocks} layers "
+                        f"into pp*vp = {layout.pp * layout.vp} non-empty stages")
+    if layout.mesh_order and sorted(layout.mesh_order) != sorted(MEGATRON_ORDER):
+        problems.append(f"mesh order {layout.mesh_order} is not a permutation of {MEGATRON_ORDER}")
+    return problems
+
+
+def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pins,
+                      precision: str, fast_domain: int) -> list[Layout]:
+    """Every valid combination of degrees, micro-batch and ZeRO stage that the pins allow."""
+    out = []
+    heads = graph.attention_heads or 1
+    tps = [t for t in divisors(num_devices) if heads % t == 0 and t <= max(fast_domain, 1) and pins.allows("tp", t)]
+    for tp in tps:
+        for cp in (c for c in divisors(num_devices // tp) if pins.allows("cp", c)):
+            for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= graph.num_blocks and pins.allows("pp", p)):
+                dp = num_devices // (tp * cp * pp)
+                if not pins.allows("dp", dp) or global_batch % dp:
+                    continue
+                out.extend(_inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision))
+    return out
+
+
+def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision) -> list[Layout]:
+    layouts = []
+    experts = graph.num_experts
+    eps = [e for e in divisors(dp * cp * tp) if (experts and experts % e == 0) or e == 1] if experts else [1]
+    vps = [v for v in range(1, 9) if pp > 1 or v == 1]
+    for ep in (e for e in eps if pins.allows("ep", e)):
+        for etp in (t for t in ({1, tp} if experts else {1}) if pins.allows("etp", t)):
+            for vp in (v for v in vps if pins.allows("vp", v) and pp * v <= graph.num_blocks):
+                for mbs in (b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0 and pins.allows("mbs", b)):
+                    for zero in (z for z in (0, 1, 2, 3) if pins.allows("zero", z)):
+                        layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
+                                        global_batch=global_batch, zero=zero, precision=precision,
+                                        sequence_parallel=pins.sp if pins.sp is not None else True,
+                                        recompute=pins.recompute or Recompute.none)
+                        if not layout_problems(layout, graph, dp * tp * pp * cp):
+                            layouts.append(layout)
+    return layouts
+
+
+def with_pins(layout: Layout, pins: Pins) -> Layout:
+    return replace(layout, recompute=pins.recompute or layout.recompute)
