@@ -53,7 +53,7 @@ class MeshCosts:
     """Costs of every layer kind for one layout's degrees (partition and recomputation left free)."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, overlap: OverlapModel,
-                 ep_imbalance: float = 1.0):
+                 ep_imbalance: float = 1.0, compute_cache: dict | None = None):
         self.model, self.cluster, self.layout, self.overlap = model, cluster, layout, overlap
         self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
@@ -62,6 +62,8 @@ class MeshCosts:
                                             dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
                                             zero=layout.zero)
         self._cache: dict[str, LayerCost] = {}
+        # layer compute depends only on (kind, tp, sp, cp, micro-batch): a search shares it across meshes
+        self._compute_cache = compute_cache if compute_cache is not None else {}
 
     @cached_property
     def placement(self):
@@ -125,7 +127,10 @@ class MeshCosts:
         if kind.name in self._cache:
             return self._cache[kind.name]
         lay = self.layout
-        compute = layer_compute(kind, self.cluster.device, self.spec)
+        compute_key = (kind.name, self.spec)
+        compute = self._compute_cache.get(compute_key)
+        if compute is None:
+            compute = self._compute_cache[compute_key] = layer_compute(kind, self.cluster.device, self.spec)
         recompute = (0.0, compute.attention_core_forward_s, compute.forward_s)
         activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch)
                             for r in RECOMPUTE_ORDER)
@@ -171,9 +176,9 @@ class MeshCosts:
         """(latency, seconds per byte) of the per-step gradient reduction for dense and expert gradients,
         taken at the size of one stage's share so that stage cost stays linear in its layers."""
         lay = self.layout
-        kinds = [self.model.kind(name) for name in self.model.blocks]
-        dense = sum(params_on_rank(k, self.state_sharding)[0] for k in kinds) * GRAD_REDUCE_BYTES / lay.pp
-        expert = sum(params_on_rank(k, self.state_sharding)[1] for k in kinds) * GRAD_REDUCE_BYTES / lay.pp
+        counts = self.model.block_counts
+        dense = sum(n * params_on_rank(k, self.state_sharding)[0] for k, n in counts) * GRAD_REDUCE_BYTES / lay.pp
+        expert = sum(n * params_on_rank(k, self.state_sharding)[1] for k, n in counts) * GRAD_REDUCE_BYTES / lay.pp
         return self._line(max(dense, 1.0), "dpcp"), self._line(max(expert, 1.0), "edp") if expert else (0.0, 0.0)
 
     def _line(self, size: float, dim: str) -> tuple[float, float]:

@@ -5,8 +5,10 @@ All figures are for one micro-batch of size 1 at the captured sequence length.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 
 class OpKind(str, Enum):
@@ -109,6 +111,11 @@ class ModelCosts:
             if kind.name == name:
                 return kind
         raise KeyError(name)
+
+    @cached_property
+    def block_counts(self) -> tuple[tuple["LayerKind", int], ...]:
+        """Each block kind with how many blocks are of it."""
+        return tuple((self.kind(name), n) for name, n in Counter(self.blocks).items())
 
     @property
     def embedding(self) -> LayerKind:

@@ -5,7 +5,6 @@ the order tp-cp-ep-dp-pp a tp group is a run of consecutive ranks and sits insid
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import networkx as nx
@@ -48,17 +47,19 @@ class MeshPlacement:
         raise KeyError(f"mesh has no dim '{dim}' (dims: {[d.name for d in self.dims]})")
 
 
-def _max_members_per_block(members: list[int], block: int) -> int:
-    return max(Counter(rank // block for rank in members).values())
+def _max_members_per_block(size: int, stride: int, block: int) -> int:
+    """Members i * stride (i < size) sharing one block of `block` consecutive ranks."""
+    if stride >= block:
+        return 1
+    return min(size, -(-block // stride))
 
 
 def place_group(dim: str, size: int, stride: int, cluster: Cluster) -> GroupPlacement:
     """Placement of the group that holds rank 0 along a dim with this stride; all groups are alike."""
-    members = [i * stride for i in range(size)]
     per_node = cluster.devices_per_node
     per_domain_devices = cluster.fast_domain_devices
-    k_domain = _max_members_per_block(members, per_domain_devices)
-    k_node = _max_members_per_block(members, per_node)
+    k_domain = _max_members_per_block(size, stride, per_domain_devices)
+    k_node = _max_members_per_block(size, stride, per_node)
     fabric = cluster.device.intra_node
     if fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh) and per_domain_devices > 1:
         # a point-to-point mesh gives each peer 1/(D-1) of a device's links: a small group uses few of them
@@ -67,7 +68,7 @@ def place_group(dim: str, size: int, stride: int, cluster: Cluster) -> GroupPlac
         share = 1.0
     # every device of a node belongs to one group of this dim; the node's NICs are shared by all of them
     nic_share = cluster.inter_node.nics_per_node / per_node
-    extent = members[-1] + 1
+    extent = (size - 1) * stride + 1
     pod = cluster.inter_node.pod_size_devices
     return GroupPlacement(dim=dim, size=size, ranks_per_domain=k_domain, domains=size // k_domain,
                           ranks_per_node=k_node, intra_bandwidth_share=share,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from cost_models.records import LayerKind, ModelCosts
 
@@ -57,11 +58,11 @@ class ModelGraph:
     def structure(self, kind: str) -> BlockStructure | None:
         return next((s for s in self.structures if s.kind == kind), None)
 
-    @property
+    @cached_property
     def blocks(self) -> tuple[LayerSlot, ...]:
         return tuple(slot for slot in self.layers if self.kind(slot.kind).role == "block")
 
-    @property
+    @cached_property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
@@ -73,15 +74,15 @@ class ModelGraph:
     def active_params(self) -> int:
         return sum(self.kind(slot.kind).active_param_count for slot in self.layers)
 
-    @property
+    @cached_property
     def attention_heads(self) -> int:
         return min((s.attention_heads for s in self.structures if s.attention_heads), default=0)
 
-    @property
+    @cached_property
     def kv_groups(self) -> int:
         return min((s.kv_groups for s in self.structures if s.kv_groups), default=0)
 
-    @property
+    @cached_property
     def num_experts(self) -> int:
         return max((s.num_experts for s in self.structures), default=0)
 
@@ -91,6 +92,10 @@ class ModelGraph:
 
     def model_flops_per_token(self) -> float:
         return self.model_flops_per_sample() / self.seq_len
+
+    @cached_property
+    def costs_record(self) -> ModelCosts:
+        return self.costs()
 
     def costs(self) -> ModelCosts:
         return ModelCosts(self.name, self.seq_len, self.hidden_size, self.kinds,

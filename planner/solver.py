@@ -18,7 +18,7 @@ from cost_models.layout import Recompute
 from cost_models.memory import logits_bytes, usable_bytes
 from cost_models.pipeline import in_flight_micro_batches
 
-TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
+TIME_UNIT_S = 1e-6          # integer scaling: solver times are multiples of 1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
 
 
@@ -52,7 +52,8 @@ def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
 
 
 def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 10.0,
-                    hint: tuple[int, ...] | None = None) -> PartitionResult:
+                    hint: tuple[int, ...] | None = None, cutoff_s: float = float("inf")) -> PartitionResult:
+    """Best partition and recomputation; with `cutoff_s`, only one that beats it (else INFEASIBLE)."""
     start_time = time.perf_counter()
     lay, model = costs.layout, costs.model
     num_blocks, chunks, pp, v = len(model.blocks), lay.pp * lay.vp, lay.pp, lay.vp
@@ -64,35 +65,43 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
     cp = cp_model.CpModel()
 
-    # variables: blocks per chunk, their start positions, blocks of each run in each chunk
-    size = [cp.NewIntVar(1, num_blocks, f"size{j}") for j in range(chunks)]
-    begin = [cp.NewIntVar(0, num_blocks, f"begin{j}") for j in range(chunks)]
-    count = [[None] * len(runs) for _ in range(chunks)]
-    for j in range(chunks):
-        end = cp.NewIntVar(0, num_blocks, f"end{j}")
-        cp.Add(end == begin[j] + size[j])
-        for r, (_, r0, r1) in enumerate(runs):
-            if len(runs) == 1:
-                count[j][r] = size[j]
-                continue
-            lo, hi = cp.NewIntVar(0, num_blocks, ""), cp.NewIntVar(0, num_blocks, "")
-            cp.AddMaxEquality(lo, [begin[j], r0])
-            cp.AddMinEquality(hi, [end, r1])
-            diff = cp.NewIntVar(-num_blocks, num_blocks, "")
-            cp.Add(diff == hi - lo)
-            count[j][r] = cp.NewIntVar(0, r1 - r0, f"n{j}_{r}")
-            cp.AddMaxEquality(count[j][r], [diff, 0])
-    # variables: recomputed blocks per chunk, run and method
-    redo = {(j, r, k): cp.NewIntVar(0, runs[r][2] - runs[r][1], f"rc{j}_{r}_{k.value}")
-            for j in range(chunks) for r in range(len(runs)) for k in extra}
+    # one kind of block: only blocks per pipeline rank matter (any split of them into vp chunks is
+    # contiguous), so the units are ranks; several kinds: the units are the pp * vp chunks in order
+    single_kind = len(runs) == 1
+    units = pp if single_kind else chunks
+    unit_min = v if single_kind else 1
+    stage_of = (lambda u: u) if single_kind else (lambda u: u % pp)
 
-    # constraints: chunks tile the blocks in order
-    cp.Add(begin[0] == 0)
-    for j in range(1, chunks):
-        cp.Add(begin[j] == begin[j - 1] + size[j - 1])
+    # variables: blocks per unit and blocks of each run in each unit
+    size = [cp.NewIntVar(unit_min, num_blocks, f"size{u}") for u in range(units)]
+    count = [[size[j]] if single_kind else
+             [cp.NewIntVar(0, r1 - r0, f"n{j}_{r}") for r, (_, r0, r1) in enumerate(runs)]
+             for j in range(units)]
+    if not single_kind:
+        # constraint: run labels never decrease along the chunks, so each chunk is a contiguous slice:
+        # a chunk using run r lies between first[r] and last[r], and last[r] <= first[r + 1]
+        first = [cp.NewIntVar(0, units - 1, f"first{r}") for r in range(len(runs))]
+        last = [cp.NewIntVar(0, units - 1, f"last{r}") for r in range(len(runs))]
+        for r, (_, r0, r1) in enumerate(runs):
+            cp.Add(sum(count[j][r] for j in range(units)) == r1 - r0)
+            if r + 1 < len(runs):
+                cp.Add(last[r] <= first[r + 1])
+            for j in range(units):
+                used = cp.NewBoolVar(f"uses{j}_{r}")
+                cp.Add(count[j][r] >= 1).OnlyEnforceIf(used)
+                cp.Add(count[j][r] == 0).OnlyEnforceIf(used.Not())
+                cp.Add(first[r] <= j).OnlyEnforceIf(used)
+                cp.Add(last[r] >= j).OnlyEnforceIf(used)
+        for j in range(units):
+            cp.Add(sum(count[j]) == size[j])
+    # variables: recomputed blocks per unit, run and method
+    redo = {(j, r, k): cp.NewIntVar(0, runs[r][2] - runs[r][1], f"rc{j}_{r}_{k.value}")
+            for j in range(units) for r in range(len(runs)) for k in extra}
+
+    # constraints: units tile the blocks
     cp.Add(sum(size) == num_blocks)
     # constraints: a block recomputes at most one way
-    for j in range(chunks):
+    for j in range(units):
         for r in range(len(runs)):
             if extra:
                 cp.Add(sum(redo[j, r, k] for k in extra) <= count[j][r])
@@ -100,8 +109,8 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     capacity = usable_bytes(costs.cluster.device)
     work, compute, grads, opt_params = [], [], [], []
     for i in range(pp):
-        owned = [j for j in range(chunks) if j % pp == i]
-        first, last = 0 in owned, chunks - 1 in owned
+        owned = [u for u in range(units) if stage_of(u) == i]
+        first, last = i == 0, i == (chunks - 1) % pp
         flight = in_flight_micro_batches(i, pp, m, v)
         w_terms, c_terms, mem_terms, g_terms, o_terms = [], [], [], [], []
         for j in owned:
@@ -149,7 +158,10 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     _add_dp_constraints(cp, costs, dp_exposed, grads, compute)
 
     # objective: v * step = v (m - 1) max W + sum W + (v - 1) max W + v (dp + optimizer)
-    cp.Minimize(v * (m - 1) * slowest + sum(work) + (v - 1) * slowest + v * (dp_exposed + optimizer))
+    objective = v * (m - 1) * slowest + sum(work) + (v - 1) * slowest + v * (dp_exposed + optimizer)
+    if cutoff_s < float("inf"):  # branch and bound: a plan no better than the incumbent is of no use
+        cp.Add(objective <= _t(cutoff_s * v))
+    cp.Minimize(objective)
     if hint:
         for j, value in enumerate(hint):
             cp.AddHint(size[j], value)
@@ -164,6 +176,8 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
         return PartitionResult((), (), float("inf"), name, float("inf"), wall)
     sizes = tuple(solver.Value(s) for s in size)
     recompute = _decode_recompute(solver, runs, sizes, redo, extra, count)
+    if single_kind:
+        sizes, recompute = _split_ranks_into_chunks(sizes, recompute, pp, v)
     objective = solver.ObjectiveValue() * TIME_UNIT_S / v
     bound = solver.BestObjectiveBound() * TIME_UNIT_S / v
     gap = (objective - bound) / objective if objective else 0.0
@@ -178,6 +192,24 @@ def _add_dp_constraints(cp, costs: MeshCosts, dp_exposed, grads, compute) -> Non
     window = int(round(costs.overlap.dp_window_fraction * scale))
     for i in range(len(grads)):
         cp.Add(dp_exposed * scale >= _t(a_dense + a_expert) * scale + slope * grads[i] - window * compute[i])
+
+
+def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], pp: int,
+                             v: int) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+    """Blocks per rank -> blocks per chunk (chunk c * pp + i on rank i), recomputation kept per rank."""
+    shares = [[n // v + (1 if c < n % v else 0) for c in range(v)] for n in per_rank]
+    by_rank, start = [], 0
+    for n in per_rank:
+        by_rank.append(list(recompute[start:start + n]))
+        start += n
+    sizes, layers = [], []
+    for c in range(v):
+        for i in range(pp):
+            take = shares[i][c]
+            sizes.append(take)
+            layers += by_rank[i][:take]
+            by_rank[i] = by_rank[i][take:]
+    return tuple(sizes), tuple(layers)
 
 
 def _decode_recompute(solver, runs, sizes, redo, extra, count) -> tuple[Recompute, ...]:

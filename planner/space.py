@@ -120,7 +120,9 @@ def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pi
     """Every valid combination of degrees, micro-batch and ZeRO stage that the pins allow."""
     out = []
     heads = graph.attention_heads or 1
-    tps = [t for t in divisors(num_devices) if heads % t == 0 and t <= max(fast_domain, 1) and pins.allows("tp", t)]
+    # tp stays inside the fast domain unless the user pins it (design-notes: TP inside NVLink/HCCS)
+    tps = [t for t in divisors(num_devices) if heads % t == 0 and pins.allows("tp", t)
+           and (t <= max(fast_domain, 1) or pins.tp == t)]
     for tp in tps:
         for cp in (c for c in divisors(num_devices // tp) if pins.allows("cp", c)):
             for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= graph.num_blocks and pins.allows("pp", p)):
@@ -134,19 +136,22 @@ def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pi
 def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision) -> list[Layout]:
     layouts = []
     experts = graph.num_experts
-    eps = [e for e in divisors(dp * cp * tp) if (experts and experts % e == 0) or e == 1] if experts else [1]
+    groups = graph.kv_groups
+    if groups and groups % tp and tp % groups or graph.seq_len % (2 * cp) and cp > 1:
+        return layouts
     vps = [v for v in range(1, 9) if pp > 1 or v == 1]
-    for ep in (e for e in eps if pins.allows("ep", e)):
-        for etp in (t for t in ({1, tp} if experts else {1}) if pins.allows("etp", t)):
+    for etp in sorted(t for t in ({1, tp} if experts else {1}) if pins.allows("etp", t)):
+        eps = [e for e in divisors(dp * cp * tp // etp) if experts % e == 0] if experts else [1]
+        for ep in (e for e in eps if pins.allows("ep", e)):
             for vp in (v for v in vps if pins.allows("vp", v) and pp * v <= graph.num_blocks):
                 for mbs in (b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0 and pins.allows("mbs", b)):
+                    if vp > 1 and (global_batch // (dp * mbs)) % pp:
+                        continue
                     for zero in (z for z in (0, 1, 2, 3) if pins.allows("zero", z)):
-                        layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
-                                        global_batch=global_batch, zero=zero, precision=precision,
-                                        sequence_parallel=pins.sp if pins.sp is not None else True,
-                                        recompute=pins.recompute or Recompute.none)
-                        if not layout_problems(layout, graph, dp * tp * pp * cp):
-                            layouts.append(layout)
+                        layouts.append(Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
+                                              global_batch=global_batch, zero=zero, precision=precision,
+                                              sequence_parallel=pins.sp if pins.sp is not None else True,
+                                              recompute=pins.recompute or Recompute.none))
     return layouts
 
 

@@ -1,0 +1,165 @@
+"""The Python API: `plan`, `evaluate` and the helpers the CLI and the what-if reports share."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cost_models.layout import Layout, OverlapModel, Recompute
+from cost_models.memory import usable_bytes
+from cost_models.step_time import Estimate, estimate
+from hardware_profiles.errors import UserInputError
+from hardware_profiles.loader import cluster_from_device, load_cluster
+from hardware_profiles.schema import Cluster
+
+from .explain import alternatives, reasons
+from .graph import ModelGraph
+from .model_capture import capture
+from .plan import LayoutRecord, Plan, SearchStats, memory_records, stage_records
+from .search import SearchOutcome, search
+from .space import Pins, layout_problems, parse_layout_text, pins_from
+
+
+class InfeasibleError(UserInputError):
+    """No layout fits: says the smallest memory need found, its dominant part and how many devices would."""
+
+
+def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | None = None,
+                    devices_per_node: int | None = None) -> Cluster:
+    if isinstance(cluster, Cluster):
+        resolved = cluster
+    elif cluster is not None:
+        resolved = load_cluster(str(cluster))
+    elif device is not None:
+        if num_devices is None:
+            raise UserInputError("--device needs --num-devices", field="--num-devices", expected="a device count")
+        return cluster_from_device(device, num_devices, devices_per_node)
+    else:
+        raise UserInputError("no cluster given", field="--cluster",
+                             expected="--cluster NAME|FILE or --device NAME --num-devices N")
+    if num_devices is not None and num_devices != resolved.num_devices:
+        if num_devices <= 0 or num_devices % resolved.devices_per_node:
+            raise UserInputError(f"{num_devices} devices do not fill whole nodes of {resolved.devices_per_node}",
+                                 field="--num-devices", expected=f"a positive multiple of {resolved.devices_per_node}")
+        resolved = resolved.with_devices(num_devices)
+    return resolved
+
+
+def _check_batch(global_batch: int) -> None:
+    if not isinstance(global_batch, int) or global_batch <= 0:
+        raise UserInputError(f"{global_batch}", field="global_batch", expected="a positive number of sequences")
+
+
+def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None) -> Plan:
+    stats = None
+    ranked = []
+    if outcome is not None:
+        ranked = [s.estimate for s in outcome.ranked]
+        top = outcome.ranked[0].partition if outcome.ranked else None
+        complete = outcome.unexplored == 0
+        status = (top.status if top else "NONE") + ("" if complete else f"; time limit: {outcome.unexplored} "
+                                                    "candidates unexplored")
+        stats = SearchStats(wall_s=round(outcome.wall_s, 3), candidates=outcome.candidates,
+                            pruned_memory=outcome.pruned_memory, pruned_bound=outcome.pruned_bound,
+                            solved=outcome.solved, solver_status=status, gap=round(top.gap if top else 0.0, 6))
+    block_names = tuple(slot.module_name for slot in graph.blocks)
+    return Plan(
+        model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices, seq_len=graph.seq_len,
+        layout=LayoutRecord.of(best.layout, best.layer_recompute),
+        stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
+        step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
+        mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
+        memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
+        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:]))
+
+
+def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome: SearchOutcome,
+                pins: Pins, precision: str) -> InfeasibleError:
+    capacity = usable_bytes(cluster.device)
+    need = outcome.smallest_memory_need
+    if need == float("inf"):
+        return InfeasibleError(f"no layout of {cluster.num_devices} devices divides this model and batch "
+                               f"({graph.attention_heads} heads, {graph.num_blocks} layers, global batch "
+                               f"{global_batch})", field="layout", expected="a device count and batch that the "
+                               "heads, layers and batch divide")
+    dominant = max(outcome.smallest_need_parts, key=outcome.smallest_need_parts.get)
+    fewest = _fewest_devices(graph, cluster, global_batch, pins, precision)
+    more = f"; about {fewest} {cluster.device.name} devices would fit" if fewest else ""
+    return InfeasibleError(
+        f"{graph.name} does not fit {cluster.num_devices} x {cluster.device.name}: the smallest memory need "
+        f"found is {need / 1e9:.1f} GB per device against {capacity / 1e9:.1f} GB usable, dominated by "
+        f"{dominant.replace('_', ' ')} ({outcome.smallest_need_parts[dominant] / 1e9:.1f} GB){more}",
+        field="--num-devices", expected="more devices, a larger device, a smaller batch or sequence")
+
+
+def _fewest_devices(graph, cluster, global_batch, pins, precision) -> int | None:
+    from .search import _Bounds
+    from .space import candidate_layouts
+    bounds = _Bounds(graph.costs_record, cluster, OverlapModel(),
+                     (pins.recompute,) if pins.recompute else tuple(Recompute))
+    count = cluster.num_devices
+    for _ in range(12):
+        count *= 2
+        layouts = candidate_layouts(graph, count, global_batch, pins, precision, cluster.fast_domain_devices)
+        if any(bounds.memory_floor(lay)[0] <= usable_bytes(cluster.device) for lay in layouts):
+            return count
+    return None
+
+
+def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str = "bf16",
+         device: str | None = None, num_devices: int | None = None, devices_per_node: int | None = None,
+         time_limit_s: float = 60.0, top_k: int = 3, overlap: OverlapModel = OverlapModel(),
+         ep_imbalance: float = 1.0, leaf_modules: tuple[str, ...] = (), progress=None, **fix) -> Plan:
+    """Search the fastest layout that fits: `planner.plan("llama3-70b", "dgx-h100", global_batch=1024, tp=8)`.
+
+    `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.
+    `cluster`: a profile name, path or `Cluster`; or give `device=` and `num_devices=`.
+    `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp).
+    """
+    _check_batch(global_batch)
+    graph = capture(model, seq_len, leaf_modules)
+    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
+    values = parse_layout_text(",".join(f"{k}={v.value if isinstance(v, Recompute) else v}"
+                                        for k, v in fix.items()), "fix")
+    pins = pins_from(values)
+    outcome = search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s, max(top_k, 1),
+                     overlap, ep_imbalance, graph=graph, progress=progress)
+    if not outcome.ranked:
+        raise _infeasible(graph, resolved, global_batch, outcome, pins, precision)
+    return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome)
+
+
+def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
+             seq_len: int | None = None, precision: str = "bf16", device: str | None = None,
+             num_devices: int | None = None, devices_per_node: int | None = None,
+             overlap: OverlapModel = OverlapModel(), ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
+             leaf_modules: tuple[str, ...] = ()) -> Plan:
+    """Predict a given layout. Fields left out are searched; a layout that does not divide or fit is explained."""
+    _check_batch(global_batch)
+    graph = capture(model, seq_len, leaf_modules)
+    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
+    if isinstance(layout, Layout):
+        given = layout
+    else:
+        values = parse_layout_text(layout) if isinstance(layout, str) else dict(layout)
+        known = {"dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "zero", "recompute"}
+        if not known <= set(values):  # search the rest with these pinned
+            return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
+                        precision=values.get("precision", precision), time_limit_s=time_limit_s, overlap=overlap,
+                        ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, **values)
+        given = Layout(dp=values["dp"], tp=values["tp"], pp=values["pp"], vp=values["vp"], cp=values["cp"],
+                       ep=values["ep"], etp=values["etp"], micro_batch=values["mbs"], global_batch=global_batch,
+                       zero=values["zero"], recompute=values["recompute"], sequence_parallel=values.get("sp", True),
+                       precision=values.get("precision", precision))
+    given = replace(given, global_batch=global_batch)
+    problems = layout_problems(given, graph, resolved.num_devices)
+    if problems:
+        raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
+                             expected="degrees whose product is the device count and that divide the model")
+    result = estimate(graph.costs_record, resolved, given, overlap, ep_imbalance)
+    plan_ = build_plan(graph, resolved, result, None)
+    if not result.fits:
+        worst = max(result.stage_memory, key=lambda s: s.total)
+        part = max(worst.parts(), key=worst.parts().get)
+        plan_ = plan_.model_copy(update={"reasons": [
+            f"does not fit: stage {worst.stage} needs {worst.total / 1e9:.1f} GB of {worst.capacity / 1e9:.1f} GB "
+            f"usable, mostly {part.replace('_', ' ')} ({worst.parts()[part] / 1e9:.1f} GB)"] + plan_.reasons})
+    return plan_
