@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cost_models.layout import Layout, Recompute
 from cost_models.step_time import Estimate
@@ -59,7 +59,8 @@ class MemoryRecord(_Frozen):
 
 
 class SearchStats(_Frozen):
-    wall_s: float
+    # wall time is reported (CLI, API) but kept out of plan files, which must be byte-identical per input
+    wall_s: float = Field(default=0.0, exclude=True)
     candidates: int
     pruned_memory: int
     pruned_bound: int

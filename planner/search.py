@@ -106,9 +106,9 @@ class _Bounds:
 def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = Pins(),
            precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3,
            overlap: OverlapModel = OverlapModel(), ep_imbalance: float = 1.0, graph=None,
-           progress=None) -> SearchOutcome:
+           progress=None, recompute_choices: tuple[Recompute, ...] | None = None) -> SearchOutcome:
     start = time.perf_counter()
-    allowed = (pins.recompute,) if pins.recompute else (Recompute.none, Recompute.selective, Recompute.full)
+    allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
     layouts = candidate_layouts(graph, cluster.num_devices, global_batch, pins, precision,
                                 cluster.fast_domain_devices)
     capacity = usable_bytes(cluster.device)

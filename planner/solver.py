@@ -103,8 +103,10 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     # constraints: a block recomputes at most one way
     for j in range(units):
         for r in range(len(runs)):
-            if extra:
+            if extra and Recompute.none in allowed:
                 cp.Add(sum(redo[j, r, k] for k in extra) <= count[j][r])
+            elif extra:  # recomputation pinned: every block takes one of the allowed methods
+                cp.Add(sum(redo[j, r, k] for k in extra) == count[j][r])
 
     capacity = usable_bytes(costs.cluster.device)
     work, compute, grads, opt_params = [], [], [], []
