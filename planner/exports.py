@@ -1,0 +1,118 @@
+"""Plans in the formats of the runtimes users already run: Megatron-LM, torchtitan, DeepSpeed, torchrun."""
+from __future__ import annotations
+
+import json
+
+from .plan import Plan
+
+
+def _full_recompute_layers(plan: Plan) -> int:
+    return sum(r == "full" for stage in plan.stages for r in stage.recompute)
+
+
+def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
+    kinds = {r for stage in plan.stages for r in stage.recompute}
+    if len(kinds) > 1:
+        return [f"{target} cannot express per-layer recomputation lists; the plan recomputes "
+                f"{_full_recompute_layers(plan)} layers fully and "
+                f"{sum(r == 'selective' for s in plan.stages for r in s.recompute)} selectively"]
+    return []
+
+
+def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
+    """Megatron-LM pretrain_gpt.py arguments and what they cannot say."""
+    lay = plan.layout
+    args = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}",
+            f"--context-parallel-size {lay.cp}", f"--expert-model-parallel-size {lay.ep}",
+            f"--expert-tensor-parallel-size {lay.etp}", f"--micro-batch-size {lay.mbs}",
+            f"--global-batch-size {lay.gbs}", f"--seq-length {plan.seq_len}"]
+    if lay.vp > 1:
+        layers_per_chunk = {len(s.layers) for s in plan.stages}
+        if len(layers_per_chunk) == 1:
+            args.append(f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk.pop()}")
+        else:
+            args.append(f"--num-virtual-stages-per-pipeline-rank {lay.vp}")
+    if lay.sp and lay.tp > 1:
+        args.append("--sequence-parallel")
+    if lay.zero >= 1:
+        args.append("--use-distributed-optimizer")
+    if lay.precision == "fp8":
+        args += ["--bf16", "--fp8-format hybrid"]
+    else:
+        args.append("--bf16")
+    notes = []
+    recompute = {r for stage in plan.stages for r in stage.recompute}
+    full = _full_recompute_layers(plan)
+    if recompute == {"selective"}:
+        args.append("--recompute-granularity selective")
+    elif "full" in recompute:
+        per_stage = max(sum(r == "full" for r in s.recompute) for s in plan.stages)
+        args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {per_stage}"]
+        if "selective" in recompute or len({sum(r == 'full' for r in s.recompute) for s in plan.stages}) > 1:
+            notes.append(f"Megatron recomputes the same number of layers in every stage: {per_stage} per "
+                         f"stage here, where the plan asks for {full} in all, unevenly")
+    if lay.pp > 1:
+        counts = [sum(len(s.layers) for s in plan.stages if s.pipeline_rank == r) for r in range(lay.pp)]
+        if len(set(counts)) > 1:
+            args += [f"--decoder-first-pipeline-num-layers {counts[0]}", f"--decoder-last-pipeline-num-layers {counts[-1]}"]
+            if len(set(counts[1:-1])) > 1:
+                notes.append(f"Megatron splits the middle stages evenly; the plan has {counts[1:-1]}")
+    if lay.zero in (2, 3):
+        notes.append(f"ZeRO-{lay.zero} is Megatron-FSDP territory (--use-custom-fsdp); the distributed "
+                     "optimizer above is ZeRO-1")
+    return args, notes
+
+
+def torchtitan_toml(plan: Plan) -> tuple[str, list[str]]:
+    lay = plan.layout
+    recompute = {r for stage in plan.stages for r in stage.recompute}
+    mode = "none" if recompute == {"none"} else ("selective" if recompute == {"selective"} else "full")
+    split_points = [s.modules[0] for s in plan.stages[1:]]
+    lines = ["[parallelism]",
+             f"data_parallel_shard_degree = {lay.dp if lay.zero >= 1 else 1}",
+             f"data_parallel_replicate_degree = {1 if lay.zero >= 1 else lay.dp}",
+             f"tensor_parallel_degree = {lay.tp}",
+             f"enable_async_tensor_parallel = false",
+             f"pipeline_parallel_degree = {lay.pp}",
+             f"pipeline_parallel_schedule = \"{'Interleaved1F1B' if lay.vp > 1 else '1F1B'}\"",
+             f"pipeline_parallel_microbatch_size = {lay.mbs}",
+             f"pipeline_parallel_split_points = {json.dumps(split_points)}",
+             f"context_parallel_degree = {lay.cp}",
+             f"expert_parallel_degree = {lay.ep}",
+             f"expert_tensor_parallel_degree = {lay.etp}",
+             "", "[training]", f"global_batch_size = {lay.gbs}", f"local_batch_size = {lay.gbs // lay.dp}",
+             f"seq_len = {plan.seq_len}", "", "[activation_checkpoint]", f"mode = \"{mode}\""]
+    notes = _notes_for_recompute(plan, "torchtitan")
+    if lay.zero in (1, 2):
+        notes.append(f"torchtitan shards with FSDP2 (ZeRO-3 style); ZeRO-{lay.zero} has no exact equivalent")
+    return "\n".join(lines) + "\n", notes
+
+
+def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
+    lay = plan.layout
+    config = {
+        "train_batch_size": lay.gbs,
+        "train_micro_batch_size_per_gpu": lay.mbs,
+        "gradient_accumulation_steps": lay.gbs // (lay.dp * lay.mbs),
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": lay.zero, "overlap_comm": True, "contiguous_gradients": True},
+        "gradient_clipping": 1.0,
+        "activation_checkpointing": {"partition_activations": lay.tp > 1,
+                                     "contiguous_memory_optimization": False,
+                                     "number_checkpoints": _full_recompute_layers(plan) or None},
+    }
+    notes = ["DeepSpeed's tensor and pipeline degrees are set by the model code (Megatron-DeepSpeed "
+             f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}), not this file"]
+    if lay.cp > 1 or lay.ep > 1:
+        notes.append("context and expert parallel degrees are not DeepSpeed config fields")
+    return json.dumps(config, indent=2) + "\n", notes
+
+
+def torchrun_command(plan: Plan, plan_path: str, script: str = "examples/train_tiny.py",
+                     devices_per_node: int = 8) -> str:
+    world = plan.num_devices
+    per_node = min(devices_per_node, world)
+    nodes = world // per_node
+    rendezvous = "" if nodes == 1 else " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500"
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rendezvous} {script} "
+            f"--model {plan.model} --plan {plan_path}")
