@@ -1,0 +1,231 @@
+"""`planner`: the command line, a thin layer over the Python API (typer + rich)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
+from cost_models.reliability import goodput
+from hardware_profiles.errors import UserInputError
+
+from . import api, exports, views
+from .model_capture import capture
+from .plan import Plan
+from .space import parse_layout_text
+from .whatif import whatif, write_report
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Plan, evaluate and export parallel layouts for LLM training.\n\n"
+                       "Examples:\n\n"
+                       "  planner plan --model llama3-70b --cluster dgx-h100 --num-devices 1024 --global-batch 1024\n\n"
+                       "  planner evaluate --model gpt3-175b --cluster dgx-a100 --global-batch 1536 "
+                       "--layout tp=8,pp=16,dp=8\n\n"
+                       "  planner whatif --model llama3-70b --device h100-sxm --sweep num-devices=512,1024,2048 "
+                       "--global-batch 1024 --tokens 15T --out report/\n\n"
+                       "  planner export plan.yaml --to megatron")
+profiles_app = typer.Typer(no_args_is_help=True, help="Device and cluster profiles.")
+models_app = typer.Typer(no_args_is_help=True, help="Built-in models and what capture finds in them.")
+app.add_typer(profiles_app, name="profiles")
+app.add_typer(models_app, name="models")
+out = Console()
+err = Console(stderr=True)
+
+ModelOpt = typer.Option(..., "--model", help="built-in name, model .yaml, HF config.json or file.py:factory")
+ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML path")
+DeviceOpt = typer.Option(None, "--device", help="build a cluster from a device profile (with --num-devices)")
+DevicesOpt = typer.Option(None, "--num-devices", help="number of devices")
+PerNodeOpt = typer.Option(None, "--devices-per-node", help="devices per node (with --device)")
+BatchOpt = typer.Option(..., "--global-batch", help="sequences per optimizer step")
+SeqOpt = typer.Option(None, "--seq-len", help="sequence length (default: the model's)")
+LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
+
+
+def _leaves(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _progress():
+    progress = Progress(TextColumn("searching layouts"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        console=err, transient=True, disable=not err.is_terminal)
+    task = progress.add_task("search", total=1)
+    return progress, lambda done, total: progress.update(task, completed=done, total=total)
+
+
+def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
+    if as_json:
+        data = result.model_dump(mode="json")
+        data["layout"]["recompute_per_layer"] = [r for s in result.stages for r in s.recompute]
+        data["peak_memory_bytes_per_stage"] = [m.total_bytes for m in result.memory]
+        if result.search is not None:
+            data["search"]["wall_s"] = result.search.wall_s
+        if top_goodput:
+            data["goodput"] = top_goodput
+        out.print_json(json.dumps(data))
+    else:
+        views.show_plan(out, result, top_goodput)
+
+
+@app.command()
+def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
+         num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
+         global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
+         precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8"),
+         fix: str = typer.Option("", "--fix", help="pin layout fields, e.g. tp=8,pp=16,recompute=none"),
+         top: int = typer.Option(3, "--top", help="alternatives to report"),
+         time_limit: float = typer.Option(60.0, "--time-limit", help="search time limit in seconds"),
+         objective: str = typer.Option("step-time", "--objective", help="step-time or goodput"),
+         out_path: Optional[Path] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
+         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+         leaf_modules: str = LeafOpt) -> None:
+    """Search the fastest layout that fits, with its prediction and why."""
+    if precision not in ("bf16", "fp8"):
+        raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
+    if objective not in ("step-time", "goodput"):
+        raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
+    pins = parse_layout_text(fix, "--fix")
+    progress, report = _progress()
+    with progress:
+        result = api.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                          device=device, num_devices=num_devices, devices_per_node=devices_per_node,
+                          time_limit_s=time_limit, top_k=top + 1, progress=report,
+                          leaf_modules=_leaves(leaf_modules), **pins)
+    extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len) \
+        if objective == "goodput" else None
+    if out_path:
+        result.save(out_path)
+    _emit(result, as_json, extra)
+    if out_path and not as_json:
+        out.print(f"plan written to {out_path}")
+
+
+def _goodput_summary(result: Plan, model, cluster, device, num_devices, per_node, seq_len) -> dict:
+    resolved = api.resolve_cluster(cluster, device, num_devices, per_node)
+    g = goodput(resolved, resolved.num_devices, capture(model, seq_len).total_params, result.mfu)
+    return {"ettr": g.ettr, "goodput": g.goodput, "mtbf_h": g.mtbf_s / 3600,
+            "interruptions_per_day": g.interruptions_per_day, "checkpoint_interval_min": g.interval_s / 60,
+            "checkpoint_bytes": g.checkpoint_bytes, "checkpoint_save_s": g.checkpoint_save_s}
+
+
+@app.command()
+def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
+             num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
+             global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
+             layout: str = typer.Option(..., "--layout", help="e.g. tp=8,pp=16,dp=64,cp=1,ep=1,vp=1,mbs=1,zero=1,"
+                                        "recompute=selective; fields left out are searched"),
+             precision: str = typer.Option("bf16", "--precision"),
+             time_limit: float = typer.Option(60.0, "--time-limit"),
+             as_json: bool = typer.Option(False, "--json"), leaf_modules: str = LeafOpt) -> None:
+    """Predict a layout you give (and explain it if it does not fit or divide)."""
+    result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                          device=device, num_devices=num_devices, devices_per_node=devices_per_node,
+                          time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules))
+    _emit(result, as_json)
+
+
+@app.command(name="whatif")
+def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--sweep", help="KEY=V1,V2,... with KEY one of "
+                   "num-devices, device, inter-node-bandwidth-gbps, seq-len, global-batch"),
+                   cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
+                   num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
+                   global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
+                   tokens: str = typer.Option("1T", "--tokens", help="token budget, e.g. 15T"),
+                   time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
+                   out_dir: Optional[Path] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
+                   as_json: bool = typer.Option(False, "--json")) -> None:
+    """Best plan, time to train, device-hours and goodput at each point of a sweep."""
+    if device is None and cluster is None:
+        if not sweep.startswith("device="):
+            raise UserInputError("no cluster given", field="--cluster", expected="--cluster or --device")
+    if sweep.startswith("device=") and num_devices is None:
+        raise UserInputError("a device sweep needs --num-devices", field="--num-devices", expected="a device count")
+    report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
+                    device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
+                    devices_per_node=devices_per_node, time_limit_s=time_limit)
+    if as_json:
+        out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,
+                                   "rows": [row.__dict__ for row in report.rows]}))
+    else:
+        views.show_whatif(out, report)
+    if out_dir:
+        png, page = write_report(report, out_dir)
+        if not as_json:
+            out.print(f"wrote {png} and {page}")
+
+
+@app.command()
+def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
+           to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun")) -> None:
+    """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a torchrun line for our runtime."""
+    result = Plan.load(plan_file)
+    if to == "megatron":
+        args, notes = exports.megatron_args(result)
+        text = " \\\n  ".join(args)
+    elif to == "torchtitan":
+        text, notes = exports.torchtitan_toml(result)
+    elif to == "deepspeed":
+        text, notes = exports.deepspeed_json(result)
+    elif to == "torchrun":
+        text, notes = exports.torchrun_command(result, str(plan_file)), []
+    else:
+        raise UserInputError(f"'{to}'", field="--to", expected="megatron, torchtitan, deepspeed or torchrun")
+    sys.stdout.write(text.rstrip("\n") + "\n")
+    for note in notes:
+        err.print(f"note: {note}")
+
+
+@profiles_app.command("list")
+def profiles_list() -> None:
+    """Every built-in device and cluster profile."""
+    views.show_profiles(out)
+
+
+@profiles_app.command("show")
+def profiles_show(name: str = typer.Argument(..., help="a device or cluster name, or a YAML path")) -> None:
+    """One profile, field by field."""
+    views.show_profile(out, name)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Built-in models."""
+    views.show_models(out)
+
+
+@models_app.command("show")
+def models_show(name: str = typer.Argument(..., help="built-in name, YAML, config.json or file.py:factory"),
+                seq_len: Optional[int] = SeqOpt, as_json: bool = typer.Option(False, "--json"),
+                leaf_modules: str = LeafOpt) -> None:
+    """Parameters, layers by kind and FLOPs per token, from the captured graph."""
+    graph = capture(name, seq_len, _leaves(leaf_modules))
+    summary = views.model_summary(graph)
+    if as_json:
+        out.print_json(json.dumps(summary))
+    else:
+        views.show_model(out, graph, summary)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserInputError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
+    except (typer.Exit, SystemExit) as exc:
+        code = getattr(exc, "exit_code", getattr(exc, "code", 0))
+        sys.exit(code or 0)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as exc:  # usage errors (unknown flag, missing option) arrive here without standalone mode
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

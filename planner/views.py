@@ -1,0 +1,179 @@
+"""Rich renderings of plans, reports, profiles and models for the CLI."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from hardware_profiles.loader import (CLUSTER_DIR, DEVICE_DIR, list_clusters, list_devices, load_cluster,
+                                      load_device)
+from hardware_profiles.errors import UserInputError
+
+from .explain import PART_NAMES
+from .graph import ModelGraph
+from .model_sources import list_builtin_models
+from .plan import Plan
+
+GB = 1e9
+
+
+def _stage_summary(result: Plan) -> Table:
+    table = Table(title="Stages")
+    for column in ("stage", "rank", "layers", "recompute", "first module", "last module"):
+        table.add_column(column)
+    for stage in result.stages:
+        counts = {r: stage.recompute.count(r) for r in ("none", "selective", "full") if stage.recompute.count(r)}
+        layers = f"{stage.layers[0]}-{stage.layers[-1]}" if stage.layers else "-"
+        table.add_row(str(stage.index), str(stage.pipeline_rank), f"{layers} ({len(stage.layers)})",
+                      ", ".join(f"{k} {v}" for k, v in counts.items()), stage.modules[0], stage.modules[-1])
+    return table
+
+
+def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> None:
+    lay = result.layout
+    head = Table(title=f"Plan: {result.model} on {result.num_devices} x {result.cluster}", show_header=False)
+    head.add_row("layout", f"dp={lay.dp} tp={lay.tp}{' (+SP)' if lay.sp else ''} pp={lay.pp} vp={lay.vp} cp={lay.cp} "
+                 f"ep={lay.ep} etp={lay.etp}")
+    head.add_row("batch", f"global {lay.gbs}, micro {lay.mbs}, {lay.gbs // (lay.dp * lay.mbs)} micro-batches, "
+                 f"seq {result.seq_len}")
+    head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}, "
+                 f"mesh {'-'.join(lay.mesh_order)}")
+    head.add_row("step time", f"{result.step_time_s:.3f} s   {result.tokens_per_s:,.0f} tokens/s")
+    head.add_row("utilisation", f"{result.tflops_per_device:.0f} TFLOP/s per device, MFU {result.mfu:.1%}, "
+                 f"HFU {result.hfu:.1%}")
+    if goodput:
+        head.add_row("goodput", f"ETTR {goodput['ettr']:.1%} -> goodput {goodput['goodput']:.1%}; "
+                     f"{goodput['interruptions_per_day']:.2f} interruptions/day; checkpoint every "
+                     f"{goodput['checkpoint_interval_min']:.0f} min")
+    console.print(head)
+    breakdown = Table(title="Step time breakdown")
+    breakdown.add_column("part")
+    breakdown.add_column("seconds", justify="right")
+    breakdown.add_column("share", justify="right")
+    for name, value in result.breakdown.items():
+        if value > 0:
+            breakdown.add_row(PART_NAMES.get(name, name), f"{value:.3f}", f"{value / result.step_time_s:.1%}")
+    console.print(breakdown)
+    memory = Table(title="Memory per pipeline rank (GB)")
+    for column in ("stage", "weights", "grads", "optimizer", "activations", "other", "total", "usable"):
+        memory.add_column(column, justify="right")
+    for m in result.memory:
+        p = m.parts
+        other = p["logits"] + p["recompute_working"] + p["comm_buffers"]
+        memory.add_row(str(m.stage), *(f"{v / GB:.1f}" for v in (p["weights"], p["gradients"], p["optimizer"],
+                                                                 p["activations"], other, m.total_bytes,
+                                                                 m.capacity_bytes)))
+    console.print(memory)
+    console.print(_stage_summary(result))
+    if result.alternatives:
+        alt = Table(title="Next best")
+        alt.add_column("layout")
+        alt.add_column("step s", justify="right")
+        alt.add_column("MFU", justify="right")
+        alt.add_column("loses")
+        for a in result.alternatives:
+            alt.add_row(a.layout, f"{a.step_time_s:.3f}", f"{a.mfu:.1%}", a.loses)
+        console.print(alt)
+    for reason in result.reasons:
+        console.print(f"- {reason}")
+    if result.search:
+        s = result.search
+        console.print(f"search: {s.candidates} candidates, {s.pruned_memory} pruned by memory, {s.pruned_bound} by "
+                      f"bound, {s.solved} solved ({s.solver_status}, gap {s.gap:.2%}) in {s.wall_s:.1f} s")
+
+
+def show_whatif(console: Console, report) -> None:
+    table = Table(title=f"What-if: {report.model}, {report.sweep_key}, {report.tokens:.3g} tokens")
+    for column in ("point", "layout", "step s", "MFU", "tokens/s", "days", "device-hours", "ETTR", "goodput",
+                   "ckpt min"):
+        table.add_column(column, justify="right")
+    for r in report.rows:
+        if r.note:
+            table.add_row(r.point, r.note, *[""] * 8)
+            continue
+        table.add_row(r.point, r.layout, f"{r.step_time_s:.2f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
+                      f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
+                      f"{r.checkpoint_interval_min:.0f}")
+    console.print(table)
+
+
+def show_profiles(console: Console) -> None:
+    devices = Table(title="Devices")
+    for column in ("name", "device", "bf16 TFLOP/s", "HBM GB", "HBM TB/s", "fabric", "GB/s per direction", "backend"):
+        devices.add_column(column)
+    for name in list_devices():
+        d = load_device(name)
+        devices.add_row(name, d.display_name, f"{d.peak_tflops.bf16:g}", f"{d.hbm_bytes / GB:.0f}",
+                        f"{d.hbm_bandwidth_gbytes_per_s / 1000:.2f}", d.intra_node.kind.value,
+                        f"{d.intra_node.bandwidth_per_direction_gbytes_per_s:g}", d.collective_backend)
+    console.print(devices)
+    clusters = Table(title="Clusters")
+    for column in ("name", "device", "devices", "per node", "fast domain", "network", "Gb/s x NICs per node"):
+        clusters.add_column(column)
+    for name in list_clusters():
+        c = load_cluster(name)
+        clusters.add_row(name, c.device.name, str(c.num_devices), str(c.devices_per_node), str(c.fast_domain_devices),
+                         c.inter_node.kind, f"{c.inter_node.nic_bandwidth_gbit_per_s:g} x {c.inter_node.nics_per_node}")
+    console.print(clusters)
+
+
+def _flatten(prefix: str, data: dict, table: Table) -> None:
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _flatten(f"{name}.", value, table)
+        else:
+            table.add_row(name, str(value))
+
+
+def show_profile(console: Console, name: str) -> None:
+    if name in list_devices() or (name.endswith((".yaml", ".yml")) and "device" not in _peek(name)):
+        profile = load_device(name)
+    elif name in list_clusters() or name.endswith((".yaml", ".yml")):
+        profile = load_cluster(name)
+    else:
+        raise UserInputError(f"no device or cluster named '{name}'",
+                             expected=f"one of {', '.join(list_devices() + list_clusters())}")
+    table = Table(title=f"{type(profile).__name__}: {profile.name}", show_header=False)
+    _flatten("", profile.model_dump(mode="json"), table)
+    console.print(table)
+
+
+def _peek(path: str) -> dict:
+    import yaml
+    from pathlib import Path
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except Exception:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def show_models(console: Console) -> None:
+    table = Table(title="Built-in models")
+    table.add_column("name")
+    for name in list_builtin_models():
+        table.add_row(name)
+    console.print(table)
+
+
+def model_summary(graph: ModelGraph) -> dict:
+    return {"name": graph.name, "total_params": graph.total_params, "active_params": graph.active_params,
+            "layers_by_kind": graph.layer_counts(), "flops_per_token": graph.model_flops_per_token(),
+            "seq_len": graph.seq_len, "hidden_size": graph.hidden_size, "vocab_size": graph.vocab_size,
+            "attention_heads": graph.attention_heads, "kv_groups": graph.kv_groups,
+            "num_experts": graph.num_experts, "capture_seconds": round(graph.capture_seconds, 3),
+            "tensor_parallel_pairs": {s.kind: [{"columns": list(p.columns), "row": p.row} for p in s.tp_pairs]
+                                      for s in graph.structures}}
+
+
+def show_model(console: Console, graph: ModelGraph, summary: dict) -> None:
+    table = Table(title=f"Model: {graph.name}", show_header=False)
+    table.add_row("parameters", f"{graph.total_params / 1e9:.3f} B total, {graph.active_params / 1e9:.3f} B active")
+    table.add_row("layers", ", ".join(f"{k} {v}" for k, v in summary["layers_by_kind"].items()))
+    table.add_row("FLOPs per token", f"{summary['flops_per_token']:.4g} (forward + backward, seq {graph.seq_len})")
+    table.add_row("attention", f"{graph.attention_heads} heads, {graph.kv_groups} kv groups")
+    if graph.num_experts:
+        table.add_row("experts", str(graph.num_experts))
+    for kind, pairs in summary["tensor_parallel_pairs"].items():
+        table.add_row(f"TP pairs ({kind})", "; ".join(f"{'+'.join(p['columns'])} -> {p['row']}" for p in pairs))
+    console.print(table)

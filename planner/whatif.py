@@ -1,0 +1,176 @@
+"""What-if capacity reports: the best plan at each point of a sweep, time to train, device-hours, goodput."""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cost_models.reliability import goodput
+from hardware_profiles.errors import UserInputError
+
+from .api import InfeasibleError, plan, resolve_cluster
+from .model_capture import capture
+
+SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
+TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: str) -> float:
+    text = str(text).strip().upper()
+    try:
+        if text and text[-1] in TOKEN_SUFFIXES:
+            return float(text[:-1]) * TOKEN_SUFFIXES[text[-1]]
+        return float(text)
+    except ValueError:
+        raise UserInputError(f"'{text}' is not a token count", field="--tokens",
+                             expected="a number with an optional K/M/B/T suffix, e.g. 15T") from None
+
+
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    if "=" not in spec:
+        raise UserInputError(f"'{spec}' is not KEY=V1,V2,...", field="--sweep",
+                             expected=f"one of {', '.join(SWEEP_KEYS)} with comma-separated values")
+    key, values = spec.split("=", 1)
+    key = key.strip()
+    points = [v.strip() for v in values.split(",") if v.strip()]
+    if key not in SWEEP_KEYS:
+        raise UserInputError(f"unknown sweep key '{key}'", field="--sweep", expected=f"one of {', '.join(SWEEP_KEYS)}")
+    if not points:
+        raise UserInputError("no values", field="--sweep", expected="at least one value after '='")
+    if key != "device":
+        for value in points:
+            if not value.isdigit() or int(value) <= 0:
+                raise UserInputError(f"{key}={value}", field="--sweep", expected=f"positive integers for {key}")
+    return key, points
+
+
+@dataclass(frozen=True)
+class Row:
+    point: str
+    layout: str
+    num_devices: int
+    device: str
+    step_time_s: float
+    mfu: float
+    tokens_per_s: float
+    days_to_train: float
+    device_hours: float
+    ettr: float
+    goodput: float
+    interruptions_per_day: float
+    checkpoint_interval_min: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Report:
+    model: str
+    sweep_key: str
+    tokens: float
+    rows: tuple[Row, ...]
+
+    def plot(self, path: str | Path) -> Path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        good = [r for r in self.rows if not r.note]
+        labels = [r.point for r in good]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+        left.plot(labels, [r.mfu * 100 for r in good], marker="o", label="MFU %")
+        left.plot(labels, [r.goodput * 100 for r in good], marker="s", label="goodput % (MFU x ETTR)")
+        left.plot(labels, [r.ettr * 100 for r in good], marker="^", label="ETTR %")
+        left.set_xlabel(self.sweep_key)
+        left.set_ylabel("percent")
+        left.set_title(f"{self.model}: utilisation")
+        left.legend()
+        right.plot(labels, [r.days_to_train for r in good], marker="o", color="tab:red", label="days to train")
+        right.set_xlabel(self.sweep_key)
+        right.set_ylabel(f"days for {self.tokens:.3g} tokens")
+        right.set_title("time to train")
+        right.legend()
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def to_html(self, path: str | Path, image: str | None = None) -> Path:
+        head = ["point", "layout", "devices", "step s", "MFU", "tokens/s", "days", "device-hours", "ETTR",
+                "goodput", "interruptions/day", "ckpt every (min)", "note"]
+        rows = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+                r.point, r.layout, r.num_devices, f"{r.step_time_s:.3f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
+                f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
+                f"{r.interruptions_per_day:.2f}", f"{r.checkpoint_interval_min:.0f}", r.note)) + "</tr>"
+            for r in self.rows)
+        picture = ""
+        if image:
+            import base64
+            data = base64.b64encode(Path(image).read_bytes()).decode()
+            picture = f'<img alt="what-if plot" src="data:image/png;base64,{data}">'
+        page = (f"<!doctype html><html><head><meta charset='utf-8'><title>What-if: {html.escape(self.model)}</title>"
+                "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+                "td,th{border:1px solid #999;padding:4px 8px;text-align:right}</style></head><body>"
+                f"<h1>What-if: {html.escape(self.model)}, sweep over {html.escape(self.sweep_key)}</h1>"
+                f"<p>Token budget {self.tokens:.3g}. Generated by parallel-planner.</p>"
+                f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>{picture}</body></html>")
+        path = Path(path)
+        path.write_text(page)
+        return path
+
+
+def _point_cluster(base_kwargs: dict, key: str, value: str):
+    kwargs = dict(base_kwargs)
+    if key == "num-devices":
+        kwargs["num_devices"] = int(value)
+    elif key == "device":
+        kwargs["device"], kwargs["cluster"] = value, None
+    cluster = resolve_cluster(**kwargs)
+    if key == "inter-node-bandwidth-gbps":
+        network = cluster.inter_node.model_copy(update={"nic_bandwidth_gbit_per_s": float(value)})
+        cluster = cluster.model_copy(update={"inter_node": network})
+    return cluster
+
+
+def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, tokens: str | float = "1T",
+           cluster=None, device: str | None = None, num_devices: int | None = None,
+           devices_per_node: int | None = None, time_limit_s: float = 30.0, **fix) -> Report:
+    """Best plan at every sweep point: `whatif("llama3-70b", sweep="num-devices=512,1024", device="h100-sxm", ...)`."""
+    key, points = parse_sweep(sweep)
+    budget = parse_tokens(tokens) if isinstance(tokens, str) else float(tokens)
+    base = {"cluster": cluster, "device": device, "num_devices": num_devices, "devices_per_node": devices_per_node}
+    rows = []
+    name = capture(model, seq_len).name
+    for value in points:
+        point_cluster = _point_cluster(base, key, value)
+        seq = int(value) if key == "seq-len" else seq_len
+        batch = int(value) if key == "global-batch" else global_batch
+        try:
+            result = plan(model, point_cluster, global_batch=batch, seq_len=seq, time_limit_s=time_limit_s, **fix)
+        except InfeasibleError as exc:
+            rows.append(Row(value, "-", point_cluster.num_devices, point_cluster.device.name, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                            note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}"))
+            continue
+        graph = capture(model, seq)
+        good = goodput(point_cluster, point_cluster.num_devices, graph.total_params, result.mfu)
+        days = budget / result.tokens_per_s / good.ettr / 86400
+        rows.append(Row(value, _short(result.layout), point_cluster.num_devices, point_cluster.device.name,
+                        result.step_time_s, result.mfu, result.tokens_per_s, days,
+                        days * 24 * point_cluster.num_devices, good.ettr, good.goodput, good.interruptions_per_day,
+                        good.interval_s / 60))
+    return Report(name, key, budget, tuple(rows))
+
+
+def _short(layout) -> str:
+    return f"tp{layout.tp} pp{layout.pp}x{layout.vp} dp{layout.dp} cp{layout.cp} ep{layout.ep} mbs{layout.mbs} z{layout.zero}"
+
+
+def write_report(report: Report, out_dir: str | Path) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = report.plot(out / "whatif.png")
+    page = report.to_html(out / "whatif.html", image=str(png))
+    return png, page
+
+
+__all__ = ["whatif", "Report", "Row", "write_report", "parse_sweep", "parse_tokens", "replace"]

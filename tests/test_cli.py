@@ -1,0 +1,189 @@
+"""The CLI end to end (real console script) and its refusals (exit 2, one clear paragraph)."""
+import json
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from planner import cli
+from planner.plan import Plan
+
+PLANNER = str(Path(sys.executable).parent / "planner")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+# Megatron-LM argument names (megatron/training/arguments.py, Megatron-LM core_r0.13 and later)
+MEGATRON_ARGS = {
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size", "--global-batch-size",
+    "--seq-length", "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+    "--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp8-format", "--recompute-granularity",
+    "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+}
+# DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
+DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
+                  "zero_optimization", "gradient_clipping", "activation_checkpointing"}
+
+
+def run(args, check=True):
+    proc = subprocess.run([PLANNER, *shlex.split(args)], capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    run(f"plan --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 --fix tp=2,pp=2 --out {path}")
+    return path
+
+
+def test_plan_json_schema():
+    proc = run("plan --model tiny-llama --device h100-sxm --num-devices 8 --global-batch 16 --json")
+    data = json.loads(proc.stdout)
+    for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "schedule", "mesh_order"):
+        assert key in data["layout"]
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "peak_memory_bytes",
+                "peak_memory_bytes_per_stage", "fits", "breakdown", "search"):
+        assert key in data
+    assert {"wall_s", "candidates", "solved", "solver_status", "gap"} <= set(data["search"])
+    assert data["step_time_s"] == pytest.approx(sum(data["breakdown"].values()), rel=1e-9)
+
+
+def test_plan_table_and_goodput():
+    proc = run("plan --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 --objective goodput")
+    assert "Step time breakdown" in proc.stdout and "ETTR" in proc.stdout and "Next best" in proc.stdout
+
+
+def test_evaluate_given_layout_and_partial_layout():
+    full = run("evaluate --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 --json "
+               "--layout tp=2,pp=2,dp=16,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=selective")
+    data = json.loads(full.stdout)
+    assert data["layout"]["tp"] == 2 and data["layout"]["dp"] == 16 and data["search"] is None
+    partial = json.loads(run("evaluate --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 "
+                             "--json --layout tp=4").stdout)
+    assert partial["layout"]["tp"] == 4 and partial["search"]["candidates"] > 0
+
+
+def test_evaluate_explains_a_layout_that_does_not_fit():
+    proc = run("evaluate --model llama3-70b --device h100-sxm --num-devices 8 --global-batch 8 --json "
+               "--layout tp=8,pp=1,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
+    data = json.loads(proc.stdout)
+    assert data["fits"] is False and data["reasons"][0].startswith("does not fit")
+
+
+def test_megatron_export(plan_file):
+    proc = run(f"export {plan_file} --to megatron")
+    names = {token for token in proc.stdout.split() if token.startswith("--")}
+    assert names <= MEGATRON_ARGS
+    plan = Plan.load(plan_file)
+    assert f"--tensor-model-parallel-size {plan.layout.tp}" in proc.stdout
+    assert f"--pipeline-model-parallel-size {plan.layout.pp}" in proc.stdout
+    assert f"--global-batch-size {plan.layout.gbs}" in proc.stdout
+
+
+def test_torchtitan_export(plan_file):
+    data = tomllib.loads(run(f"export {plan_file} --to torchtitan").stdout)
+    plan = Plan.load(plan_file)
+    assert data["parallelism"]["tensor_parallel_degree"] == plan.layout.tp
+    assert data["parallelism"]["pipeline_parallel_degree"] == plan.layout.pp
+    assert len(data["parallelism"]["pipeline_parallel_split_points"]) == len(plan.stages) - 1
+    assert data["activation_checkpoint"]["mode"] in ("none", "selective", "full")
+
+
+def test_deepspeed_export(plan_file):
+    data = json.loads(run(f"export {plan_file} --to deepspeed").stdout)
+    plan = Plan.load(plan_file)
+    assert set(data) <= DEEPSPEED_KEYS
+    assert data["train_batch_size"] == plan.layout.gbs
+    assert data["train_micro_batch_size_per_gpu"] * data["gradient_accumulation_steps"] * plan.layout.dp == plan.layout.gbs
+    assert data["zero_optimization"]["stage"] == plan.layout.zero
+
+
+def test_torchrun_export(plan_file):
+    line = run(f"export {plan_file} --to torchrun").stdout
+    assert line.startswith("torchrun ") and "--plan" in line and "--nproc-per-node 8" in line
+
+
+def test_profiles_and_models():
+    assert "h100-sxm" in run("profiles list").stdout
+    assert "nic_bandwidth_gbit_per_s" in run("profiles show dgx-h100").stdout
+    assert "deepseek-v3" in run("models list").stdout
+    data = json.loads(run("models show mixtral-8x7b --json").stdout)
+    assert data["total_params"] == pytest.approx(46.7e9, rel=0.005)
+    assert data["layers_by_kind"]["moe"] == 32 and data["flops_per_token"] > 0
+
+
+def test_whatif_writes_plot_and_html(tmp_path):
+    proc = run(f"whatif --model llama3-8b --device h100-sxm --sweep num-devices=16,32 --global-batch 64 "
+               f"--tokens 1T --out {tmp_path}")
+    assert "What-if" in proc.stdout
+    png, html = tmp_path / "whatif.png", tmp_path / "whatif.html"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    page = html.read_text()
+    assert "<table>" in page and "data:image/png;base64," in page and "http" not in page.split("<body>")[1]
+
+
+BAD = [
+    "plan --model gpt-9000 --device h100-sxm --num-devices 8 --global-batch 8",
+    "plan --model llama3-8b --device h100-sxm --num-devices 0 --global-batch 8",
+    "plan --model llama3-8b --device h100-sxm --num-devices 12 --global-batch 8",
+    "plan --model llama3-8b --device h1000 --num-devices 8 --global-batch 8",
+    "plan --model llama3-8b --cluster nowhere-cluster --global-batch 8",
+    "plan --model llama3-8b --cluster /no/such/cluster.yaml --global-batch 8",
+    "plan --model llama3-8b --global-batch 8",
+    "plan --model llama3-8b --device h100-sxm --global-batch 8",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 0",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch -4",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix tp",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix tq=2",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix tp=two",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix zero=5",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix recompute=sometimes",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --precision fp4",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --objective speed",
+    "plan --model llama3-405b --device h100-sxm --num-devices 8 --global-batch 8 --time-limit 20",
+    "plan --model /no/such/config.json --device h100-sxm --num-devices 8 --global-batch 8",
+    "plan --model /no/such/model.yaml --device h100-sxm --num-devices 8 --global-batch 8",
+    "plan --model examples/user_gpt.py --device h100-sxm --num-devices 8 --global-batch 8",
+    "plan --model examples/user_gpt.py:nothing --device h100-sxm --num-devices 8 --global-batch 8 --seq-len 64",
+    "plan --model examples/user_gpt.py:build --device h100-sxm --num-devices 8 --global-batch 8",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --seq-len 0",
+    "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=3,pp=1,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none",
+    "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=2,pp=2,dp=4,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none",
+    "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 6 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none",
+    "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=8,pp=1,dp=1,cp=1,ep=2,etp=1,vp=1,mbs=1,zero=1,recompute=none",
+    "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=8;pp=1",
+    "whatif --model llama3-8b --device h100-sxm --sweep num-devices --global-batch 8",
+    "whatif --model llama3-8b --device h100-sxm --sweep nodes=1,2 --global-batch 8",
+    "whatif --model llama3-8b --device h100-sxm --sweep num-devices=8,x --global-batch 8",
+    "whatif --model llama3-8b --device h100-sxm --sweep num-devices=8 --global-batch 8 --tokens lots",
+    "whatif --model llama3-8b --sweep device=h100-sxm,h1000 --num-devices 8 --global-batch 8",
+    "export /no/such/plan.yaml --to megatron",
+    "export README.md --to megatron",
+    "profiles show no-such-profile",
+    "models show no-such-model",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --no-such-flag",
+]
+
+
+@pytest.mark.parametrize("args", BAD)
+def test_bad_invocations_exit_2_with_one_paragraph(args, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "argv", ["planner", *shlex.split(args)])
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    captured = capsys.readouterr()
+    assert info.value.code == 2, captured.err
+    assert "Traceback" not in captured.err and captured.err.strip()
+
+
+def test_export_to_unknown_target(plan_file, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["planner", "export", str(plan_file), "--to", "jax"])
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    assert info.value.code == 2 and "megatron" in capsys.readouterr().err
