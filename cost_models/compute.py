@@ -47,6 +47,7 @@ def gemm_efficiency(device: Device, gemm_flops: float, precision: str) -> float:
     fraction = device.gemm.peak_fraction
     if precision == "fp8" and device.gemm.fp8_peak_fraction:
         fraction = device.gemm.fp8_peak_fraction
+    fraction *= device.gemm.sustained_fraction
     half = device.gemm.half_work_gflop * 1e9
     return fraction * gemm_flops / (gemm_flops + half) if half else fraction
 

@@ -44,6 +44,9 @@ class GemmEfficiency(Strict):
     fp8_peak_fraction: float | None = Field(default=None, gt=0, le=1)
     half_work_gflop: float = Field(ge=0)
     kernel_floor_us: float = Field(ge=0)
+    # share of MAMF sustained inside a training step (fusions, launch gaps, non-ideal shapes); fitted on
+    # published runs by benchmarks/calibrate.py, 1.0 where no run exists
+    sustained_fraction: float = Field(default=1.0, gt=0, le=1)
 
 
 class IntraNodeFabric(Strict):

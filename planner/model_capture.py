@@ -29,7 +29,11 @@ class _TopAnalyzer(_Analyzer):
         self.block_names = set(block_names)
         self.first_block, self.last_block = block_names[0], block_names[-1]
         self.passed_first = False
-        super().__init__(gm, set(), seq_len, part_of=self._part_of)
+        # the token embedding and output layer are vocabulary-parallel under tensor parallelism
+        owners = dict(gm.named_modules())
+        vocab_parallel = {n.name for n in gm.graph.nodes if n.op == "call_module"
+                          and isinstance(owners.get(n.target), nn.Linear | nn.Embedding)}
+        super().__init__(gm, vocab_parallel, seq_len, part_of=self._part_of)
         self.block_modules = modules
         self.leaf_names = leaf_names
         self.kind_of_signature: dict[tuple, str] = {}

@@ -1,0 +1,105 @@
+"""Fit the two calibrated compute figures of each device profile on published runs, and report the
+error on the runs left out of the fit.
+
+For each device with published runs: `gemm.sustained_fraction` (share of the measured MAMF kept inside a
+training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size). Runs are
+split alternately (sorted by id) into a fitting half and a held-out half. Layouts (partition,
+recomputation, unknown fields) come from one search with the current profiles and stay fixed while
+the figures are fitted by grid search on mean absolute percentage error. `--write` updates the YAML
+profiles in place (their comments kept).
+
+    .venv/bin/python benchmarks/calibrate.py [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml  # noqa: E402
+
+from cost_models.step_time import estimate  # noqa: E402
+from hardware_profiles.errors import UserInputError  # noqa: E402
+from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
+from planner.api import plan  # noqa: E402
+from planner.model_capture import capture  # noqa: E402
+from planner.published import DEFAULT_RUNS, load_runs  # noqa: E402
+
+SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
+HALF_WORK = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+
+
+def fixed_layouts(runs, precisions, time_limit_s):
+    out = []
+    for run in runs:
+        try:
+            result = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len,
+                          precision=precisions[run.id], time_limit_s=time_limit_s, top_k=1, **run.known)
+        except UserInputError:
+            continue
+        out.append((run, result.to_layout()))
+    return out
+
+
+def errors_with(items, sustained: float, half: float) -> list[float]:
+    errs = []
+    for run, layout in items:
+        gemm = run.cluster.device.gemm.model_copy(update={"sustained_fraction": sustained, "half_work_gflop": half})
+        device = run.cluster.device.model_copy(update={"gemm": gemm})
+        cluster = run.cluster.model_copy(update={"device": device})
+        predicted = estimate(capture(run.model, run.seq_len).costs_record, cluster, layout).step_time_s
+        errs.append(abs(predicted / run.measured_step_s - 1))
+    return errs
+
+
+def fit(items):
+    best = None
+    for half in HALF_WORK:
+        for sustained in SUSTAINED:
+            score = statistics.mean(errors_with(items, sustained, half))
+            if best is None or score < best[0]:
+                best = (score, sustained, half)
+    return best
+
+
+def write_profile(device: str, sustained: float, half: float) -> None:
+    path = DEVICE_DIR / f"{device}.yaml"
+    text = path.read_text()
+    text = re.sub(r"(  sustained_fraction: )[0-9.]+", rf"\g<1>{sustained}", text, count=1)
+    text = re.sub(r"(  half_work_gflop: )[0-9.]+", rf"\g<1>{half}", text, count=1)
+    path.write_text(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", default=str(DEFAULT_RUNS))
+    parser.add_argument("--write", action="store_true", help="update the device YAML files")
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    raw = {r["id"]: r["layout"].get("precision") for r in yaml.safe_load(Path(args.runs).read_text())}
+    precisions = {rid: ("fp8" if value == "fp8" else "bf16") for rid, value in raw.items()}
+    runs, _ = load_runs(args.runs)
+    by_device: dict[str, list] = {}
+    for run in sorted(runs, key=lambda r: r.id):
+        by_device.setdefault(run.cluster.device.name, []).append(run)
+    for device, device_runs in sorted(by_device.items()):
+        items = fixed_layouts(device_runs, precisions, args.time_limit)
+        fitting, held_out = items[0::2], items[1::2]
+        score, sustained, half = fit(fitting)
+        held = errors_with(held_out, sustained, half) if held_out else []
+        print(f"{device}: sustained_fraction={sustained} half_work_gflop={half}  fit MAPE {score:.1%} on "
+              f"{len(fitting)} runs; held-out MAPE "
+              f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
+              f"({', '.join(run.id for run, _ in held_out)})")
+        if args.write:
+            write_profile(device, sustained, half)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
