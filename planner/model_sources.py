@@ -74,7 +74,8 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
                              expected="a Hugging Face config.json of a decoder model")
     gpt_like = model_type in ("gpt2", "gpt_neox")
     data = {
-        "name": config.get("_name_or_path") or model_type or Path(source).parent.name or "hf-model",
+        "name": config.get("_name_or_path") or (Path(source).stem if source.endswith(".json") else model_type)
+        or "hf-model",
         "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "num_query_groups": _first(config, "num_key_value_heads", default=heads),
         "head_dim": config.get("head_dim"),

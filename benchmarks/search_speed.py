@@ -1,0 +1,38 @@
+"""Whole-process search time (capture included) for the cases issue 4 names.
+
+    .venv/bin/python benchmarks/search_speed.py
+"""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.api import plan  # noqa: E402
+from planner.model_capture import _capture_cached  # noqa: E402
+
+CASES = [
+    ("llama3-8b", "h100-sxm", 64, 512),
+    ("llama3-70b", "h100-sxm", 1024, 1024),
+    ("gpt3-175b", "a100-80g", 1024, 1536),
+    ("llama3-405b", "h100-sxm", 16384, 2048),
+    ("deepseek-v3", "h800", 2048, 4096),
+]
+
+
+def main() -> None:
+    print("| model | devices | global batch | wall s | candidates | solved | status | best layout | step s | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model, device, devices, batch in CASES:
+        _capture_cached.cache_clear()
+        start = time.perf_counter()
+        result = plan(model, device=device, num_devices=devices, global_batch=batch, time_limit_s=60)
+        wall = time.perf_counter() - start
+        lay, s = result.layout, result.search
+        print(f"| {model} | {devices} x {device} | {batch} | {wall:.1f} | {s.candidates} | {s.solved} | "
+              f"{s.solver_status} | tp{lay.tp} pp{lay.pp}x{lay.vp} dp{lay.dp} cp{lay.cp} ep{lay.ep} mbs{lay.mbs} "
+              f"z{lay.zero} | {result.step_time_s:.2f} | {result.mfu:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
