@@ -1,0 +1,125 @@
+"""Train a small model under a plan with this project's runtime, or as the single-process reference.
+
+    python examples/train_tiny.py --model tiny-llama --steps 5                      # reference
+    torchrun --nproc-per-node 8 examples/train_tiny.py --model tiny-llama --layout dp=2,tp=2,pp=2 --steps 5
+    torchrun --nproc-per-node 8 examples/train_tiny.py --model tiny-llama --plan plan.yaml
+
+Prints `step K loss X` from rank 0. Same seed and data on every layout, fp32 on CPU (gloo).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cost_models.layout import Layout, Recompute  # noqa: E402
+from hardware_profiles.errors import UserInputError  # noqa: E402
+from planner.model_capture import capture  # noqa: E402
+from planner.model_sources import ModelConfig, resolve_model  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+from planner.reference_model import build_model  # noqa: E402
+from planner.space import parse_layout_text  # noqa: E402
+from runtime import PlanError, apply_plan  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--layout", default="", help="e.g. dp=2,tp=2,pp=2,vp=1,mbs=1,zero=3,recompute=full")
+    parser.add_argument("--plan", default=None, help="a plan file from 'planner plan --out'")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--dump-grads", default=None, help="directory: first-step gradients per rank")
+    parser.add_argument("--save-at", type=int, default=None, help="save a DCP checkpoint after this step")
+    parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
+    parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue from --start-step")
+    parser.add_argument("--start-step", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def init_distributed() -> None:
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:  # the single-process reference runs the same code on a one-rank group
+        store = tempfile.mktemp(prefix="planner-ref-")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+
+def build(spec: str, seq_len: int, seed: int):
+    source = resolve_model(spec)
+    torch.manual_seed(seed)
+    if isinstance(source, ModelConfig):
+        cfg = source if seq_len <= source.seq_length else source.model_copy(update={"seq_length": seq_len})
+        model = build_model(cfg, "cpu", torch.float32)
+    else:
+        model = source.factory().float()
+    return model, capture(spec, seq_len)
+
+
+def layout_from(args, graph) -> Layout:
+    if args.plan:
+        return replace(Plan.load(args.plan).to_layout(), precision="fp32")
+    values = parse_layout_text(args.layout, "--layout")
+    degrees = {k: values.get(k, 1) for k in ("dp", "tp", "pp", "vp", "cp", "ep", "etp")}
+    return Layout(**degrees, micro_batch=values.get("mbs", 1), global_batch=args.global_batch,
+                  zero=values.get("zero", 1), sequence_parallel=values.get("sp", True),
+                  recompute=values.get("recompute", Recompute.none), precision="fp32")
+
+
+def batch(step: int, args, vocab: int):
+    generator = torch.Generator().manual_seed(args.seed * 100003 + step)
+    data = torch.randint(0, vocab, (args.global_batch, args.seq_len + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    init_distributed()
+    rank = dist.get_rank()
+    try:
+        model, graph = build(args.model, args.seq_len, args.seed)
+        layout = layout_from(args, graph)
+        if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
+            raise PlanError(f"global batch {layout.global_batch} is not a multiple of dp*mbs")
+        parallel = apply_plan(model, graph, layout, "cpu", optimizer=args.optimizer, lr=args.lr)
+    except (PlanError, UserInputError, ValueError) as exc:
+        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
+    if args.resume:
+        parallel.load(args.checkpoint)
+    if args.dump_grads:
+        Path(args.dump_grads).mkdir(parents=True, exist_ok=True)
+
+        def dump(pm):
+            if pm.dump_done:
+                return
+            torch.save(pm.gradients(), Path(args.dump_grads) / f"rank{rank}.pt")
+            pm.dump_done = True
+        parallel.dump_done = False
+        parallel.on_gradients = dump
+    for step in range(args.start_step, args.start_step + args.steps):
+        tokens, targets = batch(step, args, graph.vocab_size)
+        loss = parallel.train_step(tokens, targets)
+        if rank == 0:
+            print(f"step {step} loss {loss:.10f}", flush=True)
+        if args.save_at == step and args.checkpoint:
+            parallel.save(args.checkpoint)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`ParallelDims`: one typed description of the mesh a plan runs on, checked before any collective."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from cost_models.layout import Layout
+
+
+class PlanError(ValueError):
+    """A plan that cannot run on this world: raised on every rank before any collective."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    vp: int
+    cp: int
+    ep: int
+    etp: int
+    sp: bool
+    zero: int
+    mesh_order: tuple[str, ...]     # innermost first, Megatron-Core style
+
+    @classmethod
+    def of(cls, layout: Layout) -> "ParallelDims":
+        return cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
+                   etp=layout.etp, sp=layout.sp, zero=layout.zero, mesh_order=tuple(layout.mesh_order))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def check(self, world_size: int, num_blocks: int, stage_layers: tuple[int, ...] | None) -> None:
+        problems = []
+        if self.world_size != world_size:
+            problems.append(f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} but "
+                            f"the job has {world_size} ranks")
+        if stage_layers is not None:
+            if len(stage_layers) != self.pp * self.vp or sum(stage_layers) != num_blocks or min(stage_layers) < 1:
+                problems.append(f"stage partition {list(stage_layers)} does not split {num_blocks} layers into "
+                                f"pp*vp = {self.pp * self.vp} stages")
+        elif num_blocks % (self.pp * self.vp):
+            problems.append(f"{num_blocks} layers do not split evenly into pp*vp = {self.pp * self.vp} stages")
+        if self.ep > 1 or self.etp > 1:
+            problems.append("expert parallelism (ep/etp > 1) is not supported by this runtime yet")
+        if self.cp > 1:
+            problems.append("context parallelism (cp > 1) is not supported by this runtime yet")
+        if problems:
+            raise PlanError("the plan cannot run here: " + "; ".join(problems))
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """World mesh with named dims; DeviceMesh lists dims outermost first."""
+        sizes = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        order = [name for name in reversed(self.mesh_order) if name in sizes]
+        return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=tuple(order))
+
+    def local_ranks(self, mesh: DeviceMesh) -> dict[str, int]:
+        return {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
+
+
+def world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -1,0 +1,197 @@
+"""`apply_plan` and `ParallelModel`: a plan applied to a torch model, trained with one call per step."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from cost_models.layout import Layout, Recompute
+from planner.graph import ModelGraph
+
+from .dims import ParallelDims, PlanError, world
+from .parallelize import apply_ac, apply_dp, apply_tp
+from .split import split_stage
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def _chunk_ranges(stage_layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for count in stage_layers:
+        out.append((start, start + count - 1))
+        start += count
+    return out
+
+
+class ParallelModel:
+    """A model laid out by a plan: `train_step(tokens, targets) -> loss`, `state_dict()`, `save`/`load`."""
+
+    def __init__(self, model: nn.Module, graph: ModelGraph, layout: Layout, device_type: str = "cpu",
+                 optimizer: str = "sgd", lr: float = 0.1, max_grad_norm: float | None = None):
+        rank, world_size = world()
+        self.dims = ParallelDims.of(layout)
+        stage_layers = layout.stage_layers or tuple([graph.num_blocks // (layout.pp * layout.vp)] * layout.pp * layout.vp)
+        self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
+        self.layout = replace(layout, stage_layers=stage_layers)
+        recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(graph.num_blocks))
+        self.graph, self.device = graph, torch.device(device_type)
+        self.mesh = self.dims.build_mesh(device_type)
+        self.local = self.dims.local_ranks(self.mesh)
+        self.modules = self._build_modules(model, graph, recompute)
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = self._optimizer(optimizer, lr)
+        self.max_grad_norm = max_grad_norm
+        self.schedule = self._schedule() if self.dims.pp > 1 else None
+        self.rank = rank
+        self.on_gradients = None  # callback(ParallelModel) between backward and the optimizer step
+
+    # -- construction ---------------------------------------------------------------------------
+    def _build_modules(self, model: nn.Module, graph: ModelGraph, recompute) -> list[nn.Module]:
+        dims = self.dims
+        names = [slot.module_name for slot in graph.blocks]
+        chunks = _chunk_ranges(self.layout.stage_layers)
+        if dims.pp == 1:
+            modules = [model]
+        else:
+            mine = [j for j in range(len(chunks)) if j % dims.pp == self.local["pp"]]
+            modules = [split_stage(model, names, chunks[j][0], chunks[j][1], j == 0, j == len(chunks) - 1)
+                       for j in mine]
+            self.chunk_ids = mine
+        for module in modules:
+            module.to(self.device)
+            if dims.tp > 1:
+                apply_tp(module, graph, self.mesh["tp"], dims.sp)
+            apply_ac(module, graph, recompute)
+            apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set())
+        return modules
+
+    def _dp_mesh(self):
+        names = self.mesh.mesh_dim_names
+        if "cp" in names and self.dims.cp > 1:
+            return self.mesh["dp", "cp"]._flatten("dp_cp")
+        return self.mesh["dp"]
+
+    def _optimizer(self, name: str, lr: float):
+        make = {"sgd": lambda params: torch.optim.SGD(params, lr=lr),
+                "adamw": lambda params: torch.optim.AdamW(params, lr=lr)}
+        if name not in make:
+            raise PlanError(f"optimizer '{name}' is not sgd or adamw")
+        if self.dims.zero == 1 and self.dims.tp == 1 and self._dp_mesh().size() > 1:
+            cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+            return ZeroRedundancyOptimizer(self.params, optimizer_class=cls, lr=lr,
+                                           process_group=self._dp_mesh().get_group())
+        return make[name](self.params)
+
+    def _schedule(self):
+        dims = self.dims
+        pp_group = self.mesh["pp"].get_group()
+        chunks = len(self.layout.stage_layers)
+        stages = [PipelineStage(module, j, chunks, self.device, group=pp_group)
+                  for module, j in zip(self.modules, self.chunk_ids)]
+        micro = self.layout.num_micro_batches
+        if dims.vp > 1:
+            return ScheduleInterleaved1F1B(stages, n_microbatches=micro, loss_fn=cross_entropy)
+        return Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=cross_entropy)
+
+    # -- training -------------------------------------------------------------------------------
+    def batch_slice(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global batch: rows by its data-parallel index."""
+        dp = self.dims.dp
+        rows = tokens.shape[0] // dp
+        start = self.local.get("dp", 0) * rows
+        return tokens[start:start + rows]
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch (every rank passes the same global tokens)."""
+        tokens, targets = self.batch_slice(tokens).to(self.device), self.batch_slice(targets).to(self.device)
+        self.optimizer.zero_grad()
+        if self.schedule is None:
+            loss = self._accumulate(tokens, targets)
+        else:
+            loss = self._pipelined(tokens, targets)
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if self.on_gradients:
+            self.on_gradients(self)
+        self.optimizer.step()
+        return self._mean_over_ranks(loss)
+
+    def _accumulate(self, tokens, targets) -> torch.Tensor:
+        micro = self.layout.num_micro_batches
+        total = torch.zeros((), device=self.device)
+        for mb_tokens, mb_targets in zip(tokens.chunk(micro), targets.chunk(micro)):
+            loss = cross_entropy(self.modules[0](mb_tokens), mb_targets) / micro
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def _pipelined(self, tokens, targets) -> torch.Tensor:
+        first = 0 in self.chunk_ids
+        last = len(self.layout.stage_layers) - 1 in self.chunk_ids
+        losses: list[torch.Tensor] = []
+        if first:
+            self.schedule.step(tokens, target=targets if last else None, losses=losses)
+        else:
+            self.schedule.step(target=targets if last else None, losses=losses)
+        if last:
+            return torch.stack(losses).mean().detach()
+        return torch.zeros((), device=self.device)
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
+        if not dist.is_initialized():
+            return float(loss)
+        value = loss.detach().clone()
+        if self.dims.pp > 1:  # only the last stage holds the loss
+            dist.all_reduce(value, group=self.mesh["pp"].get_group())
+        if self._dp_mesh().size() > 1:
+            dist.all_reduce(value, group=self._dp_mesh().get_group())
+            value /= self._dp_mesh().size()
+        return float(value)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) gradients of this rank's parameters by full-model name, for checks."""
+        grads = {}
+        for module in self.modules:
+            for name, param in module.named_parameters():
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()
+        return grads
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Model state with the full model's parameter names, whatever the layout (DTensors where sharded)."""
+        state: dict = {}
+        for module in self.modules:
+            state.update(get_model_state_dict(module))
+        return state
+
+    def save(self, path: str) -> None:
+        dcp.save(self.state_dict(), checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        state = self.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        for module in self.modules:
+            names = set(get_model_state_dict(module))
+            set_model_state_dict(module, {k: v for k, v in state.items() if k in names})
+
+
+def apply_plan(model: nn.Module, graph: ModelGraph, plan_or_layout, device_type: str = "cpu",
+               **kwargs) -> ParallelModel:
+    """Lay `model` out as the plan says (a `planner.plan.Plan` or a `Layout`) and return a ParallelModel."""
+    layout = plan_or_layout.to_layout() if hasattr(plan_or_layout, "to_layout") else plan_or_layout
+    return ParallelModel(model, graph, layout, device_type, **kwargs)
+
+
+__all__ = ["ParallelModel", "apply_plan", "PlanError", "Recompute"]

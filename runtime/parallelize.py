@@ -1,0 +1,112 @@
+"""apply_tp / apply_ac / apply_dp: the torchtitan steps, driven by the captured graph instead of per-model code."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint, replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from cost_models.layout import Recompute
+from planner.graph import ModelGraph
+
+
+def _present(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_modules()}
+
+
+def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
+    """Colwise/Rowwise for every pair capture found, SequenceParallel norms, vocabulary-parallel ends."""
+    present = _present(module)
+    plan: dict = {}
+    seq = Shard(1)
+    for slot in graph.blocks:
+        if slot.module_name not in present:
+            continue
+        structure = graph.structure(slot.kind)
+        for pair in structure.tp_pairs:
+            for column in pair.columns:
+                plan[f"{slot.module_name}.{column}"] = ColwiseParallel(input_layouts=seq if sp else Replicate())
+            plan[f"{slot.module_name}.{pair.row}"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        if sp:
+            for norm in structure.norms:
+                if norm.count(".") == 0:  # norms on the residual stream; inner ones see replicated inputs
+                    plan[f"{slot.module_name}.{norm}"] = SequenceParallel(use_local_output=False)
+            if structure.expert_container:
+                plan[f"{slot.module_name}.{structure.expert_container}"] = PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
+    for name in graph.embedding_modules:
+        if name in present and isinstance(module.get_submodule(name), nn.Embedding) and name == graph.embedding_modules[0]:
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    for name in graph.head_modules:
+        if name not in present:
+            continue
+        sub = module.get_submodule(name)
+        if isinstance(sub, nn.Linear):
+            plan[name] = ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
+        elif sp:
+            plan[name] = SequenceParallel(use_local_output=False)
+    return plan
+
+
+def apply_tp(module: nn.Module, graph: ModelGraph, tp_mesh: DeviceMesh, sp: bool) -> None:
+    if sp and len(graph.embedding_modules) > 1:
+        raise ValueError(f"sequence parallelism needs the embedding part to be a single token embedding; "
+                         f"{graph.name} also uses {list(graph.embedding_modules[1:])} (set sp=false)")
+    parallelize_module(module, tp_mesh, tp_plan(module, graph, sp))
+    if sp:
+        for slot in graph.blocks:
+            structure = graph.structure(slot.kind)
+            if structure.expert_container and slot.module_name in _present(module):
+                parallelize_module(module.get_submodule(f"{slot.module_name}.{structure.expert_container}"),
+                                   tp_mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                                desired_output_layouts=(Shard(1),),
+                                                                use_local_output=True))
+
+
+ATTENTION_OPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention.default,
+                 torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+
+def _recompute_attention_only(ctx, op, *args, **kwargs):
+    # selective recomputation (Megatron): keep everything but the attention core, which is recomputed
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_OPS else CheckpointPolicy.MUST_SAVE
+
+
+def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, ...]) -> None:
+    """Composable checkpoint keeps parameter names: full per block, or attention-only per block."""
+    present = _present(module)
+    for index, slot in enumerate(graph.blocks):
+        if slot.module_name not in present or recompute[index] is Recompute.none:
+            continue
+        block = module.get_submodule(slot.module_name)
+        if recompute[index] is Recompute.full:
+            checkpoint(block)
+        else:
+            checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_attention_only))
+
+
+def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int, has_tp: bool,
+             ignored: set[nn.Parameter]) -> None:
+    """ZeRO 0: replicate (DDP); 1: replicate + sharded optimizer (see ParallelModel); 2 and 3: FSDP2
+    without and with resharding after forward. With tensor parallelism FSDP2 is the data-parallel path."""
+    if dp_mesh.size() == 1 and zero < 2:
+        return
+    if zero >= 2 or has_tp or ignored:
+        reshard = zero >= 3
+        present = _present(module)
+        for slot in graph.blocks:
+            if slot.module_name in present:
+                fully_shard(module.get_submodule(slot.module_name), mesh=dp_mesh, reshard_after_forward=reshard,
+                            ignored_params=ignored or None)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    else:
+        replicate(module, device_mesh=dp_mesh)
