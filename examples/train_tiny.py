@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     init_distributed()
     rank = dist.get_rank()
     try:
+        if args.plan:  # the plan fixes the batch and sequence it was made for
+            saved = Plan.load(args.plan)
+            args.global_batch, args.seq_len = saved.layout.gbs, saved.seq_len
         model, graph = build(args.model, args.seq_len, args.seed)
         layout = layout_from(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
