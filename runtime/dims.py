@@ -46,10 +46,10 @@ class ParallelDims:
                                 f"pp*vp = {self.pp * self.vp} stages")
         elif num_blocks % (self.pp * self.vp):
             problems.append(f"{num_blocks} layers do not split evenly into pp*vp = {self.pp * self.vp} stages")
-        if self.ep > 1 or self.etp > 1:
-            problems.append("expert parallelism (ep/etp > 1) is not supported by this runtime yet")
-        if self.cp > 1:
-            problems.append("context parallelism (cp > 1) is not supported by this runtime yet")
+        if self.etp > 1:
+            problems.append("expert tensor parallelism (etp > 1) is not supported by this runtime yet")
+        if self.ep > 1 and self.dp % self.ep:
+            problems.append(f"ep={self.ep} must divide dp={self.dp}: this runtime folds experts over data-parallel ranks")
         if problems:
             raise PlanError("the plan cannot run here: " + "; ".join(problems))
 

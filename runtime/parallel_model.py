@@ -16,6 +16,8 @@ from cost_models.layout import Layout, Recompute
 from planner.graph import ModelGraph
 
 from .dims import ParallelDims, PlanError, world
+from .context_parallel import apply_cp, shard_sequence
+from .experts import apply_ep, expert_meshes, finish_expert_grads
 from .parallelize import apply_ac, apply_dp, apply_tp
 from .split import split_stage
 
@@ -66,12 +68,19 @@ class ParallelModel:
             modules = [split_stage(model, names, chunks[j][0], chunks[j][1], j == 0, j == len(chunks) - 1)
                        for j in mine]
             self.chunk_ids = mine
+        self.expert_params: list[nn.Parameter] = []
+        if dims.ep > 1:
+            self.ep_mesh, self.edp_mesh = expert_meshes(self.mesh, dims.ep)
         for module in modules:
             module.to(self.device)
             if dims.tp > 1:
                 apply_tp(module, graph, self.mesh["tp"], dims.sp)
+            if dims.cp > 1:
+                apply_cp(module, self.mesh["cp"], graph.seq_len)
+            experts = apply_ep(module, graph, self.ep_mesh) if dims.ep > 1 else []
+            self.expert_params += experts
             apply_ac(module, graph, recompute)
-            apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set())
+            apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts))
         return modules
 
     def _dp_mesh(self):
@@ -85,7 +94,7 @@ class ParallelModel:
                 "adamw": lambda params: torch.optim.AdamW(params, lr=lr)}
         if name not in make:
             raise PlanError(f"optimizer '{name}' is not sgd or adamw")
-        if self.dims.zero == 1 and self.dims.tp == 1 and self._dp_mesh().size() > 1:
+        if self.dims.zero == 1 and self.dims.tp == 1 and self._dp_mesh().size() > 1 and not self.expert_params:
             cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
             return ZeroRedundancyOptimizer(self.params, optimizer_class=cls, lr=lr,
                                            process_group=self._dp_mesh().get_group())
@@ -104,11 +113,14 @@ class ParallelModel:
 
     # -- training -------------------------------------------------------------------------------
     def batch_slice(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the global batch: rows by its data-parallel index."""
+        """This rank's share of the global batch: rows by its data-parallel index, columns by cp."""
         dp = self.dims.dp
         rows = tokens.shape[0] // dp
         start = self.local.get("dp", 0) * rows
-        return tokens[start:start + rows]
+        mine = tokens[start:start + rows]
+        if self.dims.cp > 1:  # and its share of the sequence, causally balanced
+            mine = shard_sequence(mine, self.dims.cp, self.local["cp"])
+        return mine
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch (every rank passes the same global tokens)."""
@@ -118,6 +130,8 @@ class ParallelModel:
             loss = self._accumulate(tokens, targets)
         else:
             loss = self._pipelined(tokens, targets)
+        if self.expert_params:
+            finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if self.on_gradients:

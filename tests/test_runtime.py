@@ -40,7 +40,7 @@ def gradients(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = {}
-    for model in ("tiny-llama",):
+    for model in ("tiny-llama", "tiny-moe"):
         grads = tmp_path_factory.mktemp(f"ref-{model}")
         proc = launch(1, "--model", model, "--steps", "3", "--dump-grads", str(grads))
         out[model] = (losses(proc), gradients(grads))
@@ -60,13 +60,19 @@ CASES = [
     ("selective-recompute", 2, "tp=2,recompute=selective"),
     ("pp2-dp2-zero3", 4, "pp=2,dp=2,zero=3,mbs=2"),
     ("dp2-tp2-pp2", 8, "dp=2,tp=2,pp=2,zero=3"),
+    ("cp2", 2, "cp=2"),
+    ("cp2-tp2", 4, "cp=2,tp=2"),
+    ("ep2", 2, "dp=2,ep=2", "tiny-moe"),
+    ("ep2-tp2", 4, "dp=2,ep=2,tp=2", "tiny-moe"),
 ]
 
 
-@pytest.mark.parametrize("name,nproc,layout", CASES, ids=[c[0] for c in CASES])
-def test_layout_matches_single_process(reference, tmp_path, name, nproc, layout):
-    ref_losses, ref_grads = reference["tiny-llama"]
-    proc = launch(nproc, "--model", "tiny-llama", "--steps", "3", "--layout", layout, "--dump-grads", str(tmp_path))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_layout_matches_single_process(reference, tmp_path, case):
+    name, nproc, layout = case[:3]
+    model = case[3] if len(case) > 3 else "tiny-llama"
+    ref_losses, ref_grads = reference[model]
+    proc = launch(nproc, "--model", model, "--steps", "3", "--layout", layout, "--dump-grads", str(tmp_path))
     assert losses(proc) == pytest.approx(ref_losses, rel=1e-5)
     grads = gradients(tmp_path)
     assert set(grads) == set(ref_grads)

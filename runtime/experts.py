@@ -1,0 +1,112 @@
+"""Expert parallelism: routed experts sharded over an `ep` group, tokens dispatched and combined with
+`all_to_all_single` (uneven splits, autograd through the functional collectives).
+
+Applies to MoE modules that follow the reference protocol (`route`, `routed`, stacked expert weights
+with `num_experts` rows, as `planner.reference_model.MoE`). The ep group folds over the data-parallel
+ranks; with ep < dp the remaining factor is an expert-data-parallel group whose gradients are summed.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from planner.graph import ModelGraph
+from planner.graph_analysis import routed_experts
+
+
+def expert_meshes(world: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """Split the dp dim of the world mesh into (edp, ep), ep innermost: ep ranks are neighbours in dp."""
+    names = list(world.mesh_dim_names)
+    index = names.index("dp")
+    ranks = world.mesh
+    shape = list(ranks.shape)
+    dp = shape[index]
+    shape[index:index + 1] = [dp // ep, ep]
+    names[index:index + 1] = ["edp", "ep"]
+    mesh = DeviceMesh(world.device_type, ranks.reshape(shape), mesh_dim_names=tuple(names))
+    return mesh["ep"], mesh["edp"]
+
+
+def _splits(counts: torch.Tensor) -> list[int]:
+    return [int(c) for c in counts.tolist()]
+
+
+def _ep_routed(self, tokens, weights, chosen):
+    """Dispatch each (token, expert) pair to the expert's rank, run local experts, combine back."""
+    group = self._ep_group
+    ep, local = self._ep_size, self.num_experts // self._ep_size
+    first = self._ep_rank * local
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // self.top_k
+    expert_sorted = flat[order]
+    send = torch.bincount(expert_sorted // local, minlength=ep)
+    recv = funcol.all_to_all_single(send, [1] * ep, [1] * ep, group).wait()
+    send_splits, recv_splits = _splits(send), _splits(recv)
+    x_recv = funcol.all_to_all_single_autograd(tokens[token_of], recv_splits, send_splits, group)
+    e_recv = funcol.all_to_all_single(expert_sorted, recv_splits, send_splits, group).wait() - first
+    w_up, w_down = self.experts.w_up.to_local(), self.experts.w_down.to_local()
+    w_gate = self.experts.w_gate.to_local() if self.experts.w_gate is not None else None
+    y_recv = torch.zeros_like(x_recv)
+    for e in range(local):
+        rows = torch.nonzero(e_recv == e).flatten()
+        if rows.numel():
+            y_recv = y_recv.index_add(0, rows, _expert(self.experts.activation, x_recv[rows], w_up[e],
+                                                      None if w_gate is None else w_gate[e], w_down[e]))
+    y_back = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
+    scale = weights.reshape(-1)[order][:, None]
+    return torch.zeros_like(tokens).index_add(0, token_of, y_back * scale)
+
+
+def _expert(activation: str, x, w_up, w_gate, w_down):
+    up = x @ w_up
+    if activation == "swiglu":
+        hidden = F.silu(x @ w_gate) * up
+    elif activation == "gelu":
+        hidden = F.gelu(up)
+    else:
+        hidden = F.relu(up).square()
+    return hidden @ w_down
+
+
+def apply_ep(module: nn.Module, graph: ModelGraph, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Shard the routed experts of every MoE block over `ep_mesh`; returns the expert parameters."""
+    params = []
+    names = {name for name, _ in module.named_modules()}
+    for slot in graph.blocks:
+        structure = graph.structure(slot.kind)
+        if not structure.expert_container or slot.module_name not in names:
+            continue
+        moe = module.get_submodule(f"{slot.module_name}.{structure.expert_container}")
+        found = routed_experts(moe)
+        if found is None or found.module_list is not None or not hasattr(moe, "routed"):
+            raise ValueError(f"{slot.module_name}.{structure.expert_container}: expert parallelism needs stacked "
+                             "expert weights and the route/routed protocol of planner.reference_model.MoE")
+        for sub in moe.modules():
+            for pname, param in list(sub.named_parameters(recurse=False)):
+                if id(param) in found.param_ids:
+                    sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
+                    setattr(sub, pname, sharded)
+                    params.append(sharded)
+        moe._ep_group, moe._ep_size, moe._ep_rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+        moe.routed = types.MethodType(_ep_routed, moe)
+    return params
+
+
+def finish_expert_grads(params: list[nn.Parameter], edp_mesh: DeviceMesh, dp_total: int) -> None:
+    """Expert gradients sum the losses of the ep group's ranks; the objective averages over every
+    data-parallel rank: sum over the expert-data-parallel replicas, divide by dp."""
+    for param in params:
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if edp_mesh.size() > 1:
+            dist.all_reduce(grad, group=edp_mesh.get_group())
+        grad.div_(dp_total)
