@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
             raise PlanError(f"global batch {layout.global_batch} is not a multiple of dp*mbs")
         parallel = apply_plan(model, graph, layout, "cpu", optimizer=args.optimizer, lr=args.lr)
-    except (PlanError, UserInputError, ValueError) as exc:
+    except (PlanError, UserInputError, ValueError) as exc:  # a plan this model cannot run: say so on every rank
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2

@@ -12,6 +12,7 @@ class TensorParallelPair:
     """Linears found by dataflow: `columns` feed `row` through element-wise or attention ops."""
     columns: tuple[str, ...]    # module paths relative to the block
     row: str
+    fused_columns: tuple[str, ...] = ()  # columns whose output is split into parts (a fused QKV)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ def _linear_name(node: fx.Node) -> str:
 def find_tp_pairs(graph: fx.Graph, modules: dict[str, nn.Module]) -> tuple[tuple[TensorParallelPair, ...], set[str]]:
     """Column -> row Linear pairs by dataflow, and the names of the nodes strictly between them."""
     columns_of: dict[str, list[str]] = {}
+    fused: set[str] = set()
     region: set[str] = set()
     for start in graph.nodes:
         if not is_linear_node(start, modules):
@@ -118,10 +119,14 @@ def find_tp_pairs(graph: fx.Graph, modules: dict[str, nn.Module]) -> tuple[tuple
             else:
                 stack.extend(node.users)
         if clean and len(rows) == 1:
+            if any((u.op == "call_method" and u.target in ("split", "chunk", "unbind"))
+                   or u.target in (torch.split, torch.chunk) for u in start.users):
+                fused.add(_linear_name(start))
             row_name, row = next(iter(rows.items()))
             columns_of.setdefault(_linear_name(row), []).append(_linear_name(start))
             region |= seen - {row_name}
-    pairs = tuple(TensorParallelPair(columns=tuple(cols), row=row) for row, cols in columns_of.items())
+    pairs = tuple(TensorParallelPair(columns=tuple(cols), row=row, fused_columns=tuple(c for c in cols if c in fused))
+                  for row, cols in columns_of.items())
     return pairs, region
 
 

@@ -31,6 +31,10 @@ def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
             continue
         structure = graph.structure(slot.kind)
         for pair in structure.tp_pairs:
+            if pair.fused_columns:
+                raise ValueError(f"{slot.module_name}.{pair.fused_columns[0]} is a fused projection split into parts "
+                                 "by the model: column-sharding it would mix q/k/v across ranks; give the model "
+                                 "separate projections or run it with tp=1")
             for column in pair.columns:
                 plan[f"{slot.module_name}.{column}"] = ColwiseParallel(input_layouts=seq if sp else Replicate())
             plan[f"{slot.module_name}.{pair.row}"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
@@ -60,6 +64,7 @@ def apply_tp(module: nn.Module, graph: ModelGraph, tp_mesh: DeviceMesh, sp: bool
         raise ValueError(f"sequence parallelism needs the embedding part to be a single token embedding; "
                          f"{graph.name} also uses {list(graph.embedding_modules[1:])} (set sp=false)")
     parallelize_module(module, tp_mesh, tp_plan(module, graph, sp))
+    _localize_head_counts(module, graph, tp_mesh.size())
     if sp:
         for slot in graph.blocks:
             structure = graph.structure(slot.kind)
@@ -68,6 +73,25 @@ def apply_tp(module: nn.Module, graph: ModelGraph, tp_mesh: DeviceMesh, sp: bool
                                    tp_mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
                                                                 desired_output_layouts=(Shard(1),),
                                                                 use_local_output=True))
+
+
+def _localize_head_counts(module: nn.Module, graph: ModelGraph, tp: int) -> None:
+    """Attention modules that reshape by a head count must see the heads of one rank (torchtitan
+    divides n_heads by tp per model; here: int attributes named *head*/*group* equal to the counts
+    capture found, on the modules owning the column projections)."""
+    present = _present(module)
+    for slot in graph.blocks:
+        if slot.module_name not in present:
+            continue
+        structure = graph.structure(slot.kind)
+        counts = {structure.attention_heads, structure.kv_groups} - {0}
+        for pair in structure.tp_pairs:
+            owner_path = pair.columns[0].rpartition(".")[0]
+            owner = module.get_submodule(f"{slot.module_name}.{owner_path}" if owner_path else slot.module_name)
+            for attr, value in list(vars(owner).items()):
+                if (isinstance(value, int) and not isinstance(value, bool) and value in counts
+                        and ("head" in attr or "group" in attr) and value % tp == 0):
+                    setattr(owner, attr, value // tp)
 
 
 ATTENTION_OPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

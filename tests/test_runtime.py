@@ -12,6 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_tiny.py")
+USER_MODEL = "examples/user_gpt.py:build_separate_qkv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -40,8 +41,8 @@ def gradients(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = {}
-    for model in ("tiny-llama", "tiny-moe"):
-        grads = tmp_path_factory.mktemp(f"ref-{model}")
+    for model in ("tiny-llama", "tiny-moe", USER_MODEL):
+        grads = tmp_path_factory.mktemp("ref-" + model.replace("/", "-").replace(":", "-"))
         proc = launch(1, "--model", model, "--steps", "3", "--dump-grads", str(grads))
         out[model] = (losses(proc), gradients(grads))
     return out
@@ -64,6 +65,8 @@ CASES = [
     ("cp2-tp2", 4, "cp=2,tp=2"),
     ("ep2", 2, "dp=2,ep=2", "tiny-moe"),
     ("ep2-tp2", 4, "dp=2,ep=2,tp=2", "tiny-moe"),
+    ("user-tp2", 2, "tp=2,sp=false", USER_MODEL),
+    ("user-pp2", 2, "pp=2,mbs=2", USER_MODEL),
 ]
 
 
@@ -77,8 +80,10 @@ def test_layout_matches_single_process(reference, tmp_path, case):
     grads = gradients(tmp_path)
     assert set(grads) == set(ref_grads)
     for param, ref in ref_grads.items():
-        diff = (grads[param] - ref).norm() / max(ref.norm(), 1e-12)
-        assert diff < 1e-5, f"{param}: relative difference {diff:.2e}"
+        # relative 1e-5, with an absolute floor for gradients that are zero in exact arithmetic (a key
+        # bias under softmax) and only rounding noise in both runs
+        diff = (grads[param] - ref).norm()
+        assert diff <= 1e-5 * ref.norm() + 1e-7, f"{param}: difference {diff:.2e} of norm {ref.norm():.2e}"
 
 
 def test_checkpoint_moves_between_layouts(reference, tmp_path):
