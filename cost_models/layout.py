@@ -75,6 +75,8 @@ class Layout:
     def short(self) -> str:
         text = (f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep},etp={self.etp},vp={self.vp},"
                 f"mbs={self.micro_batch},zero={self.zero},recompute={self.recompute.value}")
+        if self.mesh_order != MEGATRON_ORDER:
+            text += ",order=" + "-".join(self.mesh_order)
         return text
 
 

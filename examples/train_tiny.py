@@ -46,12 +46,21 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
     parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue from --start-step")
     parser.add_argument("--start-step", type=int, default=1)
+    parser.add_argument("--device-type", default="cpu", choices=sorted(BACKENDS),
+                        help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu)")
     return parser.parse_args(argv)
 
 
-def init_distributed() -> None:
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def init_distributed(device_type: str = "cpu") -> None:
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        if device_type == "npu":
+            import torch_npu  # noqa: F401  (registers the npu device and hccl)
+        if device_type != "cpu":
+            getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(BACKENDS[device_type])
     else:  # the single-process reference runs the same code on a one-rank group
         store = tempfile.mktemp(prefix="planner-ref-")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -86,7 +95,7 @@ def batch(step: int, args, vocab: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    init_distributed()
+    init_distributed(args.device_type)
     rank = dist.get_rank()
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for
@@ -96,7 +105,7 @@ def main(argv=None) -> int:
         layout = layout_from(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
             raise PlanError(f"global batch {layout.global_batch} is not a multiple of dp*mbs")
-        parallel = apply_plan(model, graph, layout, "cpu", optimizer=args.optimizer, lr=args.lr)
+        parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr)
     except (PlanError, UserInputError, ValueError) as exc:  # a plan this model cannot run: say so on every rank
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()

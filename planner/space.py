@@ -129,11 +129,23 @@ def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pi
                 dp = num_devices // (tp * cp * pp)
                 if not pins.allows("dp", dp) or global_batch % dp:
                     continue
-                out.extend(_inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision))
+                out.extend(_inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision, fast_domain))
     return out
 
 
-def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision) -> list[Layout]:
+def mesh_orders(tp: int, cp: int, dp: int, pp: int, fast_domain: int) -> list[tuple[str, ...]]:
+    """Which dims share the fast domain with tp: Megatron's tp-cp-ep-dp-pp, and where the domain has
+    room left and the choice matters, data-parallel or pipeline ranks next to tp instead."""
+    orders = [MEGATRON_ORDER]
+    if tp < fast_domain:
+        if cp > 1 and dp > 1:
+            orders.append(("tp", "dp", "cp", "ep", "pp"))
+        if pp > 1 and cp * dp > 1:
+            orders.append(("tp", "pp", "cp", "ep", "dp"))
+    return orders
+
+
+def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision, fast_domain) -> list[Layout]:
     layouts = []
     experts = graph.num_experts
     groups = graph.kv_groups
@@ -148,10 +160,11 @@ def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision) -> list
                     if vp > 1 and (global_batch // (dp * mbs)) % pp:
                         continue
                     for zero in (z for z in (0, 1, 2, 3) if pins.allows("zero", z)):
-                        layouts.append(Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
-                                              global_batch=global_batch, zero=zero, precision=precision,
-                                              sequence_parallel=pins.sp if pins.sp is not None else True,
-                                              recompute=pins.recompute or Recompute.none))
+                        for order in mesh_orders(tp, cp, dp, pp, fast_domain):
+                            layouts.append(Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
+                                                  global_batch=global_batch, zero=zero, precision=precision,
+                                                  sequence_parallel=pins.sp if pins.sp is not None else True,
+                                                  recompute=pins.recompute or Recompute.none, mesh_order=order))
     return layouts
 
 

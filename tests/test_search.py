@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.layout import Layout, Recompute
+from cost_models.layer_costs import MeshCosts
+from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
 from planner.api import InfeasibleError, plan
@@ -50,13 +51,18 @@ def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
                 m = global_batch // dp
                 if global_batch % dp or (vp > 1 and m % pp):
                     continue
-                base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=1, global_batch=global_batch, zero=1)
-                for parts in compositions(num_blocks, pp * vp):
-                    for rec in itertools.product(choices, repeat=num_blocks):
-                        full = replace(base, stage_layers=parts, layer_recompute=rec)
-                        result = estimate(model_costs, cluster, full)
-                        if result.fits and (best is None or result.step_time_s < best.step_time_s):
-                            best = result
+                # with cp = 1 the mesh order matters only through where pp ranks sit
+                orders = [MEGATRON_ORDER] + ([("tp", "pp", "cp", "ep", "dp")] if pp > 1 else [])
+                for order in orders:
+                    base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=1, global_batch=global_batch, zero=1,
+                                  mesh_order=order)
+                    costs = MeshCosts(model_costs, cluster, base, OverlapModel())  # per-layer costs, reused
+                    for parts in compositions(num_blocks, pp * vp):
+                        for rec in itertools.product(choices, repeat=num_blocks):
+                            full = replace(base, stage_layers=parts, layer_recompute=rec)
+                            result = estimate(model_costs, cluster, full, mesh_costs=costs)
+                            if result.fits and (best is None or result.step_time_s < best.step_time_s):
+                                best = result
     return best
 
 
