@@ -41,6 +41,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip by the global gradient norm")
     parser.add_argument("--dump-grads", default=None, help="directory: first-step gradients per rank")
     parser.add_argument("--save-at", type=int, default=None, help="save a DCP checkpoint after this step")
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
         layout = layout_from(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
             raise PlanError(f"global batch {layout.global_batch} is not a multiple of dp*mbs")
-        parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr)
+        parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr,
+                              max_grad_norm=args.max_grad_norm)
     except (PlanError, UserInputError, ValueError) as exc:  # a plan this model cannot run: say so on every rank
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()

@@ -133,7 +133,7 @@ class ParallelModel:
         if self.expert_params:
             finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
         if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.clip_gradients(self.max_grad_norm)
         if self.on_gradients:
             self.on_gradients(self)
         self.optimizer.step()
@@ -170,6 +170,24 @@ class ParallelModel:
             dist.all_reduce(value, group=self._dp_mesh().get_group())
             value /= self._dp_mesh().size()
         return float(value)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip by the global gradient norm over every group: DTensor norms reduce over their meshes,
+        stages add their squares over the pipeline group. Returns the norm before clipping."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        squares = torch.zeros((), device=self.device)
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares = squares + norm.float() ** 2
+        if self.dims.pp > 1:
+            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        total = float(squares.sqrt())
+        scale = max_norm / (total + 1e-6)
+        if scale < 1:
+            for grad in grads:
+                grad.mul_(scale)
+        return total
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) gradients of this rank's parameters by full-model name, for checks."""

@@ -86,6 +86,13 @@ def test_layout_matches_single_process(reference, tmp_path, case):
         assert diff <= 1e-5 * ref.norm() + 1e-7, f"{param}: difference {diff:.2e} of norm {ref.norm():.2e}"
 
 
+@pytest.mark.parametrize("nproc,layout", [(2, "pp=2,mbs=2"), (4, "dp=2,tp=2,zero=3")])
+def test_gradient_clipping_uses_the_global_norm(nproc, layout):
+    clip = ("--max-grad-norm", "0.05", "--steps", "3")
+    reference = losses(launch(1, "--model", "tiny-llama", *clip))
+    assert losses(launch(nproc, "--model", "tiny-llama", "--layout", layout, *clip)) == pytest.approx(reference, rel=1e-5)
+
+
 def test_checkpoint_moves_between_layouts(reference, tmp_path):
     ref_losses, _ = reference["tiny-llama"]
     checkpoint = tmp_path / "ckpt"
