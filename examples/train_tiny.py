@@ -24,7 +24,7 @@ from cost_models.layout import Layout, Recompute  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from planner.model_capture import capture  # noqa: E402
 from planner.model_sources import ModelConfig, resolve_model  # noqa: E402
-from planner.plan import Plan  # noqa: E402
+from planner.plans import Plan  # noqa: E402
 from planner.reference_model import build_model  # noqa: E402
 from planner.space import parse_layout_text  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402

@@ -13,7 +13,7 @@ from hardware_profiles.schema import Cluster
 from .explain import alternatives, reasons
 from .graph import ModelGraph
 from .model_capture import capture
-from .plan import LayoutRecord, Plan, SearchStats, memory_records, stage_records
+from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search import SearchOutcome, search
 from .space import Pins, layout_problems, parse_layout_text, pins_from
 

@@ -15,7 +15,7 @@ from hardware_profiles.errors import UserInputError
 
 from . import api, exports, views
 from .model_capture import capture
-from .plan import Plan
+from .plans import Plan
 from .space import parse_layout_text
 from .whatif import whatif, write_report
 

@@ -5,7 +5,7 @@ from cost_models.layout import Recompute
 from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
 
-from .plan import Alternative
+from .plans import Alternative
 
 PART_NAMES = {
     "compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",

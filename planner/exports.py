@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from .plan import Plan
+from .plans import Plan
 
 
 def _full_recompute_layers(plan: Plan) -> int:

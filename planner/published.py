@@ -43,7 +43,8 @@ def _model(run: dict) -> ModelConfig:
         num_query_groups=m.get("num_query_groups") or heads, head_dim=m.get("head_dim"),
         ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], vocab_size=m.get("vocab_size") or 51200,
         seq_length=m["seq_length"], activation=activation, normalization="layernorm" if gpt else "rmsnorm",
-        position_embedding="learned" if gpt else "rope", tied_embeddings=bool(m.get("tied_embeddings", gpt)),
+        position_embedding="learned" if gpt else "rope",
+        tied_embeddings=gpt if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
         # Megatron-LM of 2021-2022 materialised the attention matrix; later stacks run flash attention
         attention_impl="math" if year in ("narayanan21", "korthikanti22") else "flash",

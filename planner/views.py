@@ -11,7 +11,7 @@ from hardware_profiles.errors import UserInputError
 from .explain import PART_NAMES
 from .graph import ModelGraph
 from .model_sources import list_builtin_models
-from .plan import Plan
+from .plans import Plan
 
 GB = 1e9
 

@@ -221,7 +221,7 @@ class ParallelModel:
 
 def apply_plan(model: nn.Module, graph: ModelGraph, plan_or_layout, device_type: str = "cpu",
                **kwargs) -> ParallelModel:
-    """Lay `model` out as the plan says (a `planner.plan.Plan` or a `Layout`) and return a ParallelModel."""
+    """Lay `model` out as the plan says (a `planner.plans.Plan` or a `Layout`) and return a ParallelModel."""
     layout = plan_or_layout.to_layout() if hasattr(plan_or_layout, "to_layout") else plan_or_layout
     return ParallelModel(model, graph, layout, device_type, **kwargs)
 

@@ -167,3 +167,25 @@ def test_unknown_model_and_missing_factory(tmp_path):
     path.write_text("x = 1\n")
     with pytest.raises(UserInputError, match="no callable"):
         resolve_model(f"{path}:build")
+
+
+def test_full_recomputation_flops_equal_narayanan_96_form():
+    """SC21 Eq. 3 counts the recomputed forward: 96 B s l h^2 (1 + s/(6h)) + 6 B s h V (logits not redone)."""
+    from cost_models.layout import Layout
+    from cost_models.step_time import estimate
+    from hardware_profiles import cluster_from_device
+    l, h, s, V, B = 4, 1024, 1024, 51200, 8
+    graph = capture(gpt(l=l, h=h, s=s, V=V, impl="flash", dropout=0.0))
+    result = estimate(graph.costs(), cluster_from_device("a100-80g", 8),
+                      Layout(dp=8, micro_batch=1, global_batch=B, recompute=Recompute.full))
+    hardware_flops = graph.model_flops_per_sample() * B * result.hfu / result.mfu
+    assert hardware_flops == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V, rel=1e-9)
+
+
+def test_published_gpt_configurations_are_built_in():
+    from planner.model_sources import list_builtin_models
+    names = set(list_builtin_models())
+    assert {"narayanan21-1t", "korthikanti22-22b", "bloom-176b", "nemo2407-gpt3-175b"} <= names
+    graph = capture("narayanan21-145b")
+    l, h, V, s = 80, 12288, 51200, 2048
+    assert graph.total_params == round(12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))) + 2 * h

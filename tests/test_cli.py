@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from planner import cli
-from planner.plan import Plan
+from planner.plans import Plan
 
 PLANNER = str(Path(sys.executable).parent / "planner")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -107,7 +107,7 @@ def test_plan_from_the_planner_runs_as_is(reference, tmp_path):
     plan_file = tmp_path / "plan.yaml"
     planner = Path(sys.executable).parent / "planner"
     subprocess.run([str(planner), "plan", "--model", "tiny-llama", "--device", "cpu", "--num-devices", "8",
-                    "--global-batch", "8", "--fix", "cp=1,ep=1,zero=3", "--out", str(plan_file)],
+                    "--global-batch", "8", "--out", str(plan_file)],
                    check=True, capture_output=True, timeout=300, cwd=ROOT)
     proc = launch(8, "--model", "tiny-llama", "--plan", str(plan_file), "--steps", "3")
     assert len(losses(proc)) == 3
