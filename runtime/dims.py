@@ -46,8 +46,8 @@ class ParallelDims:
                                 f"pp*vp = {self.pp * self.vp} stages")
         elif num_blocks % (self.pp * self.vp):
             problems.append(f"{num_blocks} layers do not split evenly into pp*vp = {self.pp * self.vp} stages")
-        if self.etp > 1:
-            problems.append("expert tensor parallelism (etp > 1) is not supported by this runtime yet")
+        if self.etp not in (1, self.tp):
+            problems.append(f"etp={self.etp} must be 1 or tp={self.tp} in this runtime")
         if self.ep > 1 and self.dp % self.ep:
             problems.append(f"ep={self.ep} must divide dp={self.dp}: this runtime folds experts over data-parallel ranks")
         if problems:

@@ -15,14 +15,15 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from planner.graph import ModelGraph
 from planner.graph_analysis import routed_experts
 
 
-def expert_meshes(world: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """Split the dp dim of the world mesh into (edp, ep), ep innermost: ep ranks are neighbours in dp."""
+def expert_meshes(world: DeviceMesh, ep: int, etp: int = 1) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
+    """Split the dp dim of the world mesh into (edp, ep), ep innermost: ep ranks are neighbours in dp.
+    With etp > 1 the tp dim serves as etp: also returns the 2-D (ep, etp) mesh the expert weights use."""
     names = list(world.mesh_dim_names)
     index = names.index("dp")
     ranks = world.mesh
@@ -30,8 +31,9 @@ def expert_meshes(world: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
     dp = shape[index]
     shape[index:index + 1] = [dp // ep, ep]
     names[index:index + 1] = ["edp", "ep"]
+    names = ["etp" if n == "tp" and etp > 1 else n for n in names]
     mesh = DeviceMesh(world.device_type, ranks.reshape(shape), mesh_dim_names=tuple(names))
-    return mesh["ep"], mesh["edp"]
+    return mesh["ep"], mesh["edp"], (mesh["ep", "etp"] if etp > 1 else None)
 
 
 def _splits(counts: torch.Tensor) -> list[int]:
@@ -54,12 +56,18 @@ def _ep_routed(self, tokens, weights, chosen):
     e_recv = funcol.all_to_all_single(expert_sorted, recv_splits, send_splits, group).wait() - first
     w_up, w_down = self.experts.w_up.to_local(), self.experts.w_down.to_local()
     w_gate = self.experts.w_gate.to_local() if self.experts.w_gate is not None else None
+    if self._etp_mesh is not None:  # the etp ranks share these tokens: their input gradients are partial sums
+        x_recv = DTensor.from_local(x_recv, self._etp_mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
     y_recv = torch.zeros_like(x_recv)
     for e in range(local):
         rows = torch.nonzero(e_recv == e).flatten()
         if rows.numel():
             y_recv = y_recv.index_add(0, rows, _expert(self.experts.activation, x_recv[rows], w_up[e],
                                                       None if w_gate is None else w_gate[e], w_down[e]))
+    if self._etp_mesh is not None:  # each etp rank holds a slice of every expert's ffn: sum the partials
+        y_recv = DTensor.from_local(y_recv, self._etp_mesh, [Partial()]).redistribute(
+            placements=[Replicate()]).to_local()
     y_back = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
     scale = weights.reshape(-1)[order][:, None]
     return torch.zeros_like(tokens).index_add(0, token_of, y_back * scale)
@@ -76,8 +84,18 @@ def _expert(activation: str, x, w_up, w_gate, w_down):
     return hidden @ w_down
 
 
-def apply_ep(module: nn.Module, graph: ModelGraph, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Shard the routed experts of every MoE block over `ep_mesh`; returns the expert parameters."""
+def _placements(name: str, etp: bool) -> list:
+    """Experts over ep (dim 0); with expert tensor parallelism the ffn dim too: columns of the up and
+    gate projections (dim 2), rows of the down projection (dim 1)."""
+    if not etp:
+        return [Shard(0)]
+    return [Shard(0), Shard(1 if "down" in name else 2)]
+
+
+def apply_ep(module: nn.Module, graph: ModelGraph, ep_mesh: DeviceMesh,
+             expert_mesh: DeviceMesh | None = None) -> list[nn.Parameter]:
+    """Shard the routed experts of every MoE block over `ep_mesh` (and the ffn dim over the etp dim of
+    `expert_mesh`, an (ep, etp) mesh); returns the expert parameters."""
     params = []
     names = {name for name, _ in module.named_modules()}
     for slot in graph.blocks:
@@ -92,10 +110,12 @@ def apply_ep(module: nn.Module, graph: ModelGraph, ep_mesh: DeviceMesh) -> list[
         for sub in moe.modules():
             for pname, param in list(sub.named_parameters(recurse=False)):
                 if id(param) in found.param_ids:
-                    sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
+                    mesh = expert_mesh if expert_mesh is not None else ep_mesh
+                    sharded = nn.Parameter(distribute_tensor(param.data, mesh, _placements(pname, expert_mesh is not None)))
                     setattr(sub, pname, sharded)
                     params.append(sharded)
         moe._ep_group, moe._ep_size, moe._ep_rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+        moe._etp_mesh = expert_mesh["etp"] if expert_mesh is not None else None
         moe.routed = types.MethodType(_ep_routed, moe)
     return params
 

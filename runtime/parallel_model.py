@@ -70,14 +70,14 @@ class ParallelModel:
             self.chunk_ids = mine
         self.expert_params: list[nn.Parameter] = []
         if dims.ep > 1:
-            self.ep_mesh, self.edp_mesh = expert_meshes(self.mesh, dims.ep)
+            self.ep_mesh, self.edp_mesh, self.expert_mesh = expert_meshes(self.mesh, dims.ep, dims.etp)
         for module in modules:
             module.to(self.device)
             if dims.tp > 1:
                 apply_tp(module, graph, self.mesh["tp"], dims.sp)
             if dims.cp > 1:
                 apply_cp(module, self.mesh["cp"], graph.seq_len)
-            experts = apply_ep(module, graph, self.ep_mesh) if dims.ep > 1 else []
+            experts = apply_ep(module, graph, self.ep_mesh, self.expert_mesh) if dims.ep > 1 else []
             self.expert_params += experts
             apply_ac(module, graph, recompute)
             apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts))

@@ -65,6 +65,7 @@ CASES = [
     ("cp2-tp2", 4, "cp=2,tp=2"),
     ("ep2", 2, "dp=2,ep=2", "tiny-moe"),
     ("ep2-tp2", 4, "dp=2,ep=2,tp=2", "tiny-moe"),
+    ("ep2-tp2-etp2", 4, "dp=2,ep=2,tp=2,etp=2", "tiny-moe"),
     ("user-tp2", 2, "tp=2,sp=false", USER_MODEL),
     ("user-pp2", 2, "pp=2,mbs=2", USER_MODEL),
 ]
