@@ -28,6 +28,7 @@ from planner.plans import Plan  # noqa: E402
 from planner.reference_model import build_model  # noqa: E402
 from planner.space import parse_layout_text  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402
+from runtime.parallel_model import device_type_of  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,8 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
     parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue from --start-step")
     parser.add_argument("--start-step", type=int, default=1)
-    parser.add_argument("--device-type", default="cpu", choices=sorted(BACKENDS),
-                        help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu)")
+    parser.add_argument("--device-type", default=None, choices=sorted(BACKENDS),
+                        help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu); "
+                             "default: what the plan's cluster profile names, else cpu")
     return parser.parse_args(argv)
 
 
@@ -96,6 +98,8 @@ def batch(step: int, args, vocab: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device_type is None:
+        args.device_type = device_type_of(Plan.load(args.plan)) if args.plan else "cpu"
     init_distributed(args.device_type)
     rank = dist.get_rank()
     try:

@@ -219,10 +219,24 @@ class ParallelModel:
             set_model_state_dict(module, {k: v for k, v in state.items() if k in names})
 
 
-def apply_plan(model: nn.Module, graph: ModelGraph, plan_or_layout, device_type: str = "cpu",
+def device_type_of(plan) -> str:
+    """The torch device type the plan's cluster profile names (cuda for NVIDIA/AMD/Hygon, npu for Ascend)."""
+    from hardware_profiles.errors import UserInputError
+    from hardware_profiles.loader import load_cluster, load_device
+    try:
+        return load_cluster(plan.cluster).device.torch_device_type
+    except UserInputError:  # a cluster built on the command line: "<device>-x<count>"
+        return load_device(plan.cluster.rsplit("-x", 1)[0]).torch_device_type
+
+
+def apply_plan(model: nn.Module, graph: ModelGraph, plan_or_layout, device_type: str | None = None,
                **kwargs) -> ParallelModel:
-    """Lay `model` out as the plan says (a `planner.plans.Plan` or a `Layout`) and return a ParallelModel."""
-    layout = plan_or_layout.to_layout() if hasattr(plan_or_layout, "to_layout") else plan_or_layout
+    """Lay `model` out as the plan says (a `planner.plans.Plan` or a `Layout`) and return a ParallelModel.
+    The device type defaults to the one the plan's cluster profile names (cpu for a bare Layout)."""
+    is_plan = hasattr(plan_or_layout, "to_layout")
+    layout = plan_or_layout.to_layout() if is_plan else plan_or_layout
+    if device_type is None:
+        device_type = device_type_of(plan_or_layout) if is_plan else "cpu"
     return ParallelModel(model, graph, layout, device_type, **kwargs)
 
 
