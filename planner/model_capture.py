@@ -1,6 +1,7 @@
 """From a model argument to a `ModelGraph`: build on meta, trace, measure each layer kind once."""
 from __future__ import annotations
 
+import copy
 import functools
 import time
 
@@ -78,10 +79,21 @@ class _TopAnalyzer(_Analyzer):
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
 
 
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of a user's module on meta: its parameters and buffers are replaced, never copied or moved."""
+    memo = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
 def _instantiate(source: ModelConfig | UserModule, seq_len: int) -> tuple[nn.Module, str]:
     if isinstance(source, ModelConfig):
         cfg = source if seq_len <= source.seq_length else source.model_copy(update={"seq_length": seq_len})
         return build_model(cfg, "meta", ACTIVATION_DTYPE), cfg.name
+    if source.module is not None:  # an existing module: leave the user's weights where they are
+        return _meta_copy(source.module).to(dtype=ACTIVATION_DTYPE), source.name
     try:
         with torch.device("meta"):
             module = source.factory()

@@ -28,6 +28,7 @@ class UserModule:
     name: str
     factory: Callable[[], nn.Module]
     source: str
+    module: nn.Module | None = None   # an existing module object (captured from a meta copy)
 
 
 def list_builtin_models() -> list[str]:
@@ -133,7 +134,7 @@ def resolve_model(spec) -> ModelConfig | UserModule:
         return config_from_hf(spec, "config dict") if "model_type" in spec or "n_embd" in spec \
             else _validate(spec, "model dict")
     if isinstance(spec, nn.Module):
-        return UserModule(name=type(spec).__name__, factory=lambda: spec, source="module object")
+        return UserModule(name=type(spec).__name__, factory=lambda: spec, source="module object", module=spec)
     text = str(spec)
     if text.endswith(".py") or ".py:" in text:
         if ":" not in text.split(".py")[-1]:

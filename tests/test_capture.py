@@ -189,3 +189,15 @@ def test_published_gpt_configurations_are_built_in():
     graph = capture("narayanan21-145b")
     l, h, V, s = 80, 12288, 51200, 2048
     assert graph.total_params == round(12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))) + 2 * h
+
+
+def test_capturing_a_module_object_leaves_its_weights_alone():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("user_gpt", EXAMPLES / "user_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build()
+    before = model.wte.weight.detach().clone()
+    graph = capture(model, seq_len=64)
+    assert graph.num_blocks == 4 and graph.total_params == sum(p.numel() for p in model.parameters())
+    assert model.wte.weight.device.type == "cpu" and bool((model.wte.weight == before).all())
