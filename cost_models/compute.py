@@ -92,10 +92,3 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
         if op.kind is OpKind.attention:
             attention += f
     return LayerCompute(forward, backward_input, backward_weight, attention)
-
-
-def layer_flops(kind: LayerKind, spec: ShardSpec) -> float:
-    """Model FLOPs (matmul forward + backward) of one micro-batch on one rank."""
-    return sum((op.forward_flops + op.backward_input_flops + op.backward_weight_flops)
-               * spec.micro_batch / work_divisor(op.sharding, spec)
-               for op in kind.ops if op.kind in (OpKind.gemm, OpKind.attention))

@@ -7,7 +7,6 @@ saved storage is attributed to the node that produced it.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ from hardware_profiles.errors import UserInputError
 
 from .graph_analysis import (attention_heads, find_tp_pairs, is_expert_container, is_norm_like, routed_experts,
                              router_topk, signature)
-from .graph import BlockStructure, TensorParallelPair
+from .graph import BlockStructure
 from .op_costs import node_costs
 
 
@@ -231,13 +230,4 @@ def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, 
     return counts
 
 
-def timed(fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        return result, time.perf_counter() - start
-    return wrapper
-
-
-__all__ = ["CaptureTracer", "trace", "Measured", "find_block_stack", "measure_block", "block_params",
-           "TensorParallelPair", "_Analyzer", "timed"]
+__all__ = ["CaptureTracer", "trace", "Measured", "find_block_stack", "measure_block", "block_params"]

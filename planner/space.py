@@ -1,7 +1,7 @@
 """The layout space: validity rules and the enumeration of candidate degrees."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
 from hardware_profiles.errors import UserInputError
@@ -166,7 +166,3 @@ def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision, fast_do
                                                   sequence_parallel=pins.sp if pins.sp is not None else True,
                                                   recompute=pins.recompute or Recompute.none, mesh_order=order))
     return layouts
-
-
-def with_pins(layout: Layout, pins: Pins) -> Layout:
-    return replace(layout, recompute=pins.recompute or layout.recompute)
