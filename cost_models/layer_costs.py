@@ -42,11 +42,11 @@ class LayerCost:
     forward_flops_model: float                     # matmul forward FLOPs per sample: what full recompute repeats
     attention_forward_flops: float
 
-    zero3_exposed_s: float = 0.0                   # FSDP weight gathers not hidden by this layer's compute
+    zero_exposed_s: float = 0.0                    # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
 
     def work_s(self, recompute: Recompute) -> float:
         return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
-                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.zero3_exposed_s)
+                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.zero_exposed_s)
 
 
 class MeshCosts:
@@ -148,9 +148,9 @@ class MeshCosts:
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind.value in ("gemm", "attention")),
             attention_forward_flops=attention_flops)
-        if lay.zero >= 3:
-            gathers = self.zero3_comm_s(cost.weight_bytes_unsharded)
-            cost = replace(cost, zero3_exposed_s=max(0.0, gathers - compute.forward_s - compute.backward_s))
+        if lay.zero >= 2:
+            traffic = self.sharded_dp_comm_s(dense_params, expert_params)
+            cost = replace(cost, zero_exposed_s=max(0.0, traffic - compute.forward_s - compute.backward_s))
         self._cache[kind.name] = cost
         return cost
 
@@ -182,11 +182,14 @@ class MeshCosts:
         return self._line(max(dense, 1.0), "dpcp"), self._line(max(expert, 1.0), "edp") if expert else (0.0, 0.0)
 
     def _line(self, size: float, dim: str) -> tuple[float, float]:
+        """Once per step: ZeRO-0 all-reduces gradients; ZeRO-1 reduce-scatters them; ZeRO-1 and 2 all-gather
+        the updated bf16 weights; ZeRO-2/3 reduce gradients per micro-batch instead (sharded_dp_comm_s)."""
         lay = self.layout
-        op = Collective.reduce_scatter if lay.zero >= 1 else Collective.all_reduce
-        cost = self.collective(op, size, dim)
-        per_byte = cost.bandwidth_seconds / size
-        latency = cost.latency_seconds
+        latency = per_byte = 0.0
+        if lay.zero <= 1:
+            op = Collective.reduce_scatter if lay.zero == 1 else Collective.all_reduce
+            cost = self.collective(op, size, dim)
+            per_byte, latency = cost.bandwidth_seconds / size, cost.latency_seconds
         if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step: half the fp32 bytes
             gather = self.collective(Collective.all_gather, size / 2, dim)
             per_byte += gather.bandwidth_seconds / size
@@ -194,13 +197,18 @@ class MeshCosts:
         return latency, per_byte
 
     def dp_comm_s(self, grad_bytes: float, expert_grad_bytes: float) -> float:
-        """Gradient reduction (reduce-scatter with ZeRO >= 1, else all-reduce) plus, for ZeRO 1-2, the bf16
-        parameter all-gather after the optimizer step; ZeRO-3 gathers per micro-batch (zero3_comm_s)."""
+        """The per-step data-parallel traffic of `_line` for a stage's gradient bytes."""
         (a_dense, b_dense), (a_expert, b_expert) = self.dp_lines
         return a_dense + b_dense * grad_bytes + a_expert + b_expert * expert_grad_bytes
 
-    def zero3_comm_s(self, weight_bytes: float) -> float:
-        """FSDP: all-gather weights for forward and again for backward, every micro-batch."""
-        if self.layout.zero < 3:
-            return 0.0
-        return 2 * self.collective(Collective.all_gather, weight_bytes, "dpcp").seconds
+    def sharded_dp_comm_s(self, dense_params: float, expert_params: float) -> float:
+        """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (they cannot accumulate
+        unsharded); ZeRO-3 (FSDP) also all-gathers the bf16 weights for forward and again for backward."""
+        seconds = 0.0
+        for params, dim in ((dense_params, "dpcp"), (expert_params, "edp")):
+            if not params:
+                continue
+            seconds += self.collective(Collective.reduce_scatter, params * GRAD_REDUCE_BYTES, dim).seconds
+            if self.layout.zero >= 3:
+                seconds += 2 * self.collective(Collective.all_gather, params * 2, dim).seconds
+        return seconds

@@ -20,7 +20,7 @@ class StepBreakdown:
     tp_comm_s: float
     cp_comm_s: float
     ep_comm_s: float
-    zero3_comm_s: float
+    zero_comm_s: float
     pipeline_bubble_s: float
     pp_comm_s: float
     dp_comm_s: float
@@ -64,7 +64,7 @@ class StageTotals:
     tp_s: float
     cp_s: float
     ep_s: float
-    zero3_s: float
+    zero_s: float
     memory: StageMemory
     grad_bytes: float
     expert_grad_bytes: float
@@ -108,7 +108,7 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     return StageTotals(
         work_s=sum(c.work_s(r) for c, r in items), compute_s=compute, recompute_s=recomputed,
         tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),
-        ep_s=sum(c.ep_comm_s for c, _ in items), zero3_s=sum(c.zero3_exposed_s for c, _ in items),
+        ep_s=sum(c.ep_comm_s for c, _ in items), zero_s=sum(c.zero_exposed_s for c, _ in items),
         memory=memory, grad_bytes=sum(c.grad_reduce_bytes for c, _ in items),
         expert_grad_bytes=sum(c.expert_grad_reduce_bytes for c, _ in items),
         optimizer_params=sum(c.optimizer_params for c, _ in items))
@@ -146,7 +146,7 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, overlap: Overl
     optimizer = max(costs.optimizer_s(s.optimizer_params) for s in stages)
     breakdown = StepBreakdown(
         compute_s=m * slowest.compute_s, recompute_s=m * slowest.recompute_s, tp_comm_s=m * slowest.tp_s,
-        cp_comm_s=m * slowest.cp_s, ep_comm_s=m * slowest.ep_s, zero3_comm_s=m * slowest.zero3_s,
+        cp_comm_s=m * slowest.cp_s, ep_comm_s=m * slowest.ep_s, zero_comm_s=m * slowest.zero_s,
         pipeline_bubble_s=pipeline - m * slowest.work_s, pp_comm_s=pp_comm, dp_comm_s=dp_exposed,
         optimizer_s=optimizer)
     step = breakdown.total_s

@@ -135,6 +135,7 @@ def main(argv=None) -> int:
             print(f"step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:
             parallel.save(args.checkpoint)
+    dist.barrier()  # no rank tears its group down while a peer still talks to it
     dist.destroy_process_group()
     return 0
 

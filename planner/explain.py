@@ -10,7 +10,7 @@ from .plans import Alternative
 PART_NAMES = {
     "compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
     "cp_comm_s": "context-parallel communication", "ep_comm_s": "expert all-to-all",
-    "zero3_comm_s": "ZeRO-3 weight gathers", "pipeline_bubble_s": "pipeline bubble",
+    "zero_comm_s": "ZeRO-2/3 per-micro-batch communication", "pipeline_bubble_s": "pipeline bubble",
     "pp_comm_s": "pipeline sends", "dp_comm_s": "data-parallel gradient reduction",
     "optimizer_s": "optimizer step",
 }

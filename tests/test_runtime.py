@@ -3,6 +3,7 @@
 Losses over 3 optimizer steps and every first-step gradient must match within 1e-5 (relative).
 """
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,16 @@ USER_MODEL = "examples/user_gpt.py:build_separate_qkv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
+def free_port() -> int:
+    with socket.socket() as probe:  # a fresh loopback port per launch: no clash with a previous job
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     command = [sys.executable, SCRIPT, *args] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-        str(29500 + os.getpid() % 1000), SCRIPT, *args]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), SCRIPT, *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
