@@ -13,6 +13,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from cost_models.layout import Layout, Recompute
+from cost_models.step_time import chunk_blocks
 from planner.graph import ModelGraph
 
 from .dims import ParallelDims, PlanError, world
@@ -24,14 +25,6 @@ from .split import split_stage
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
-
-
-def _chunk_ranges(stage_layers: tuple[int, ...]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for count in stage_layers:
-        out.append((start, start + count - 1))
-        start += count
-    return out
 
 
 class ParallelModel:
@@ -60,7 +53,7 @@ class ParallelModel:
     def _build_modules(self, model: nn.Module, graph: ModelGraph, recompute) -> list[nn.Module]:
         dims = self.dims
         names = [slot.module_name for slot in graph.blocks]
-        chunks = _chunk_ranges(self.layout.stage_layers)
+        chunks = [(r.start, r.stop - 1) for r in chunk_blocks(self.layout.stage_layers)]
         if dims.pp == 1:
             modules = [model]
         else:
