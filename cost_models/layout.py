@@ -1,7 +1,7 @@
 """`Layout`: one parallel layout, the third typed input beside the model graph and the cluster."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -94,4 +94,3 @@ class OverlapModel:
     pp_hidden: float = 0.0
     dp_window_fraction: float = 1.0   # share of the last micro-batch's backward that hides DP reduction
     causal_attention_work: float = 0.5  # flash kernels skip masked blocks: about half of s x s work
-    extra: dict = field(default_factory=dict, compare=False, hash=False)

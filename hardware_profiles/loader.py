@@ -106,9 +106,8 @@ def cluster_from_device(device_name: str, num_devices: int, devices_per_node: in
     if num_devices % per_node:
         raise UserInputError(f"{num_devices} devices do not fill whole nodes of {per_node}",
                              field="--num-devices", expected=f"a multiple of {per_node}")
-    fast = min(template.fast_domain_devices, max(per_node, template.fast_domain_devices))
-    if num_devices < fast:
-        fast = per_node
+    # the template's fast domain (8 for DGX, 72 for NVL72), or one node when the job is smaller than that
+    fast = template.fast_domain_devices if num_devices >= template.fast_domain_devices else per_node
     update = {"name": f"{device_name}-x{num_devices}", "num_nodes": num_devices // per_node,
               "devices_per_node": per_node, "fast_domain_devices": fast}
     data = template.model_dump()

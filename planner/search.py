@@ -40,7 +40,6 @@ class SearchOutcome:
     unexplored: int                     # candidates left when the time limit ran out (0: search complete)
     smallest_memory_need: float         # over all candidates (for infeasible requests)
     smallest_need_parts: dict
-    best_effort: Layout | None
 
 
 def _balanced_bound(costs: MeshCosts, layout: Layout) -> float:
@@ -123,7 +122,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     bounds = _Bounds(model, cluster, overlap, allowed)
     ordered = sorted(((_pipeline_bound(bounds.compute_work_s(lay), lay), lay.short(), lay) for lay in layouts),
                      key=lambda item: item[:2])
-    smallest, smallest_parts, best_effort = float("inf"), {}, None
+    smallest, smallest_parts = float("inf"), {}
     ranked: list[Scored] = []
     pruned_memory = pruned_bound = solved = unexplored = 0
     compute_cache: dict = {}
@@ -140,7 +139,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             break
         floor, parts = bounds.memory_floor(layout)
         if floor < smallest:
-            smallest, smallest_parts, best_effort = floor, parts, layout
+            smallest, smallest_parts = floor, parts
         if floor > capacity:
             pruned_memory += 1
             continue
@@ -165,6 +164,6 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         for _, _, layout in ordered:
             floor, parts = bounds.memory_floor(layout)
             if floor < smallest:
-                smallest, smallest_parts, best_effort = floor, parts, layout
+                smallest, smallest_parts = floor, parts
     return SearchOutcome(tuple(ranked), len(layouts), pruned_memory, pruned_bound, solved,
-                         time.perf_counter() - start, unexplored, smallest, smallest_parts, best_effort)
+                         time.perf_counter() - start, unexplored, smallest, smallest_parts)

@@ -1,12 +1,13 @@
 """Rich renderings of plans, reports, profiles and models for the CLI."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
-from hardware_profiles.loader import (CLUSTER_DIR, DEVICE_DIR, list_clusters, list_devices, load_cluster,
-                                      load_device)
 from hardware_profiles.errors import UserInputError
+from hardware_profiles.loader import _read_yaml, list_clusters, list_devices, load_cluster, load_device
 
 from .explain import PART_NAMES
 from .graph import ModelGraph
@@ -139,13 +140,11 @@ def show_profile(console: Console, name: str) -> None:
 
 
 def _peek(path: str) -> dict:
-    import yaml
-    from pathlib import Path
+    """The fields of a profile file, or {} when it cannot be read (show_profile then reports it)."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except Exception:
+        return _read_yaml(Path(path))
+    except UserInputError:
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def show_models(console: Console) -> None:
