@@ -5,7 +5,7 @@ exactly the objective the solver minimised.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hardware_profiles.schema import Cluster
@@ -49,11 +49,20 @@ class LayerCost:
                 + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.zero_exposed_s)
 
 
+@dataclass
+class SharedCosts:
+    """Results that many layouts of one search share: layer compute by (kind, shard spec), mesh
+    placements by mesh shape, collective times by (op, bytes, group). One cluster per instance."""
+    compute: dict = field(default_factory=dict)
+    placements: dict = field(default_factory=dict)
+    collectives: dict = field(default_factory=dict)
+
+
 class MeshCosts:
     """Costs of every layer kind for one layout's degrees (partition and recomputation left free)."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, overlap: OverlapModel,
-                 ep_imbalance: float = 1.0, compute_cache: dict | None = None):
+                 ep_imbalance: float = 1.0, shared: SharedCosts | None = None):
         self.model, self.cluster, self.layout, self.overlap = model, cluster, layout, overlap
         self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
@@ -62,11 +71,17 @@ class MeshCosts:
                                             dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
                                             zero=layout.zero)
         self._cache: dict[str, LayerCost] = {}
-        # layer compute depends only on (kind, tp, sp, cp, micro-batch): a search shares it across meshes
-        self._compute_cache = compute_cache if compute_cache is not None else {}
+        self._shared = shared if shared is not None else SharedCosts()
 
     @cached_property
     def placement(self):
+        lay = self.layout
+        key = (lay.mesh_dims(), lay.etp, lay.ep)
+        if key not in self._shared.placements:
+            self._shared.placements[key] = self._place()
+        return self._shared.placements[key]
+
+    def _place(self):
         dims = tuple(MeshDim(name, size) for name, size in self.layout.mesh_dims())
         attention = place_mesh(dims, self.cluster)
         lay = self.layout
@@ -80,7 +95,10 @@ class MeshCosts:
         attention, dp_cp, experts = self.placement
         group = {"dpcp": dp_cp, "ep": experts.of("ep") if self.layout.ep > 1 else None,
                  "edp": experts.of("edp")}.get(dim) or attention.of(dim)
-        return collective_time(op, size, group, self.cluster, **kwargs)
+        key = (op, size, group, tuple(sorted(kwargs.items())))
+        if key not in self._shared.collectives:
+            self._shared.collectives[key] = collective_time(op, size, group, self.cluster, **kwargs)
+        return self._shared.collectives[key]
 
     @property
     def activation_message_bytes(self) -> float:
@@ -123,14 +141,25 @@ class MeshCosts:
         one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
         return 4 * one * (1 - self.overlap.ep_hidden)
 
+    def _compute(self, kind: LayerKind):
+        key = (kind.name, self.spec)
+        if key not in self._shared.compute:
+            self._shared.compute[key] = layer_compute(kind, self.cluster.device, self.spec)
+        return self._shared.compute[key]
+
+    def work_before_zero_s(self, kind: LayerKind, recompute: Recompute) -> float:
+        """`layer(kind).work_s(recompute)` less the ZeRO-2/3 traffic, without the memory parts: what the
+        layer costs under every ZeRO stage at least (the search bounds whole subtrees with it)."""
+        compute = self._compute(kind)
+        redo = (0.0, compute.attention_core_forward_s, compute.forward_s)[RECOMPUTE_ORDER.index(recompute)]
+        return (compute.forward_s + compute.backward_s + redo + self.tp_comm_s(kind)
+                + self.cp_comm_s(kind, compute.attention_core_forward_s) + self.ep_comm_s(kind))
+
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:
             return self._cache[kind.name]
         lay = self.layout
-        compute_key = (kind.name, self.spec)
-        compute = self._compute_cache.get(compute_key)
-        if compute is None:
-            compute = self._compute_cache[compute_key] = layer_compute(kind, self.cluster.device, self.spec)
+        compute = self._compute(kind)
         recompute = (0.0, compute.attention_core_forward_s, compute.forward_s)
         activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch)
                             for r in RECOMPUTE_ORDER)

@@ -75,6 +75,12 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
                 pins: Pins, precision: str) -> InfeasibleError:
     capacity = usable_bytes(cluster.device)
     need = outcome.smallest_memory_need
+    if outcome.unexplored and need <= capacity:
+        return InfeasibleError(f"the search reached its time limit after {outcome.wall_s:.0f} s with "
+                               f"{outcome.unexplored} of {outcome.candidates} candidate layouts unexplored and "
+                               f"no plan found yet for {graph.name} on {cluster.num_devices} x {cluster.device.name}",
+                               field="--time-limit", expected="a longer time limit, or pins (--fix) that narrow "
+                               "the space")
     if need == float("inf"):
         return InfeasibleError(f"no layout of {cluster.num_devices} devices divides this model and batch "
                                f"({graph.attention_heads} heads, {graph.num_blocks} layers, global batch "

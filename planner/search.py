@@ -1,18 +1,22 @@
-"""Branch and bound over meshes, micro-batches, ZeRO stages and virtual stages, CP-SAT inside.
+"""Best-first branch and bound over meshes, micro-batches, ZeRO stages and virtual stages, CP-SAT inside.
 
-Candidates are ordered by a lower bound on their step time (compute and exposed per-layer
-communication of a perfectly balanced pipeline, no recomputation); a candidate whose bound cannot beat
-the K-th best plan so far is pruned, as is one whose memory floor (model states of a perfectly split
-model plus fully recomputed activations) exceeds the device. The rest go to the partition solver.
+The space is a tree: a mesh shape with a schedule (tp, cp, pp, dp, vp, micro-batch) is bounded by its
+compute alone; its children add the expert folding and mesh order, bounded by compute plus exposed
+per-layer communication; their children add the ZeRO stage, bounded by a balanced pipeline with its
+data-parallel and optimizer time, and pruned when their memory floor (model states of a perfectly split
+model plus the cheapest activations) exceeds the device. Nodes are expanded cheapest bound first; a
+node whose bound cannot beat the K-th best plan so far ends the search, since every node left is at
+least as slow. Leaves go to the partition solver.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
-from cost_models.layer_costs import MeshCosts
-from cost_models.layout import Layout, OverlapModel, Recompute
+from cost_models.layer_costs import MeshCosts, SharedCosts
+from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
 from cost_models.memory import StateSharding, activation_bytes, model_state_bytes, usable_bytes
 from cost_models.pipeline import p2p_transfers_on_critical_path
 from cost_models.records import ModelCosts
@@ -20,7 +24,8 @@ from cost_models.step_time import Estimate, estimate
 from hardware_profiles.schema import Cluster
 
 from .solver import PartitionResult, solve_partition
-from .space import Pins, candidate_layouts
+from .space import (MeshShape, Pins, make_layout, mesh_shapes, placement_choices, schedule_choices,
+                    zero_choices)
 
 
 @dataclass(frozen=True)
@@ -42,12 +47,22 @@ class SearchOutcome:
     smallest_need_parts: dict
 
 
-def _balanced_bound(costs: MeshCosts, layout: Layout) -> float:
-    """Step time of a perfectly balanced pipeline with no recomputation and no DP exposure."""
+def _total_work_s(costs: MeshCosts, fastest: Recompute) -> float:
+    """Per-micro-batch work of the whole model, every block at its fastest, before ZeRO-2/3 traffic."""
     model = costs.model
-    total = sum(n * costs.layer(kind).work_s(Recompute.none) for kind, n in model.block_counts)
+    total = sum(n * costs.work_before_zero_s(kind, fastest) for kind, n in model.block_counts)
+    return total + sum(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
+
+
+def _communication_bound(total_work_s: float, p2p_s: float, layout: Layout) -> float:
+    """Balanced pipeline of compute and exposed per-layer communication, for every ZeRO stage."""
+    return _pipeline_bound(total_work_s, layout) + p2p_transfers_on_critical_path(layout.pp, layout.vp) * p2p_s
+
+
+def _balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recompute.none) -> float:
+    """Step time of a perfectly balanced pipeline at the fastest recomputation allowed."""
+    model = costs.model
     edges = (costs.layer(model.embedding), costs.layer(model.head))
-    total += sum(c.work_s(Recompute.none) for c in edges)
     # the slowest stage's DP exposure and optimizer step are at least the stages' mean (max >= mean)
     def mean(attribute: str) -> float:
         return (sum(n * getattr(costs.layer(kind), attribute) for kind, n in model.block_counts)
@@ -56,8 +71,9 @@ def _balanced_bound(costs: MeshCosts, layout: Layout) -> float:
     dp = max(0.0, costs.dp_comm_s(mean("grad_reduce_bytes"), mean("expert_grad_reduce_bytes"))
              - costs.overlap.dp_window_fraction * compute)
     optimizer = costs.optimizer_s(mean("optimizer_params"))
-    return (_pipeline_bound(total, layout) + p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
-            + dp + optimizer)
+    work = sum(n * costs.layer(kind).work_s(fastest) for kind, n in model.block_counts)
+    work += sum(c.work_s(Recompute.none) for c in edges)
+    return _communication_bound(work, costs.p2p_s(), layout) + dp + optimizer
 
 
 def _pipeline_bound(total_work_s: float, layout: Layout) -> float:
@@ -71,7 +87,9 @@ class _Bounds:
 
     def __init__(self, model: ModelCosts, cluster: Cluster, overlap: OverlapModel, allowed: tuple[Recompute, ...]):
         self.model, self.device, self.overlap = model, cluster.device, overlap
-        self.cheapest = min(allowed, key=lambda r: {Recompute.none: 2, Recompute.selective: 1, Recompute.full: 0}[r])
+        rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
+        self.cheapest = max(allowed, key=rank.get)   # least activation memory
+        self.fastest = min(allowed, key=rank.get)    # least work
         self.work: dict[tuple, float] = {}
         self.activations: dict[tuple, float] = {}
 
@@ -110,43 +128,142 @@ def _rank_key(scored: Scored) -> tuple:
             -lay.micro_batch, lay.short())
 
 
+@dataclass(frozen=True)
+class _Node:
+    """A subtree of the space: a mesh shape and schedule, then expert folding and order, then ZeRO."""
+    shape: MeshShape
+    vp: int
+    mbs: int
+    placement: tuple | None = None      # (etp, ep, mesh order) from the second level on
+    zero: int | None = None             # set on leaves
+
+    def layout(self, problem: "_Problem") -> Layout:
+        etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
+        return make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
+                           mbs=self.mbs, etp=etp, ep=ep, order=order, zero=self.zero or 0)
+
+    def tie_key(self) -> tuple:
+        etp, ep, order = self.placement or (0, 0, ())
+        s = self.shape
+        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.mbs, -1 if self.zero is None else self.zero, order)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    model: ModelCosts
+    cluster: Cluster
+    global_batch: int
+    pins: Pins
+    precision: str
+    overlap: OverlapModel
+    ep_imbalance: float
+    graph: object
+    zeros: tuple[int, ...]
+
+
+class _Tree:
+    """Children and leaf counts of the search tree's nodes."""
+
+    def __init__(self, problem: _Problem):
+        self.problem = problem
+        self.fast = problem.cluster.fast_domain_devices
+        self._placements: dict[MeshShape, list] = {}
+
+    def roots(self) -> list[_Node]:
+        p = self.problem
+        return [_Node(shape, vp, mbs)
+                for shape in mesh_shapes(p.graph, p.cluster.num_devices, p.global_batch, p.pins, self.fast)
+                for vp, mbs in schedule_choices(p.graph, shape, p.global_batch, p.pins)]
+
+    def placements(self, shape: MeshShape) -> list:
+        if shape not in self._placements:
+            self._placements[shape] = placement_choices(self.problem.graph, shape, self.problem.pins, self.fast)
+        return self._placements[shape]
+
+    def children(self, node: _Node) -> list[_Node]:
+        if node.placement is None:
+            return [replace(node, placement=placement) for placement in self.placements(node.shape)]
+        return [replace(node, zero=zero) for zero in self.problem.zeros]
+
+    def leaf_count(self, node: _Node) -> int:
+        if node.zero is not None:
+            return 1
+        per_placement = len(self.problem.zeros)
+        return per_placement if node.placement is not None else per_placement * len(self.placements(node.shape))
+
+    def leaves(self, node: _Node):
+        if node.zero is not None:
+            yield node
+            return
+        for child in self.children(node):
+            yield from self.leaves(child)
+
+
 def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = Pins(),
            precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3,
            overlap: OverlapModel = OverlapModel(), ep_imbalance: float = 1.0, graph=None,
            progress=None, recompute_choices: tuple[Recompute, ...] | None = None) -> SearchOutcome:
     start = time.perf_counter()
     allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
-    layouts = candidate_layouts(graph, cluster.num_devices, global_batch, pins, precision,
-                                cluster.fast_domain_devices)
+    problem = _Problem(model, cluster, global_batch, pins, precision, overlap, ep_imbalance, graph, zero_choices(pins))
+    tree = _Tree(problem)
     capacity = usable_bytes(cluster.device)
     bounds = _Bounds(model, cluster, overlap, allowed)
-    ordered = sorted(((_pipeline_bound(bounds.compute_work_s(lay), lay), lay.short(), lay) for lay in layouts),
-                     key=lambda item: item[:2])
+    shared = SharedCosts()
+    heap: list = []
+    placement_work: dict[tuple, tuple[float, float]] = {}   # (shape, mbs, placement): work, p2p; any vp
+
+    def communication_bound(node: _Node, layout: Layout) -> float:
+        key = (node.shape, node.mbs, node.placement)
+        if key not in placement_work:
+            costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
+            placement_work[key] = (_total_work_s(costs, bounds.fastest), costs.p2p_s())
+        return _communication_bound(*placement_work[key], layout)
+
+    def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
+        heapq.heappush(heap, (bound, node.tie_key(), node, costs))
+
+    for root in tree.roots():
+        push(root, _pipeline_bound(bounds.compute_work_s(root.layout(problem)), root.layout(problem)))
+    candidates = sum(tree.leaf_count(node) for _, _, node, _ in heap)
     smallest, smallest_parts = float("inf"), {}
     ranked: list[Scored] = []
-    pruned_memory = pruned_bound = solved = unexplored = 0
-    compute_cache: dict = {}
-    for position, (cheap, _, layout) in enumerate(ordered):
-        if progress:
-            progress(position + 1, len(ordered))
+    pruned_memory = pruned_bound = solved = unexplored = visited = 0
+    while heap:
         kth = ranked[top_k - 1].estimate.step_time_s if len(ranked) >= top_k else float("inf")
         remaining = time_limit_s - (time.perf_counter() - start)
-        if cheap >= kth:  # sorted by this bound: nothing later can do better
-            pruned_bound += len(ordered) - position
+        if heap[0][0] >= kth:  # the cheapest bound left cannot beat the K-th plan: neither can the rest
+            pruned_bound += sum(tree.leaf_count(node) for _, _, node, _ in heap)
             break
         if remaining <= 0:
-            unexplored = len(ordered) - position
+            unexplored = sum(tree.leaf_count(node) for _, _, node, _ in heap)
             break
-        floor, parts = bounds.memory_floor(layout)
-        if floor < smallest:
-            smallest, smallest_parts = floor, parts
-        if floor > capacity:
-            pruned_memory += 1
+        bound, _, node, costs = heapq.heappop(heap)
+        if node.zero is None:
+            for child in tree.children(node):
+                layout = child.layout(problem)
+                if child.zero is not None:
+                    floor, parts = bounds.memory_floor(layout)
+                    if floor < smallest:
+                        smallest, smallest_parts = floor, parts
+                    if floor > capacity:
+                        pruned_memory += 1
+                        continue
+                child_costs = None
+                if child.zero is None:
+                    child_bound = communication_bound(child, layout)
+                else:
+                    child_costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
+                    child_bound = _balanced_bound(child_costs, layout, bounds.fastest)
+                if child_bound >= kth:
+                    pruned_bound += tree.leaf_count(child)
+                    continue
+                push(child, max(bound, child_bound), child_costs)
             continue
-        costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, compute_cache)
-        if _balanced_bound(costs, layout) >= kth:
-            pruned_bound += 1
-            continue
+        visited += 1
+        if progress:
+            progress(visited + pruned_memory + pruned_bound, candidates)
+        layout = node.layout(problem)
         cutoff = kth - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
         # one hard candidate may not eat the budget: it gets a share, and reports its gap if cut short
         result = solve_partition(costs, allowed, time_limit_s=min(remaining, max(1.0, time_limit_s / 30)),
@@ -161,9 +278,10 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             ranked.sort(key=_rank_key)
             ranked = ranked[: max(top_k, 1)]
     if not ranked:  # report the least memory any candidate needs
-        for _, _, layout in ordered:
-            floor, parts = bounds.memory_floor(layout)
-            if floor < smallest:
-                smallest, smallest_parts = floor, parts
-    return SearchOutcome(tuple(ranked), len(layouts), pruned_memory, pruned_bound, solved,
+        for _, _, node, _ in heap:
+            for leaf in tree.leaves(node):
+                floor, parts = bounds.memory_floor(leaf.layout(problem))
+                if floor < smallest:
+                    smallest, smallest_parts = floor, parts
+    return SearchOutcome(tuple(ranked), candidates, pruned_memory, pruned_bound, solved,
                          time.perf_counter() - start, unexplored, smallest, smallest_parts)

@@ -115,21 +115,79 @@ def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list
     return problems
 
 
+@dataclass(frozen=True)
+class MeshShape:
+    """The four degrees that multiply to the device count."""
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+
+
+def mesh_shapes(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pins,
+                fast_domain: int) -> list[MeshShape]:
+    """Every valid tp x cp x pp x dp = devices that the pins allow."""
+    out = []
+    heads, groups = graph.attention_heads or 1, graph.kv_groups
+    # tp stays inside the fast domain unless the user pins it (design-notes: TP inside NVLink/HCCS)
+    tps = [t for t in divisors(num_devices) if heads % t == 0 and pins.allows("tp", t)
+           and (t <= max(fast_domain, 1) or pins.tp == t) and not (groups and groups % t and t % groups)]
+    for tp in tps:
+        for cp in (c for c in divisors(num_devices // tp) if pins.allows("cp", c)):
+            if cp > 1 and graph.seq_len % (2 * cp):
+                continue
+            for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= graph.num_blocks and pins.allows("pp", p)):
+                dp = num_devices // (tp * cp * pp)
+                if pins.allows("dp", dp) and global_batch % dp == 0:
+                    out.append(MeshShape(tp, cp, pp, dp))
+    return out
+
+
+def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pins: Pins) -> list[tuple[int, int]]:
+    """(virtual stages, micro-batch size) pairs: interleaving needs micro-batches divisible by pp."""
+    out = []
+    for vp in (v for v in range(1, 9) if (shape.pp > 1 or v == 1) and pins.allows("vp", v)
+               and shape.pp * v <= graph.num_blocks):
+        for mbs in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
+            if vp == 1 or (global_batch // (shape.dp * mbs)) % shape.pp == 0:
+                out.append((vp, mbs))
+    return out
+
+
+def placement_choices(graph: ModelGraph, shape: MeshShape, pins: Pins,
+                      fast_domain: int) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(expert tp, ep, mesh order) triples: experts fold over etp x ep inside dp x cp x tp."""
+    experts, out = graph.num_experts, []
+    for etp in sorted(t for t in ({1, shape.tp} if experts else {1}) if pins.allows("etp", t)):
+        eps = [e for e in divisors(shape.dp * shape.cp * shape.tp // etp) if experts % e == 0] if experts else [1]
+        for ep in (e for e in eps if pins.allows("ep", e)):
+            for order in mesh_orders(shape.tp, shape.cp, shape.dp, shape.pp, fast_domain):
+                out.append((etp, ep, order))
+    return out
+
+
+def zero_choices(pins: Pins) -> tuple[int, ...]:
+    return tuple(z for z in (0, 1, 2, 3) if pins.allows("zero", z))
+
+
+def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
+                etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0) -> Layout:
+    return Layout(dp=shape.dp, tp=shape.tp, pp=shape.pp, vp=vp, cp=shape.cp, ep=ep, etp=etp, micro_batch=mbs,
+                  global_batch=global_batch, zero=zero, precision=precision,
+                  sequence_parallel=pins.sp if pins.sp is not None else True,
+                  recompute=pins.recompute or Recompute.none, mesh_order=order)
+
+
 def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pins,
                       precision: str, fast_domain: int) -> list[Layout]:
     """Every valid combination of degrees, micro-batch and ZeRO stage that the pins allow."""
     out = []
-    heads = graph.attention_heads or 1
-    # tp stays inside the fast domain unless the user pins it (design-notes: TP inside NVLink/HCCS)
-    tps = [t for t in divisors(num_devices) if heads % t == 0 and pins.allows("tp", t)
-           and (t <= max(fast_domain, 1) or pins.tp == t)]
-    for tp in tps:
-        for cp in (c for c in divisors(num_devices // tp) if pins.allows("cp", c)):
-            for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= graph.num_blocks and pins.allows("pp", p)):
-                dp = num_devices // (tp * cp * pp)
-                if not pins.allows("dp", dp) or global_batch % dp:
-                    continue
-                out.extend(_inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision, fast_domain))
+    for shape in mesh_shapes(graph, num_devices, global_batch, pins, fast_domain):
+        placements = placement_choices(graph, shape, pins, fast_domain)
+        for vp, mbs in schedule_choices(graph, shape, global_batch, pins):
+            for etp, ep, order in placements:
+                out.extend(make_layout(shape, global_batch, pins, precision, vp=vp, mbs=mbs, etp=etp, ep=ep,
+                                       order=order, zero=zero) for zero in zero_choices(pins))
     return out
 
 
@@ -143,26 +201,3 @@ def mesh_orders(tp: int, cp: int, dp: int, pp: int, fast_domain: int) -> list[tu
         if pp > 1 and cp * dp > 1:
             orders.append(("tp", "pp", "cp", "ep", "dp"))
     return orders
-
-
-def _inner_choices(graph, tp, cp, pp, dp, global_batch, pins, precision, fast_domain) -> list[Layout]:
-    layouts = []
-    experts = graph.num_experts
-    groups = graph.kv_groups
-    if groups and groups % tp and tp % groups or graph.seq_len % (2 * cp) and cp > 1:
-        return layouts
-    vps = [v for v in range(1, 9) if pp > 1 or v == 1]
-    for etp in sorted(t for t in ({1, tp} if experts else {1}) if pins.allows("etp", t)):
-        eps = [e for e in divisors(dp * cp * tp // etp) if experts % e == 0] if experts else [1]
-        for ep in (e for e in eps if pins.allows("ep", e)):
-            for vp in (v for v in vps if pins.allows("vp", v) and pp * v <= graph.num_blocks):
-                for mbs in (b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0 and pins.allows("mbs", b)):
-                    if vp > 1 and (global_batch // (dp * mbs)) % pp:
-                        continue
-                    for zero in (z for z in (0, 1, 2, 3) if pins.allows("zero", z)):
-                        for order in mesh_orders(tp, cp, dp, pp, fast_domain):
-                            layouts.append(Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
-                                                  global_batch=global_batch, zero=zero, precision=precision,
-                                                  sequence_parallel=pins.sp if pins.sp is not None else True,
-                                                  recompute=pins.recompute or Recompute.none, mesh_order=order))
-    return layouts

@@ -11,7 +11,8 @@ from hardware_profiles import UserInputError, cluster_from_device
 from planner.api import InfeasibleError, plan
 from planner.model_capture import capture
 from planner.model_config import ModelConfig, MoEConfig
-from planner.search import search
+from planner.search import (_balanced_bound, _Bounds, _communication_bound, _pipeline_bound, _total_work_s,
+                             search)
 from planner.space import Pins
 
 GB = 1e9
@@ -83,6 +84,57 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
     assert found.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
     # memory pressure made recomputation part of the answer somewhere in the space
     assert found.fits
+
+
+def brute_force_degrees(model_costs, graph, cluster, global_batch):
+    """Every tp, cp, pp, ep, etp, micro-batch, ZeRO stage, mesh order and partition (no recomputation):
+    the best plan of each layout, keyed by the layout."""
+    n, best = cluster.num_devices, {}
+    for tp, cp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2)):
+        if n % (tp * cp * pp) or graph.attention_heads % tp:
+            continue
+        dp = n // (tp * cp * pp)
+        orders = (MEGATRON_ORDER, ("tp", "dp", "cp", "ep", "pp"), ("tp", "pp", "cp", "ep", "dp"))
+        for etp, ep, mbs, zero, order in itertools.product({1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3), orders):
+            if (dp * cp * tp) % (ep * etp) or graph.num_experts % ep or global_batch % (dp * mbs):
+                continue
+            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, micro_batch=mbs, global_batch=global_batch,
+                          zero=zero, mesh_order=order)
+            costs = MeshCosts(model_costs, cluster, base, OverlapModel())
+            for parts in compositions(graph.num_blocks, pp):
+                full = replace(base, stage_layers=parts, layer_recompute=(Recompute.none,) * graph.num_blocks)
+                result = estimate(model_costs, cluster, full, mesh_costs=costs)
+                if result.fits and (base not in best or result.step_time_s < best[base].step_time_s):
+                    best[base] = result
+    return best
+
+
+def test_search_tree_bounds_match_exhaustive_degrees():
+    """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum."""
+    graph = capture(moe_model())
+    cluster = small_cluster(8, 16)
+    per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16)
+    truth = min(per_layout.values(), key=lambda e: e.step_time_s)
+    outcome = search(graph.costs(), cluster, 16, Pins(vp=1), graph=graph, top_k=1, time_limit_s=120,
+                     recompute_choices=(Recompute.none,))
+    assert outcome.unexplored == 0
+    assert outcome.ranked[0].estimate.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
+    # each level's bound stays at or below the best plan of every layout beneath it
+    bounds = _Bounds(graph.costs(), cluster, OverlapModel(), (Recompute.none,))
+    for layout, best in per_layout.items():
+        costs = MeshCosts(graph.costs(), cluster, layout, OverlapModel())
+        compute_only = _pipeline_bound(bounds.compute_work_s(layout), layout)
+        communication = _communication_bound(_total_work_s(costs, Recompute.none), costs.p2p_s(), layout)
+        balanced = _balanced_bound(costs, layout)
+        assert compute_only <= communication <= balanced <= best.step_time_s * (1 + 1e-9)
+        assert bounds.memory_floor(layout)[0] <= max(m.total for m in best.stage_memory)
+    assert outcome.pruned_memory > 0 and outcome.pruned_bound > 0
+
+
+def test_time_limit_without_a_plan_is_not_called_infeasible():
+    with pytest.raises(InfeasibleError, match="time limit") as info:
+        plan("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256, time_limit_s=0)
+    assert "smallest memory need" not in str(info.value)
 
 
 def independent_stage_memory(graph, layout, stage_blocks, stage, pp, m):
