@@ -14,21 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware_profiles.errors import UserInputError  # noqa: E402
-from planner.api import plan  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
-from planner.published import DEFAULT_RUNS, load_runs  # noqa: E402
-
-
-def precision_of(run_id: str, runs_yaml: dict) -> str:
-    value = runs_yaml.get(run_id)
-    return "fp8" if value == "fp8" else "bf16"
-
-
-def predict(run, precision: str, time_limit_s: float):
-    pins = {k: v for k, v in run.known.items()}
-    result = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len, precision=precision,
-                  time_limit_s=time_limit_s, top_k=1, **pins)
-    return result
+from planner.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,8 +25,6 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=20.0)
     parser.add_argument("--only", default="", help="comma-separated run ids")
     args = parser.parse_args(argv)
-    import yaml
-    raw = {r["id"]: r["layout"].get("precision") for r in yaml.safe_load(Path(args.runs).read_text())}
     runs, skipped = load_runs(args.runs)
     if args.only:
         runs = [r for r in runs if r.id in args.only.split(",")]
@@ -47,7 +32,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for run in runs:
         try:
-            result = predict(run, precision_of(run.id, raw), args.time_limit)
+            result = predict(run, args.time_limit)
         except UserInputError as exc:
             skipped.append((run.id, f"not predictable: {exc}"))
             continue

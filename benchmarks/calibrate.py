@@ -21,25 +21,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import yaml  # noqa: E402
 
 from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
-from planner.api import plan  # noqa: E402
 from planner.model_capture import capture  # noqa: E402
-from planner.published import DEFAULT_RUNS, load_runs  # noqa: E402
+from planner.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
 
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
 HALF_WORK = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 
 
-def fixed_layouts(runs, precisions, time_limit_s):
+def fixed_layouts(runs, time_limit_s):
     out = []
     for run in runs:
         try:
-            result = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len,
-                          precision=precisions[run.id], time_limit_s=time_limit_s, top_k=1, **run.known)
+            result = predict(run, time_limit_s)
         except UserInputError:
             continue
         out.append((run, result.to_layout()))
@@ -81,14 +78,12 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="update the device YAML files")
     parser.add_argument("--time-limit", type=float, default=10.0)
     args = parser.parse_args(argv)
-    raw = {r["id"]: r["layout"].get("precision") for r in yaml.safe_load(Path(args.runs).read_text())}
-    precisions = {rid: ("fp8" if value == "fp8" else "bf16") for rid, value in raw.items()}
     runs, _ = load_runs(args.runs)
     by_device: dict[str, list] = {}
     for run in sorted(runs, key=lambda r: r.id):
         by_device.setdefault(run.cluster.device.name, []).append(run)
     for device, device_runs in sorted(by_device.items()):
-        items = fixed_layouts(device_runs, precisions, args.time_limit)
+        items = fixed_layouts(device_runs, args.time_limit)
         fitting, held_out = items[0::2], items[1::2]
         score, sustained, half = fit(fitting)
         held = errors_with(held_out, sustained, half) if held_out else []

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from hardware_profiles.schema import Device
 
-from .records import LayerKind, OpCost, OpKind, Sharding
+from .records import ATTENTION_CORE, LayerKind, OpCost, OpKind, Sharding
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
         work = spec.causal_attention_work * scale
         return (gemm_seconds(device, op.forward_flops * work, 1, "bf16"),
                 gemm_seconds(device, op.backward_input_flops * work, 1, "bf16"), 0.0)
+    if op.kind is OpKind.attention_matmul:  # batched over heads, both operands activations
+        return (gemm_seconds(device, op.forward_flops * scale, op.gemm_count, "bf16"),
+                gemm_seconds(device, op.backward_input_flops * scale, op.gemm_count, "bf16"), 0.0)
     # memory-bound: forward moves its bytes once; backward reads the gradient and input, writes one
     forward = memory_seconds(device, op.bytes_accessed * scale)
     return forward, 2 * forward, 0.0
@@ -89,6 +92,6 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
         forward += f
         backward_input += bi
         backward_weight += bw
-        if op.kind is OpKind.attention:
+        if op.kind in ATTENTION_CORE:
             attention += f
     return LayerCompute(forward, backward_input, backward_weight, attention)

@@ -15,7 +15,7 @@ from .communication import Collective, CollectiveCost, collective_time
 from .compute import ShardSpec, layer_compute, memory_seconds
 from .layout import Layout, OverlapModel, Recompute
 from .memory import ModelStateBytes, StateSharding, activation_bytes, model_state_bytes, params_on_rank
-from .records import LayerKind, ModelCosts
+from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 ACTIVATION_BYTES = 2       # bf16 activations on the wire
@@ -111,13 +111,23 @@ class MeshCosts:
         # reduce-scatter with SP, the same bytes)
         if self.layout.tp == 1 or not kind.tp_pair_count:
             return 0.0
+        total = self._tp_collectives_s(kind)
+        if not self.overlap.tp_comm_overlap:
+            return total
+        # chunked over tp ring steps (Wang et al. ASPLOS'23 decomposition; TE userbuffers): one chunk is
+        # exposed, the others overlap the GEMMs of the same layer, forward and backward
+        compute = self._compute(kind)
+        first = total / self.layout.tp
+        return first + max(0.0, total - first - compute.forward_s - compute.backward_s)
+
+    def _tp_collectives_s(self, kind: LayerKind) -> float:
         size = self.activation_message_bytes
         if self.layout.sp:
             one = (self.collective(Collective.all_gather, size, "tp").seconds
                    + self.collective(Collective.reduce_scatter, size, "tp").seconds)
         else:
             one = self.collective(Collective.all_reduce, size, "tp").seconds
-        return 2 * kind.tp_pair_count * one * (1 - self.overlap.tp_hidden)
+        return 2 * kind.tp_pair_count * one
 
     def cp_comm_s(self, kind: LayerKind, attention_forward_s: float) -> float:
         # all-gather K and V forward, reduce-scatter their gradients backward (Llama 3 CP)
@@ -167,7 +177,7 @@ class MeshCosts:
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
             if lay.zero >= 1 else dense_params + expert_params
-        attention_flops = sum(op.forward_flops for op in kind.ops if op.kind.value == "attention")
+        attention_flops = sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS[1:])
         cost = LayerCost(
             forward_s=compute.forward_s, backward_s=compute.backward_s, recompute_s=recompute,
             tp_comm_s=self.tp_comm_s(kind), cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
@@ -175,7 +185,7 @@ class MeshCosts:
             states=states, grad_reduce_bytes=dense_params * GRAD_REDUCE_BYTES,
             expert_grad_reduce_bytes=expert_params * GRAD_REDUCE_BYTES, optimizer_params=optimizer_params,
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
-            forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind.value in ("gemm", "attention")),
+            forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
             attention_forward_flops=attention_flops)
         if lay.zero >= 2:
             traffic = self.sharded_dp_comm_s(dense_params, expert_params)

@@ -86,9 +86,11 @@ class OverlapModel:
 
     Defaults follow Megatron-LM's defaults with the distributed optimizer: overlapped gradient
     reduce-scatter and parameter all-gather, no TP communication overlap, CP ring exchange overlapped
-    with attention compute, EP all-to-all exposed (no DeepEP/1F1B A2A overlap).
+    with attention compute, EP all-to-all exposed (no DeepEP/1F1B A2A overlap). With TP overlap the
+    collectives run as tp chunked ring steps beside the GEMMs: the first chunk stays exposed, the rest
+    hides behind the layer's compute where that suffices (`MeshCosts.tp_comm_s`).
     """
-    tp_hidden: float = 0.0
+    tp_comm_overlap: bool = False     # Megatron --tp-comm-overlap / TE userbuffers (NeMo recipes set it)
     cp_hidden: float = 1.0
     ep_hidden: float = 0.0
     pp_hidden: float = 0.0

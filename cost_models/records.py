@@ -13,10 +13,17 @@ from functools import cached_property
 
 class OpKind(str, Enum):
     gemm = "gemm"               # a Linear or a matmul with a weight
-    attention = "attention"     # the attention core: activation x activation matmuls or a fused SDPA
+    attention = "attention"     # a fused attention kernel (SDPA / flash): skips the causally masked blocks
+    attention_matmul = "attention-matmul"            # unfused q k^T or probs x v: the whole s x s is computed
+    attention_elementwise = "attention-elementwise"  # unfused scale, mask, softmax, dropout over s x s
     elementwise = "elementwise" # memory-bound ops: norms, activations, residuals, rotary
     embedding = "embedding"     # a gather from a table
     loss = "loss"               # softmax cross-entropy over the vocabulary
+
+
+# what selective recomputation repeats (Korthikanti et al. 2022): the attention core, fused or not
+ATTENTION_CORE = (OpKind.attention, OpKind.attention_matmul, OpKind.attention_elementwise)
+MATMUL_KINDS = (OpKind.gemm, OpKind.attention, OpKind.attention_matmul)   # what model FLOPs count
 
 
 class Sharding(str, Enum):
@@ -94,7 +101,7 @@ class LayerKind:
     def model_flops(self) -> float:
         """Forward + backward matmul FLOPs (GEMM and attention), the MFU numerator per sample."""
         return sum(op.forward_flops + op.backward_input_flops + op.backward_weight_flops
-                   for op in self.ops if op.kind in (OpKind.gemm, OpKind.attention))
+                   for op in self.ops if op.kind in MATMUL_KINDS)
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ saved storage is attributed to the node that produced it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from cost_models.records import OpCost, SavedTensor, Sharding
+from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .graph_analysis import (attention_heads, find_tp_pairs, is_expert_container, is_norm_like, routed_experts,
@@ -130,10 +130,13 @@ class _Analyzer(fx.Interpreter):
         if is_dropout and key not in self.producer:
             nbytes = t.numel()  # dropout keeps a 1-byte mask (meta decomposes it to the input dtype)
         producer_node = next((n for n in self.module.graph.nodes if n.name == producer), self.current)
-        attention_matrix = t.dim() >= 2 and t.shape[-1] == self.seq_len and t.shape[-2] == self.seq_len
+        attention_matrix = self._is_attention_matrix(t)
         self.results.setdefault(self.part_of(self.current), Measured()).saved.append(SavedTensor(
             producer, float(nbytes), self._sharding(producer_node), attention_matrix))
         return t
+
+    def _is_attention_matrix(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.seq_len == t.shape[-2]
 
     def call_function(self, target, args, kwargs):
         if target is F.scaled_dot_product_attention:
@@ -164,8 +167,11 @@ class _Analyzer(fx.Interpreter):
         if isinstance(out, torch.Tensor):
             measured.shapes[node.name] = tuple(out.shape)
         module = self.modules.get(node.target) if node.op == "call_module" else None
-        measured.ops.extend(node_costs(node, module, list(args) + list(kwargs.values()), out,
-                                       self._sharding(node), self.param_ids))
+        ops = node_costs(node, module, list(args) + list(kwargs.values()), out, self._sharding(node), self.param_ids)
+        if self._is_attention_matrix(out):  # scale, mask, softmax, dropout of an unfused attention core
+            ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
+                   for op in ops]
+        measured.ops.extend(ops)
         if node.op == "output":
             measured.output = out
         return out

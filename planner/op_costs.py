@@ -50,7 +50,7 @@ def matmul_cost(name: str, a: torch.Tensor, b: torch.Tensor, out, sharding: Shar
     batch = math.prod(out.shape[:-2]) if out.dim() > 2 else 1
     flops = 2.0 * batch * m * n * k
     moved = tensor_bytes(a) + tensor_bytes(b) + tensor_bytes(out)
-    return OpCost(name, OpKind.attention, sharding, flops, 2 * flops, 0.0, moved, (m, n, k), batch)
+    return OpCost(name, OpKind.attention_matmul, sharding, flops, 2 * flops, 0.0, moved, (m, n, k), batch)
 
 
 def elementwise_cost(name: str, args, out, sharding: Sharding, kind: OpKind = OpKind.elementwise) -> OpCost:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from cost_models.layout import Layout, Recompute
+from cost_models.layout import Layout, OverlapModel, Recompute
 from hardware_profiles.loader import cluster_from_device, list_devices
 from hardware_profiles.schema import Cluster
 
@@ -14,6 +14,35 @@ from .model_config import MLAConfig, ModelConfig, MoEConfig
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "published_runs.yaml"
 LAYOUT_FIELDS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vp": "vp", "micro_batch": "mbs"}
+
+
+@dataclass(frozen=True)
+class SoftwareStack:
+    """What the run's software could do, which the rows leave implicit."""
+    flash_attention: bool      # FlashAttention (Dao et al., May 2022) in the stack
+    sequence_parallel: bool    # Megatron sequence parallelism (Korthikanti et al., May 2022) available
+    per_layer_recompute: bool  # selective / per-layer recomputation; else all layers checkpoint or none do
+    tp_comm_overlap: bool      # TP collectives overlapped with GEMMs (NeMo recipes: ub_tp_comm_overlap)
+
+
+# By source family (run id prefix). Megatron-LM and Megatron-DeepSpeed runs of 2021-22 (SC21, MT-NLG on
+# Selene, BLOOM, Korthikanti et al.) materialised the attention matrix; only Korthikanti et al. had sequence
+# parallelism and selective recomputation (their rows say where they used them); before them activation
+# checkpointing was one switch for every layer (--checkpoint-activations). NeMo, Megatron-Core and
+# Megatron-Bridge runs have all of it, and their recipes overlap TP communication with GEMMs
+# (NeMo-Framework-Launcher conf/training gpt3/20b.yaml, gpt3/175b.yaml, llama/llama3_1_70b.yaml:
+# ub_tp_comm_overlap: true).
+LEGACY = SoftwareStack(flash_attention=False, sequence_parallel=False, per_layer_recompute=False,
+                       tp_comm_overlap=False)
+LEGACY_STACKS = {"narayanan21": LEGACY, "mtnlg": LEGACY, "bloom": LEGACY, "opt": LEGACY,
+                 "korthikanti22": SoftwareStack(flash_attention=False, sequence_parallel=True,
+                                                per_layer_recompute=True, tp_comm_overlap=False)}
+CURRENT_STACK = SoftwareStack(flash_attention=True, sequence_parallel=True, per_layer_recompute=True,
+                              tp_comm_overlap=True)
+
+
+def software_stack(run_id: str) -> SoftwareStack:
+    return LEGACY_STACKS.get(run_id.split("-")[0], CURRENT_STACK)
 
 
 @dataclass(frozen=True)
@@ -28,13 +57,14 @@ class PublishedRun:
     measured_field: str         # which measurement the step time comes from
     evidence: str
     flops_convention: str
+    precision: str              # bf16 unless the row says fp8
 
 
 def _model(run: dict) -> ModelConfig:
     m = run["model"]
     activation = m.get("activation") or "gelu"
     gpt = activation == "gelu"
-    year = run["id"].split("-")[0]
+    stack = software_stack(run["id"])
     moe = m.get("moe")
     mla = m.get("mla")
     heads = m["num_attention_heads"]
@@ -46,8 +76,7 @@ def _model(run: dict) -> ModelConfig:
         position_embedding="learned" if gpt else "rope",
         tied_embeddings=gpt if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
-        # Megatron-LM of 2021-2022 materialised the attention matrix; later stacks run flash attention
-        attention_impl="math" if year in ("narayanan21", "korthikanti22") else "flash",
+        attention_impl="flash" if stack.flash_attention else "math",
         add_bias=gpt, mla=MLAConfig(**mla) if mla else None,
         moe=MoEConfig(**{k: v for k, v in moe.items() if v is not None}) if moe else None)
 
@@ -91,9 +120,12 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["zero"] = layout["zero"]
         if layout.get("sequence_parallel") is not None:
             known["sp"] = bool(layout["sequence_parallel"])
+        elif not software_stack(run["id"]).sequence_parallel:
+            known["sp"] = False
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
+        precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
-                                 run["measured"].get("flops_convention", "")))
+                                 run["measured"].get("flops_convention", ""), precision))
     return runs, skipped
 
 
@@ -107,3 +139,26 @@ def published_layout(run: PublishedRun, precision: str) -> Layout | None:
                   ep=known.get("ep", 1), micro_batch=known["mbs"], global_batch=run.global_batch,
                   zero=known.get("zero", 1), sequence_parallel=known.get("sp", True),
                   recompute=Recompute(known.get("recompute", "none")), precision=precision)
+
+
+def predict(run: PublishedRun, time_limit_s: float = 20.0):
+    """The planner's best plan for the run's published layout, unknown fields searched as the run's
+    software allows: where it checkpoints all layers or none, both are tried and the faster that fits wins."""
+    from .api import InfeasibleError, plan
+    stack = software_stack(run.id)
+    base = dict(global_batch=run.global_batch, seq_len=run.seq_len, precision=run.precision,
+                time_limit_s=time_limit_s, top_k=1, overlap=OverlapModel(tp_comm_overlap=stack.tp_comm_overlap))
+    if "recompute" in run.known or stack.per_layer_recompute:
+        return plan(run.model, run.cluster, **base, **run.known)
+    best, failure = None, None
+    for recompute in ("none", "full"):
+        try:
+            result = plan(run.model, run.cluster, **base, **run.known, recompute=recompute)
+        except InfeasibleError as exc:
+            failure = exc
+            continue
+        if best is None or result.step_time_s < best.step_time_s:
+            best = result
+    if best is None:
+        raise failure
+    return best

@@ -5,7 +5,7 @@ import pytest
 from cost_models.step_time import estimate
 from planner.api import plan
 from planner.model_capture import capture
-from planner.published import DEFAULT_RUNS, load_runs, published_layout
+from planner.published import DEFAULT_RUNS, load_runs, predict, published_layout
 from planner.space import layout_problems
 
 pytestmark = pytest.mark.skipif(not DEFAULT_RUNS.exists(), reason="shared/validation not present")
@@ -22,9 +22,7 @@ def runs():
 @pytest.mark.parametrize("run_id", QUICK)
 def test_published_step_time_within_25_percent(runs, run_id):
     run = runs[run_id]
-    precision = "fp8" if run_id.startswith("nemo") else "bf16"
-    result = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len, precision=precision,
-                  time_limit_s=20, top_k=1, **run.known)
+    result = predict(run)
     assert result.step_time_s == pytest.approx(run.measured_step_s, rel=0.25)
 
 
@@ -32,7 +30,7 @@ def test_published_step_time_within_25_percent(runs, run_id):
                                     "nemo2407-gpt3-175b-128gpu"])
 def test_search_is_never_slower_than_the_published_layout(runs, run_id):
     run = runs[run_id]
-    precision = "fp8" if run_id.startswith("nemo") else "bf16"
+    precision = run.precision
     layout = published_layout(run, precision)
     graph = capture(run.model, run.seq_len)
     assert layout is not None
