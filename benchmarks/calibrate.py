@@ -28,6 +28,8 @@ from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
 from planner.model_capture import capture  # noqa: E402
 from planner.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
 
+# profiles without published runs of their own that share the fitted GPU's silicon and software
+SAME_SILICON = {"a100-80g": ("a100-40g",), "h100-sxm": ("h200", "h800"), "b200": ("gb200",)}
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
 HALF_WORK = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
               f"({', '.join(run.id for run, _ in held_out)})")
         if args.write:
-            write_profile(device, sustained, half)
+            for name in (device, *SAME_SILICON.get(device, ())):
+                write_profile(name, sustained, half)
     return 0
 
 
