@@ -5,7 +5,7 @@ For each device with published runs: `gemm.sustained_fraction` (share of the mea
 training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size). Runs are
 split alternately (sorted by id) into a fitting half and a held-out half. Layouts (partition,
 recomputation, unknown fields) come from one search with the current profiles and stay fixed while
-the figures are fitted by grid search on mean absolute percentage error. `--write` updates the YAML
+the figures are fitted by grid search on mean absolute percentage error, each run's error capped at 25%. `--write` updates the YAML
 profiles in place (their comments kept).
 
     .venv/bin/python benchmarks/calibrate.py [--write]
@@ -30,6 +30,7 @@ from planner.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
 
 # profiles without published runs of their own that share the fitted GPU's silicon and software
 SAME_SILICON = {"a100-80g": ("a100-40g",), "h100-sxm": ("h200", "h800"), "b200": ("gb200",)}
+OUTLIER_CAP = 0.25   # the accuracy target's bound on any one run
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
 HALF_WORK = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 
@@ -57,10 +58,12 @@ def errors_with(items, sustained: float, half: float) -> list[float]:
 
 
 def fit(items):
+    """Grid search on the mean error with each run's error capped at OUTLIER_CAP: a run the model misses
+    for reasons it does not represent (docs/accuracy.md) must not drag a figure every run shares."""
     best = None
     for half in HALF_WORK:
         for sustained in SUSTAINED:
-            score = statistics.mean(errors_with(items, sustained, half))
+            score = statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half))
             if best is None or score < best[0]:
                 best = (score, sustained, half)
     return best

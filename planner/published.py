@@ -13,6 +13,7 @@ from hardware_profiles.schema import Cluster
 from .model_config import MLAConfig, ModelConfig, MoEConfig
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "published_runs.yaml"
+MOE_FIELDS = {"shared_experts": "num_shared_experts"}   # the runs file's names -> ModelConfig's
 LAYOUT_FIELDS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vp": "vp", "micro_batch": "mbs"}
 
 
@@ -78,7 +79,7 @@ def _model(run: dict) -> ModelConfig:
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
         attention_impl="flash" if stack.flash_attention else "math",
         add_bias=gpt, mla=MLAConfig(**mla) if mla else None,
-        moe=MoEConfig(**{k: v for k, v in moe.items() if v is not None}) if moe else None)
+        moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None)
 
 
 def _step_time(run: dict, gbs: int, seq: int) -> tuple[float | None, str]:

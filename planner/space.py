@@ -144,10 +144,12 @@ def mesh_shapes(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pi
 
 
 def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pins: Pins) -> list[tuple[int, int]]:
-    """(virtual stages, micro-batch size) pairs: interleaving needs micro-batches divisible by pp."""
+    """(virtual stages, micro-batch size) pairs: interleaving needs micro-batches divisible by pp. Virtual
+    stages go up to 8, and beyond where they split the layers evenly (NeMo runs use up to 24)."""
     out = []
-    for vp in (v for v in range(1, 9) if (shape.pp > 1 or v == 1) and pins.allows("vp", v)
-               and shape.pp * v <= graph.num_blocks):
+    blocks = graph.num_blocks
+    vps = [v for v in range(1, blocks // shape.pp + 1) if v <= 8 or blocks % (shape.pp * v) == 0]
+    for vp in (v for v in vps if (shape.pp > 1 or v == 1) and pins.allows("vp", v)):
         for mbs in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
             if vp == 1 or (global_batch // (shape.dp * mbs)) % shape.pp == 0:
                 out.append((vp, mbs))
