@@ -27,7 +27,7 @@ def test_published_step_time_within_25_percent(runs, run_id):
 
 
 @pytest.mark.parametrize("run_id", ["korthikanti22-22b-selective", "nemo2407-llama2-7b-8gpu", "nemo2407-gpt3-20b-64gpu",
-                                    "nemo2407-gpt3-175b-128gpu"])
+                                    "nemo2407-gpt3-175b-128gpu", "nemo2407-llama2-70b-64gpu"])
 def test_search_is_never_slower_than_the_published_layout(runs, run_id):
     run = runs[run_id]
     precision = run.precision

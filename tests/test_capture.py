@@ -3,9 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.layout import Recompute
+from cost_models.layout import Layout, Recompute
 from cost_models.memory import activation_bytes
-from hardware_profiles import UserInputError
+from cost_models.step_time import estimate
+from hardware_profiles import UserInputError, cluster_from_device
 from planner.model_capture import capture
 from planner.model_config import ModelConfig
 from planner.model_sources import config_from_hf, resolve_model
@@ -201,3 +202,25 @@ def test_capturing_a_module_object_leaves_its_weights_alone():
     graph = capture(model, seq_len=64)
     assert graph.num_blocks == 4 and graph.total_params == sum(p.numel() for p in model.parameters())
     assert model.wte.weight.device.type == "cpu" and bool((model.wte.weight == before).all())
+
+
+# Korthikanti et al. 2022, Table 3: the four models they measure (s = 2048, t = 8, micro-batch 1)
+KORTHIKANTI_MODELS = [  # (name, layers, hidden, heads, pipeline stages)
+    ("22B", 48, 6144, 64, 1), ("175B", 96, 12288, 96, 8), ("530B", 105, 20480, 128, 35), ("1T", 128, 25600, 160, 64)]
+
+
+@pytest.mark.parametrize("name,layers,hidden,heads,pp", KORTHIKANTI_MODELS)
+@pytest.mark.parametrize("recompute", [Recompute.none, Recompute.selective])
+def test_first_stage_activation_memory_of_korthikanti_models(name, layers, hidden, heads, pp, recompute):
+    """Section 4.2.3: the first 1F1B stage holds p micro-batches of L/p layers, i.e. L layers' worth:
+    s b h L (34/t + 5 a s/(h t)) with sequence parallelism, s b h L 34/t with selective recomputation."""
+    s, t = 2048, 8
+    graph = capture(gpt(l=layers, h=hidden, a=heads, s=s, V=51200))
+    per_stage = layers // pp + (layers % pp > 0)
+    stages = tuple([per_stage] * (layers // per_stage) + ([layers % per_stage] if layers % per_stage else []))
+    layout = Layout(tp=t, pp=len(stages), dp=1, micro_batch=1, global_batch=4 * len(stages), zero=1,
+                    stage_layers=stages, recompute=recompute)
+    first = estimate(graph.costs(), cluster_from_device("a100-80g", t * len(stages)), layout).stage_memory[0]
+    attention = 5 * heads * s / (hidden * t) if recompute is Recompute.none else 0.0
+    paper = s * hidden * per_stage * len(stages) * (34 / t + attention)
+    assert first.activations == pytest.approx(paper, rel=0.05)
