@@ -47,16 +47,41 @@ class SearchOutcome:
     smallest_need_parts: dict
 
 
-def _total_work_s(costs: MeshCosts, fastest: Recompute) -> float:
-    """Per-micro-batch work of the whole model, every block at its fastest, before ZeRO-2/3 traffic."""
+@dataclass(frozen=True)
+class _Work:
+    """Per-micro-batch work of the whole model (every block at its fastest) and the least work the
+    busiest pipeline rank can have."""
+    total_s: float
+    busiest_rank_floor_s: float
+
+
+def _work(model: ModelCosts, block_work_s: dict, edge_work_s: tuple[float, float], pp: int, vp: int) -> _Work:
+    items = sorted([w for kind, n in model.block_counts for w in [block_work_s[kind]] * n] + list(edge_work_s),
+                   reverse=True)
+    total = sum(items)
+    if pp == 1:
+        return _Work(total, total)
+    # scheduling bound (P||Cmax): of the k pp + 1 largest items some rank holds k + 1, so its work is at
+    # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
+    packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
+        if len(items) > pp else 0.0
+    # the ranks with the embedding or the head hold one block per virtual stage besides it
+    edge_rank = max(edge_work_s) + vp * min(block_work_s[kind] for kind, _ in model.block_counts)
+    return _Work(total, max(packing, edge_rank))
+
+
+def _work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[dict, tuple[float, float]]:
+    """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
+    stage pays at least (the same for every virtual-stage count)."""
     model = costs.model
-    total = sum(n * costs.work_before_zero_s(kind, fastest) for kind, n in model.block_counts)
-    return total + sum(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
+    blocks = {kind: costs.work_before_zero_s(kind, fastest) for kind, _ in model.block_counts}
+    return blocks, tuple(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
 
 
-def _communication_bound(total_work_s: float, p2p_s: float, layout: Layout) -> float:
-    """Balanced pipeline of compute and exposed per-layer communication, for every ZeRO stage."""
-    return _pipeline_bound(total_work_s, layout) + p2p_transfers_on_critical_path(layout.pp, layout.vp) * p2p_s
+def _communication_bound(work: _Work, p2p_s: float, layout: Layout) -> float:
+    """Pipeline of compute and exposed per-layer communication as balanced as integers allow."""
+    return (_pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s)
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp) * p2p_s)
 
 
 def _balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recompute.none) -> float:
@@ -71,15 +96,16 @@ def _balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recom
     dp = max(0.0, costs.dp_comm_s(mean("grad_reduce_bytes"), mean("expert_grad_reduce_bytes"))
              - costs.overlap.dp_window_fraction * compute)
     optimizer = costs.optimizer_s(mean("optimizer_params"))
-    work = sum(n * costs.layer(kind).work_s(fastest) for kind, n in model.block_counts)
-    work += sum(c.work_s(Recompute.none) for c in edges)
+    work = _work(model, {kind: costs.layer(kind).work_s(fastest) for kind, _ in model.block_counts},
+                 tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp)
     return _communication_bound(work, costs.p2p_s(), layout) + dp + optimizer
 
 
-def _pipeline_bound(total_work_s: float, layout: Layout) -> float:
-    """pipeline_seconds with max W_i at its least possible value, the mean."""
+def _pipeline_bound(total_work_s: float, layout: Layout, busiest_floor_s: float = 0.0) -> float:
+    """pipeline_seconds with max W_i at its least possible value: the mean, or the floor if higher."""
     p, v, m = layout.pp, layout.vp, layout.num_micro_batches
-    return (m - 1) * total_work_s / p + (total_work_s + (v - 1) * total_work_s / p) / v
+    slowest = max(total_work_s / p, busiest_floor_s)
+    return (m - 1) * slowest + (total_work_s + (v - 1) * slowest) / v
 
 
 class _Bounds:
@@ -211,14 +237,15 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     bounds = _Bounds(model, cluster, overlap, allowed)
     shared = SharedCosts()
     heap: list = []
-    placement_work: dict[tuple, tuple[float, float]] = {}   # (shape, mbs, placement): work, p2p; any vp
+    placement_work: dict[tuple, tuple[dict, tuple, float]] = {}   # (shape, mbs, placement): any vp
 
     def communication_bound(node: _Node, layout: Layout) -> float:
         key = (node.shape, node.mbs, node.placement)
         if key not in placement_work:
             costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
-            placement_work[key] = (_total_work_s(costs, bounds.fastest), costs.p2p_s())
-        return _communication_bound(*placement_work[key], layout)
+            placement_work[key] = (*_work_before_zero(costs, bounds.fastest), costs.p2p_s())
+        blocks, edges, p2p = placement_work[key]
+        return _communication_bound(_work(model, blocks, edges, layout.pp, layout.vp), p2p, layout)
 
     def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
         heapq.heappush(heap, (bound, node.tie_key(), node, costs))
