@@ -23,7 +23,7 @@ from cost_models.records import ModelCosts
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.schema import Cluster
 
-from .solver import PartitionResult, solve_partition
+from .solver import PartitionResult, model_key, solve_partition
 from .space import (MeshShape, Pins, make_layout, mesh_shapes, placement_choices, schedule_choices,
                     zero_choices)
 
@@ -146,6 +146,27 @@ class _Bounds:
         return sum(parts.values()), parts
 
 
+class _SolvedModels:
+    """Proven answers of CP-SAT models already solved, reused for a leaf with the same model."""
+
+    def __init__(self):
+        self._answers: dict[tuple, tuple[float, PartitionResult]] = {}
+
+    def record(self, key: tuple, cutoff_s: float, result: PartitionResult) -> None:
+        if result.status in ("OPTIMAL", "INFEASIBLE"):
+            self._answers[key] = (cutoff_s, result)
+
+    def answer(self, key: tuple, cutoff_s: float) -> PartitionResult | None:
+        """The optimum if it beats `cutoff_s`, an empty result if it provably cannot, None if unknown."""
+        if key not in self._answers:
+            return None
+        solved_cutoff, result = self._answers[key]
+        if result.stage_layers:  # the model's optimum (it was below the cutoff it was solved with)
+            return result if result.objective_s <= cutoff_s else replace(result, stage_layers=(), layer_recompute=(),
+                                                                          status="INFEASIBLE")
+        return result if cutoff_s <= solved_cutoff else None
+
+
 def _rank_key(scored: Scored) -> tuple:
     """Fastest first; among equal times (6 significant digits) the simpler layout: fewer context, pipeline
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
@@ -237,6 +258,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     bounds = _Bounds(model, cluster, overlap, allowed)
     shared = SharedCosts()
     heap: list = []
+    solved_models = _SolvedModels()
     placement_work: dict[tuple, tuple[dict, tuple, float]] = {}   # (shape, mbs, placement): any vp
 
     def communication_bound(node: _Node, layout: Layout) -> float:
@@ -292,10 +314,13 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             progress(visited + pruned_memory + pruned_bound, candidates)
         layout = node.layout(problem)
         cutoff = kth - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
-        # one hard candidate may not eat the budget: it gets a share, and reports its gap if cut short
-        result = solve_partition(costs, allowed, time_limit_s=min(remaining, max(1.0, time_limit_s / 30)),
-                                 cutoff_s=cutoff)
-        solved += 1
+        result = solved_models.answer(model_key(costs, allowed), cutoff)
+        if result is None:
+            # one hard candidate may not eat the budget: it gets a share, and reports its gap if cut short
+            result = solve_partition(costs, allowed, time_limit_s=min(remaining, max(1.0, time_limit_s / 30)),
+                                     cutoff_s=cutoff)
+            solved_models.record(model_key(costs, allowed), cutoff, result)
+            solved += 1
         if not result.stage_layers:
             continue
         full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute)

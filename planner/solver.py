@@ -40,6 +40,15 @@ class PartitionResult:
     wall_s: float
 
 
+def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...]) -> tuple:
+    """Everything `solve_partition` reads besides the cutoff: layouts with equal keys (e.g. mesh orders
+    that move no collective off its links) give the same CP-SAT model and the same answer."""
+    lay, model = costs.layout, costs.model
+    return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, model.blocks,
+            tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_lines,
+            costs.overlap.dp_window_fraction, costs.cluster.device.name)
+
+
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
     """Maximal runs of consecutive blocks of one kind: (kind, start, end)."""
     runs: list[tuple[str, int, int]] = []
@@ -94,24 +103,27 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 cp.Add(last[r] >= j).OnlyEnforceIf(used)
         for j in range(units):
             cp.Add(sum(count[j]) == size[j])
-    # variables: recomputed blocks per unit, run and method
-    redo = {(j, r, k): cp.NewIntVar(0, runs[r][2] - runs[r][1], f"rc{j}_{r}_{k.value}")
-            for j in range(units) for r in range(len(runs)) for k in extra}
+    # variables: recomputed blocks per pipeline rank, run and method (a rank's time and memory do not
+    # depend on which of its chunks holds them, so counting per rank removes symmetric solutions)
+    redo = {(i, r, k): cp.NewIntVar(0, runs[r][2] - runs[r][1], f"rc{i}_{r}_{k.value}")
+            for i in range(pp) for r in range(len(runs)) for k in extra}
+    owned_by = [[u for u in range(units) if stage_of(u) == i] for i in range(pp)]
 
     # constraints: units tile the blocks
     cp.Add(sum(size) == num_blocks)
     # constraints: a block recomputes at most one way
-    for j in range(units):
+    for i in range(pp):
         for r in range(len(runs)):
+            held = sum(count[j][r] for j in owned_by[i])
             if extra and Recompute.none in allowed:
-                cp.Add(sum(redo[j, r, k] for k in extra) <= count[j][r])
+                cp.Add(sum(redo[i, r, k] for k in extra) <= held)
             elif extra:  # recomputation pinned: every block takes one of the allowed methods
-                cp.Add(sum(redo[j, r, k] for k in extra) == count[j][r])
+                cp.Add(sum(redo[i, r, k] for k in extra) == held)
 
     capacity = usable_bytes(costs.cluster.device)
     work, compute, grads, opt_params = [], [], [], []
     for i in range(pp):
-        owned = [u for u in range(units) if stage_of(u) == i]
+        owned = owned_by[i]
         first, last = i == 0, i == (chunks - 1) % pp
         flight = in_flight_micro_batches(i, pp, m, v)
         w_terms, c_terms, mem_terms, g_terms, o_terms = [], [], [], [], []
@@ -124,9 +136,11 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 mem_terms.append(_m(c.states.total + flight * c.activation_bytes[0]) * n)
                 g_terms.append(_m(c.grad_reduce_bytes) * n)
                 o_terms.append(_m(c.optimizer_params) * n)
-                for k in extra:
-                    w_terms.append(_t(c.work_s(k) - c.work_s(Recompute.none)) * redo[j, r, k])
-                    mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[j, r, k])
+        for r, (kind, _, _) in enumerate(runs):
+            c = layer[kind]
+            for k in extra:
+                w_terms.append(_t(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
+                mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
         fixed_mem = sum(c.states.total + flight * c.activation_bytes[0] for c in fixed)
@@ -137,7 +151,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
         for r, (kind, r0, r1) in enumerate(runs):
             if extra:
                 has = cp.NewBoolVar(f"has_rc{i}_{r}")
-                cp.Add(sum(redo[j, r, k] for j in owned for k in extra) <= (r1 - r0) * has)
+                cp.Add(sum(redo[i, r, k] for k in extra) <= (r1 - r0) * has)
                 cp.Add(working >= _m(layer[kind].working_bytes) * has)
         # constraint: memory of each stage within the usable HBM
         cp.Add(sum(mem_terms) + _m(fixed_mem) + working <= _m(capacity))
@@ -177,7 +191,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return PartitionResult((), (), float("inf"), name, float("inf"), wall)
     sizes = tuple(solver.Value(s) for s in size)
-    recompute = _decode_recompute(solver, runs, sizes, redo, extra, count)
+    recompute = _decode_recompute(solver, runs, sizes, redo, extra, count, stage_of)
     if single_kind:
         sizes, recompute = _split_ranks_into_chunks(sizes, recompute, pp, v)
     objective = solver.ObjectiveValue() * TIME_UNIT_S / v
@@ -214,13 +228,18 @@ def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompu
     return tuple(sizes), tuple(layers)
 
 
-def _decode_recompute(solver, runs, sizes, redo, extra, count) -> tuple[Recompute, ...]:
-    """Within each chunk and run, the first blocks recompute fully, the next selectively."""
+def _decode_recompute(solver, runs, sizes, redo, extra, count, stage_of) -> tuple[Recompute, ...]:
+    """Each rank's recomputed blocks of a run go to its first such blocks: full, then selective."""
+    left = {(i, r, k): solver.Value(var) for (i, r, k), var in redo.items()}
     layers: list[Recompute] = []
     for j in range(len(sizes)):
         for r in range(len(runs)):
             n = solver.Value(count[j][r])
-            full = solver.Value(redo[j, r, Recompute.full]) if Recompute.full in extra else 0
-            selective = solver.Value(redo[j, r, Recompute.selective]) if Recompute.selective in extra else 0
-            layers += [Recompute.full] * full + [Recompute.selective] * selective + [Recompute.none] * (n - full - selective)
+            for k in (Recompute.full, Recompute.selective):
+                take = min(n, left.get((stage_of(j), r, k), 0))
+                if take:
+                    left[stage_of(j), r, k] -= take
+                    layers += [k] * take
+                    n -= take
+            layers += [Recompute.none] * n
     return tuple(layers)
