@@ -48,7 +48,8 @@ def _check_batch(global_batch: int) -> None:
         raise UserInputError(f"{global_batch}", field="global_batch", expected="a positive number of sequences")
 
 
-def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None) -> Plan:
+def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
+               overlap: OverlapModel = OverlapModel()) -> Plan:
     stats = None
     ranked = []
     if outcome is not None:
@@ -63,7 +64,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices, seq_len=graph.seq_len,
-        layout=LayoutRecord.of(best.layout, best.layer_recompute),
+        layout=LayoutRecord.of(best.layout, best.layer_recompute, overlap),
         stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
@@ -130,7 +131,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
                      overlap, ep_imbalance, graph=graph, progress=progress)
     if not outcome.ranked:
         raise _infeasible(graph, resolved, global_batch, outcome, pins, precision)
-    return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome)
+    return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome, overlap)
 
 
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
@@ -161,7 +162,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
                              expected="degrees whose product is the device count and that divide the model")
     result = estimate(graph.costs_record, resolved, given, overlap, ep_imbalance)
-    plan_ = build_plan(graph, resolved, result, None)
+    plan_ = build_plan(graph, resolved, result, None, overlap)
     if not result.fits:
         worst = max(result.stage_memory, key=lambda s: s.total)
         part = max(worst.parts(), key=worst.parts().get)

@@ -34,6 +34,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
             args.append(f"--num-virtual-stages-per-pipeline-rank {lay.vp}")
     if lay.sp and lay.tp > 1:
         args.append("--sequence-parallel")
+    if lay.tp_comm_overlap:
+        args.append("--tp-comm-overlap")
     if lay.zero >= 1:
         args.append("--use-distributed-optimizer")
     if lay.precision == "fp8":

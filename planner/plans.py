@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cost_models.layout import Layout, Recompute
+from cost_models.layout import Layout, OverlapModel, Recompute
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
 
@@ -32,15 +32,17 @@ class LayoutRecord(_Frozen):
     schedule: str
     precision: str
     mesh_order: list[str]
+    tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
 
     @classmethod
-    def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...]) -> "LayoutRecord":
+    def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
+           overlap: OverlapModel = OverlapModel()) -> "LayoutRecord":
         kinds = {r.value for r in layer_recompute} or {layout.recompute.value}
         summary = kinds.pop() if len(kinds) == 1 else "per-layer"
         return cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
                    etp=layout.etp, mbs=layout.micro_batch, gbs=layout.global_batch, zero=layout.zero,
                    sp=layout.sp, recompute=summary, schedule=layout.schedule.value, precision=layout.precision,
-                   mesh_order=list(layout.mesh_order))
+                   mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1)
 
 
 class StageRecord(_Frozen):

@@ -69,6 +69,21 @@ def test_evaluate_given_layout_and_partial_layout():
     assert partial["layout"]["tp"] == 4 and partial["search"]["candidates"] > 0
 
 
+def test_tp_comm_overlap_leaves_one_chunk_exposed(tmp_path):
+    """With TP overlap the collectives run as tp ring steps beside the GEMMs: where the layer's compute
+    is longer than the communication, one step of tp is left exposed."""
+    args = ("evaluate --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --json "
+            "--layout tp=8,pp=8,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=full")
+    plain = json.loads(run(args).stdout)
+    overlapped = json.loads(run(args + " --tp-comm-overlap").stdout)
+    assert plain["breakdown"]["tp_comm_s"] > 0 and overlapped["layout"]["tp_comm_overlap"] is True
+    assert overlapped["breakdown"]["tp_comm_s"] == pytest.approx(plain["breakdown"]["tp_comm_s"] / 8, rel=1e-6)
+    path = tmp_path / "plan.yaml"
+    run(f"plan --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --fix tp=8,pp=8 "
+        f"--tp-comm-overlap --out {path}")
+    assert "--tp-comm-overlap" in run(f"export {path} --to megatron").stdout
+
+
 def test_evaluate_explains_a_layout_that_does_not_fit():
     proc = run("evaluate --model llama3-70b --device h100-sxm --num-devices 8 --global-batch 8 --json "
                "--layout tp=8,pp=1,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
