@@ -116,10 +116,11 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=()) -> N
     over = [max(s.total - s.capacity for s in published.stage_memory) / 1e9
             for _, _, _, published, _ in checks if not published.fits]
     if over:
-        lines += ["", f"{len(over)} of {len(checks)} published layouts exceed the usable HBM of the memory model "
-                  f"although they ran (by {min(over):.1f} to {max(over):.1f} GB; fp32 gradient buffers are assumed and "
-                  "FP8 runs get no activation saving): the memory model is conservative for those stacks, and the "
-                  "search then prefers layouts that shard more or recompute."]
+        lines += ["", f"With unstated recomputation taken as none and ZeRO as 1, {len(over)} of {len(checks)} published "
+                  f"layouts exceed the memory model's usable HBM by {min(over):.1f} to {max(over):.1f} GB. The runs may have "
+                  "recomputed or sharded more (their sources do not say); the model also assumes fp32 gradient "
+                  "buffers and no FP8 activation saving, so it is conservative for such stacks, and the search then "
+                  "prefers layouts that shard more or recompute."]
     lines += ["", "Activation memory: the first pipeline stage of Korthikanti et al.'s four models (Table 3: 22B,",
               "175B, 530B, 1T at t = 8) matches their Section 4.2.3 closed forms within 0.3%, with and without",
               "selective recomputation (`tests/test_capture.py::test_first_stage_activation_memory_of_korthikanti_models`)."]
