@@ -55,9 +55,9 @@ class _Work:
     busiest_rank_floor_s: float
 
 
-def _work(model: ModelCosts, block_work_s: dict, edge_work_s: tuple[float, float], pp: int, vp: int) -> _Work:
-    items = sorted([w for kind, n in model.block_counts for w in [block_work_s[kind]] * n] + list(edge_work_s),
-                   reverse=True)
+def _work(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int, vp: int) -> _Work:
+    """`block_work_s`: (blocks, seconds each) per block kind."""
+    items = sorted([w for n, w in block_work_s for _ in range(n)] + list(edge_work_s), reverse=True)
     total = sum(items)
     if pp == 1:
         return _Work(total, total)
@@ -66,15 +66,15 @@ def _work(model: ModelCosts, block_work_s: dict, edge_work_s: tuple[float, float
     packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
         if len(items) > pp else 0.0
     # the ranks with the embedding or the head hold one block per virtual stage besides it
-    edge_rank = max(edge_work_s) + vp * min(block_work_s[kind] for kind, _ in model.block_counts)
+    edge_rank = max(edge_work_s) + vp * min(w for _, w in block_work_s)
     return _Work(total, max(packing, edge_rank))
 
 
-def _work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[dict, tuple[float, float]]:
+def _work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple[float, float]]:
     """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
     stage pays at least (the same for every virtual-stage count)."""
     model = costs.model
-    blocks = {kind: costs.work_before_zero_s(kind, fastest) for kind, _ in model.block_counts}
+    blocks = tuple((n, costs.work_before_zero_s(kind, fastest)) for kind, n in model.block_counts)
     return blocks, tuple(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
 
 
@@ -96,7 +96,7 @@ def _balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recom
     dp = max(0.0, costs.dp_comm_s(mean("grad_reduce_bytes"), mean("expert_grad_reduce_bytes"))
              - costs.overlap.dp_window_fraction * compute)
     optimizer = costs.optimizer_s(mean("optimizer_params"))
-    work = _work(model, {kind: costs.layer(kind).work_s(fastest) for kind, _ in model.block_counts},
+    work = _work(tuple((n, costs.layer(kind).work_s(fastest)) for kind, n in model.block_counts),
                  tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp)
     return _communication_bound(work, costs.p2p_s(), layout) + dp + optimizer
 
@@ -267,7 +267,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
             placement_work[key] = (*_work_before_zero(costs, bounds.fastest), costs.p2p_s())
         blocks, edges, p2p = placement_work[key]
-        return _communication_bound(_work(model, blocks, edges, layout.pp, layout.vp), p2p, layout)
+        return _communication_bound(_work(blocks, edges, layout.pp, layout.vp), p2p, layout)
 
     def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
         heapq.heappush(heap, (bound, node.tie_key(), node, costs))

@@ -125,7 +125,7 @@ def test_search_tree_bounds_match_exhaustive_degrees():
     for layout, best in per_layout.items():
         costs = MeshCosts(graph.costs(), cluster, layout, OverlapModel())
         compute_only = _pipeline_bound(bounds.compute_work_s(layout), layout)
-        work = _work(graph.costs(), *_work_before_zero(costs, Recompute.none), layout.pp, layout.vp)
+        work = _work(*_work_before_zero(costs, Recompute.none), layout.pp, layout.vp)
         communication = _communication_bound(work, costs.p2p_s(), layout)
         balanced = _balanced_bound(costs, layout)
         tol = 1 + 1e-9  # the levels sum the same terms in different orders
