@@ -31,6 +31,7 @@ from planner.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
 # profiles without published runs of their own that share the fitted GPU's silicon and software
 SAME_SILICON = {"a100-80g": ("a100-40g",), "h100-sxm": ("h200", "h800"), "b200": ("gb200",)}
 OUTLIER_CAP = 0.25   # the accuracy target's bound on any one run
+MIN_RUNS_FOR_TWO = 3  # fitting runs needed to fit the saturation scale as well
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
 HALF_WORK = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 
@@ -59,9 +60,10 @@ def errors_with(items, sustained: float, half: float) -> list[float]:
 
 def fit(items):
     """Grid search on the mean error with each run's error capped at OUTLIER_CAP: a run the model misses
-    for reasons it does not represent (docs/accuracy.md) must not drag a figure every run shares."""
+    for reasons it does not represent (docs/accuracy.md) must not drag a figure every run shares. Fewer
+    runs than MIN_RUNS_FOR_TWO fit the sustained fraction only (two figures on one run are underdetermined)."""
     best = None
-    for half in HALF_WORK:
+    for half in (HALF_WORK if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK[:1]):
         for sustained in SUSTAINED:
             score = statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half))
             if best is None or score < best[0]:

@@ -19,7 +19,6 @@ from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 ACTIVATION_BYTES = 2       # bf16 activations on the wire
-GRAD_REDUCE_BYTES = 4      # fp32 gradient reduction (Megatron default without --grad-reduce-in-bf16)
 ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master/m/v 12, write 12 + bf16 weight 2
 
 
@@ -69,7 +68,7 @@ class MeshCosts:
                               precision=layout.precision, causal_attention_work=overlap.causal_attention_work)
         self.state_sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp,
                                             dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
-                                            zero=layout.zero)
+                                            zero=layout.zero, gradient_bytes=layout.gradient_bytes)
         self._cache: dict[str, LayerCost] = {}
         self._shared = shared if shared is not None else SharedCosts()
 
@@ -182,8 +181,8 @@ class MeshCosts:
             forward_s=compute.forward_s, backward_s=compute.backward_s, recompute_s=recompute,
             tp_comm_s=self.tp_comm_s(kind), cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
             ep_comm_s=self.ep_comm_s(kind), activation_bytes=activations, working_bytes=activations[0],
-            states=states, grad_reduce_bytes=dense_params * GRAD_REDUCE_BYTES,
-            expert_grad_reduce_bytes=expert_params * GRAD_REDUCE_BYTES, optimizer_params=optimizer_params,
+            states=states, grad_reduce_bytes=dense_params * lay.gradient_bytes,
+            expert_grad_reduce_bytes=expert_params * lay.gradient_bytes, optimizer_params=optimizer_params,
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
             attention_forward_flops=attention_flops)
@@ -216,8 +215,8 @@ class MeshCosts:
         taken at the size of one stage's share so that stage cost stays linear in its layers."""
         lay = self.layout
         counts = self.model.block_counts
-        dense = sum(n * params_on_rank(k, self.state_sharding)[0] for k, n in counts) * GRAD_REDUCE_BYTES / lay.pp
-        expert = sum(n * params_on_rank(k, self.state_sharding)[1] for k, n in counts) * GRAD_REDUCE_BYTES / lay.pp
+        dense = sum(n * params_on_rank(k, self.state_sharding)[0] for k, n in counts) * lay.gradient_bytes / lay.pp
+        expert = sum(n * params_on_rank(k, self.state_sharding)[1] for k, n in counts) * lay.gradient_bytes / lay.pp
         return self._line(max(dense, 1.0), "dpcp"), self._line(max(expert, 1.0), "edp") if expert else (0.0, 0.0)
 
     def _line(self, size: float, dim: str) -> tuple[float, float]:
@@ -229,8 +228,8 @@ class MeshCosts:
             op = Collective.reduce_scatter if lay.zero == 1 else Collective.all_reduce
             cost = self.collective(op, size, dim)
             per_byte, latency = cost.bandwidth_seconds / size, cost.latency_seconds
-        if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step: half the fp32 bytes
-            gather = self.collective(Collective.all_gather, size / 2, dim)
+        if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step: 2 B per gradient's bytes
+            gather = self.collective(Collective.all_gather, size * 2 / lay.gradient_bytes, dim)
             per_byte += gather.bandwidth_seconds / size
             latency += gather.latency_seconds
         return latency, per_byte
@@ -247,7 +246,7 @@ class MeshCosts:
         for params, dim in ((dense_params, "dpcp"), (expert_params, "edp")):
             if not params:
                 continue
-            seconds += self.collective(Collective.reduce_scatter, params * GRAD_REDUCE_BYTES, dim).seconds
+            seconds += self.collective(Collective.reduce_scatter, params * self.layout.gradient_bytes, dim).seconds
             if self.layout.zero >= 3:
                 seconds += 2 * self.collective(Collective.all_gather, params * 2, dim).seconds
         return seconds

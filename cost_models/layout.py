@@ -39,6 +39,7 @@ class Layout:
     sequence_parallel: bool = True
     recompute: Recompute = Recompute.none
     precision: str = "bf16"
+    grad_reduce: str = "fp32"   # gradient buffers and reductions: fp32 (Megatron-LM) or bf16 (--grad-reduce-in-bf16)
     mesh_order: tuple[str, ...] = MEGATRON_ORDER
     stage_layers: tuple[int, ...] | None = None        # blocks per virtual stage (pp * vp entries)
     layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
@@ -60,6 +61,11 @@ class Layout:
         return self.dp * self.cp * self.tp // (self.ep * self.etp)
 
     @property
+    def gradient_bytes(self) -> int:
+        # design-notes, mixed-precision Adam: 4 B fp32 gradient accumulation, or 2 B in bf16
+        return 2 if self.grad_reduce == "bf16" else 4
+
+    @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
@@ -77,6 +83,8 @@ class Layout:
                 f"mbs={self.micro_batch},zero={self.zero},recompute={self.recompute.value}")
         if self.mesh_order != MEGATRON_ORDER:
             text += ",order=" + "-".join(self.mesh_order)
+        if self.grad_reduce != "fp32":
+            text += f",grad_reduce={self.grad_reduce}"
         return text
 
 

@@ -1,7 +1,8 @@
 """Memory per rank: model states by precision and ZeRO stage, activations by recomputation, reserves.
 
 Mixed-precision Adam (design-notes; Rajbhandari et al. 2020): bf16 weights 2 B, fp32 gradient
-accumulation 4 B, fp32 master weights 4 B, Adam moments 4 + 4 B = 18 B per parameter. Megatron's
+accumulation 4 B (2 B with bf16 gradient reduction), fp32 master weights 4 B, Adam moments 4 + 4 B =
+18 B (16 B) per parameter. Megatron's
 distributed optimizer is ZeRO-1 (master and moments sharded over the data-parallel ranks), ZeRO-2 also
 shards gradients, ZeRO-3 (FSDP) also shards weights.
 """
@@ -15,7 +16,6 @@ from .layout import Recompute
 from .records import LayerKind, Sharding
 
 WEIGHT_BYTES = 2        # bf16 weights (fp8 training keeps bf16 weights and casts per GEMM)
-GRAD_BYTES = 4          # fp32 main gradients (Megatron accumulates in fp32)
 OPTIMIZER_BYTES = 12    # fp32 master + Adam m and v
 
 
@@ -27,6 +27,7 @@ class StateSharding:
     dp_cp: int              # ranks a dense parameter's optimizer state is sharded over (dp x cp)
     expert_dp: int          # ranks an expert parameter's state is sharded over
     zero: int
+    gradient_bytes: int = 4  # per parameter: `Layout.gradient_bytes`
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
         return count / group if sharding.zero >= from_stage else count
 
     weights = WEIGHT_BYTES * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
-    grads = GRAD_BYTES * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
+    grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
     optim = OPTIMIZER_BYTES * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
     return ModelStateBytes(weights, grads, optim)
 

@@ -33,6 +33,7 @@ class LayoutRecord(_Frozen):
     precision: str
     mesh_order: list[str]
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
+    grad_reduce: str = "fp32"       # gradient buffers and reductions (bf16: --grad-reduce-in-bf16)
 
     @classmethod
     def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
@@ -42,7 +43,8 @@ class LayoutRecord(_Frozen):
         return cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
                    etp=layout.etp, mbs=layout.micro_batch, gbs=layout.global_batch, zero=layout.zero,
                    sp=layout.sp, recompute=summary, schedule=layout.schedule.value, precision=layout.precision,
-                   mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1)
+                   mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
+                   grad_reduce=layout.grad_reduce)
 
 
 class StageRecord(_Frozen):
@@ -105,7 +107,8 @@ class Plan(_Frozen):
         recompute = tuple(Recompute(r) for stage in self.stages for r in stage.recompute)
         return Layout(dp=lay.dp, tp=lay.tp, pp=lay.pp, vp=lay.vp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
                       micro_batch=lay.mbs, global_batch=lay.gbs, zero=lay.zero, sequence_parallel=lay.sp,
-                      precision=lay.precision, mesh_order=tuple(lay.mesh_order), stage_layers=stage_layers,
+                      precision=lay.precision, grad_reduce=lay.grad_reduce, mesh_order=tuple(lay.mesh_order),
+                      stage_layers=stage_layers,
                       layer_recompute=recompute,
                       recompute=Recompute(lay.recompute) if lay.recompute != "per-layer" else Recompute.none)
 

@@ -24,6 +24,7 @@ class SoftwareStack:
     sequence_parallel: bool    # Megatron sequence parallelism (Korthikanti et al., May 2022) available
     per_layer_recompute: bool  # selective / per-layer recomputation; else all layers checkpoint or none do
     tp_comm_overlap: bool      # TP collectives overlapped with GEMMs (NeMo recipes: ub_tp_comm_overlap)
+    grad_reduce: str = "fp32"  # gradient buffers and reductions
 
 
 # By source family (run id prefix). Megatron-LM and Megatron-DeepSpeed runs of 2021-22 (SC21, MT-NLG on
@@ -40,10 +41,14 @@ LEGACY_STACKS = {"narayanan21": LEGACY, "mtnlg": LEGACY, "bloom": LEGACY, "opt":
                                                 per_layer_recompute=True, tp_comm_overlap=False)}
 CURRENT_STACK = SoftwareStack(flash_attention=True, sequence_parallel=True, per_layer_recompute=True,
                               tp_comm_overlap=True)
+# Megatron-Bridge's performance scripts reduce gradients in bf16 (set_llama3_common_configs and
+# set_qwen3_common_configs: grad_reduce_in_fp32 = False)
+STACKS = {**LEGACY_STACKS, "mbridge": SoftwareStack(flash_attention=True, sequence_parallel=True,
+                                                    per_layer_recompute=True, tp_comm_overlap=True, grad_reduce="bf16")}
 
 
 def software_stack(run_id: str) -> SoftwareStack:
-    return LEGACY_STACKS.get(run_id.split("-")[0], CURRENT_STACK)
+    return STACKS.get(run_id.split("-")[0], CURRENT_STACK)
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,8 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["sp"] = bool(layout["sequence_parallel"])
         elif not software_stack(run["id"]).sequence_parallel:
             known["sp"] = False
+        if software_stack(run["id"]).grad_reduce != "fp32":
+            known["grad_reduce"] = software_stack(run["id"]).grad_reduce
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
         precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
@@ -138,6 +145,7 @@ def published_layout(run: PublishedRun, precision: str) -> Layout | None:
     known = run.known
     return Layout(dp=known["dp"], tp=known["tp"], pp=known["pp"], vp=known.get("vp", 1), cp=known["cp"],
                   ep=known.get("ep", 1), micro_batch=known["mbs"], global_batch=run.global_batch,
+                  grad_reduce=known.get("grad_reduce", "fp32"),
                   zero=known.get("zero", 1), sequence_parallel=known.get("sp", True),
                   recompute=Recompute(known.get("recompute", "none")), precision=precision)
 

@@ -135,7 +135,8 @@ class _Bounds:
     def memory_floor(self, layout: Layout) -> tuple[float, dict]:
         """Least memory any partition needs on its fullest stage: states split evenly, cheapest activations."""
         sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
-                                 expert_dp=layout.expert_data_parallel, zero=layout.zero)
+                                 expert_dp=layout.expert_data_parallel, zero=layout.zero,
+                                 gradient_bytes=layout.gradient_bytes)
         states = sum(n * model_state_bytes(kind, sharding).total for kind, n in self.model.block_counts)
         key = (layout.tp, layout.sp, layout.cp, layout.micro_batch)
         if key not in self.activations:

@@ -8,7 +8,8 @@ from hardware_profiles.errors import UserInputError
 
 from .graph import ModelGraph
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision")
+LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision",
+               "grad_reduce")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Pins:
     zero: int | None = None
     recompute: Recompute | None = None
     sp: bool | None = None
+    grad_reduce: str | None = None     # not searched: fp32 unless given
 
     def allows(self, name: str, value) -> bool:
         pinned = getattr(self, name)
@@ -54,6 +56,10 @@ def _parse_value(key: str, raw: str, source: str):
     if key == "precision":
         if raw not in ("bf16", "fp8"):
             raise UserInputError(f"precision={raw}", field=source, expected="bf16 or fp8")
+        return raw
+    if key == "grad_reduce":
+        if raw not in ("fp32", "bf16"):
+            raise UserInputError(f"grad_reduce={raw}", field=source, expected="fp32 or bf16")
         return raw
     if key == "sp":
         if raw.lower() not in ("true", "false", "1", "0"):
@@ -176,7 +182,7 @@ def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0) -> Layout:
     return Layout(dp=shape.dp, tp=shape.tp, pp=shape.pp, vp=vp, cp=shape.cp, ep=ep, etp=etp, micro_batch=mbs,
                   global_batch=global_batch, zero=zero, precision=precision,
-                  sequence_parallel=pins.sp if pins.sp is not None else True,
+                  sequence_parallel=pins.sp if pins.sp is not None else True, grad_reduce=pins.grad_reduce or "fp32",
                   recompute=pins.recompute or Recompute.none, mesh_order=order)
 
 

@@ -8,7 +8,7 @@ from cost_models.layer_costs import MeshCosts
 from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
-from planner.api import InfeasibleError, plan
+from planner.api import InfeasibleError, evaluate, plan
 from planner.model_capture import capture
 from planner.model_config import ModelConfig, MoEConfig
 from planner.search import (_balanced_bound, _Bounds, _communication_bound, _pipeline_bound, _work,
@@ -213,3 +213,20 @@ def test_pins_are_respected():
     assert result.layout.tp == 4 and result.layout.pp == 2 and result.layout.recompute == "full"
     with pytest.raises(UserInputError, match="unknown key"):
         plan("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256, tq=4)
+
+
+def test_bf16_gradient_reduction_stores_two_bytes_per_parameter():
+    """Mixed-precision Adam keeps 4 B of fp32 gradient per parameter, 2 B when gradients are reduced in
+    bf16 (design-notes); the per-step reduction moves half the bytes."""
+    layout = "tp=1,pp=1,dp=64,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=full"  # one micro-batch: DP exposed
+    params = capture("llama3-8b").total_params
+    fp32 = evaluate("llama3-8b", device="h100-sxm", num_devices=64, global_batch=64, layout=layout)
+    bf16 = evaluate("llama3-8b", device="h100-sxm", num_devices=64, global_batch=64, layout=layout + ",grad_reduce=bf16")
+    assert fp32.memory[0].parts["gradients"] == pytest.approx(4 * params, rel=1e-6)
+    assert bf16.memory[0].parts["gradients"] == pytest.approx(2 * params, rel=1e-6)
+    assert bf16.layout.grad_reduce == "bf16"
+    graph, cluster = capture("llama3-8b"), cluster_from_device("h100-sxm", 64)
+    block = graph.costs().kind(graph.costs().blocks[0])
+    reduced = [MeshCosts(graph.costs(), cluster, Layout(dp=64, global_batch=64, grad_reduce=g), OverlapModel())
+               .layer(block).grad_reduce_bytes for g in ("fp32", "bf16")]
+    assert reduced[0] == pytest.approx(2 * reduced[1], rel=1e-12) and reduced[1] > 0
