@@ -22,6 +22,7 @@ class ShardSpec:
     micro_batch: int = 1
     precision: str = "bf16"
     causal_attention_work: float = 0.5
+    ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
     """(forward, backward-input, backward-weight) seconds of one op for one micro-batch."""
     scale = spec.micro_batch / work_divisor(op.sharding, spec)
     if op.kind is OpKind.gemm:
-        return (gemm_seconds(device, op.forward_flops * scale, op.gemm_count, spec.precision),
-                gemm_seconds(device, op.backward_input_flops * scale, op.gemm_count, spec.precision),
-                gemm_seconds(device, op.backward_weight_flops * scale, op.gemm_count, spec.precision))
+        count = max(1, op.gemm_count // spec.ep) if op.sharding is Sharding.expert else op.gemm_count
+        return (gemm_seconds(device, op.forward_flops * scale, count, spec.precision),
+                gemm_seconds(device, op.backward_input_flops * scale, count, spec.precision),
+                gemm_seconds(device, op.backward_weight_flops * scale, count, spec.precision))
     if op.kind is OpKind.attention:
         work = spec.causal_attention_work * scale
         return (gemm_seconds(device, op.forward_flops * work, 1, "bf16"),

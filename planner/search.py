@@ -118,10 +118,14 @@ class _Bounds:
         self.fastest = min(allowed, key=rank.get)    # least work
         self.work: dict[tuple, float] = {}
         self.activations: dict[tuple, float] = {}
+        self.largest_ep = max([k.num_experts or 1 for k in model.kinds])
 
     def compute_work_s(self, layout: Layout) -> float:
+        """Compute-only work, valid for every ep: GEMM efficiency only grows with size, so the largest
+        expert GEMMs (every expert on its own rank) bound the time from below."""
         spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
-                         precision=layout.precision, causal_attention_work=self.overlap.causal_attention_work)
+                         precision=layout.precision, causal_attention_work=self.overlap.causal_attention_work,
+                         ep=self.largest_ep)
         if spec not in self.work:
             model = self.model
             total = sum(n * layer_compute(kind, self.device, spec).forward_s
