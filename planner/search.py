@@ -172,11 +172,24 @@ class _SolvedModels:
         return result if cutoff_s <= solved_cutoff else None
 
 
+TIE_TOLERANCE = 1e-5   # wider than half a 6-significant-digit step: plans this close may tie in the ranking
+
+
+def _six_digits(seconds: float) -> float:
+    return float(f"{seconds:.6g}")
+
+
+def _beyond(bound_s: float, kth_s: float) -> bool:
+    """A subtree whose bound is above the K-th plan even at the ranking's 6 significant digits can
+    neither beat it nor tie it (ties go to the simpler layout, so they must be seen)."""
+    return _six_digits(bound_s) > _six_digits(kth_s)
+
+
 def _rank_key(scored: Scored) -> tuple:
     """Fastest first; among equal times (6 significant digits) the simpler layout: fewer context, pipeline
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
     lay = scored.estimate.layout
-    return (float(f"{scored.estimate.step_time_s:.6g}"), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
+    return (_six_digits(scored.estimate.step_time_s), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
             -lay.micro_batch, lay.short())
 
 
@@ -286,7 +299,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     while heap:
         kth = ranked[top_k - 1].estimate.step_time_s if len(ranked) >= top_k else float("inf")
         remaining = time_limit_s - (time.perf_counter() - start)
-        if heap[0][0] >= kth:  # the cheapest bound left cannot beat the K-th plan: neither can the rest
+        if _beyond(heap[0][0], kth):  # the cheapest bound left cannot beat or tie the K-th plan: nor can the rest
             pruned_bound += sum(tree.leaf_count(node) for _, _, node, _ in heap)
             break
         if remaining <= 0:
@@ -309,7 +322,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
                 else:
                     child_costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
                     child_bound = _balanced_bound(child_costs, layout, bounds.fastest)
-                if child_bound >= kth:
+                if _beyond(child_bound, kth):
                     pruned_bound += tree.leaf_count(child)
                     continue
                 push(child, max(bound, child_bound), child_costs)
@@ -318,7 +331,8 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         if progress:
             progress(visited + pruned_memory + pruned_bound, candidates)
         layout = node.layout(problem)
-        cutoff = kth - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
+        # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
+        cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
         result = solved_models.answer(model_key(costs, allowed), cutoff)
         if result is None:
             # one hard candidate may not eat the budget: it gets a share, and reports its gap if cut short

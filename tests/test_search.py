@@ -230,3 +230,14 @@ def test_bf16_gradient_reduction_stores_two_bytes_per_parameter():
     reduced = [MeshCosts(graph.costs(), cluster, Layout(dp=64, global_batch=64, grad_reduce=g), OverlapModel())
                .layer(block).grad_reduce_bytes for g in ("fp32", "bf16")]
     assert reduced[0] == pytest.approx(2 * reduced[1], rel=1e-12) and reduced[1] > 0
+
+
+def test_ties_go_to_the_simpler_layout():
+    """Layouts the model cannot tell apart (here dp x cp splits of a small model) rank by simplicity:
+    the search may not prune a tie with the K-th plan, or a context-parallel twin wins by order."""
+    model, shape = "examples/hf-config.json", dict(device="h100-sxm", num_devices=32, global_batch=256, seq_len=8192)
+    base = "tp=1,pp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none"
+    plain = evaluate(model, layout=f"dp=32,cp=1,{base}", **shape)
+    split = evaluate(model, layout=f"dp=8,cp=4,{base}", **shape)
+    assert plain.step_time_s == pytest.approx(split.step_time_s, rel=1e-9)
+    assert plan(model, **shape).layout.cp == 1
