@@ -29,8 +29,15 @@ def launch(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedPr
         "--master-port", str(free_port()), SCRIPT, *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, _why(proc.stderr)
     return proc
+
+
+def _why(stderr: str) -> str:
+    """The ranks' own error lines first (torchrun's summary only names the signal), then the tail."""
+    cause = [line for line in stderr.splitlines()
+             if any(word in line for word in ("Error", "error:", "terminate", "Abort", "what():", "Exception"))]
+    return "\n".join(cause[:30]) + "\n...\n" + stderr[-1500:]
 
 
 def losses(proc) -> list[float]:
