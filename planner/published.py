@@ -1,7 +1,7 @@
 """Published training runs (shared/validation/published_runs.yaml) as model, cluster and layout inputs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -47,8 +47,17 @@ STACKS = {**LEGACY_STACKS, "mbridge": SoftwareStack(flash_attention=True, sequen
                                                     per_layer_recompute=True, tp_comm_overlap=True, grad_reduce="bf16")}
 
 
+# Per-run settings read in the recipe a run used, where they depart from its family's stack
+RECIPE_SETTINGS = {
+    # NeMo-Framework-Launcher conf/training/nemotron/nemotron_340b.yaml: optim mcore_distributed_optim,
+    # grad_sync_dtype: bf16 (the family's other recipes use distributed_fused_adam without it)
+    "nemo2407-nemotron-340b-128gpu": {"grad_reduce": "bf16"},
+}
+
+
 def software_stack(run_id: str) -> SoftwareStack:
-    return STACKS.get(run_id.split("-")[0], CURRENT_STACK)
+    stack = STACKS.get(run_id.split("-")[0], CURRENT_STACK)
+    return replace(stack, **RECIPE_SETTINGS.get(run_id, {}))
 
 
 @dataclass(frozen=True)
