@@ -82,14 +82,25 @@ class MeshCosts:
         return self._shared.placements[key]
 
     def _place(self):
-        dims = tuple(MeshDim(name, size) for name, size in self.layout.mesh_dims())
-        attention = place_mesh(dims, self.cluster)
         lay = self.layout
-        dp_cp_stride_dims = tuple(MeshDim(n, s) for n, s in lay.mesh_dims() if n == "tp")
-        dp_cp = place_mesh(dp_cp_stride_dims + (MeshDim("dpcp", lay.dp * lay.cp),), self.cluster).of("dpcp")
-        experts = place_mesh((MeshDim("etp", lay.etp), MeshDim("ep", lay.ep),
-                              MeshDim("edp", lay.expert_data_parallel), MeshDim("pp", lay.pp)), self.cluster)
+        attention = place_mesh(tuple(MeshDim(name, size) for name, size in lay.mesh_dims()), self.cluster)
+        dp_cp = place_mesh(self._folded_dims({"tp": [("tp", lay.tp)], "pp": [("pp", lay.pp)]},
+                                             [("dpcp", lay.dp * lay.cp)]), self.cluster).of("dpcp")
+        experts = place_mesh(self._folded_dims({"tp": [("etp", lay.etp)], "pp": [("pp", lay.pp)]},
+                                               [("ep", lay.ep), ("edp", lay.expert_data_parallel)]), self.cluster)
         return attention, dp_cp, experts
+
+    def _folded_dims(self, kept: dict, data_dims: list) -> tuple[MeshDim, ...]:
+        """The mesh in the layout's order with cp, ep and dp folded into `data_dims` where the first of
+        them sits (MoE parallel folding: experts use etp x ep x edp x pp over the same ranks)."""
+        dims, folded = [], False
+        for name in self.layout.mesh_order:
+            if name in kept:
+                dims += kept[name]
+            elif not folded:
+                dims += data_dims
+                folded = True
+        return tuple(MeshDim(name, size) for name, size in dims)
 
     def collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
         attention, dp_cp, experts = self.placement

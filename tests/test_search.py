@@ -241,3 +241,13 @@ def test_ties_go_to_the_simpler_layout():
     split = evaluate(model, layout=f"dp=8,cp=4,{base}", **shape)
     assert plain.step_time_s == pytest.approx(split.step_time_s, rel=1e-9)
     assert plan(model, **shape).layout.cp == 1
+
+
+@pytest.mark.parametrize("order,domains", [(MEGATRON_ORDER, 1), (("tp", "pp", "cp", "ep", "dp"), 2)])
+def test_expert_and_data_groups_follow_the_mesh_order(order, domains):
+    """16 ranks on two 8-GPU nodes, pp=2, dp=ep=8. Megatron's order keeps pp outermost: ranks 0-7 form one
+    expert group. With pp innermost the ranks of one stage are 0, 2, ..., 14: the group spans both nodes."""
+    graph = capture(moe_model())
+    layout = Layout(dp=8, pp=2, ep=8, global_batch=16, mesh_order=order)
+    attention, dp_cp, experts = MeshCosts(graph.costs(), small_cluster(16, 80), layout, OverlapModel()).placement
+    assert experts.of("ep").domains == domains and dp_cp.domains == domains
