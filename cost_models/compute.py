@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from hardware_profiles.schema import Device
 
-from .records import ATTENTION_CORE, LayerKind, OpCost, OpKind, Sharding
+from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,10 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
         return (gemm_seconds(device, op.forward_flops * scale, count, spec.precision),
                 gemm_seconds(device, op.backward_input_flops * scale, count, spec.precision),
                 gemm_seconds(device, op.backward_weight_flops * scale, count, spec.precision))
-    if op.kind is OpKind.attention:
-        work = spec.causal_attention_work * scale
-        return (gemm_seconds(device, op.forward_flops * work, 1, "bf16"),
-                gemm_seconds(device, op.backward_input_flops * work, 1, "bf16"), 0.0)
-    if op.kind is OpKind.attention_matmul:  # batched over heads, both operands activations
-        return (gemm_seconds(device, op.forward_flops * scale, op.gemm_count, "bf16"),
-                gemm_seconds(device, op.backward_input_flops * scale, op.gemm_count, "bf16"), 0.0)
+    if op.kind in ATTENTION_MATMUL_KINDS:  # both operands activations; a fused kernel skips masked blocks
+        work = scale * (spec.causal_attention_work if op.kind is OpKind.attention else 1.0)
+        return (gemm_seconds(device, op.forward_flops * work, op.gemm_count, "bf16"),
+                gemm_seconds(device, op.backward_input_flops * work, op.gemm_count, "bf16"), 0.0)
     # memory-bound: forward moves its bytes once; backward reads the gradient and input, writes one
     forward = memory_seconds(device, op.bytes_accessed * scale)
     return forward, 2 * forward, 0.0

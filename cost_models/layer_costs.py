@@ -14,8 +14,9 @@ from hardware_profiles.topology import MeshDim, place_mesh
 from .communication import Collective, CollectiveCost, collective_time
 from .compute import ShardSpec, layer_compute, memory_seconds
 from .layout import Layout, OverlapModel, Recompute
-from .memory import ModelStateBytes, StateSharding, activation_bytes, model_state_bytes, params_on_rank
-from .records import MATMUL_KINDS, LayerKind, ModelCosts
+from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
+                     params_on_rank)
+from .records import ATTENTION_MATMUL_KINDS, MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 ACTIVATION_BYTES = 2       # bf16 activations on the wire
@@ -23,14 +24,23 @@ ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master
 
 
 @dataclass(frozen=True)
-class LayerCost:
-    """One layer, one micro-batch, one rank."""
+class LayerWork:
+    """One layer's time for one micro-batch on one rank, before ZeRO-2/3 traffic."""
     forward_s: float
     backward_s: float
     recompute_s: tuple[float, float, float]        # by RECOMPUTE_ORDER
     tp_comm_s: float                               # exposed, forward + backward
     cp_comm_s: float
     ep_comm_s: float
+
+    def work_before_zero_s(self, recompute: Recompute) -> float:
+        return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
+                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s)
+
+
+@dataclass(frozen=True)
+class LayerCost(LayerWork):
+    """One layer, one micro-batch, one rank: time and memory."""
     activation_bytes: tuple[float, float, float]   # by RECOMPUTE_ORDER
     working_bytes: float                           # a recomputed layer's activations, live during its backward
     states: ModelStateBytes
@@ -44,8 +54,7 @@ class LayerCost:
     zero_exposed_s: float = 0.0                    # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
 
     def work_s(self, recompute: Recompute) -> float:
-        return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
-                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.zero_exposed_s)
+        return self.work_before_zero_s(recompute) + self.zero_exposed_s
 
 
 @dataclass
@@ -168,31 +177,30 @@ class MeshCosts:
             self._shared.compute[key] = layer_compute(kind, self.cluster.device, self.spec)
         return self._shared.compute[key]
 
-    def work_before_zero_s(self, kind: LayerKind, recompute: Recompute) -> float:
-        """`layer(kind).work_s(recompute)` less the ZeRO-2/3 traffic, without the memory parts: what the
-        layer costs under every ZeRO stage at least (the search bounds whole subtrees with it)."""
+    def work(self, kind: LayerKind) -> LayerWork:
+        """The layer's time without its memory parts: what it costs under every ZeRO stage at least
+        (the search bounds whole subtrees with it)."""
         compute = self._compute(kind)
-        redo = (0.0, compute.attention_core_forward_s, compute.forward_s)[RECOMPUTE_ORDER.index(recompute)]
-        return (compute.forward_s + compute.backward_s + redo + self.tp_comm_s(kind)
-                + self.cp_comm_s(kind, compute.attention_core_forward_s) + self.ep_comm_s(kind))
+        return LayerWork(forward_s=compute.forward_s, backward_s=compute.backward_s,
+                         recompute_s=(0.0, compute.attention_core_forward_s, compute.forward_s),
+                         tp_comm_s=self.tp_comm_s(kind),
+                         cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
+                         ep_comm_s=self.ep_comm_s(kind))
 
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:
             return self._cache[kind.name]
         lay = self.layout
         compute = self._compute(kind)
-        recompute = (0.0, compute.attention_core_forward_s, compute.forward_s)
         activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch)
                             for r in RECOMPUTE_ORDER)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
             if lay.zero >= 1 else dense_params + expert_params
-        attention_flops = sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS[1:])
+        attention_flops = sum(op.forward_flops for op in kind.ops if op.kind in ATTENTION_MATMUL_KINDS)
         cost = LayerCost(
-            forward_s=compute.forward_s, backward_s=compute.backward_s, recompute_s=recompute,
-            tp_comm_s=self.tp_comm_s(kind), cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
-            ep_comm_s=self.ep_comm_s(kind), activation_bytes=activations, working_bytes=activations[0],
+            **vars(self.work(kind)), activation_bytes=activations, working_bytes=activations[0],
             states=states, grad_reduce_bytes=dense_params * lay.gradient_bytes,
             expert_grad_reduce_bytes=expert_params * lay.gradient_bytes, optimizer_params=optimizer_params,
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
@@ -240,8 +248,8 @@ class MeshCosts:
             op = Collective.reduce_scatter if lay.zero == 1 else Collective.all_reduce
             cost = self.collective(op, size, dim)
             per_byte, latency = cost.bandwidth_seconds / size, cost.latency_seconds
-        if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step: 2 B per gradient's bytes
-            gather = self.collective(Collective.all_gather, size * 2 / lay.gradient_bytes, dim)
+        if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step
+            gather = self.collective(Collective.all_gather, size * WEIGHT_BYTES / lay.gradient_bytes, dim)
             per_byte += gather.bandwidth_seconds / size
             latency += gather.latency_seconds
         return latency, per_byte

@@ -27,7 +27,7 @@ class StateSharding:
     dp_cp: int              # ranks a dense parameter's optimizer state is sharded over (dp x cp)
     expert_dp: int          # ranks an expert parameter's state is sharded over
     zero: int
-    gradient_bytes: int = 4  # per parameter: `Layout.gradient_bytes`
+    gradient_bytes: int     # per parameter: `Layout.gradient_bytes`
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ class OpKind(str, Enum):
 
 # what selective recomputation repeats (Korthikanti et al. 2022): the attention core, fused or not
 ATTENTION_CORE = (OpKind.attention, OpKind.attention_matmul, OpKind.attention_elementwise)
-MATMUL_KINDS = (OpKind.gemm, OpKind.attention, OpKind.attention_matmul)   # what model FLOPs count
+ATTENTION_MATMUL_KINDS = (OpKind.attention, OpKind.attention_matmul)
+MATMUL_KINDS = (OpKind.gemm, *ATTENTION_MATMUL_KINDS)   # what model FLOPs count
 
 
 class Sharding(str, Enum):

@@ -18,7 +18,7 @@ from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .graph_analysis import (attention_heads, find_tp_pairs, is_expert_container, is_norm_like, routed_experts,
-                             router_topk, signature)
+                             router_topk)
 from .graph import BlockStructure
 from .op_costs import node_costs
 

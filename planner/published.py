@@ -34,17 +34,15 @@ class SoftwareStack:
 # Megatron-Bridge runs have all of it, and their recipes overlap TP communication with GEMMs
 # (NeMo-Framework-Launcher conf/training gpt3/20b.yaml, gpt3/175b.yaml, llama/llama3_1_70b.yaml:
 # ub_tp_comm_overlap: true).
-LEGACY = SoftwareStack(flash_attention=False, sequence_parallel=False, per_layer_recompute=False,
-                       tp_comm_overlap=False)
-LEGACY_STACKS = {"narayanan21": LEGACY, "mtnlg": LEGACY, "bloom": LEGACY, "opt": LEGACY,
-                 "korthikanti22": SoftwareStack(flash_attention=False, sequence_parallel=True,
-                                                per_layer_recompute=True, tp_comm_overlap=False)}
 CURRENT_STACK = SoftwareStack(flash_attention=True, sequence_parallel=True, per_layer_recompute=True,
                               tp_comm_overlap=True)
-# Megatron-Bridge's performance scripts reduce gradients in bf16 (set_llama3_common_configs and
-# set_qwen3_common_configs: grad_reduce_in_fp32 = False)
-STACKS = {**LEGACY_STACKS, "mbridge": SoftwareStack(flash_attention=True, sequence_parallel=True,
-                                                    per_layer_recompute=True, tp_comm_overlap=True, grad_reduce="bf16")}
+LEGACY = SoftwareStack(flash_attention=False, sequence_parallel=False, per_layer_recompute=False,
+                       tp_comm_overlap=False)
+STACKS = {"narayanan21": LEGACY, "mtnlg": LEGACY, "bloom": LEGACY, "opt": LEGACY,
+          "korthikanti22": replace(LEGACY, sequence_parallel=True, per_layer_recompute=True),
+          # Megatron-Bridge's performance scripts reduce gradients in bf16 (set_llama3_common_configs and
+          # set_qwen3_common_configs: grad_reduce_in_fp32 = False)
+          "mbridge": replace(CURRENT_STACK, grad_reduce="bf16")}
 
 
 # Per-run settings read in the recipe a run used, where they depart from its family's stack
@@ -110,7 +108,7 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
     """Runs that can be predicted, and (id, why not) for the rest."""
     runs, skipped = [], []
     for run in yaml.safe_load(Path(path).read_text()):
-        layout, hardware = run["layout"], run["hardware"]
+        layout, hardware, stack = run["layout"], run["hardware"], software_stack(run["id"])
         gbs = layout.get("global_batch")
         if not gbs:
             skipped.append((run["id"], "no global batch"))
@@ -135,10 +133,10 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["zero"] = layout["zero"]
         if layout.get("sequence_parallel") is not None:
             known["sp"] = bool(layout["sequence_parallel"])
-        elif not software_stack(run["id"]).sequence_parallel:
+        elif not stack.sequence_parallel:
             known["sp"] = False
-        if software_stack(run["id"]).grad_reduce != "fp32":
-            known["grad_reduce"] = software_stack(run["id"]).grad_reduce
+        if stack.grad_reduce != "fp32":
+            known["grad_reduce"] = stack.grad_reduce
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
         precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),

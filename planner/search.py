@@ -74,8 +74,8 @@ def _work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tupl
     """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
     stage pays at least (the same for every virtual-stage count)."""
     model = costs.model
-    blocks = tuple((n, costs.work_before_zero_s(kind, fastest)) for kind, n in model.block_counts)
-    return blocks, tuple(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
+    blocks = tuple((n, costs.work(kind).work_before_zero_s(fastest)) for kind, n in model.block_counts)
+    return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
 
 
 def _communication_bound(work: _Work, p2p_s: float, layout: Layout) -> float:
@@ -215,13 +215,11 @@ class _Node:
 
 @dataclass(frozen=True)
 class _Problem:
-    model: ModelCosts
+    """What the tree needs to enumerate and build layouts."""
     cluster: Cluster
     global_batch: int
     pins: Pins
     precision: str
-    overlap: OverlapModel
-    ep_imbalance: float
     graph: object
     zeros: tuple[int, ...]
 
@@ -270,14 +268,14 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
            progress=None, recompute_choices: tuple[Recompute, ...] | None = None) -> SearchOutcome:
     start = time.perf_counter()
     allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
-    problem = _Problem(model, cluster, global_batch, pins, precision, overlap, ep_imbalance, graph, zero_choices(pins))
+    problem = _Problem(cluster, global_batch, pins, precision, graph, zero_choices(pins))
     tree = _Tree(problem)
     capacity = usable_bytes(cluster.device)
     bounds = _Bounds(model, cluster, overlap, allowed)
     shared = SharedCosts()
     heap: list = []
     solved_models = _SolvedModels()
-    placement_work: dict[tuple, tuple[dict, tuple, float]] = {}   # (shape, mbs, placement): any vp
+    placement_work: dict[tuple, tuple[tuple, tuple, float]] = {}   # (shape, mbs, placement): any vp
 
     def communication_bound(node: _Node, layout: Layout) -> float:
         key = (node.shape, node.mbs, node.placement)
@@ -291,7 +289,8 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         heapq.heappush(heap, (bound, node.tie_key(), node, costs))
 
     for root in tree.roots():
-        push(root, _pipeline_bound(bounds.compute_work_s(root.layout(problem)), root.layout(problem)))
+        layout = root.layout(problem)
+        push(root, _pipeline_bound(bounds.compute_work_s(layout), layout))
     candidates = sum(tree.leaf_count(node) for _, _, node, _ in heap)
     smallest, smallest_parts = float("inf"), {}
     ranked: list[Scored] = []
@@ -333,12 +332,13 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         layout = node.layout(problem)
         # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
         cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
-        result = solved_models.answer(model_key(costs, allowed), cutoff)
+        key = model_key(costs, allowed)
+        result = solved_models.answer(key, cutoff)
         if result is None:
             # one hard candidate may not eat the budget: it gets a share, and reports its gap if cut short
             result = solve_partition(costs, allowed, time_limit_s=min(remaining, max(1.0, time_limit_s / 30)),
                                      cutoff_s=cutoff)
-            solved_models.record(model_key(costs, allowed), cutoff, result)
+            solved_models.record(key, cutoff, result)
             solved += 1
         if not result.stage_layers:
             continue
