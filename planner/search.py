@@ -112,7 +112,7 @@ class _Bounds:
     """Cheap bounds shared across candidates: compute-only work and the memory floor."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, overlap: OverlapModel, allowed: tuple[Recompute, ...]):
-        self.model, self.device, self.overlap = model, cluster.device, overlap
+        self.model, self.cluster, self.device, self.overlap = model, cluster, cluster.device, overlap
         rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
         self.cheapest = max(allowed, key=rank.get)   # least activation memory
         self.fastest = min(allowed, key=rank.get)    # least work
@@ -149,6 +149,14 @@ class _Bounds:
         flight = min(layout.pp, layout.num_micro_batches)
         parts = {"model_states": states / layout.pp, "activations": flight * self.activations[key] / layout.pp}
         return sum(parts.values()), parts
+
+    def least_need(self, layout: Layout, costs: MeshCosts) -> tuple[float, dict]:
+        """Peak memory of the layout with every block at its least-memory recomputation, evenly staged:
+        a need some real plan has, where the floor only bounds it from below."""
+        least = replace(layout, recompute=self.cheapest, layer_recompute=None, stage_layers=None)
+        fullest = max(estimate(self.model, self.cluster, least, self.overlap, mesh_costs=costs).stage_memory,
+                      key=lambda stage: stage.total)
+        return fullest.total, fullest.parts()
 
 
 class _SolvedModels:
@@ -293,6 +301,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         push(root, _pipeline_bound(bounds.compute_work_s(layout), layout))
     candidates = sum(tree.leaf_count(node) for _, _, node, _ in heap)
     smallest, smallest_parts = float("inf"), {}
+    least_need, least_parts = float("inf"), {}   # of layouts evaluated whole (their floor fitted)
     ranked: list[Scored] = []
     pruned_memory = pruned_bound = solved = unexplored = visited = 0
     while heap:
@@ -341,6 +350,10 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             solved_models.record(key, cutoff, result)
             solved += 1
         if not result.stage_layers:
+            if not ranked:  # what this layout needs at its least, for the error when nothing fits
+                need, parts = bounds.least_need(layout, costs)
+                if need < least_need:
+                    least_need, least_parts = need, parts
             continue
         full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute)
         scored = Scored(estimate(model, cluster, full, overlap, ep_imbalance, mesh_costs=costs), result)
@@ -354,5 +367,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
                 floor, parts = bounds.memory_floor(leaf.layout(problem))
                 if floor < smallest:
                     smallest, smallest_parts = floor, parts
+    if least_need < float("inf"):  # a layout evaluated whole says more than any floor
+        smallest, smallest_parts = least_need, least_parts
     return SearchOutcome(tuple(ranked), candidates, pruned_memory, pruned_bound, solved,
                          time.perf_counter() - start, unexplored, smallest, smallest_parts)

@@ -1,5 +1,6 @@
 """The search against an exhaustive enumeration written independently here, and its guarantees."""
 import itertools
+import re
 from dataclasses import replace
 
 import pytest
@@ -206,6 +207,17 @@ def test_infeasible_request_says_why():
         plan("llama3-405b", device="h100-sxm", num_devices=8, global_batch=16, time_limit_s=30)
     message = str(info.value)
     assert "smallest memory need" in message and "would fit" in message and "model states" in message
+
+
+@pytest.mark.parametrize("hbm_gb", [6, 7, 8])
+def test_infeasible_need_is_one_no_plan_meets(hbm_gb):
+    """The need an infeasible request reports exceeds the usable memory: near the boundary the search's
+    floor fits while every whole plan does not, and the floor is no need at all then."""
+    with pytest.raises(InfeasibleError) as info:
+        plan(dense_model(), small_cluster(8, hbm_gb), global_batch=8, seq_len=4096, time_limit_s=30)
+    found = re.search(r"need found is ([\d.]+) GB .* against ([\d.]+) GB usable", str(info.value))
+    need, usable = float(found.group(1)), float(found.group(2))
+    assert need >= usable   # both rounded to 0.1 GB
 
 
 def test_pins_are_respected():
