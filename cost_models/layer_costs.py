@@ -192,7 +192,7 @@ class MeshCosts:
             return self._cache[kind.name]
         lay = self.layout
         compute = self._compute(kind)
-        activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch)
+        activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.precision)
                             for r in RECOMPUTE_ORDER)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)

@@ -64,20 +64,24 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
     return ModelStateBytes(weights, grads, optim)
 
 
-def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int) -> float:
+def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int,
+                     precision: str = "bf16") -> float:
     """Saved-for-backward bytes of one layer and micro-batch (Korthikanti et al. 2022, Table 2 forms).
 
     Tensors inside tensor-parallel pairs are divided by tp; the rest by tp only with sequence
     parallelism; everything by cp. Selective drops the s x s attention tensors; full keeps the input.
+    FP8 transformer layers keep their weight-GEMM inputs as 1-byte copies (Transformer Engine); the
+    embedding and output layers stay in bf16 (Megatron-Core builds them without Transformer Engine).
     """
     if recompute is Recompute.full:
         return kind.input_bytes * micro_batch / ((tp if sp else 1) * cp)
+    fp8 = precision == "fp8" and kind.role == "block"
     total = 0.0
     for saved in kind.saved:
         if recompute is Recompute.selective and saved.attention_matrix:
             continue
         divisor = tp if saved.sharding is Sharding.tensor or sp else 1
-        total += saved.bytes / divisor
+        total += (saved.fp8_bytes if fp8 else saved.bytes) / divisor
     return total * micro_batch / cp
 
 

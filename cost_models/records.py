@@ -54,6 +54,7 @@ class SavedTensor:
     bytes: float
     sharding: Sharding
     attention_matrix: bool      # s x s shaped: dropped by selective recomputation
+    fp8_bytes: float            # the same with weight-GEMM inputs kept as 1-byte FP8 copies (Transformer Engine)
 
 
 @dataclass(frozen=True)

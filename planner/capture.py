@@ -7,12 +7,14 @@ saved storage is attributed to the node that produced it.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
 
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
@@ -68,6 +70,33 @@ def trace(root: nn.Module, leaf_ids: set[int] = frozenset(), leaf_names: tuple[s
     return fx.GraphModule(root, graph)
 
 
+GEMM_FUNCTIONS = (F.linear, torch.matmul, torch.bmm, torch.mm, operator.matmul, torch.Tensor.__matmul__,
+                  torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.mm)
+
+
+class _GemmTracker(TorchFunctionMode):
+    """Knows, while a torch function runs (inside leaf modules too), whether it multiplies by a weight:
+    autograd packs that function's saved tensors before it returns."""
+
+    def __init__(self, state_keys: set[int]):
+        super().__init__()
+        self.state_keys = state_keys
+        self.depth_in_weight_gemm = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight_gemm = func in GEMM_FUNCTIONS and _has_state(list(args) + list(kwargs.values()), self.state_keys)
+        self.depth_in_weight_gemm += weight_gemm
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.depth_in_weight_gemm -= weight_gemm
+
+
+def _has_state(args, state_keys: set[int]) -> bool:
+    return any(isinstance(a, torch.Tensor) and _storage_key(a) in state_keys for a in args)
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -87,6 +116,24 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, _, _ = ctx.saved_tensors
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@dataclass
+class _Savers:
+    """Who keeps one saved storage: FP8 training casts a weight GEMM's input to a 1-byte copy and keeps
+    that (Transformer Engine Linear: saved_inputmat = the FP8 inputmat); other savers keep the original."""
+    saved: list
+    index: int
+    elements: int
+    gemm: bool = False
+    other: bool = False
+
+    def add(self, is_weight_gemm: bool) -> None:
+        self.gemm |= is_weight_gemm
+        self.other |= not is_weight_gemm
+        record = self.saved[self.index]
+        fp8_bytes = (record.bytes if self.other else 0.0) + (self.elements if self.gemm else 0.0)
+        self.saved[self.index] = replace(record, fp8_bytes=float(fp8_bytes))
 
 
 @dataclass
@@ -113,6 +160,9 @@ class _Analyzer(fx.Interpreter):
         self.seen: set[int] = set()
         self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
         self.current: fx.Node | None = None
+        self.gemms = _GemmTracker(self.state_keys)
+        self.attention_nodes: set[str] = set()   # q k^T and the scale/mask/softmax/dropout applied to it
+        self.savers: dict[int, _Savers] = {}
         self.results: dict[str, Measured] = {}
 
     def _sharding(self, node: fx.Node) -> Sharding:
@@ -120,6 +170,8 @@ class _Analyzer(fx.Interpreter):
 
     def pack(self, t: torch.Tensor):
         key = _storage_key(t)
+        if key in self.savers and self.current is not None:
+            self.savers[key].add(self.gemms.depth_in_weight_gemm > 0)
         if key in self.state_keys or key in self.seen or self.current is None:
             return t
         self.seen.add(key)
@@ -130,13 +182,24 @@ class _Analyzer(fx.Interpreter):
         if is_dropout and key not in self.producer:
             nbytes = t.numel()  # dropout keeps a 1-byte mask (meta decomposes it to the input dtype)
         producer_node = next((n for n in self.module.graph.nodes if n.name == producer), self.current)
-        attention_matrix = self._is_attention_matrix(t)
-        self.results.setdefault(self.part_of(self.current), Measured()).saved.append(SavedTensor(
-            producer, float(nbytes), self._sharding(producer_node), attention_matrix))
+        attention_matrix = (producer in self.attention_nodes if producer != self.current.name  # made by this op:
+                            else self._is_attention_matrix(self.current, t))               # not classified yet
+        saved = self.results.setdefault(self.part_of(self.current), Measured()).saved
+        saved.append(SavedTensor(producer, float(nbytes), self._sharding(producer_node), attention_matrix,
+                                 float(nbytes)))
+        self.savers[key] = _Savers(saved, len(saved) - 1, t.untyped_storage().nbytes() // t.element_size())
+        self.savers[key].add(self.gemms.depth_in_weight_gemm > 0)
         return t
 
-    def _is_attention_matrix(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.seq_len == t.shape[-2]
+    def _is_attention_matrix(self, node: fx.Node, out) -> bool:
+        """s x s shaped and born of two activations multiplied, or of such a matrix: the shape alone would
+        take a (b, s, h) hidden state for one when h equals s."""
+        square = isinstance(out, torch.Tensor) and out.dim() >= 3 and out.shape[-1] == self.seq_len == out.shape[-2]
+        if not square:
+            return False
+        args = [self.env.get(n) for n in node.all_input_nodes]
+        scores = node.op == "call_function" and node.target in GEMM_FUNCTIONS and not _has_state(args, self.state_keys)
+        return scores or any(n.name in self.attention_nodes for n in node.all_input_nodes)
 
     def call_function(self, target, args, kwargs):
         if target is F.scaled_dot_product_attention:
@@ -159,6 +222,8 @@ class _Analyzer(fx.Interpreter):
         self.current = node
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         out = super().run_node(node)
+        if self._is_attention_matrix(node, out):
+            self.attention_nodes.add(node.name)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor):
                 self.producer.setdefault(_storage_key(t), node.name)
@@ -168,7 +233,7 @@ class _Analyzer(fx.Interpreter):
             measured.shapes[node.name] = tuple(out.shape)
         module = self.modules.get(node.target) if node.op == "call_module" else None
         ops = node_costs(node, module, list(args) + list(kwargs.values()), out, self._sharding(node), self.param_ids)
-        if self._is_attention_matrix(out):  # scale, mask, softmax, dropout of an unfused attention core
+        if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
             ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
                    for op in ops]
         measured.ops.extend(ops)
@@ -178,7 +243,7 @@ class _Analyzer(fx.Interpreter):
 
     def measure(self, *inputs) -> dict[str, Measured]:
         try:
-            with saved_tensors_hooks(self.pack, lambda t: t):
+            with saved_tensors_hooks(self.pack, lambda t: t), self.gemms:
                 self.run(*inputs)
         except UserInputError as exc:  # the interpreter decorates messages; keep ours one paragraph
             raise UserInputError(str(exc).split("\n")[0]) from None

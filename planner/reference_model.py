@@ -235,7 +235,8 @@ class MoE(nn.Module):
         weights, chosen = self.route(tokens)
         if tokens.is_meta:
             per_expert = max(1, tokens.shape[0] * self.top_k // self.num_experts)
-            batched = tokens[:per_expert].expand(self.num_experts, per_expert, shape[-1])
+            # dispatch materialises k copies of the tokens, which the first expert GEMM keeps for backward
+            batched = tokens[:per_expert].expand(self.num_experts, per_expert, shape[-1]).contiguous()
             out = self.experts(batched).reshape(-1, shape[-1])[: tokens.shape[0]] * weights[:, :1]
         else:
             out = self.routed(tokens, weights, chosen)

@@ -142,7 +142,7 @@ class _Bounds:
                                  expert_dp=layout.expert_data_parallel, zero=layout.zero,
                                  gradient_bytes=layout.gradient_bytes)
         states = sum(n * model_state_bytes(kind, sharding).total for kind, n in self.model.block_counts)
-        key = (layout.tp, layout.sp, layout.cp, layout.micro_batch)
+        key = (layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.precision)
         if key not in self.activations:
             self.activations[key] = sum(n * activation_bytes(kind, self.cheapest, *key)
                                         for kind, n in self.model.block_counts)

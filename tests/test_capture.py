@@ -8,7 +8,7 @@ from cost_models.memory import activation_bytes
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
 from planner.model_capture import capture
-from planner.model_config import ModelConfig
+from planner.model_config import ModelConfig, MoEConfig
 from planner.model_sources import config_from_hf, resolve_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -75,6 +75,40 @@ def test_activation_bytes_equal_korthikanti(gpt_layer, tp, sp, recompute, formul
     # Korthikanti et al. 2022, Table 2 (b = 1): bytes per layer = s*b*h * formula
     got = activation_bytes(gpt_layer, recompute, tp, sp, 1, 1)
     assert got == pytest.approx(S * H * formula(tp), rel=0.02)
+
+
+@pytest.mark.parametrize("tp,sp,recompute,formula", [
+    (1, False, Recompute.none, lambda t: 27 + 5 * A * S / H),
+    (4, False, Recompute.none, lambda t: 8 + 19 / t + 5 * A * S / (H * t)),
+    (4, True, Recompute.selective, lambda t: 27 / t),
+])
+def test_fp8_keeps_weight_gemm_inputs_in_one_byte(gpt_layer, tp, sp, recompute, formula):
+    # Table 2's terms with the inputs of the QKV, projection, fc1 (2sbh each) and fc2 (8sbh) GEMMs kept as
+    # 1-byte FP8 copies (Transformer Engine): 34 - 7 = 27; replicated 10 - 2 = 8, tp-split 24 - 5 = 19
+    got = activation_bytes(gpt_layer, recompute, tp, sp, 1, 1, precision="fp8")
+    assert got == pytest.approx(S * H * formula(tp), rel=0.02)
+
+
+@pytest.mark.parametrize("recompute,formula", [(Recompute.none, 34 + 5 * A), (Recompute.selective, 34)])
+def test_hidden_states_as_wide_as_the_sequence_are_not_attention_matrices(recompute, formula):
+    # s = h: a (b, s, h) tensor has the s x s shape, yet selective recomputation keeps it (Table 2, b = 1)
+    layer = capture(gpt(l=2, h=H, a=A, s=H)).kind("dense")
+    assert activation_bytes(layer, recompute, 1, False, 1, 1) == pytest.approx(H * H * formula, rel=0.02)
+
+
+def test_each_routed_copy_of_a_token_keeps_its_expert_activations():
+    # per extra top-k copy, SwiGLU experts keep: the dispatched token (h), gate, up, silu(gate) and the
+    # product (4 f), and the expert output weighted by its router probability (h); 2 bytes each
+    h, f, s = 256, 128, 128
+
+    def moe_layer(topk):
+        cfg = ModelConfig(name=f"moe-k{topk}", num_layers=2, hidden_size=h, num_attention_heads=4,
+                          ffn_hidden_size=4 * h, vocab_size=512, seq_length=s,
+                          moe=MoEConfig(num_experts=4, router_topk=topk, moe_ffn_hidden_size=f))
+        return capture(cfg).kind("moe")
+
+    one, two = (activation_bytes(moe_layer(k), Recompute.none, 1, False, 1, 1) for k in (1, 2))
+    assert two - one == pytest.approx(s * (2 * h + 4 * f) * 2, rel=0.03)
 
 
 def test_flash_attention_removes_the_attention_matrix_term():
