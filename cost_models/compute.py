@@ -1,7 +1,8 @@
 """Compute time of ops and layers on a device for a given sharding.
 
 GEMMs run at flops / (peak(dtype) * efficiency(work)) with the saturating efficiency curve and kernel
-floor from the device profile; memory-bound ops at bytes / (HBM bandwidth * fraction). Backward and
+floor from the device profile, and never faster than their weights and activations move through HBM;
+memory-bound ops at bytes / (HBM bandwidth * fraction). Backward and
 recomputation reuse the same rules.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ShardSpec:
     precision: str = "bf16"
     causal_attention_work: float = 0.5
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
+    etp: int = 1    # ranks splitting each expert's weights
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,22 @@ def memory_seconds(device: Device, nbytes: float) -> float:
     return nbytes / (device.hbm_bandwidth_gbytes_per_s * 1e9 * device.hbm_bandwidth_fraction)
 
 
+def gemm_traffic_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: float) -> float:
+    """Roofline floor of one pass of a GEMM op (Williams et al. 2009): its weights, read whatever the
+    batch, plus its share of activations; skinny GEMMs (few tokens per expert) are bound by it."""
+    weight_divisor = {Sharding.tensor: spec.tp, Sharding.expert: spec.ep * spec.etp}.get(op.sharding, 1)
+    activations = (op.bytes_accessed - op.weight_bytes) * scale
+    return memory_seconds(device, op.weight_bytes / weight_divisor + activations)
+
+
 def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, float, float]:
     """(forward, backward-input, backward-weight) seconds of one op for one micro-batch."""
     scale = spec.micro_batch / work_divisor(op.sharding, spec)
     if op.kind is OpKind.gemm:
         count = max(1, op.gemm_count // spec.ep) if op.sharding is Sharding.expert else op.gemm_count
-        return (gemm_seconds(device, op.forward_flops * scale, count, spec.precision),
-                gemm_seconds(device, op.backward_input_flops * scale, count, spec.precision),
-                gemm_seconds(device, op.backward_weight_flops * scale, count, spec.precision))
+        traffic = gemm_traffic_seconds(op, device, spec, scale)  # each pass moves about the same bytes
+        return tuple(max(traffic, gemm_seconds(device, flops * scale, count, spec.precision))
+                     for flops in (op.forward_flops, op.backward_input_flops, op.backward_weight_flops))
     if op.kind in ATTENTION_MATMUL_KINDS:  # both operands activations; a fused kernel skips masked blocks
         work = scale * (spec.causal_attention_work if op.kind is OpKind.attention else 1.0)
         return (gemm_seconds(device, op.forward_flops * work, op.gemm_count, "bf16"),

@@ -75,7 +75,7 @@ class MeshCosts:
         self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
                               precision=layout.precision, causal_attention_work=overlap.causal_attention_work,
-                              ep=layout.ep)
+                              ep=layout.ep, etp=layout.etp)
         self.state_sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp,
                                             dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
                                             zero=layout.zero, gradient_bytes=layout.gradient_bytes)

@@ -45,6 +45,7 @@ class OpCost:
     bytes_accessed: float                   # forward reads + writes
     gemm_mnk: tuple[int, int, int] | None   # shape of one GEMM, for the efficiency curve
     gemm_count: int = 1                     # identical GEMMs in this op (experts, heads batched)
+    weight_bytes: float = 0.0               # of bytes_accessed, the weights (read whatever the batch)
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,18 @@ def tensor_bytes(value) -> float:
     return 0.0
 
 
-def _gemm(name, sharding, tokens, n_in, n_out, bytes_moved, count=1) -> OpCost:
+def _gemm(name, sharding, tokens, n_in, n_out, bytes_moved, weight_bytes, count=1) -> OpCost:
     # a (tokens x n_in) @ (n_in x n_out) GEMM: 2mnk forward; input and weight gradients each 2mnk
     flops = 2.0 * tokens * n_in * n_out * count
     return OpCost(name, OpKind.gemm, sharding, flops, flops, flops, bytes_moved,
-                  (int(tokens), int(n_out), int(n_in)), count)
+                  (int(tokens), int(n_out), int(n_in)), count, float(weight_bytes))
 
 
 def linear_cost(name: str, x: torch.Tensor, weight: torch.Tensor, out, sharding: Sharding) -> OpCost:
     n_out, n_in = weight.shape
     tokens = x.numel() // n_in
-    return _gemm(name, sharding, tokens, n_in, n_out, tensor_bytes(x) + tensor_bytes(out) + tensor_bytes(weight))
+    return _gemm(name, sharding, tokens, n_in, n_out, tensor_bytes(x) + tensor_bytes(out) + tensor_bytes(weight),
+                 tensor_bytes(weight))
 
 
 def attention_cost(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out) -> OpCost:
@@ -70,7 +71,7 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
     for n_in, n_out in experts.gemms:
         moved = (per_expert * (n_in + n_out) * size + n_in * n_out * size) * experts.count
         costs.append(_gemm(f"{name}.experts[{n_in}x{n_out}]", Sharding.expert, per_expert, n_in, n_out,
-                           moved, experts.count))
+                           moved, n_in * n_out * size * experts.count, experts.count))
     expert_modules = set(experts.module_list.modules()) if experts.module_list is not None else set()
     for child_name, child in module.named_modules():
         if not isinstance(child, nn.Linear) or child in expert_modules:
@@ -79,7 +80,7 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
         moved = tokens * (child.in_features + child.out_features) * size + weight_bytes
         router = child.out_features == experts.count
         costs.append(_gemm(f"{name}.{child_name}", Sharding.sequence if router else Sharding.tensor,
-                           tokens, child.in_features, child.out_features, moved))
+                           tokens, child.in_features, child.out_features, moved, weight_bytes))
     costs.append(elementwise_cost(f"{name}.dispatch_combine", [x] * (2 * topk), out, Sharding.sequence))
     return costs
 
@@ -114,7 +115,7 @@ def node_costs(node: fx.Node, module: nn.Module | None, args, out, sharding: Sha
         if id(b) in params or id(a) in params:
             weight = b if id(b) in params else a
             return [_gemm(name, sharding, a.numel() // a.shape[-1], a.shape[-1], weight.shape[-1],
-                          tensor_bytes(tensors) + tensor_bytes(out))]
+                          tensor_bytes(tensors) + tensor_bytes(out), tensor_bytes(weight))]
         return [matmul_cost(name, a, b, out, sharding)]
     if node.op == "call_function" and node.target is F.cross_entropy:
         return [elementwise_cost(name, args, out, sharding, OpKind.loss)]

@@ -121,11 +121,11 @@ class _Bounds:
         self.largest_ep = max([k.num_experts or 1 for k in model.kinds])
 
     def compute_work_s(self, layout: Layout) -> float:
-        """Compute-only work, valid for every ep: GEMM efficiency only grows with size, so the largest
-        expert GEMMs (every expert on its own rank) bound the time from below."""
+        """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight
+        reads only shrink with ep x etp, so every expert on its own rank, split tp ways, bounds it from below."""
         spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
                          precision=layout.precision, causal_attention_work=self.overlap.causal_attention_work,
-                         ep=self.largest_ep)
+                         ep=self.largest_ep, etp=layout.tp)
         if spec not in self.work:
             model = self.model
             total = sum(n * layer_compute(kind, self.device, spec).forward_s
