@@ -23,6 +23,21 @@ from planner.published import DEFAULT_RUNS, load_runs, predict, published_layout
 from planner.space import layout_problems  # noqa: E402
 
 
+# What is known of each run the model misses by more than 25%, with sources; no figure here enters a prediction
+MISS_NOTES = {
+    "mbridge-25p11-h100-qwen3-30b-a3b-fp8-16gpu": (
+        "The row reports 5,275 tokens/s per GPU (121 model TFLOP/s, about 12% of the BF16 peak) for PP 2 x VP 24, "
+        "EP 8, FP8. The same model on the same GPUs runs at 12,040 tokens/s per GPU in BF16 with NeMo AutoModel "
+        "(8 H100, EP 8, FSDP; docs.nvidia.com/nemo/automodel performance summary), 2.3 times the row, and "
+        "Megatron-Bridge's later H100 recipe for it drops pipeline parallelism (EP 16, HybridEP dispatcher, GBS "
+        "1024; scripts/performance/configs/qwen/qwen3_workload_base_configs.py). What the 25.11 recipe spent "
+        "its other time on (host synchronisation of a dropless dispatcher in every layer, launches of one-layer "
+        "virtual stages, FP8 current scaling of 16 local experts) is in neither source and is not measured here. "
+        "The device figures that predict the release's 235B-A22B run and the 15 other H100 runs do not move it, "
+        "and a per-run factor is not allowed: the miss stands."),
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", default=str(DEFAULT_RUNS))
@@ -102,6 +117,11 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=()) -> N
                      f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, "
                      f"{lay.recompute} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | {error:+.1%} | "
                      f"{result.mfu:.1%} | {overhead} |")
+    misses = [(run, error) for run, _, error, _ in rows if abs(error) > 0.25]
+    if misses:
+        lines += ["", "## Runs beyond 25%", ""]
+        for run, error in misses:
+            lines.append(f"- **{run.id}** ({error:+.1%}): {MISS_NOTES.get(run.id, 'not yet explained.')}")
     lines += ["", "## The search against published layouts", "",
               "Each complete published layout (degrees and micro-batch given; ZeRO-1 and no recomputation where",
               "unstated) is checked against the search's rules and predicted as is, then the search runs with",
@@ -119,8 +139,9 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=()) -> N
     if over:
         lines += ["", f"With unstated recomputation taken as none and ZeRO as 1, {len(over)} of {len(checks)} published "
                   f"layouts exceed the memory model's usable HBM by {min(over):.1f} to {max(over):.1f} GB. The runs may have "
-                  "recomputed or sharded more (their sources do not say); the model also assumes fp32 gradient "
-                  "buffers and no FP8 activation saving, so it is conservative for such stacks, and the search then "
+                  "recomputed or sharded more (their sources do not say); the model also keeps fp32 gradient "
+                  "buffers unless the recipe reduces in bf16, and counts SwiGLU's three unfused intermediates where "
+                  "Megatron's fused kernel keeps two, so it is conservative for such stacks, and the search then "
                   "prefers layouts that shard more or recompute."]
     lines += ["", "Activation memory: the first pipeline stage of Korthikanti et al.'s four models (Table 3: 22B,",
               "175B, 530B, 1T at t = 8) matches their Section 4.2.3 closed forms within 0.3%, with and without",
