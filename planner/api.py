@@ -111,7 +111,7 @@ def _fewest_devices(graph, cluster, global_batch, pins, precision) -> int | None
     return None
 
 
-def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str = "bf16",
+def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str | None = None,
          device: str | None = None, num_devices: int | None = None, devices_per_node: int | None = None,
          time_limit_s: float = 60.0, top_k: int = 3, overlap: OverlapModel = OverlapModel(),
          ep_imbalance: float = 1.0, leaf_modules: tuple[str, ...] = (), progress=None, **fix) -> Plan:
@@ -126,6 +126,9 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     values = parse_layout_text(",".join(f"{k}={v.value if isinstance(v, Recompute) else v}"
                                         for k, v in fix.items()), "fix")
+    precision = resolve_precision(precision, values)
+    _check_precision_on(resolved, precision)
+    _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
     outcome = search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s, max(top_k, 1),
                      overlap, ep_imbalance, graph=graph, progress=progress)
@@ -134,8 +137,30 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome, overlap)
 
 
+def _given_once(field: str, argument, in_layout):
+    """A field given both as an argument and inside the layout text must say the same."""
+    if argument is not None and in_layout is not None and argument != in_layout:
+        raise UserInputError(f"{field.lstrip('-')} is given twice, as {argument} and as {in_layout} in the layout",
+                             field=field, expected="one value, or the same value in both places")
+    return in_layout if in_layout is not None else argument
+
+
+def resolve_precision(argument: str | None, values: dict) -> str:
+    """The precision of an argument and of `precision=` in layout values (removed from them), bf16 if neither."""
+    precision = _given_once("--precision", argument, values.pop("precision", None)) or "bf16"
+    if precision not in ("bf16", "fp8"):
+        raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
+    return precision
+
+
+def _check_precision_on(cluster: Cluster, precision: str) -> None:
+    if precision == "fp8" and not cluster.device.peak_tflops.fp8:
+        raise UserInputError(f"{cluster.device.name} has no FP8 matrix units (its profile gives no fp8 peak)",
+                             field="--precision", expected="bf16 on this device, or a device with FP8")
+
+
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
-             seq_len: int | None = None, precision: str = "bf16", device: str | None = None,
+             seq_len: int | None = None, precision: str | None = None, device: str | None = None,
              num_devices: int | None = None, devices_per_node: int | None = None,
              overlap: OverlapModel = OverlapModel(), ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
              leaf_modules: tuple[str, ...] = ()) -> Plan:
@@ -147,17 +172,19 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         given = layout
     else:
         values = parse_layout_text(layout) if isinstance(layout, str) else dict(layout)
+        precision = resolve_precision(precision, values)
+        _given_once("--global-batch", global_batch, values.pop("gbs", None))
         known = {"dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "zero", "recompute"}
         if not known <= set(values):  # search the rest with these pinned
             return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
-                        precision=values.get("precision", precision), time_limit_s=time_limit_s, overlap=overlap,
+                        precision=precision, time_limit_s=time_limit_s, overlap=overlap,
                         ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, **values)
         given = Layout(dp=values["dp"], tp=values["tp"], pp=values["pp"], vp=values["vp"], cp=values["cp"],
                        ep=values["ep"], etp=values["etp"], micro_batch=values["mbs"], global_batch=global_batch,
                        zero=values["zero"], recompute=values["recompute"], sequence_parallel=values.get("sp", True),
-                       grad_reduce=values.get("grad_reduce", "fp32"),
-                       precision=values.get("precision", precision))
+                       grad_reduce=values.get("grad_reduce", "fp32"), precision=precision)
     given = replace(given, global_batch=global_batch)
+    _check_precision_on(resolved, given.precision)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

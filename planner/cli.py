@@ -77,7 +77,7 @@ def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
 def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
          num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
          global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
-         precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8"),
+         precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
          fix: str = typer.Option("", "--fix", help="pin layout fields, e.g. tp=8,pp=16,recompute=none"),
          top: int = typer.Option(3, "--top", help="alternatives to report"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="search time limit in seconds"),
@@ -87,11 +87,10 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          tp_comm_overlap: bool = OverlapOpt,
          leaf_modules: str = LeafOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
-    if precision not in ("bf16", "fp8"):
-        raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
     if objective not in ("step-time", "goodput"):
         raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
     pins = parse_layout_text(fix, "--fix")
+    precision = api.resolve_precision(precision, pins)
     progress, report = _progress()
     with progress:
         result = api.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
@@ -122,7 +121,7 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
              global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
              layout: str = typer.Option(..., "--layout", help="e.g. tp=8,pp=16,dp=64,cp=1,ep=1,vp=1,mbs=1,zero=1,"
                                         "recompute=selective; fields left out are searched"),
-             precision: str = typer.Option("bf16", "--precision"),
+             precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
              time_limit: float = typer.Option(60.0, "--time-limit"),
              as_json: bool = typer.Option(False, "--json"), leaf_modules: str = LeafOpt,
              tp_comm_overlap: bool = OverlapOpt) -> None:

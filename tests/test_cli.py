@@ -69,6 +69,15 @@ def test_evaluate_given_layout_and_partial_layout():
     assert partial["layout"]["tp"] == 4 and partial["search"]["candidates"] > 0
 
 
+def test_precision_pinned_in_the_layout_text_is_the_plan_precision():
+    for args in ("plan --fix tp=1,precision=fp8", "plan --fix precision=fp8,gbs=16 --precision fp8",
+                 "evaluate --layout tp=1,precision=fp8"):
+        command, rest = args.split(" ", 1)
+        data = json.loads(run(f"{command} --model tiny-llama --device h100-sxm --num-devices 8 --global-batch 16 "
+                              f"--json {rest}").stdout)
+        assert data["layout"]["precision"] == "fp8"
+
+
 def test_tp_comm_overlap_leaves_one_chunk_exposed(tmp_path):
     """With TP overlap the collectives run as tp ring steps beside the GEMMs: where the layer's compute
     is longer than the communication, one step of tp is left exposed."""
@@ -161,6 +170,11 @@ BAD = [
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix recompute=sometimes",
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --precision fp4",
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --objective speed",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix precision=fp8 --precision bf16",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix gbs=16",
+    "plan --model llama3-8b --device a100-80g --num-devices 8 --global-batch 8 --precision fp8",
+    "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=1,precision=fp4",
+    "evaluate --model llama3-8b --device a100-80g --num-devices 8 --global-batch 8 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none,precision=fp8",
     "plan --model llama3-405b --device h100-sxm --num-devices 8 --global-batch 8 --time-limit 20",
     "plan --model /no/such/config.json --device h100-sxm --num-devices 8 --global-batch 8",
     "plan --model /no/such/model.yaml --device h100-sxm --num-devices 8 --global-batch 8",
