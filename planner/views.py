@@ -17,6 +17,15 @@ from .plans import Plan
 GB = 1e9
 
 
+def _differences(layout_text: str, best) -> str:
+    """'tp=1,pp=1,dp=16,cp=2,...' -> the fields that differ from the plan's layout, e.g. 'dp=16, cp=2'."""
+    pairs = [item.split("=", 1) for item in layout_text.split(",")]
+    plan_values = {**{key: str(value) for key, value in best.model_dump().items()},
+                   "order": "-".join(best.mesh_order)}
+    changed = [f"{key}={value}" for key, value in pairs if plan_values.get(key, value) != value]
+    return ", ".join(changed) or layout_text
+
+
 def _stage_summary(result: Plan) -> Table:
     table = Table(title="Stages")
     for column in ("stage", "rank", "layers", "recompute", "first module", "last module"):
@@ -67,12 +76,12 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     console.print(_stage_summary(result))
     if result.alternatives:
         alt = Table(title="Next best")
-        alt.add_column("layout")
+        alt.add_column("differs from the plan in")
         alt.add_column("step s", justify="right")
         alt.add_column("MFU", justify="right")
         alt.add_column("loses")
         for a in result.alternatives:
-            alt.add_row(a.layout, f"{a.step_time_s:.3f}", f"{a.mfu:.1%}", a.loses)
+            alt.add_row(_differences(a.layout, result.layout), f"{a.step_time_s:.3f}", f"{a.mfu:.1%}", a.loses)
         console.print(alt)
     for reason in result.reasons:
         console.print(f"- {reason}")

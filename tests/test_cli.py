@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from planner import cli
+from planner import api, cli
 from planner.plans import Plan
+from planner.views import _differences
 
 PLANNER = str(Path(sys.executable).parent / "planner")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -57,6 +58,19 @@ def test_plan_json_schema():
 def test_plan_table_and_goodput():
     proc = run("plan --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 --objective goodput")
     assert "Step time breakdown" in proc.stdout and "ETTR" in proc.stdout and "Next best" in proc.stdout
+
+
+def test_next_best_names_what_differs_from_the_plan():
+    result = api.plan("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256, tp=2, pp=2)
+    best = result.layout
+    assert result.alternatives
+    for alternative in result.alternatives:
+        shown = dict(item.split("=") for item in _differences(alternative.layout, best).split(", "))
+        full = dict(item.split("=") for item in alternative.layout.split(","))
+        assert shown and all(full[key] == value for key, value in shown.items())
+        same = {key: value for key, value in full.items() if key not in shown}
+        assert same.pop("order", "-".join(best.mesh_order)) == "-".join(best.mesh_order)
+        assert all(str(getattr(best, key)) == value for key, value in same.items())
 
 
 def test_evaluate_given_layout_and_partial_layout():
