@@ -25,8 +25,8 @@ class UserInputError(Exception):
         super().__init__(text)
 
 
-def format_pydantic_error(source: str, exc) -> UserInputError:
-    """Turn a pydantic ValidationError into one paragraph naming the file and the fields."""
+def format_pydantic_error(source: str, exc, what: str = "profile") -> UserInputError:
+    """Turn a pydantic ValidationError into one paragraph naming the file, what it is and the fields."""
     problems = []
     for err in exc.errors():
         location = ".".join(str(part) for part in err.get("loc", ())) or "(top level)"
@@ -35,6 +35,6 @@ def format_pydantic_error(source: str, exc) -> UserInputError:
         problems.append(f"field '{location}': {err.get('msg', 'invalid')}{given_text}")
     first_field = ".".join(str(p) for p in exc.errors()[0].get("loc", ())) if exc.errors() else None
     message = "; ".join(problems)
-    error = UserInputError(f"invalid profile: {message}", source=source)
+    error = UserInputError(f"invalid {what}: {message}", source=source)
     error.field = first_field
     return error

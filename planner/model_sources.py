@@ -39,7 +39,7 @@ def _validate(data: dict, source: str) -> ModelConfig:
     try:
         return ModelConfig.model_validate(data)
     except ValidationError as exc:
-        raise format_pydantic_error(source, exc) from None
+        raise format_pydantic_error(source, exc, "model config") from None
 
 
 def load_model_yaml(path: Path) -> ModelConfig:

@@ -133,7 +133,7 @@ class Plan(_Frozen):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise format_pydantic_error(str(path), exc) from None
+            raise format_pydantic_error(str(path), exc, "plan") from None
 
 
 def stage_records(estimate: Estimate, block_names: tuple[str, ...], pp: int, first: tuple[str, ...] = (),
