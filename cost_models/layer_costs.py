@@ -12,7 +12,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import MeshDim, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
-from .compute import ShardSpec, layer_compute, memory_seconds
+from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from .layout import Layout, OverlapModel, Recompute
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
                      params_on_rank)
@@ -161,15 +161,26 @@ class MeshCosts:
         hidden_bwd = self.overlap.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
-    def ep_comm_s(self, kind: LayerKind) -> float:
+    @property
+    def moe_a2a_overlapped(self) -> bool:
+        lay = self.layout
+        return self.overlap.moe_a2a_overlap and lay.ep > 1 and lay.pairs_passes_across_micro_batches
+
+    def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
         # dispatch and combine all-to-alls, forward and backward, of the tokens times top-k
         if not kind.num_experts or self.layout.ep == 1:
             return 0.0
         lay = self.layout
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
-        one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
-        return 4 * one * (1 - self.overlap.ep_hidden)
+        per_pass = 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+        if not self.moe_a2a_overlapped:
+            return 2 * per_pass
+        # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer: each
+        # pass's all-to-alls hide behind the other's compute; the first forward and last backward are alone
+        paired = (lay.num_micro_batches - 1) / lay.num_micro_batches
+        return (per_pass - paired * min(per_pass, compute.backward_s)
+                + per_pass - paired * min(per_pass, compute.forward_s))
 
     def _compute(self, kind: LayerKind):
         key = (kind.name, self.spec)
@@ -185,7 +196,7 @@ class MeshCosts:
                          recompute_s=(0.0, compute.attention_core_forward_s, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
-                         ep_comm_s=self.ep_comm_s(kind))
+                         ep_comm_s=self.ep_comm_s(kind, compute))
 
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:

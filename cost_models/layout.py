@@ -49,6 +49,11 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def pairs_passes_across_micro_batches(self) -> bool:
+        """Megatron's combined 1F1B (MoE A2A overlap) runs without a pipeline or with virtual stages."""
+        return self.pp == 1 or self.vp > 1
+
+    @property
     def num_micro_batches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
 
@@ -94,13 +99,15 @@ class OverlapModel:
 
     Defaults follow Megatron-LM's defaults with the distributed optimizer: overlapped gradient
     reduce-scatter and parameter all-gather, no TP communication overlap, CP ring exchange overlapped
-    with attention compute, EP all-to-all exposed (no DeepEP/1F1B A2A overlap). With TP overlap the
-    collectives run as tp chunked ring steps beside the GEMMs: the first chunk stays exposed, the rest
-    hides behind the layer's compute where that suffices (`MeshCosts.tp_comm_s`).
+    with attention compute, EP all-to-all exposed. With TP overlap the collectives run as tp chunked
+    ring steps beside the GEMMs: the first chunk stays exposed, the rest hides behind the layer's
+    compute where that suffices (`MeshCosts.tp_comm_s`). With MoE A2A overlap each layer's forward
+    of one micro-batch runs beside its backward of another, so each pass's all-to-alls hide behind
+    the other pass's compute (`MeshCosts.ep_comm_s`).
     """
     tp_comm_overlap: bool = False     # Megatron --tp-comm-overlap / TE userbuffers (NeMo recipes set it)
+    moe_a2a_overlap: bool = False     # Megatron --overlap-moe-expert-parallel-comm (combined 1F1B schedule)
     cp_hidden: float = 1.0
-    ep_hidden: float = 0.0
     pp_hidden: float = 0.0
     dp_window_fraction: float = 1.0   # share of the last micro-batch's backward that hides DP reduction
     causal_attention_work: float = 0.5  # flash kernels skip masked blocks: about half of s x s work

@@ -45,6 +45,9 @@ BatchOpt = typer.Option(..., "--global-batch", help="sequences per optimizer ste
 SeqOpt = typer.Option(None, "--seq-len", help="sequence length (default: the model's)")
 OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="the runtime overlaps TP collectives with GEMMs "
                           "(Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
+MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="the runtime overlaps MoE all-to-alls with another "
+                             "micro-batch's compute (Megatron --overlap-moe-expert-parallel-comm; no pipeline or "
+                             "virtual stages)")
 LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
 
 
@@ -84,7 +87,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          objective: str = typer.Option("step-time", "--objective", help="step-time or goodput"),
          out_path: Optional[Path] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
-         tp_comm_overlap: bool = OverlapOpt,
+         tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
          leaf_modules: str = LeafOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
@@ -96,7 +99,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         result = api.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
-                          overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap),
+                          overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap),
                           leaf_modules=_leaves(leaf_modules), **pins)
     extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len) \
         if objective == "goodput" else None
@@ -124,12 +127,12 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
              precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
              time_limit: float = typer.Option(60.0, "--time-limit"),
              as_json: bool = typer.Option(False, "--json"), leaf_modules: str = LeafOpt,
-             tp_comm_overlap: bool = OverlapOpt) -> None:
+             tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
     result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
-                          overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap))
+                          overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap))
     _emit(result, as_json)
 
 
@@ -142,7 +145,8 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    tokens: str = typer.Option("1T", "--tokens", help="token budget, e.g. 15T"),
                    time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
                    out_dir: Optional[Path] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
-                   as_json: bool = typer.Option(False, "--json"), tp_comm_overlap: bool = OverlapOpt) -> None:
+                   as_json: bool = typer.Option(False, "--json"), tp_comm_overlap: bool = OverlapOpt,
+                   moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
     """Best plan, time to train, device-hours and goodput at each point of a sweep."""
     if device is None and cluster is None:
         if not sweep.startswith("device="):
@@ -152,7 +156,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
     report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
                     device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
                     devices_per_node=devices_per_node, time_limit_s=time_limit,
-                    overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap))
+                    overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap))
     if as_json:
         out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,
                                    "rows": [row.__dict__ for row in report.rows]}))

@@ -36,6 +36,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--sequence-parallel")
     if lay.tp_comm_overlap:
         args.append("--tp-comm-overlap")
+    if lay.moe_a2a_overlap:  # Megatron-Core's MoE docs pair it with delayed weight-gradient GEMMs
+        args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if lay.grad_reduce == "bf16":
         args.append("--grad-reduce-in-bf16")
     if lay.zero >= 1:

@@ -33,6 +33,7 @@ class LayoutRecord(_Frozen):
     precision: str
     mesh_order: list[str]
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
+    moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
     grad_reduce: str = "fp32"       # gradient buffers and reductions (bf16: --grad-reduce-in-bf16)
 
     @classmethod
@@ -44,6 +45,8 @@ class LayoutRecord(_Frozen):
                    etp=layout.etp, mbs=layout.micro_batch, gbs=layout.global_batch, zero=layout.zero,
                    sp=layout.sp, recompute=summary, schedule=layout.schedule.value, precision=layout.precision,
                    mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
+                   moe_a2a_overlap=(overlap.moe_a2a_overlap and layout.ep > 1
+                                    and layout.pairs_passes_across_micro_batches),
                    grad_reduce=layout.grad_reduce)
 
 

@@ -72,7 +72,7 @@ def _work(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float,
 
 def _work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple[float, float]]:
     """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
-    stage pays at least (the same for every virtual-stage count)."""
+    stage pays at least (the same for every virtual-stage count that allows the same MoE overlap)."""
     model = costs.model
     blocks = tuple((n, costs.work(kind).work_before_zero_s(fastest)) for kind, n in model.block_counts)
     return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
@@ -286,8 +286,8 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     placement_work: dict[tuple, tuple[tuple, tuple, float]] = {}   # (shape, mbs, placement): any vp
 
     def communication_bound(node: _Node, layout: Layout) -> float:
-        key = (node.shape, node.mbs, node.placement)
-        if key not in placement_work:
+        key = (node.shape, node.mbs, node.placement, layout.pairs_passes_across_micro_batches)
+        if key not in placement_work:  # the last entry: whether MoE all-to-alls may overlap (vp-dependent)
             costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
             placement_work[key] = (*_work_before_zero(costs, bounds.fastest), costs.p2p_s())
         blocks, edges, p2p = placement_work[key]

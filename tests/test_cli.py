@@ -22,7 +22,8 @@ MEGATRON_ARGS = {
     "--seq-length", "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
     "--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp8-format", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--tp-comm-overlap", "--grad-reduce-in-bf16",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
@@ -90,6 +91,27 @@ def test_precision_pinned_in_the_layout_text_is_the_plan_precision():
         data = json.loads(run(f"{command} --model tiny-llama --device h100-sxm --num-devices 8 --global-batch 16 "
                               f"--json {rest}").stdout)
         assert data["layout"]["precision"] == "fp8"
+
+
+def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path):
+    """Combined 1F1B pairs the forward of micro-batch i+1 with the backward of i: where compute outlasts
+    the all-to-alls, only the first forward's and the last backward's stay exposed, 1/m of them (m = 4
+    micro-batches here); with a pipeline but no virtual stages Megatron cannot pair, nothing changes."""
+    args = ("evaluate --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --json "
+            "--layout tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=full")
+    plain = json.loads(run(args.format(pp=1, dp=16)).stdout)
+    overlapped = json.loads(run(args.format(pp=1, dp=16) + " --moe-a2a-overlap").stdout)
+    assert plain["breakdown"]["ep_comm_s"] > 0 and overlapped["layout"]["moe_a2a_overlap"] is True
+    assert overlapped["breakdown"]["ep_comm_s"] == pytest.approx(plain["breakdown"]["ep_comm_s"] / 4, rel=1e-9)
+    piped = json.loads(run(args.format(pp=2, dp=8) + " --moe-a2a-overlap").stdout)
+    assert piped["layout"]["moe_a2a_overlap"] is False
+    assert piped["breakdown"]["ep_comm_s"] == json.loads(run(args.format(pp=2, dp=8)).stdout)["breakdown"]["ep_comm_s"]
+    path = tmp_path / "plan.yaml"
+    run(f"plan --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --fix pp=1,ep=8 "
+        f"--moe-a2a-overlap --out {path}")
+    exported = run(f"export {path} --to megatron").stdout
+    assert "--overlap-moe-expert-parallel-comm" in exported and "--delay-wgrad-compute" in exported
+    assert {token for token in exported.split() if token.startswith("--")} <= MEGATRON_ARGS
 
 
 def test_tp_comm_overlap_leaves_one_chunk_exposed(tmp_path):
