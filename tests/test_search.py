@@ -88,22 +88,24 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
     assert found.fits
 
 
-def brute_force_degrees(model_costs, graph, cluster, global_batch):
-    """Every tp, cp, pp, ep, etp, micro-batch, ZeRO stage, mesh order and partition (no recomputation):
+def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=OverlapModel(), vps=(1,)):
+    """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order and partition (no recomputation):
     the best plan of each layout, keyed by the layout."""
     n, best = cluster.num_devices, {}
-    for tp, cp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2)):
-        if n % (tp * cp * pp) or graph.attention_heads % tp:
+    for tp, cp, pp, vp in itertools.product((1, 2, 4), (1, 2), (1, 2), vps):
+        if n % (tp * cp * pp) or graph.attention_heads % tp or (pp == 1 and vp > 1):
             continue
         dp = n // (tp * cp * pp)
         orders = (MEGATRON_ORDER, ("tp", "dp", "cp", "ep", "pp"), ("tp", "pp", "cp", "ep", "dp"))
         for etp, ep, mbs, zero, order in itertools.product({1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3), orders):
             if (dp * cp * tp) % (ep * etp) or graph.num_experts % ep or global_batch % (dp * mbs):
                 continue
-            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, micro_batch=mbs, global_batch=global_batch,
-                          zero=zero, mesh_order=order)
-            costs = MeshCosts(model_costs, cluster, base, OverlapModel())
-            for parts in compositions(graph.num_blocks, pp):
+            if vp > 1 and (global_batch // (dp * mbs)) % pp:
+                continue
+            base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
+                          global_batch=global_batch, zero=zero, mesh_order=order)
+            costs = MeshCosts(model_costs, cluster, base, overlap)
+            for parts in compositions(graph.num_blocks, pp * vp):
                 full = replace(base, stage_layers=parts, layer_recompute=(Recompute.none,) * graph.num_blocks)
                 result = estimate(model_costs, cluster, full, mesh_costs=costs)
                 if result.fits and (base not in best or result.step_time_s < best[base].step_time_s):
@@ -111,20 +113,22 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch):
     return best
 
 
-def test_search_tree_bounds_match_exhaustive_degrees():
-    """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum."""
+@pytest.mark.parametrize("overlap,vps", [(OverlapModel(), (1,)), (OverlapModel(moe_a2a_overlap=True), (1, 2, 3, 4))])
+def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
+    """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum, also
+    where MoE all-to-all overlap makes the communication depend on the virtual-stage count."""
     graph = capture(moe_model())
     cluster = small_cluster(8, 16)
-    per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16)
+    per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16, overlap, vps)
     truth = min(per_layout.values(), key=lambda e: e.step_time_s)
-    outcome = search(graph.costs(), cluster, 16, Pins(vp=1), graph=graph, top_k=1, time_limit_s=120,
-                     recompute_choices=(Recompute.none,))
+    outcome = search(graph.costs(), cluster, 16, Pins(vp=None if len(vps) > 1 else 1), overlap=overlap,
+                     graph=graph, top_k=1, time_limit_s=120, recompute_choices=(Recompute.none,))
     assert outcome.unexplored == 0
     assert outcome.ranked[0].estimate.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
     # each level's bound stays at or below the best plan of every layout beneath it
-    bounds = _Bounds(graph.costs(), cluster, OverlapModel(), (Recompute.none,))
+    bounds = _Bounds(graph.costs(), cluster, overlap, (Recompute.none,))
     for layout, best in per_layout.items():
-        costs = MeshCosts(graph.costs(), cluster, layout, OverlapModel())
+        costs = MeshCosts(graph.costs(), cluster, layout, overlap)
         compute_only = _pipeline_bound(bounds.compute_work_s(layout), layout)
         work = _work(*_work_before_zero(costs, Recompute.none), layout.pp, layout.vp)
         communication = _communication_bound(work, costs.p2p_s(), layout)
