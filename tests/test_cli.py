@@ -74,65 +74,79 @@ def test_next_best_names_what_differs_from_the_plan():
         assert all(str(getattr(best, key)) == value for key, value in same.items())
 
 
-def test_evaluate_given_layout_and_partial_layout():
-    full = run("evaluate --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 --json "
-               "--layout tp=2,pp=2,dp=16,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=selective")
-    data = json.loads(full.stdout)
+def test_evaluate_given_layout_and_partial_layout(capsys, monkeypatch):
+    data = json.loads(run_here("evaluate --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 "
+                               "--json --layout tp=2,pp=2,dp=16,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=selective",
+                               capsys, monkeypatch))
     assert data["layout"]["tp"] == 2 and data["layout"]["dp"] == 16 and data["search"] is None
-    partial = json.loads(run("evaluate --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 "
-                             "--json --layout tp=4").stdout)
+    partial = json.loads(run_here("evaluate --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 "
+                                  "--json --layout tp=4", capsys, monkeypatch))
     assert partial["layout"]["tp"] == 4 and partial["search"]["candidates"] > 0
 
 
-def test_precision_pinned_in_the_layout_text_is_the_plan_precision():
+def run_here(args, capsys, monkeypatch) -> str:
+    """The CLI in this process (no interpreter start-up): its standard output."""
+    monkeypatch.setattr(sys, "argv", ["planner", *shlex.split(args)])
+    capsys.readouterr()
+    try:
+        cli.main()
+    except SystemExit as exc:
+        assert not exc.code, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_precision_pinned_in_the_layout_text_is_the_plan_precision(capsys, monkeypatch):
     for args in ("plan --fix tp=1,precision=fp8", "plan --fix precision=fp8,gbs=16 --precision fp8",
                  "evaluate --layout tp=1,precision=fp8"):
         command, rest = args.split(" ", 1)
-        data = json.loads(run(f"{command} --model tiny-llama --device h100-sxm --num-devices 8 --global-batch 16 "
-                              f"--json {rest}").stdout)
+        data = json.loads(run_here(f"{command} --model tiny-llama --device h100-sxm --num-devices 8 "
+                                   f"--global-batch 16 --json {rest}", capsys, monkeypatch))
         assert data["layout"]["precision"] == "fp8"
 
 
-def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path):
+def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, monkeypatch):
     """Combined 1F1B pairs the forward of micro-batch i+1 with the backward of i: where compute outlasts
     the all-to-alls, only the first forward's and the last backward's stay exposed, 1/m of them (m = 4
     micro-batches here); with a pipeline but no virtual stages Megatron cannot pair, nothing changes."""
     args = ("evaluate --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --json "
             "--layout tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=full")
-    plain = json.loads(run(args.format(pp=1, dp=16)).stdout)
-    overlapped = json.loads(run(args.format(pp=1, dp=16) + " --moe-a2a-overlap").stdout)
+
+    def evaluate(pp, dp, flag=""):
+        return json.loads(run_here(args.format(pp=pp, dp=dp) + flag, capsys, monkeypatch))
+
+    plain, overlapped = evaluate(1, 16), evaluate(1, 16, " --moe-a2a-overlap")
     assert plain["breakdown"]["ep_comm_s"] > 0 and overlapped["layout"]["moe_a2a_overlap"] is True
     assert overlapped["breakdown"]["ep_comm_s"] == pytest.approx(plain["breakdown"]["ep_comm_s"] / 4, rel=1e-9)
-    piped = json.loads(run(args.format(pp=2, dp=8) + " --moe-a2a-overlap").stdout)
+    piped = evaluate(2, 8, " --moe-a2a-overlap")
     assert piped["layout"]["moe_a2a_overlap"] is False
-    assert piped["breakdown"]["ep_comm_s"] == json.loads(run(args.format(pp=2, dp=8)).stdout)["breakdown"]["ep_comm_s"]
+    assert piped["breakdown"]["ep_comm_s"] == evaluate(2, 8)["breakdown"]["ep_comm_s"]
     path = tmp_path / "plan.yaml"
-    run(f"plan --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --fix pp=1,ep=8 "
-        f"--moe-a2a-overlap --out {path}")
+    run_here(f"plan --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --fix pp=1,ep=8 "
+             f"--moe-a2a-overlap --out {path}", capsys, monkeypatch)
     exported = run(f"export {path} --to megatron").stdout
     assert "--overlap-moe-expert-parallel-comm" in exported and "--delay-wgrad-compute" in exported
     assert {token for token in exported.split() if token.startswith("--")} <= MEGATRON_ARGS
 
 
-def test_tp_comm_overlap_leaves_one_chunk_exposed(tmp_path):
+def test_tp_comm_overlap_leaves_one_chunk_exposed(tmp_path, capsys, monkeypatch):
     """With TP overlap the collectives run as tp ring steps beside the GEMMs: where the layer's compute
     is longer than the communication, one step of tp is left exposed."""
     args = ("evaluate --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --json "
             "--layout tp=8,pp=8,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=full")
-    plain = json.loads(run(args).stdout)
-    overlapped = json.loads(run(args + " --tp-comm-overlap").stdout)
+    plain = json.loads(run_here(args, capsys, monkeypatch))
+    overlapped = json.loads(run_here(args + " --tp-comm-overlap", capsys, monkeypatch))
     assert plain["breakdown"]["tp_comm_s"] > 0 and overlapped["layout"]["tp_comm_overlap"] is True
     assert overlapped["breakdown"]["tp_comm_s"] == pytest.approx(plain["breakdown"]["tp_comm_s"] / 8, rel=1e-6)
     path = tmp_path / "plan.yaml"
-    run(f"plan --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --fix tp=8,pp=8 "
-        f"--tp-comm-overlap --out {path}")
+    run_here(f"plan --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --fix tp=8,pp=8 "
+             f"--tp-comm-overlap --out {path}", capsys, monkeypatch)
     assert "--tp-comm-overlap" in run(f"export {path} --to megatron").stdout
 
 
-def test_evaluate_explains_a_layout_that_does_not_fit():
-    proc = run("evaluate --model llama3-70b --device h100-sxm --num-devices 8 --global-batch 8 --json "
-               "--layout tp=8,pp=1,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
-    data = json.loads(proc.stdout)
+def test_evaluate_explains_a_layout_that_does_not_fit(capsys, monkeypatch):
+    data = json.loads(run_here("evaluate --model llama3-70b --device h100-sxm --num-devices 8 --global-batch 8 "
+                               "--json --layout tp=8,pp=1,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none",
+                               capsys, monkeypatch))
     assert data["fits"] is False and data["reasons"][0].startswith("does not fit")
 
 
@@ -169,11 +183,11 @@ def test_torchrun_export(plan_file):
     assert line.startswith("torchrun ") and "--plan" in line and "--nproc-per-node 8" in line
 
 
-def test_profiles_and_models():
-    assert "h100-sxm" in run("profiles list").stdout
-    assert "nic_bandwidth_gbit_per_s" in run("profiles show dgx-h100").stdout
-    assert "deepseek-v3" in run("models list").stdout
-    data = json.loads(run("models show mixtral-8x7b --json").stdout)
+def test_profiles_and_models(capsys, monkeypatch):
+    assert "h100-sxm" in run("profiles list").stdout   # one run through the installed entry point
+    assert "nic_bandwidth_gbit_per_s" in run_here("profiles show dgx-h100", capsys, monkeypatch)
+    assert "deepseek-v3" in run_here("models list", capsys, monkeypatch)
+    data = json.loads(run_here("models show mixtral-8x7b --json", capsys, monkeypatch))
     assert data["total_params"] == pytest.approx(46.7e9, rel=0.005)
     assert data["layers_by_kind"]["moe"] == 32 and data["flops_per_token"] > 0
 
