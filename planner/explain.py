@@ -22,10 +22,15 @@ def _largest_loss(best: Estimate, other: Estimate) -> str:
     return f"+{theirs[part] - mine[part]:.3f} s {PART_NAMES[part]}"
 
 
+def _loses(best: Estimate, other: Estimate) -> str:
+    if f"{other.step_time_s:.6g}" == f"{best.step_time_s:.6g}":  # the search's tie rule (6 significant digits)
+        return "ties; the plan is the simpler layout"
+    return f"{(other.step_time_s / best.step_time_s - 1) * 100:.1f}% slower: " + _largest_loss(best, other)
+
+
 def alternatives(best: Estimate, others: list[Estimate]) -> list[Alternative]:
     return [Alternative(layout=other.layout.short(), step_time_s=other.step_time_s, mfu=other.mfu,
-                        loses=f"{(other.step_time_s / best.step_time_s - 1) * 100:.1f}% slower: "
-                        + _largest_loss(best, other)) for other in others]
+                        loses=_loses(best, other)) for other in others]
 
 
 def reasons(best: Estimate, cluster: Cluster, others: list[Estimate]) -> list[str]:
@@ -53,6 +58,5 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate]) -> list[st
         out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual, {lay.num_micro_batches} micro-batches"
                    + ("; layers split unevenly to balance the embedding and head" if uneven else ""))
     if others:
-        out.append(f"the next best ({others[0].layout.short()}) is "
-                   f"{(others[0].step_time_s / best.step_time_s - 1) * 100:.1f}% slower")
+        out.append(f"the next best ({others[0].layout.short()}) {_loses(best, others[0])}")
     return out

@@ -72,6 +72,8 @@ def test_next_best_names_what_differs_from_the_plan():
         same = {key: value for key, value in full.items() if key not in shown}
         assert same.pop("order", "-".join(best.mesh_order)) == "-".join(best.mesh_order)
         assert all(str(getattr(best, key)) == value for key, value in same.items())
+        tie = f"{alternative.step_time_s:.6g}" == f"{result.step_time_s:.6g}"
+        assert alternative.loses.startswith("ties" if tie else f"{alternative.step_time_s / result.step_time_s - 1:.1%}")
 
 
 def test_evaluate_given_layout_and_partial_layout(capsys, monkeypatch):
