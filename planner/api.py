@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Layout, OverlapModel, Recompute
+from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.errors import UserInputError
@@ -124,8 +124,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     _check_batch(global_batch)
     graph = capture(model, seq_len, leaf_modules)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
-    values = parse_layout_text(",".join(f"{k}={v.value if isinstance(v, Recompute) else v}"
-                                        for k, v in fix.items()), "fix")
+    values = parse_layout_text(",".join(f"{k}={_as_text(v)}" for k, v in fix.items()), "fix")
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
@@ -135,6 +134,12 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     if not outcome.ranked:
         raise _infeasible(graph, resolved, global_batch, outcome, pins, precision)
     return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome, overlap)
+
+
+def _as_text(value) -> str:
+    if isinstance(value, Recompute):
+        return value.value
+    return "-".join(value) if isinstance(value, (tuple, list)) else str(value)
 
 
 def _given_once(field: str, argument, in_layout):
@@ -182,7 +187,8 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         given = Layout(dp=values["dp"], tp=values["tp"], pp=values["pp"], vp=values["vp"], cp=values["cp"],
                        ep=values["ep"], etp=values["etp"], micro_batch=values["mbs"], global_batch=global_batch,
                        zero=values["zero"], recompute=values["recompute"], sequence_parallel=values.get("sp", True),
-                       grad_reduce=values.get("grad_reduce", "fp32"), precision=precision)
+                       grad_reduce=values.get("grad_reduce", "fp32"), precision=precision,
+                       mesh_order=values.get("order", MEGATRON_ORDER))
     given = replace(given, global_batch=global_batch)
     _check_precision_on(resolved, given.precision)
     problems = layout_problems(given, graph, resolved.num_devices)

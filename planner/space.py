@@ -9,7 +9,7 @@ from hardware_profiles.errors import UserInputError
 from .graph import ModelGraph
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision",
-               "grad_reduce")
+               "grad_reduce", "order")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Pins:
     recompute: Recompute | None = None
     sp: bool | None = None
     grad_reduce: str | None = None     # not searched: fp32 unless given
+    order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
 
     def allows(self, name: str, value) -> bool:
         pinned = getattr(self, name)
@@ -61,6 +62,12 @@ def _parse_value(key: str, raw: str, source: str):
         if raw not in ("fp32", "bf16"):
             raise UserInputError(f"grad_reduce={raw}", field=source, expected="fp32 or bf16")
         return raw
+    if key == "order":
+        order = tuple(raw.split("-"))
+        if sorted(order) != sorted(MEGATRON_ORDER):
+            raise UserInputError(f"order={raw}", field=source,
+                                 expected="the five mesh dims innermost first, each once, e.g. tp-cp-ep-dp-pp")
+        return order
     if key == "sp":
         if raw.lower() not in ("true", "false", "1", "0"):
             raise UserInputError(f"sp={raw}", field=source, expected="true or false")
@@ -169,7 +176,8 @@ def placement_choices(graph: ModelGraph, shape: MeshShape, pins: Pins,
     for etp in sorted(t for t in ({1, shape.tp} if experts else {1}) if pins.allows("etp", t)):
         eps = [e for e in divisors(shape.dp * shape.cp * shape.tp // etp) if experts % e == 0] if experts else [1]
         for ep in (e for e in eps if pins.allows("ep", e)):
-            for order in mesh_orders(shape.tp, shape.cp, shape.dp, shape.pp, fast_domain):
+            orders = [pins.order] if pins.order else mesh_orders(shape.tp, shape.cp, shape.dp, shape.pp, fast_domain)
+            for order in orders:
                 out.append((etp, ep, order))
     return out
 

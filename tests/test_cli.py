@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cost_models.layout import MEGATRON_ORDER
 from planner import api, cli
 from planner.plans import Plan
 from planner.views import _differences
@@ -72,6 +73,9 @@ def test_next_best_names_what_differs_from_the_plan():
         same = {key: value for key, value in full.items() if key not in shown}
         assert same.pop("order", "-".join(best.mesh_order)) == "-".join(best.mesh_order)
         assert all(str(getattr(best, key)) == value for key, value in same.items())
+        given = api.evaluate("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256,
+                             layout=alternative.layout)   # what the table shows is valid --layout input
+        assert "-".join(given.layout.mesh_order) == full.get("order", "-".join(MEGATRON_ORDER))
         tie = f"{alternative.step_time_s:.6g}" == f"{result.step_time_s:.6g}"
         assert alternative.loses.startswith("ties" if tie else f"{alternative.step_time_s / result.step_time_s - 1:.1%}")
 
@@ -226,6 +230,8 @@ BAD = [
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix gbs=16",
     "plan --model llama3-8b --device a100-80g --num-devices 8 --global-batch 8 --precision fp8",
     "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=1,precision=fp4",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix order=tp-pp-cp",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix order=tp-tp-cp-ep-dp",
     "evaluate --model llama3-8b --device a100-80g --num-devices 8 --global-batch 8 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none,precision=fp8",
     "plan --model llama3-405b --device h100-sxm --num-devices 8 --global-batch 8 --time-limit 20",
     "plan --model /no/such/config.json --device h100-sxm --num-devices 8 --global-batch 8",
