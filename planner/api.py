@@ -197,6 +197,10 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
                              expected="degrees whose product is the device count and that divide the model")
     result = estimate(graph.costs_record, resolved, given, overlap, ep_imbalance)
     plan_ = build_plan(graph, resolved, result, None, overlap)
+    if given.pp > 1 and given.stage_layers is None:
+        plan_ = plan_.model_copy(update={"reasons": plan_.reasons + [
+            "layers split evenly over the stages and recomputation as given (Megatron's defaults); plan with "
+            "these degrees pinned also balances the split and recomputes per layer, as its alternatives do"]})
     if not result.fits:
         worst = max(result.stage_memory, key=lambda s: s.total)
         part = max(worst.parts(), key=worst.parts().get)
