@@ -161,11 +161,6 @@ class MeshCosts:
         hidden_bwd = self.overlap.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
-    @property
-    def moe_a2a_overlapped(self) -> bool:
-        lay = self.layout
-        return self.overlap.moe_a2a_overlap and lay.ep > 1 and lay.pairs_passes_across_micro_batches
-
     def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
         # dispatch and combine all-to-alls, forward and backward, of the tokens times top-k
         if not kind.num_experts or self.layout.ep == 1:
@@ -174,7 +169,7 @@ class MeshCosts:
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
         per_pass = 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
-        if not self.moe_a2a_overlapped:
+        if not self.overlap.hides_moe_a2a(lay):
             return 2 * per_pass
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer: each
         # pass's all-to-alls hide behind the other's compute; the first forward and last backward are alone

@@ -111,3 +111,7 @@ class OverlapModel:
     pp_hidden: float = 0.0
     dp_window_fraction: float = 1.0   # share of the last micro-batch's backward that hides DP reduction
     causal_attention_work: float = 0.5  # flash kernels skip masked blocks: about half of s x s work
+
+    def hides_moe_a2a(self, layout: "Layout") -> bool:
+        """MoE A2A overlap applies: asked for, experts spread, and a schedule Megatron can pair."""
+        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches

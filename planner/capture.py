@@ -7,7 +7,6 @@ saved storage is attributed to the node that produced it.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -19,8 +18,8 @@ from torch.overrides import TorchFunctionMode
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import (attention_heads, find_tp_pairs, is_expert_container, is_norm_like, routed_experts,
-                             router_topk)
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, is_expert_container, is_norm_like,
+                             routed_experts, router_topk)
 from .graph import BlockStructure
 from .op_costs import node_costs
 
@@ -70,8 +69,9 @@ def trace(root: nn.Module, leaf_ids: set[int] = frozenset(), leaf_names: tuple[s
     return fx.GraphModule(root, graph)
 
 
-GEMM_FUNCTIONS = (F.linear, torch.matmul, torch.bmm, torch.mm, operator.matmul, torch.Tensor.__matmul__,
-                  torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.mm)
+# what op_costs bills as GEMMs, plus the Tensor-method spellings a torch function mode sees
+GEMM_FUNCTIONS = {F.linear, torch.mm, *MATMUL_FUNCS, torch.Tensor.__matmul__, torch.Tensor.matmul,
+                  torch.Tensor.bmm, torch.Tensor.mm}
 
 
 class _GemmTracker(TorchFunctionMode):

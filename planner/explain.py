@@ -6,6 +6,7 @@ from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
 
 from .plans import Alternative
+from .search import six_digits
 
 PART_NAMES = {
     "compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
@@ -23,7 +24,7 @@ def _largest_loss(best: Estimate, other: Estimate) -> str:
 
 
 def _loses(best: Estimate, other: Estimate) -> str:
-    if f"{other.step_time_s:.6g}" == f"{best.step_time_s:.6g}":  # the search's tie rule (6 significant digits)
+    if six_digits(other.step_time_s) == six_digits(best.step_time_s):  # the search's tie rule
         return "ties; the plan is the simpler layout"
     return f"{(other.step_time_s / best.step_time_s - 1) * 100:.1f}% slower: " + _largest_loss(best, other)
 

@@ -45,8 +45,7 @@ class LayoutRecord(_Frozen):
                    etp=layout.etp, mbs=layout.micro_batch, gbs=layout.global_batch, zero=layout.zero,
                    sp=layout.sp, recompute=summary, schedule=layout.schedule.value, precision=layout.precision,
                    mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
-                   moe_a2a_overlap=(overlap.moe_a2a_overlap and layout.ep > 1
-                                    and layout.pairs_passes_across_micro_batches),
+                   moe_a2a_overlap=overlap.hides_moe_a2a(layout),
                    grad_reduce=layout.grad_reduce)
 
 

@@ -112,7 +112,7 @@ class _Bounds:
     """Cheap bounds shared across candidates: compute-only work and the memory floor."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, overlap: OverlapModel, allowed: tuple[Recompute, ...]):
-        self.model, self.cluster, self.device, self.overlap = model, cluster, cluster.device, overlap
+        self.model, self.cluster, self.overlap = model, cluster, overlap
         rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
         self.cheapest = max(allowed, key=rank.get)   # least activation memory
         self.fastest = min(allowed, key=rank.get)    # least work
@@ -128,12 +128,9 @@ class _Bounds:
                          ep=self.largest_ep, etp=layout.tp)
         if spec not in self.work:
             model = self.model
-            total = sum(n * layer_compute(kind, self.device, spec).forward_s
-                        + n * layer_compute(kind, self.device, spec).backward_s for kind, n in model.block_counts)
-            for kind in (model.embedding, model.head):
-                compute = layer_compute(kind, self.device, spec)
-                total += compute.forward_s + compute.backward_s
-            self.work[spec] = total
+            counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
+            self.work[spec] = sum(n * (compute.forward_s + compute.backward_s) for kind, n in counted
+                                  for compute in [layer_compute(kind, self.cluster.device, spec)])
         return self.work[spec]
 
     def memory_floor(self, layout: Layout) -> tuple[float, dict]:
@@ -183,21 +180,22 @@ class _SolvedModels:
 TIE_TOLERANCE = 1e-5   # wider than half a 6-significant-digit step: plans this close may tie in the ranking
 
 
-def _six_digits(seconds: float) -> float:
+def six_digits(seconds: float) -> float:
+    """The precision at which step times tie (ranking, pruning and the explanations agree on it)."""
     return float(f"{seconds:.6g}")
 
 
 def _beyond(bound_s: float, kth_s: float) -> bool:
     """A subtree whose bound is above the K-th plan even at the ranking's 6 significant digits can
     neither beat it nor tie it (ties go to the simpler layout, so they must be seen)."""
-    return _six_digits(bound_s) > _six_digits(kth_s)
+    return six_digits(bound_s) > six_digits(kth_s)
 
 
 def _rank_key(scored: Scored) -> tuple:
     """Fastest first; among equal times (6 significant digits) the simpler layout: fewer context, pipeline
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
     lay = scored.estimate.layout
-    return (_six_digits(scored.estimate.step_time_s), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
+    return (six_digits(scored.estimate.step_time_s), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
             -lay.micro_batch, lay.short())
 
 
