@@ -284,8 +284,8 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     placement_work: dict[tuple, tuple[tuple, tuple, float]] = {}   # (shape, mbs, placement): any vp
 
     def communication_bound(node: _Node, layout: Layout) -> float:
-        key = (node.shape, node.mbs, node.placement, layout.pairs_passes_across_micro_batches)
-        if key not in placement_work:  # the last entry: whether MoE all-to-alls may overlap (vp-dependent)
+        key = (node.shape, node.mbs, node.placement, overlap.hides_moe_a2a(layout))
+        if key not in placement_work:  # the last entry: whether MoE all-to-alls overlap (vp-dependent)
             costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
             placement_work[key] = (*_work_before_zero(costs, bounds.fastest), costs.p2p_s())
         blocks, edges, p2p = placement_work[key]
