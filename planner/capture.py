@@ -103,11 +103,15 @@ def _storage_key(t: torch.Tensor) -> int:
 
 class _FlashAttention(torch.autograd.Function):
     """SDPA measured as a fused flash kernel: saves q, k, v, the output and the fp32 log-sum-exp,
-    never the s x s matrix (on meta SDPA would take the math path and save it)."""
+    never the s x s matrix (on meta SDPA would take the math path and save it). The output is laid
+    out [b, s, heads, d] and returned transposed, as CUDA's flash kernel returns it, so the usual
+    transpose-and-reshape into the output projection is a view that shares its storage (measured on
+    an H200: one h-wide tensor per layer less than a [b, heads, s, d] output; docs/gpu-validation.md)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        b, heads, s = q.shape[:-1]
+        out = q.new_empty(b, s, heads, v.shape[-1]).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
