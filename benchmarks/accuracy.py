@@ -26,15 +26,18 @@ from planner.space import layout_problems  # noqa: E402
 # What is known of each run the model misses by more than 25%, with sources; no figure here enters a prediction
 MISS_NOTES = {
     "mbridge-25p11-h100-qwen3-30b-a3b-fp8-16gpu": (
-        "The row reports 5,275 tokens/s per GPU (121 model TFLOP/s, about 12% of the BF16 peak) for PP 2 x VP 24, "
-        "EP 8, FP8. The same model on the same GPUs runs at 12,040 tokens/s per GPU in BF16 with NeMo AutoModel "
-        "(8 H100, EP 8, FSDP; docs.nvidia.com/nemo/automodel performance summary), 2.3 times the row, and "
-        "Megatron-Bridge's later H100 recipe for it drops pipeline parallelism (EP 16, HybridEP dispatcher, GBS "
-        "1024; scripts/performance/configs/qwen/qwen3_workload_base_configs.py). What the 25.11 recipe spent "
-        "its other time on (host synchronisation of a dropless dispatcher in every layer, launches of one-layer "
-        "virtual stages, FP8 current scaling of 16 local experts) is in neither source and is not measured here. "
-        "The device figures that predict the release's 235B-A22B run and the 15 other H100 runs do not move it, "
-        "and a per-run factor is not allowed: the miss stands."),
+        "The row reports 5,275 tokens/s per GPU (121 model TFLOP/s) for PP 2 x VP 24, EP 8, FP8. Other "
+        "measurements of this model on 16 H100 are far faster: NVIDIA ran the same layout (TP 1, EP 8, PP 2, "
+        "VP 24, BF16, token dropping, no CUDA graphs) at 13.97 s per step on its 25.07 container, where the "
+        "reporter saw 26 s at step 30 (github.com/NVIDIA-NeMo/Speech/issues/14850), and the same reporter later "
+        "measured 13.6-14.4 s for a 16-GPU layout once past the first few hundred steps, which they found "
+        "transient (NVIDIA-NeMo/Megatron-Bridge issue 949); this model predicts 10.4-10.5 s for that BF16 layout (-25%). "
+        "Later recipes reach 240.5 (BF16) and 242.9 (FP8) model TFLOP/s per H100 (Megatron-LM PR 5728): "
+        "twice the row, and FP8 buys nothing on these small experts, where the model gives it about 1.3 x. On an "
+        "H200 (docs/gpu-validation.md) a loop over 16 local experts with FP8 current scaling takes 3.5-3.7 ms "
+        "per forward whatever the tokens, 0.8-1.3 ms in BF16: casts and launches that the model does not "
+        "bill. What the 25.11 FP8 recipe spent is in no source, and a per-run factor is not allowed: the "
+        "miss stands."),
 }
 
 
