@@ -2,7 +2,8 @@
 error on the runs left out of the fit.
 
 For each device with published runs: `gemm.sustained_fraction` (share of the measured MAMF kept inside a
-training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size). Runs are
+training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size), the latter
+taken from GPU measurements where the silicon has them (`MEASURED_GEMMS`, docs/gpu-validation.md). Runs are
 split alternately (sorted by id) into a fitting half and a held-out half. Layouts (partition,
 recomputation, unknown fields) come from one search with the current profiles and stay fixed while
 the figures are fitted by grid search on mean absolute percentage error, each run's error capped at 25%. `--write` updates the YAML
@@ -13,6 +14,7 @@ profiles in place (their comments kept).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -26,14 +28,17 @@ from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
 from planner.model_capture import capture  # noqa: E402
-from planner.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
+from planner.published import DEFAULT_RUNS, load_runs, predict, run_overlap  # noqa: E402
+from gpu_compare import HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
 
 # profiles without published runs of their own that share the fitted GPU's silicon and software
 SAME_SILICON = {"a100-80g": ("a100-40g",), "h100-sxm": ("h200", "h800"), "b200": ("gb200",)}
 OUTLIER_CAP = 0.25   # the accuracy target's bound on any one run
 MIN_RUNS_FOR_TWO = 3  # fitting runs needed to fit the saturation scale as well
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
-HALF_WORK = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+HALF_WORK = list(HALF_WORK_GRID_GFLOP)
+# GEMM saturation measured on a GPU of the same silicon (benchmarks/gpu_measure.py): measured, not fitted
+MEASURED_GEMMS = {"h100-sxm": Path(__file__).resolve().parent / "results" / "h200-2026-11-30.json"}
 
 
 def fixed_layouts(runs, time_limit_s):
@@ -53,17 +58,20 @@ def errors_with(items, sustained: float, half: float) -> list[float]:
         gemm = run.cluster.device.gemm.model_copy(update={"sustained_fraction": sustained, "half_work_gflop": half})
         device = run.cluster.device.model_copy(update={"gemm": gemm})
         cluster = run.cluster.model_copy(update={"device": device})
-        predicted = estimate(capture(run.model, run.seq_len).costs_record, cluster, layout).step_time_s
+        predicted = estimate(capture(run.model, run.seq_len).costs_record, cluster, layout,
+                             run_overlap(run.id)).step_time_s
         errs.append(abs(predicted / run.measured_step_s - 1))
     return errs
 
 
-def fit(items):
+def fit(items, measured_half: float | None = None):
     """Grid search on the mean error with each run's error capped at OUTLIER_CAP: a run the model misses
     for reasons it does not represent (docs/accuracy.md) must not drag a figure every run shares. Fewer
-    runs than MIN_RUNS_FOR_TWO fit the sustained fraction only (two figures on one run are underdetermined)."""
+    runs than MIN_RUNS_FOR_TWO fit the sustained fraction only (two figures on one run are underdetermined);
+    a saturation scale measured on the silicon is kept, not fitted."""
     best = None
-    for half in (HALF_WORK if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK[:1]):
+    halves = HALF_WORK if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK[:1]
+    for half in ([measured_half] if measured_half is not None else halves):
         for sustained in SUSTAINED:
             score = statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half))
             if best is None or score < best[0]:
@@ -92,9 +100,13 @@ def main(argv=None) -> int:
     for device, device_runs in sorted(by_device.items()):
         items = fixed_layouts(device_runs, args.time_limit)
         fitting, held_out = items[0::2], items[1::2]
-        score, sustained, half = fit(fitting)
+        measured = MEASURED_GEMMS.get(device)
+        measured_half = (measured_half_work(json.loads(measured.read_text()), device_runs[0].cluster.device)
+                         if measured else None)
+        score, sustained, half = fit(fitting, measured_half)
         held = errors_with(held_out, sustained, half) if held_out else []
-        print(f"{device}: sustained_fraction={sustained} half_work_gflop={half}  fit MAPE {score:.1%} on "
+        print(f"{device}: sustained_fraction={sustained} half_work_gflop={half}"
+              f"{' (measured)' if measured else ''}  fit MAPE {score:.1%} on "
               f"{len(fitting)} runs; held-out MAPE "
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
               f"({', '.join(run.id for run, _ in held_out)})")

@@ -7,11 +7,21 @@ recomputation reuse the same rules.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hardware_profiles.schema import Device
 
 from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
+
+# bytes moved per element of every FP8 GEMM operand cast (input forward, output gradient backward) by
+# Transformer Engine on Hopper, whose FP8 GEMMs take one operand layout only: read bf16 (2), write row- and
+# column-wise FP8 copies (1 + 1); tensorwise (current) scaling first reads the tensor for its amax (2),
+# delayed scaling takes the amax from history inside the cast (TE docs, FP8 recipes; Micikevicius et al. 2022)
+FP8_CAST_BYTES = {"delayed": 4.0, "tensorwise": 6.0}
+
+# a fused flash backward recomputes q k^T: 5 matmuls where an unfused backward has 4 (Dao 2023: backward =
+# 2.5 x forward FLOPs); measured on an H200 it takes 3.0-3.6 x the forward (docs/gpu-validation.md)
+FLASH_BACKWARD_RECOMPUTE = 1.25
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class ShardSpec:
     cp: int = 1
     micro_batch: int = 1
     precision: str = "bf16"
+    fp8_recipe: str = "delayed"
     causal_attention_work: float = 0.5
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
     etp: int = 1    # ranks splitting each expert's weights
@@ -77,24 +88,43 @@ def gemm_traffic_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: flo
     return memory_seconds(device, op.weight_bytes / weight_divisor + activations)
 
 
+def fp8_cast_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: float) -> tuple[float, float]:
+    """(forward, backward) time of casting a GEMM op's input and output gradient to FP8, in kernels of
+    their own beside the FP8 GEMMs; zero where the GEMMs run in bf16."""
+    if spec.precision != "fp8" or not device.peak_tflops.fp8:
+        return 0.0, 0.0
+    tokens, n_out, n_in = op.gemm_mnk
+    elements = tokens * op.gemm_count * scale
+    per_element = FP8_CAST_BYTES[spec.fp8_recipe]
+    return (memory_seconds(device, per_element * elements * n_in),
+            memory_seconds(device, per_element * elements * n_out))
+
+
 def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, float, float]:
     """(forward, backward-input, backward-weight) seconds of one op for one micro-batch."""
     scale = spec.micro_batch / work_divisor(op.sharding, spec)
     if op.kind is OpKind.gemm:
         count = max(1, op.gemm_count // spec.ep) if op.sharding is Sharding.expert else op.gemm_count
         traffic = gemm_traffic_seconds(op, device, spec, scale)  # each pass moves about the same bytes
-        return tuple(max(traffic, gemm_seconds(device, flops * scale, count, spec.precision))
-                     for flops in (op.forward_flops, op.backward_input_flops, op.backward_weight_flops))
+        forward, backward_input, backward_weight = (
+            max(traffic, gemm_seconds(device, flops * scale, count, spec.precision))
+            for flops in (op.forward_flops, op.backward_input_flops, op.backward_weight_flops))
+        cast_forward, cast_backward = fp8_cast_seconds(op, device, spec, scale)
+        return forward + cast_forward, backward_input + cast_backward, backward_weight
     if op.kind in ATTENTION_MATMUL_KINDS:  # both operands activations; a fused kernel skips masked blocks
-        work = scale * (spec.causal_attention_work if op.kind is OpKind.attention else 1.0)
+        fused = op.kind is OpKind.attention
+        work = scale * (spec.causal_attention_work if fused else 1.0)
+        backward_work = work * (FLASH_BACKWARD_RECOMPUTE if fused else 1.0)
         return (gemm_seconds(device, op.forward_flops * work, op.gemm_count, "bf16"),
-                gemm_seconds(device, op.backward_input_flops * work, op.gemm_count, "bf16"), 0.0)
+                gemm_seconds(device, op.backward_input_flops * backward_work, op.gemm_count, "bf16"), 0.0)
     # memory-bound: forward moves its bytes once; backward reads the gradient and input, writes one
     forward = memory_seconds(device, op.bytes_accessed * scale)
     return forward, 2 * forward, 0.0
 
 
 def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerCompute:
+    if kind.role != "block":  # Megatron keeps the embedding and output layers in bf16 under FP8 (as memory.py)
+        spec = replace(spec, precision="bf16")
     forward = backward_input = backward_weight = attention = 0.0
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)

@@ -40,6 +40,7 @@ class Layout:
     recompute: Recompute = Recompute.none
     precision: str = "bf16"
     grad_reduce: str = "fp32"   # gradient buffers and reductions: fp32 (Megatron-LM) or bf16 (--grad-reduce-in-bf16)
+    fp8_recipe: str = "delayed"  # FP8 scaling (Megatron --fp8-recipe): delayed (amax history) or tensorwise (current)
     mesh_order: tuple[str, ...] = MEGATRON_ORDER
     stage_layers: tuple[int, ...] | None = None        # blocks per virtual stage (pp * vp entries)
     layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
@@ -90,6 +91,8 @@ class Layout:
             text += ",order=" + "-".join(self.mesh_order)
         if self.grad_reduce != "fp32":
             text += f",grad_reduce={self.grad_reduce}"
+        if self.precision == "fp8" and self.fp8_recipe != "delayed":
+            text += f",fp8_recipe={self.fp8_recipe}"
         return text
 
 

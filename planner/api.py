@@ -119,7 +119,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
 
     `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.
     `cluster`: a profile name, path or `Cluster`; or give `device=` and `num_devices=`.
-    `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce).
+    `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe).
     """
     _check_batch(global_batch)
     graph = capture(model, seq_len, leaf_modules)
@@ -188,6 +188,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
                        ep=values["ep"], etp=values["etp"], micro_batch=values["mbs"], global_batch=global_batch,
                        zero=values["zero"], recompute=values["recompute"], sequence_parallel=values.get("sp", True),
                        grad_reduce=values.get("grad_reduce", "fp32"), precision=precision,
+                       fp8_recipe=values.get("fp8_recipe", "delayed"),
                        mesh_order=values.get("order", MEGATRON_ORDER))
     given = replace(given, global_batch=global_batch)
     _check_precision_on(resolved, given.precision)

@@ -43,7 +43,7 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     if lay.zero >= 1:
         args.append("--use-distributed-optimizer")
     if lay.precision == "fp8":
-        args += ["--bf16", "--fp8-format hybrid"]
+        args += ["--bf16", "--fp8-format hybrid", f"--fp8-recipe {lay.fp8_recipe}"]
     else:
         args.append("--bf16")
     notes = []

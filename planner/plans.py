@@ -35,6 +35,7 @@ class LayoutRecord(_Frozen):
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
     grad_reduce: str = "fp32"       # gradient buffers and reductions (bf16: --grad-reduce-in-bf16)
+    fp8_recipe: str = "delayed"     # FP8 scaling recipe (Megatron --fp8-recipe), with precision fp8
 
     @classmethod
     def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
@@ -46,7 +47,7 @@ class LayoutRecord(_Frozen):
                    sp=layout.sp, recompute=summary, schedule=layout.schedule.value, precision=layout.precision,
                    mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
                    moe_a2a_overlap=overlap.hides_moe_a2a(layout),
-                   grad_reduce=layout.grad_reduce)
+                   grad_reduce=layout.grad_reduce, fp8_recipe=layout.fp8_recipe)
 
 
 class StageRecord(_Frozen):
@@ -109,7 +110,7 @@ class Plan(_Frozen):
         recompute = tuple(Recompute(r) for stage in self.stages for r in stage.recompute)
         return Layout(dp=lay.dp, tp=lay.tp, pp=lay.pp, vp=lay.vp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
                       micro_batch=lay.mbs, global_batch=lay.gbs, zero=lay.zero, sequence_parallel=lay.sp,
-                      precision=lay.precision, grad_reduce=lay.grad_reduce, mesh_order=tuple(lay.mesh_order),
+                      precision=lay.precision, grad_reduce=lay.grad_reduce, fp8_recipe=lay.fp8_recipe, mesh_order=tuple(lay.mesh_order),
                       stage_layers=stage_layers,
                       layer_recompute=recompute,
                       recompute=Recompute(lay.recompute) if lay.recompute != "per-layer" else Recompute.none)

@@ -25,6 +25,7 @@ class SoftwareStack:
     per_layer_recompute: bool  # selective / per-layer recomputation; else all layers checkpoint or none do
     tp_comm_overlap: bool      # TP collectives overlapped with GEMMs (NeMo recipes: ub_tp_comm_overlap)
     grad_reduce: str = "fp32"  # gradient buffers and reductions
+    fp8_recipe: str = "delayed"  # FP8 scaling (Megatron --fp8-recipe), where the run is FP8
 
 
 # By source family (run id prefix). Megatron-LM and Megatron-DeepSpeed runs of 2021-22 (SC21, MT-NLG on
@@ -41,8 +42,9 @@ LEGACY = SoftwareStack(flash_attention=False, sequence_parallel=False, per_layer
 STACKS = {"narayanan21": LEGACY, "mtnlg": LEGACY, "bloom": LEGACY, "opt": LEGACY,
           "korthikanti22": replace(LEGACY, sequence_parallel=True, per_layer_recompute=True),
           # Megatron-Bridge's performance scripts reduce gradients in bf16 (set_llama3_common_configs and
-          # set_qwen3_common_configs: grad_reduce_in_fp32 = False)
-          "mbridge": replace(CURRENT_STACK, grad_reduce="bf16")}
+          # set_qwen3_common_configs: grad_reduce_in_fp32 = False); its 25.11 FP8 rows are labelled FP8-CS
+          # (current scaling: Megatron's tensorwise recipe)
+          "mbridge": replace(CURRENT_STACK, grad_reduce="bf16", fp8_recipe="tensorwise")}
 
 
 # Per-run settings read in the recipe a run used, where they depart from its family's stack
@@ -56,6 +58,11 @@ RECIPE_SETTINGS = {
 def software_stack(run_id: str) -> SoftwareStack:
     stack = STACKS.get(run_id.split("-")[0], CURRENT_STACK)
     return replace(stack, **RECIPE_SETTINGS.get(run_id, {}))
+
+
+def run_overlap(run_id: str) -> OverlapModel:
+    """What the run's runtime overlapped: every prediction of the run (search, calibration) uses it."""
+    return OverlapModel(tp_comm_overlap=software_stack(run_id).tp_comm_overlap)
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,8 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["sp"] = False
         if stack.grad_reduce != "fp32":
             known["grad_reduce"] = stack.grad_reduce
+        if stack.fp8_recipe != "delayed":
+            known["fp8_recipe"] = stack.fp8_recipe
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
         precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
@@ -152,7 +161,7 @@ def published_layout(run: PublishedRun, precision: str) -> Layout | None:
     known = run.known
     return Layout(dp=known["dp"], tp=known["tp"], pp=known["pp"], vp=known.get("vp", 1), cp=known["cp"],
                   ep=known.get("ep", 1), micro_batch=known["mbs"], global_batch=run.global_batch,
-                  grad_reduce=known.get("grad_reduce", "fp32"),
+                  grad_reduce=known.get("grad_reduce", "fp32"), fp8_recipe=known.get("fp8_recipe", "delayed"),
                   zero=known.get("zero", 1), sequence_parallel=known.get("sp", True),
                   recompute=Recompute(known.get("recompute", "none")), precision=precision)
 
@@ -163,7 +172,7 @@ def predict(run: PublishedRun, time_limit_s: float = 20.0):
     from .api import InfeasibleError, plan
     stack = software_stack(run.id)
     base = dict(global_batch=run.global_batch, seq_len=run.seq_len, precision=run.precision,
-                time_limit_s=time_limit_s, top_k=1, overlap=OverlapModel(tp_comm_overlap=stack.tp_comm_overlap))
+                time_limit_s=time_limit_s, top_k=1, overlap=run_overlap(run.id))
     if "recompute" in run.known or stack.per_layer_recompute:
         return plan(run.model, run.cluster, **base, **run.known)
     best, failure = None, None

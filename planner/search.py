@@ -124,7 +124,8 @@ class _Bounds:
         """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight
         reads only shrink with ep x etp, so every expert on its own rank, split tp ways, bounds it from below."""
         spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
-                         precision=layout.precision, causal_attention_work=self.overlap.causal_attention_work,
+                         precision=layout.precision, fp8_recipe=layout.fp8_recipe,
+                         causal_attention_work=self.overlap.causal_attention_work,
                          ep=self.largest_ep, etp=layout.tp)
         if spec not in self.work:
             model = self.model

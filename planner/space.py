@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from cost_models.compute import FP8_CAST_BYTES
 from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
 from hardware_profiles.errors import UserInputError
 
 from .graph import ModelGraph
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision",
-               "grad_reduce", "order")
+               "grad_reduce", "fp8_recipe", "order")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Pins:
     recompute: Recompute | None = None
     sp: bool | None = None
     grad_reduce: str | None = None     # not searched: fp32 unless given
+    fp8_recipe: str | None = None      # not searched: delayed unless given
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
 
     def allows(self, name: str, value) -> bool:
@@ -61,6 +63,11 @@ def _parse_value(key: str, raw: str, source: str):
     if key == "grad_reduce":
         if raw not in ("fp32", "bf16"):
             raise UserInputError(f"grad_reduce={raw}", field=source, expected="fp32 or bf16")
+        return raw
+    if key == "fp8_recipe":
+        if raw not in FP8_CAST_BYTES:
+            raise UserInputError(f"fp8_recipe={raw}", field=source,
+                                 expected="delayed or tensorwise (Megatron --fp8-recipe)")
         return raw
     if key == "order":
         order = tuple(raw.split("-"))
@@ -191,6 +198,7 @@ def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str,
     return Layout(dp=shape.dp, tp=shape.tp, pp=shape.pp, vp=vp, cp=shape.cp, ep=ep, etp=etp, micro_batch=mbs,
                   global_batch=global_batch, zero=zero, precision=precision,
                   sequence_parallel=pins.sp if pins.sp is not None else True, grad_reduce=pins.grad_reduce or "fp32",
+                  fp8_recipe=pins.fp8_recipe or "delayed",
                   recompute=pins.recompute or Recompute.none, mesh_order=order)
 
 

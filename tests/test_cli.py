@@ -24,7 +24,7 @@ MEGATRON_ARGS = {
     "--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp8-format", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--tp-comm-overlap", "--grad-reduce-in-bf16",
-    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-recipe",
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
@@ -108,6 +108,23 @@ def test_precision_pinned_in_the_layout_text_is_the_plan_precision(capsys, monke
         data = json.loads(run_here(f"{command} --model tiny-llama --device h100-sxm --num-devices 8 "
                                    f"--global-batch 16 --json {rest}", capsys, monkeypatch))
         assert data["layout"]["precision"] == "fp8"
+
+
+def test_fp8_recipe_is_predicted_recorded_and_exported(tmp_path, capsys, monkeypatch):
+    """Current (tensorwise) scaling reads every cast tensor once more for its amax: slower than delayed
+    scaling, recorded in the plan, exported as Megatron's --fp8-recipe, and refused on anything else."""
+    args = ("evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --json "
+            "--layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none,precision=fp8")
+    delayed = json.loads(run_here(args, capsys, monkeypatch))
+    current = json.loads(run_here(args + ",fp8_recipe=tensorwise", capsys, monkeypatch))
+    assert delayed["layout"]["fp8_recipe"] == "delayed" and current["layout"]["fp8_recipe"] == "tensorwise"
+    assert current["breakdown"]["compute_s"] > delayed["breakdown"]["compute_s"]
+    path = tmp_path / "plan.yaml"
+    run_here(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --precision fp8 "
+             f"--fix fp8_recipe=tensorwise --out {path}", capsys, monkeypatch)
+    exported = run(f"export {path} --to megatron").stdout
+    assert "--fp8-recipe tensorwise" in exported
+    assert {token for token in exported.split() if token.startswith("--")} <= MEGATRON_ARGS
 
 
 def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, monkeypatch):
@@ -230,6 +247,7 @@ BAD = [
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix gbs=16",
     "plan --model llama3-8b --device a100-80g --num-devices 8 --global-batch 8 --precision fp8",
     "evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=1,precision=fp4",
+    "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --precision fp8 --fix fp8_recipe=mx",
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix order=tp-pp-cp",
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --fix order=tp-tp-cp-ep-dp",
     "evaluate --model llama3-8b --device a100-80g --num-devices 8 --global-batch 8 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none,precision=fp8",

@@ -66,7 +66,7 @@ def test_h200_sweep_points(size, measured):
 
 def test_four_b200_nodes_over_efa_within_10_percent():
     # 4 x 8 B200, 16 GiB all-reduce: busbw 381.80 GB/s (HF 2b, [^27])
-    assert _busbw("dgx-b200", 32, 16 * GIB, num_devices=32) == pytest.approx(381.80, rel=0.10)
+    assert _busbw("p6-b200-efa", 32, 16 * GIB, num_devices=32) == pytest.approx(381.80, rel=0.10)
 
 
 def test_hierarchical_beats_flat_ring_across_nodes_for_large_messages():

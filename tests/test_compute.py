@@ -1,4 +1,5 @@
-"""GEMM time against the roofline written out here: max(work / sustained peak, bytes / sustained HBM)."""
+"""GEMM time against the roofline written out here: max(work / sustained peak, bytes / sustained HBM), the
+peak reached as W / (W + W_half) for a GEMM of W FLOPs."""
 import pytest
 
 from cost_models.compute import ShardSpec, op_seconds
@@ -8,6 +9,10 @@ from hardware_profiles import cluster_from_device
 H100 = cluster_from_device("h100-sxm", 8).device
 HBM_BYTES_PER_S = 3350e9 * 0.90                    # h100-sxm.yaml: 3.35 TB/s x 0.90
 BF16_FLOPS = 989.4e12 * 0.803 * H100.gemm.sustained_fraction
+
+
+def saturation(work):
+    return work / (work + H100.gemm.half_work_gflop * 1e9)
 
 
 def gemm(tokens, n_in, n_out, sharding=Sharding.tensor, count=1):
@@ -28,13 +33,64 @@ def test_a_skinny_gemm_reads_its_weights():
 def test_a_square_gemm_is_compute_bound():
     op, _, _ = gemm(8192, 8192, 8192)
     forward, _, _ = op_seconds(op, H100, ShardSpec())
-    assert forward == pytest.approx(op.forward_flops / BF16_FLOPS, rel=1e-9)
+    assert forward == pytest.approx(op.forward_flops / (BF16_FLOPS * saturation(op.forward_flops)), rel=1e-9)
 
 
 @pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (1, 8, 1), (2, 8, 2)])
 def test_expert_weights_are_read_by_the_ranks_that_hold_them(tp, ep, etp):
     # 64 experts with 4 tokens each per micro-batch: a rank reads the weights of 64 / ep experts, 1/etp of
-    # each, and its 1/tp share of the tokens
-    op, weights, activations = gemm(4, 4096, 1024, Sharding.expert, count=64)
+    # each, and its 1/tp share of the tokens; its 64 / ep GEMMs, each ep x larger, run at least as long as
+    # their saturation allows
+    op, weights, activations = gemm(4, 8192, 8192, Sharding.expert, count=64)
     forward, _, _ = op_seconds(op, H100, ShardSpec(tp=tp, ep=ep, etp=etp))
-    assert forward == pytest.approx((weights / (ep * etp) + activations / tp) / HBM_BYTES_PER_S, rel=1e-9)
+    traffic = (weights / (ep * etp) + activations / tp) / HBM_BYTES_PER_S
+    work, local_gemms = op.forward_flops / tp, 64 // ep
+    compute = work / (BF16_FLOPS * saturation(work / local_gemms))
+    assert forward == pytest.approx(max(traffic, compute), rel=1e-9)
+    assert traffic > compute   # the weights, not the work, set the time
+
+
+FP8_FLOPS = 1978.9e12 * 0.709 * H100.gemm.sustained_fraction   # h100-sxm.yaml: fp8 peak x fp8_peak_fraction
+
+
+@pytest.mark.parametrize("recipe,bytes_per_element", [("delayed", 4), ("tensorwise", 6)])
+def test_fp8_gemms_pay_for_casting_their_operands(recipe, bytes_per_element):
+    # Transformer Engine on Hopper casts the input (forward) and the output gradient (backward) into row- and
+    # column-wise FP8 copies: read 2 B, write 1 + 1 B; current (tensorwise) scaling reads once more for the amax
+    tokens, n_in, n_out = 8192, 8192, 28672
+    op, _, _ = gemm(tokens, n_in, n_out)
+    forward, backward_input, backward_weight = op_seconds(op, H100, ShardSpec(precision="fp8", fp8_recipe=recipe))
+    gemm_s = op.forward_flops / (FP8_FLOPS * saturation(op.forward_flops))
+    assert forward == pytest.approx(gemm_s + bytes_per_element * tokens * n_in / HBM_BYTES_PER_S, rel=1e-9)
+    assert backward_input == pytest.approx(gemm_s + bytes_per_element * tokens * n_out / HBM_BYTES_PER_S, rel=1e-9)
+    assert backward_weight == pytest.approx(gemm_s, rel=1e-9)   # reuses both copies
+
+
+def test_devices_without_fp8_ignore_the_recipe():
+    a100 = cluster_from_device("a100-80g", 8).device
+    op, _, _ = gemm(8192, 8192, 8192)
+    assert op_seconds(op, a100, ShardSpec(precision="fp8", fp8_recipe="tensorwise")) == op_seconds(op, a100, ShardSpec())
+
+
+def test_fp8_leaves_the_output_layer_in_bf16():
+    # Megatron runs the embedding and output layers in bf16 under FP8 (the memory model keeps them bf16 too)
+    from cost_models.compute import layer_compute
+    from planner.model_capture import capture
+    costs = capture("llama3-8b").costs_record
+    fp8, bf16 = ShardSpec(precision="fp8"), ShardSpec()
+    assert layer_compute(costs.head, H100, fp8) == layer_compute(costs.head, H100, bf16)
+    block = next(kind for kind in costs.kinds if kind.role == "block")
+    assert layer_compute(block, H100, fp8).forward_s < layer_compute(block, H100, bf16).forward_s
+
+
+def test_flash_backward_recomputes_the_scores():
+    # a fused (flash) backward recomputes q k^T: 2.5 x the forward FLOPs (Dao 2023); an unfused backward of
+    # the same matmuls does 2 x (on a device whose GEMM efficiency does not depend on size: ratios are exact)
+    a100 = cluster_from_device("a100-80g", 8).device
+    flops = 2.0 * 32 * 4096 * 4096 * 256
+    fused = OpCost("sdpa", OpKind.attention, Sharding.tensor, flops, 2 * flops, 0.0, 0.0, None)
+    unfused = OpCost("qk", OpKind.attention_matmul, Sharding.tensor, flops, 2 * flops, 0.0, 0.0, (4096, 4096, 128), 32)
+    forward, backward, _ = op_seconds(fused, a100, ShardSpec())
+    assert backward == pytest.approx(2.5 * forward, rel=1e-9)
+    forward, backward, _ = op_seconds(unfused, a100, ShardSpec())
+    assert backward == pytest.approx(2.0 * forward, rel=1e-9)
