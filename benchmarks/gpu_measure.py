@@ -149,6 +149,34 @@ def experts(timer: Timer, device: str, fp8: bool, local_experts: int, hidden: in
     return rows
 
 
+def casts(timer: Timer, device: str, shapes) -> list[dict]:
+    """FP8 casts of a bf16 activation as fused kernels (torch.compile): current scaling (amax pass, then
+    scale and cast into row- and column-wise copies) and delayed scaling (scale known: cast only)."""
+    compile_ = torch.compile if device == "cuda" else (lambda f: f)
+    dtype = torch.float8_e4m3fn
+
+    @compile_
+    def current(x):
+        scale = FP8_MAX / x.abs().amax().float().clamp(min=1e-12)
+        return (x * scale).to(dtype), (x.t() * scale).to(dtype).contiguous(), scale
+
+    @compile_
+    def delayed(x, scale):
+        return (x * scale).to(dtype), (x.t() * scale).to(dtype).contiguous()
+
+    rows = []
+    for tokens, width in shapes:
+        x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
+        scale = torch.tensor(1.0, device=device)
+        rows.append({"tokens": tokens, "width": width, "elements": tokens * width,
+                     "current_s": timer(lambda: current(x)), "delayed_s": timer(lambda: delayed(x, scale))})
+        row = rows[-1]
+        print(f"fp8 cast {tokens}x{width}: current {row['current_s'] * 1e6:.0f} us "
+              f"({row['current_s'] / row['elements'] * 1e12:.2f} ps/element), delayed {row['delayed_s'] * 1e6:.0f} us",
+              flush=True)
+    return rows
+
+
 def attention(timer: Timer, device: str, cases) -> list[dict]:
     rows = []
     for batch, heads, kv_heads, seq, dim in cases:
@@ -270,6 +298,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
+    parser.add_argument("--sections", default="gemm,experts,attention,memory,casts,train",
+                        help="comma-separated sections to measure")
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     timer = Timer(device, 0.002 if args.smoke else 0.05)
@@ -291,10 +321,16 @@ def main(argv=None) -> int:
         "attention": lambda: attention(timer, device, [(1, 4, 2, 64, 16)] if args.smoke else [
             (1, 32, 32, 4096, 128), (1, 32, 8, 4096, 128), (1, 32, 32, 8192, 128), (4, 16, 16, 2048, 128)]),
         "memory": lambda: hbm_and_host(timer, device, 1 << 20 if args.smoke else 4 << 30),
+        "casts": lambda: casts(timer, device, [(64, 32)] if args.smoke else [(16384, 4096), (16384, 14336),
+                                                                           (65536, 2048), (65536, 768)]),
     }
+    wanted = args.sections.split(",")
     for name, measure in sections.items():   # each section saved as it ends: a later failure loses nothing
-        result[name] = guarded(measure)
-        out.write_text(json.dumps(result, indent=1))
+        if name in wanted:
+            result[name] = guarded(measure)
+            out.write_text(json.dumps(result, indent=1))
+    if "train" not in wanted:
+        return 0
     result["train"] = []
     for name, fields in E2E_MODELS.items():
         for micro_batch in E2E_BATCHES[name]:

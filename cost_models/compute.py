@@ -2,8 +2,9 @@
 
 GEMMs run at flops / (peak(dtype) * efficiency(work)) with the saturating efficiency curve and kernel
 floor from the device profile, and never faster than their weights and activations move through HBM;
-memory-bound ops at bytes / (HBM bandwidth * fraction). Backward and
-recomputation reuse the same rules.
+memory-bound ops at bytes / (HBM bandwidth * fraction). FP8 GEMMs add the casts of their operands
+(memory-bound) and leave the embedding and output layers in bf16; a fused attention's backward
+recomputes its scores. Backward and recomputation reuse the same rules.
 """
 from __future__ import annotations
 
