@@ -29,16 +29,15 @@ from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
 from planner.model_capture import capture  # noqa: E402
 from planner.published import DEFAULT_RUNS, load_runs, predict, run_overlap  # noqa: E402
-from gpu_compare import HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
+from gpu_compare import DEFAULT_RESULTS, HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
 
 # profiles without published runs of their own that share the fitted GPU's silicon and software
 SAME_SILICON = {"a100-80g": ("a100-40g",), "h100-sxm": ("h200", "h800"), "b200": ("gb200",)}
 OUTLIER_CAP = 0.25   # the accuracy target's bound on any one run
 MIN_RUNS_FOR_TWO = 3  # fitting runs needed to fit the saturation scale as well
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
-HALF_WORK = list(HALF_WORK_GRID_GFLOP)
 # GEMM saturation measured on a GPU of the same silicon (benchmarks/gpu_measure.py): measured, not fitted
-MEASURED_GEMMS = {"h100-sxm": Path(__file__).resolve().parent / "results" / "h200-2026-11-30.json"}
+MEASURED_GEMMS = {"h100-sxm": DEFAULT_RESULTS}
 
 
 def fixed_layouts(runs, time_limit_s):
@@ -70,7 +69,7 @@ def fit(items, measured_half: float | None = None):
     runs than MIN_RUNS_FOR_TWO fit the sustained fraction only (two figures on one run are underdetermined);
     a saturation scale measured on the silicon is kept, not fitted."""
     best = None
-    halves = HALF_WORK if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK[:1]
+    halves = HALF_WORK_GRID_GFLOP if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK_GRID_GFLOP[:1]
     for half in ([measured_half] if measured_half is not None else halves):
         for sustained in SUSTAINED:
             score = statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half))

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_models.compute import FLASH_BACKWARD_RECOMPUTE  # noqa: E402
+from cost_models.compute import FLASH_BACKWARD_RECOMPUTE, memory_seconds  # noqa: E402
 from hardware_profiles.loader import load_device  # noqa: E402
 from planner.api import evaluate  # noqa: E402
 from planner.model_config import ModelConfig  # noqa: E402
@@ -109,7 +109,7 @@ def attention_section(results: dict) -> list[str]:
 def memory_section(results: dict, device) -> list[str]:
     m = results["memory"]
     measured = 2 * m["copy_bytes"] / m["copy_s"]
-    modelled = device.hbm_bandwidth_gbytes_per_s * 1e9 * device.hbm_bandwidth_fraction
+    modelled = 1.0 / memory_seconds(device, 1.0)
     return ["## HBM and host", "",
             f"Device-to-device copy: {measured / 1e9:.0f} GB/s (read + write) against the profile's "
             f"{modelled / 1e9:.0f} GB/s ({_pct(modelled, measured)}). Host time per launched small op "

@@ -9,10 +9,14 @@ recomputes its scores. Backward and recomputation reuse the same rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from hardware_profiles.schema import Device
 
 from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
+
+if TYPE_CHECKING:
+    from .layout import Layout, OverlapModel
 
 # bytes moved per element of every FP8 GEMM operand cast (input forward, output gradient backward) by
 # Transformer Engine on Hopper, whose FP8 GEMMs take one operand layout only: read bf16 (2), write row- and
@@ -37,6 +41,14 @@ class ShardSpec:
     causal_attention_work: float = 0.5
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
     etp: int = 1    # ranks splitting each expert's weights
+
+    @classmethod
+    def of(cls, layout: "Layout", overlap: "OverlapModel", ep: int | None = None, etp: int | None = None) -> "ShardSpec":
+        """A layout's division of one micro-batch; `ep`/`etp` override the layout's (search bounds)."""
+        return cls(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
+                   precision=layout.precision, fp8_recipe=layout.fp8_recipe,
+                   causal_attention_work=overlap.causal_attention_work,
+                   ep=layout.ep if ep is None else ep, etp=layout.etp if etp is None else etp)
 
 
 @dataclass(frozen=True)

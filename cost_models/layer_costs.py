@@ -73,10 +73,7 @@ class MeshCosts:
                  ep_imbalance: float = 1.0, shared: SharedCosts | None = None):
         self.model, self.cluster, self.layout, self.overlap = model, cluster, layout, overlap
         self.ep_imbalance = ep_imbalance
-        self.spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
-                              precision=layout.precision, fp8_recipe=layout.fp8_recipe,
-                              causal_attention_work=overlap.causal_attention_work,
-                              ep=layout.ep, etp=layout.etp)
+        self.spec = ShardSpec.of(layout, overlap)
         self.state_sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp,
                                             dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
                                             zero=layout.zero, gradient_bytes=layout.gradient_bytes)

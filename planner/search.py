@@ -123,10 +123,7 @@ class _Bounds:
     def compute_work_s(self, layout: Layout) -> float:
         """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight
         reads only shrink with ep x etp, so every expert on its own rank, split tp ways, bounds it from below."""
-        spec = ShardSpec(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
-                         precision=layout.precision, fp8_recipe=layout.fp8_recipe,
-                         causal_attention_work=self.overlap.causal_attention_work,
-                         ep=self.largest_ep, etp=layout.tp)
+        spec = ShardSpec.of(layout, self.overlap, ep=self.largest_ep, etp=layout.tp)
         if spec not in self.work:
             model = self.model
             counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
