@@ -47,6 +47,8 @@ class LayerCost(LayerWork):
     grad_reduce_bytes: float                       # dense gradient bytes for the dp x cp reduction
     expert_grad_reduce_bytes: float
     optimizer_params: float                        # parameters whose optimizer step runs on this rank
+    dp_reduce_s: float                             # this layer's share of the per-step dp reduction (its slope)
+    optimizer_step_s: float                        # its optimizer step on this rank
     weight_bytes_unsharded: float                  # bf16 weights a ZeRO-3 all-gather materialises
     forward_flops_model: float                     # matmul forward FLOPs per sample: what full recompute repeats
     attention_forward_flops: float
@@ -203,10 +205,14 @@ class MeshCosts:
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
             if lay.zero >= 1 else dense_params + expert_params
         attention_flops = sum(op.forward_flops for op in kind.ops if op.kind in ATTENTION_MATMUL_KINDS)
+        grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
+        (_, dense_slope), (_, expert_slope) = self.dp_lines
         cost = LayerCost(
             **vars(self.work(kind)), activation_bytes=activations, working_bytes=activations[0],
-            states=states, grad_reduce_bytes=dense_params * lay.gradient_bytes,
-            expert_grad_reduce_bytes=expert_params * lay.gradient_bytes, optimizer_params=optimizer_params,
+            states=states, grad_reduce_bytes=grad_bytes, expert_grad_reduce_bytes=expert_grad_bytes,
+            optimizer_params=optimizer_params,
+            dp_reduce_s=dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
+            optimizer_step_s=self.optimizer_s(optimizer_params),
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
             attention_forward_flops=attention_flops)
@@ -258,10 +264,17 @@ class MeshCosts:
             latency += gather.latency_seconds
         return latency, per_byte
 
-    def dp_comm_s(self, grad_bytes: float, expert_grad_bytes: float) -> float:
-        """The per-step data-parallel traffic of `_line` for a stage's gradient bytes."""
-        (a_dense, b_dense), (a_expert, b_expert) = self.dp_lines
-        return a_dense + b_dense * grad_bytes + a_expert + b_expert * expert_grad_bytes
+    @cached_property
+    def dp_latency_s(self) -> float:
+        """The per-step reduction's latency, paid by every stage whatever its layers."""
+        (a_dense, _), (a_expert, _) = self.dp_lines
+        return a_dense + a_expert
+
+    def dp_exposed_s(self, reduce_s: float, compute_s: float) -> float:
+        """A stage's per-step reduction (latency plus its layers' `dp_reduce_s`) not hidden behind the last
+        micro-batch's compute (Megatron overlap_grad_reduce). The estimate, the solver and the search
+        bound all use this form: it is linear in the layers up to the max with 0."""
+        return max(0.0, self.dp_latency_s + reduce_s - self.overlap.dp_window_fraction * compute_s)
 
     def sharded_dp_comm_s(self, dense_params: float, expert_params: float) -> float:
         """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (they cannot accumulate

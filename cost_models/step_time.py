@@ -66,9 +66,8 @@ class StageTotals:
     ep_s: float
     zero_s: float
     memory: StageMemory
-    grad_bytes: float
-    expert_grad_bytes: float
-    optimizer_params: float
+    dp_reduce_s: float
+    optimizer_s: float
 
 
 def even_partition(num_blocks: int, chunks: int) -> tuple[int, ...]:
@@ -109,9 +108,8 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         work_s=sum(c.work_s(r) for c, r in items), compute_s=compute, recompute_s=recomputed,
         tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),
         ep_s=sum(c.ep_comm_s for c, _ in items), zero_s=sum(c.zero_exposed_s for c, _ in items),
-        memory=memory, grad_bytes=sum(c.grad_reduce_bytes for c, _ in items),
-        expert_grad_bytes=sum(c.expert_grad_reduce_bytes for c, _ in items),
-        optimizer_params=sum(c.optimizer_params for c, _ in items))
+        memory=memory, dp_reduce_s=sum(c.dp_reduce_s for c, _ in items),
+        optimizer_s=sum(c.optimizer_step_s for c, _ in items))
 
 
 def physical_stages(costs: MeshCosts, stage_layers: tuple[int, ...], recompute: tuple[Recompute, ...]) -> list[StageTotals]:
@@ -140,10 +138,8 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, overlap: Overl
     pipeline = pipeline_seconds([s.work_s for s in stages], m, layout.vp)
     slowest = max(stages, key=lambda s: s.work_s)
     pp_comm = p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
-    # gradient reduction overlaps the last micro-batch's compute on each stage (Megatron overlap_grad_reduce)
-    dp_exposed = max(max(0.0, costs.dp_comm_s(s.grad_bytes, s.expert_grad_bytes)
-                         - costs.overlap.dp_window_fraction * s.compute_s) for s in stages)
-    optimizer = max(costs.optimizer_s(s.optimizer_params) for s in stages)
+    dp_exposed = max(costs.dp_exposed_s(s.dp_reduce_s, s.compute_s) for s in stages)
+    optimizer = max(s.optimizer_s for s in stages)
     breakdown = StepBreakdown(
         compute_s=m * slowest.compute_s, recompute_s=m * slowest.recompute_s, tp_comm_s=m * slowest.tp_s,
         cp_comm_s=m * slowest.cp_s, ep_comm_s=m * slowest.ep_s, zero_comm_s=m * slowest.zero_s,

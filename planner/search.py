@@ -92,10 +92,9 @@ def _balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recom
     def mean(attribute: str) -> float:
         return (sum(n * getattr(costs.layer(kind), attribute) for kind, n in model.block_counts)
                 + sum(getattr(c, attribute) for c in edges)) / layout.pp
-    compute = mean("forward_s") + mean("backward_s")
-    dp = max(0.0, costs.dp_comm_s(mean("grad_reduce_bytes"), mean("expert_grad_reduce_bytes"))
-             - costs.overlap.dp_window_fraction * compute)
-    optimizer = costs.optimizer_s(mean("optimizer_params"))
+    # dp_exposed_s is convex (a max of affine terms), so its value at the mean is below its mean (Jensen)
+    dp = costs.dp_exposed_s(mean("dp_reduce_s"), mean("forward_s") + mean("backward_s"))
+    optimizer = mean("optimizer_step_s")
     work = _work(tuple((n, costs.layer(kind).work_s(fastest)) for kind, n in model.block_counts),
                  tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp)
     return _communication_bound(work, costs.p2p_s(), layout) + dp + optimizer

@@ -22,8 +22,15 @@ TIME_UNIT_S = 1e-6          # integer scaling: solver times are multiples of 1 u
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
 
 
+FINE_PER_UNIT = 1000        # per-step dp and optimizer terms in 1 ns steps: a layer's share can be < 1 us
+
+
 def _t(seconds: float) -> int:
     return int(round(seconds / TIME_UNIT_S))
+
+
+def _fine(seconds: float) -> int:
+    return int(round(seconds / TIME_UNIT_S * FINE_PER_UNIT))
 
 
 def _m(nbytes: float) -> int:
@@ -45,7 +52,7 @@ def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...]) -> tuple:
     that move no collective off its links) give the same CP-SAT model and the same answer."""
     lay, model = costs.layout, costs.model
     return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, model.blocks,
-            tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_lines,
+            tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_latency_s,
             costs.overlap.dp_window_fraction, costs.cluster.device.name)
 
 
@@ -121,7 +128,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 cp.Add(sum(redo[i, r, k] for k in extra) == held)
 
     capacity = usable_bytes(costs.cluster.device)
-    work, compute, grads, opt_params = [], [], [], []
+    work, compute, reduce, optimizer_steps = [], [], [], []
     for i in range(pp):
         owned = owned_by[i]
         first, last = i == 0, i == (chunks - 1) % pp
@@ -134,8 +141,8 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 w_terms.append(_t(c.work_s(Recompute.none)) * n)
                 c_terms.append(_t(c.forward_s + c.backward_s) * n)
                 mem_terms.append(_m(c.states.total + flight * c.activation_bytes[0]) * n)
-                g_terms.append(_m(c.grad_reduce_bytes) * n)
-                o_terms.append(_m(c.optimizer_params) * n)
+                g_terms.append(_fine(c.dp_reduce_s) * n)
+                o_terms.append(_fine(c.optimizer_step_s) * n)
         for r, (kind, _, _) in enumerate(runs):
             c = layer[kind]
             for k in extra:
@@ -157,21 +164,22 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
         cp.Add(sum(mem_terms) + _m(fixed_mem) + working <= _m(capacity))
         work.append(sum(w_terms) + fixed_work)
         compute.append(sum(c_terms) + sum(_t(c.forward_s + c.backward_s) for c in fixed))
-        grads.append(sum(g_terms) + sum(_m(c.grad_reduce_bytes) for c in fixed))
-        opt_params.append(sum(o_terms) + sum(_m(c.optimizer_params) for c in fixed))
+        reduce.append(sum(g_terms) + sum(_fine(c.dp_reduce_s) for c in fixed))
+        optimizer_steps.append(sum(o_terms) + sum(_fine(c.optimizer_step_s) for c in fixed))
 
     horizon = _t(1e4)
     slowest = cp.NewIntVar(0, horizon, "slowest")
     dp_exposed = cp.NewIntVar(0, horizon, "dp_exposed")
     optimizer = cp.NewIntVar(0, horizon, "optimizer")
-    adam_s_per_unit = costs.optimizer_s(MEMORY_UNIT_BYTES)
+    window = int(round(costs.overlap.dp_window_fraction * FINE_PER_UNIT))
     for i in range(pp):
         # constraint: the slowest stage paces the steady state
         cp.Add(slowest >= work[i])
-        # constraint: the optimizer step of the stage with the most optimizer-local parameters
-        cp.Add(optimizer * 1000 >= _t(adam_s_per_unit * 1e3) * opt_params[i])
-    # constraint: gradient reduction not hidden behind each stage's last micro-batch
-    _add_dp_constraints(cp, costs, dp_exposed, grads, compute)
+        # constraint: the slowest optimizer step of any stage
+        cp.Add(optimizer * FINE_PER_UNIT >= optimizer_steps[i])
+        # constraint: dp_exposed >= MeshCosts.dp_exposed_s of each stage (>= 0 by its domain): the latency
+        # plus the layers' dp_reduce_s, less the window of the stage's last micro-batch
+        cp.Add(dp_exposed * FINE_PER_UNIT >= _fine(costs.dp_latency_s) + reduce[i] - window * compute[i])
 
     # objective: v * step = v (m - 1) max W + sum W + (v - 1) max W + v (dp + optimizer)
     objective = v * (m - 1) * slowest + sum(work) + (v - 1) * slowest + v * (dp_exposed + optimizer)
@@ -198,16 +206,6 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     bound = solver.BestObjectiveBound() * TIME_UNIT_S / v
     gap = (objective - bound) / objective if objective else 0.0
     return PartitionResult(sizes, recompute, objective, name, max(0.0, gap), wall)
-
-
-def _add_dp_constraints(cp, costs: MeshCosts, dp_exposed, grads, compute) -> None:
-    """dp_exposed >= a + b * grad_bytes_i - window * compute_i for every stage (and >= 0)."""
-    (a_dense, b_dense), (a_expert, _) = costs.dp_lines
-    scale = 1000  # keep per-KiB slopes integral
-    slope = int(round(b_dense * MEMORY_UNIT_BYTES / TIME_UNIT_S * scale))
-    window = int(round(costs.overlap.dp_window_fraction * scale))
-    for i in range(len(grads)):
-        cp.Add(dp_exposed * scale >= _t(a_dense + a_expert) * scale + slope * grads[i] - window * compute[i])
 
 
 def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], pp: int,
