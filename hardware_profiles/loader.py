@@ -100,14 +100,19 @@ def cluster_from_device(device_name: str, num_devices: int, devices_per_node: in
     if template is None:
         raise UserInputError(f"no built-in cluster uses device '{device_name}' to take network figures from",
                              field="--device", expected="a device with a built-in cluster, or --cluster FILE")
+    if devices_per_node is not None and devices_per_node <= 0:
+        raise UserInputError(f"{devices_per_node}", field="--devices-per-node", expected="a positive count")
     per_node = devices_per_node or template.devices_per_node
     if num_devices <= 0:
         raise UserInputError(f"{num_devices} devices", field="--num-devices", expected="a positive count")
     if num_devices % per_node:
         raise UserInputError(f"{num_devices} devices do not fill whole nodes of {per_node}",
                              field="--num-devices", expected=f"a multiple of {per_node}")
-    # the template's fast domain (8 for DGX, 72 for NVL72), or one node when the job is smaller than that
-    fast = template.fast_domain_devices if num_devices >= template.fast_domain_devices else per_node
+    # the device's scale-up domain: the node where the node is the domain (DGX, Atlas 800), else the
+    # template's rack or supernode (72 for NVL72, 384 for CloudMatrix), whatever the job's size: a job
+    # smaller than a rack still sits inside its NVLink domain (Cluster.placement_domain_devices)
+    node_is_domain = template.fast_domain_devices == template.devices_per_node
+    fast = per_node if node_is_domain else template.fast_domain_devices
     update = {"name": f"{device_name}-x{num_devices}", "num_nodes": num_devices // per_node,
               "devices_per_node": per_node, "fast_domain_devices": fast}
     data = template.model_dump()

@@ -6,6 +6,8 @@ Every model forbids unknown fields so that a typo is an error, never a silent de
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
@@ -143,8 +145,48 @@ class Cluster(Strict):
                 f"{self.devices_per_node} must divide one another")
         return self
 
+    @property
+    def domain_use(self) -> "DomainUse":
+        """How the job's devices fill the scale-up domains: ranks go to domains in order, domain by domain."""
+        full, partial = divmod(self.num_devices, self.fast_domain_devices)
+        return DomainUse(self.fast_domain_devices, full, partial)
+
+    @property
+    def placement_domain_devices(self) -> int:
+        """Consecutive ranks that always share one scale-up domain, the block the mesh placement works in:
+        the whole job where it fits one domain (a smaller job still sits inside its NVLink rack or
+        supernode); else the largest block that tiles the full domains and a partly used last one (gcd)."""
+        use = self.domain_use
+        if use.full_domains == 0:
+            return self.num_devices
+        return math.gcd(self.num_devices, self.fast_domain_devices)
+
+    def placement_text(self) -> str:
+        """One line for plans and reports: how many domains, how full, and the block collectives assume."""
+        use, fabric = self.domain_use, self.device.intra_node.kind.value
+        domain = f"{use.domain_devices}-device {fabric} domain"
+        if use.full_domains == 0:
+            return f"{self.num_devices} of one {domain}"
+        text = f"{use.full_domains} full {domain}{'s' if use.full_domains > 1 else ''}"
+        if use.partial_devices:
+            text += (f" and {use.partial_devices} devices of another; collectives are costed in blocks of "
+                     f"{self.placement_domain_devices} ranks, the largest that never straddles a domain")
+        return text
+
     def with_devices(self, num_devices: int) -> "Cluster":
         """The same cluster with another device count (what-if sweeps)."""
         if num_devices <= 0 or num_devices % self.devices_per_node:
             raise ValueError(f"{num_devices} devices do not fill whole nodes of {self.devices_per_node}")
         return self.model_copy(update={"num_nodes": num_devices // self.devices_per_node})
+
+
+@dataclass(frozen=True)
+class DomainUse:
+    """The job's devices over scale-up (NVLink, HCCS, UB) domains."""
+    domain_devices: int       # one physical domain
+    full_domains: int
+    partial_devices: int      # devices in a last, partly used domain (0: none)
+
+    @property
+    def crosses_domains(self) -> bool:
+        return self.full_domains + (1 if self.partial_devices else 0) > 1

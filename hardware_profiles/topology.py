@@ -57,13 +57,13 @@ def _max_members_per_block(size: int, stride: int, block: int) -> int:
 def place_group(dim: str, size: int, stride: int, cluster: Cluster) -> GroupPlacement:
     """Placement of the group that holds rank 0 along a dim with this stride; all groups are alike."""
     per_node = cluster.devices_per_node
-    per_domain_devices = cluster.fast_domain_devices
-    k_domain = _max_members_per_block(size, stride, per_domain_devices)
+    k_domain = _max_members_per_block(size, stride, cluster.placement_domain_devices)
     k_node = _max_members_per_block(size, stride, per_node)
     fabric = cluster.device.intra_node
-    if fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh) and per_domain_devices > 1:
+    physical_domain = cluster.fast_domain_devices
+    if fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh) and physical_domain > 1:
         # a point-to-point mesh gives each peer 1/(D-1) of a device's links: a small group uses few of them
-        share = (k_domain - 1) / (per_domain_devices - 1) if k_domain > 1 else 1.0
+        share = (k_domain - 1) / (physical_domain - 1) if k_domain > 1 else 1.0
     else:
         share = 1.0
     # every device of a node belongs to one group of this dim; the node's NICs are shared by all of them
@@ -96,7 +96,8 @@ def build_topology_graph(cluster: Cluster) -> nx.Graph:
     device = cluster.device
     nic_gbytes = cluster.inter_node.nic_bandwidth_gbit_per_s / 8
     domain_switch_of = {}
-    for domain in range(cluster.num_devices // cluster.fast_domain_devices):
+    block = cluster.placement_domain_devices
+    for domain in range(cluster.num_devices // block):
         switch = f"fabric{domain}"
         graph.add_node(switch, kind="fabric", fabric=device.intra_node.kind.value)
         domain_switch_of[domain] = switch
@@ -118,7 +119,7 @@ def build_topology_graph(cluster: Cluster) -> nx.Graph:
             rank = node * cluster.devices_per_node + local
             name = f"dev{rank}"
             graph.add_node(name, kind="device", node=node)
-            graph.add_edge(name, domain_switch_of[rank // cluster.fast_domain_devices],
+            graph.add_edge(name, domain_switch_of[rank // block],
                            bandwidth_gbytes_per_s=device.intra_node.bandwidth_per_direction_gbytes_per_s)
             graph.add_edge(name, f"node{node}/nic{local * nics_per_node // cluster.devices_per_node}",
                            bandwidth_gbytes_per_s=nic_gbytes)

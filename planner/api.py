@@ -63,7 +63,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
                             solved=outcome.solved, solver_status=status, gap=round(top.gap if top else 0.0, 6))
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
-        model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices, seq_len=graph.seq_len,
+        model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices,
+        placement=cluster.placement_text(), seq_len=graph.seq_len,
         layout=LayoutRecord.of(best.layout, best.layer_recompute, overlap),
         stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,

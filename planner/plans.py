@@ -87,6 +87,7 @@ class Plan(_Frozen):
     model: str
     cluster: str
     num_devices: int
+    placement: str = ""                 # how the devices fill the scale-up domains (Cluster.placement_text)
     seq_len: int
     layout: LayoutRecord
     stages: list[StageRecord]

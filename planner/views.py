@@ -41,6 +41,8 @@ def _stage_summary(result: Plan) -> Table:
 def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> None:
     lay = result.layout
     head = Table(title=f"Plan: {result.model} on {result.num_devices} x {result.cluster}", show_header=False)
+    if result.placement:
+        head.add_row("placement", result.placement)
     head.add_row("layout", f"dp={lay.dp} tp={lay.tp}{' (+SP)' if lay.sp else ''} pp={lay.pp} vp={lay.vp} cp={lay.cp} "
                  f"ep={lay.ep} etp={lay.etp}")
     head.add_row("batch", f"global {lay.gbs}, micro {lay.mbs}, {lay.gbs // (lay.dp * lay.mbs)} micro-batches, "
@@ -104,6 +106,9 @@ def show_whatif(console: Console, report) -> None:
                       f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
                       f"{r.checkpoint_interval_min:.0f}")
     console.print(table)
+    for r in report.rows:
+        if r.domain_change:
+            console.print(f"- {r.point}: {r.domain_change}")
 
 
 def show_profiles(console: Console) -> None:

@@ -60,6 +60,8 @@ class Row:
     interruptions_per_day: float
     checkpoint_interval_min: float
     note: str = ""
+    placement: str = ""           # Cluster.placement_text of the point
+    domain_change: str = ""       # said where this point's devices cross a scale-up domain boundary
 
 
 @dataclass(frozen=True)
@@ -95,13 +97,14 @@ class Report:
         return path
 
     def to_html(self, path: str | Path, image: str | None = None) -> Path:
-        head = ["point", "layout", "devices", "step s", "MFU", "tokens/s", "days", "device-hours", "ETTR",
-                "goodput", "interruptions/day", "ckpt every (min)", "note"]
+        head = ["point", "layout", "devices", "placement", "step s", "MFU", "tokens/s", "days", "device-hours",
+                "ETTR", "goodput", "interruptions/day", "ckpt every (min)", "note"]
         rows = "".join(
             "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-                r.point, r.layout, r.num_devices, f"{r.step_time_s:.3f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
+                r.point, r.layout, r.num_devices, r.placement, f"{r.step_time_s:.3f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
                 f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
-                f"{r.interruptions_per_day:.2f}", f"{r.checkpoint_interval_min:.0f}", r.note)) + "</tr>"
+                f"{r.interruptions_per_day:.2f}", f"{r.checkpoint_interval_min:.0f}",
+                " ".join(filter(None, (r.note, r.domain_change))))) + "</tr>"
             for r in self.rows)
         picture = ""
         if image:
@@ -141,15 +144,23 @@ def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, 
     base = {"cluster": cluster, "device": device, "num_devices": num_devices, "devices_per_node": devices_per_node}
     rows = []
     name = capture(model, seq_len).name
+    crossed = None
     for value in points:
         point_cluster = _point_cluster(base, key, value)
+        crosses = point_cluster.domain_use.crosses_domains
+        change = ""
+        if crossed is not None and crosses != crossed:
+            change = ("crosses a scale-up domain boundary: " if crosses else "fits one scale-up domain again: ") \
+                + point_cluster.placement_text()
+        crossed = crosses
+        where = dict(placement=point_cluster.placement_text(), domain_change=change)
         seq = int(value) if key == "seq-len" else seq_len
         batch = int(value) if key == "global-batch" else global_batch
         try:
             result = plan(model, point_cluster, global_batch=batch, seq_len=seq, time_limit_s=time_limit_s, **fix)
         except InfeasibleError as exc:
             rows.append(Row(value, "-", point_cluster.num_devices, point_cluster.device.name, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                            note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}"))
+                            note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}", **where))
             continue
         graph = capture(model, seq)
         good = goodput(point_cluster, point_cluster.num_devices, graph.total_params, result.mfu)
@@ -157,7 +168,7 @@ def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, 
         rows.append(Row(value, _short(result.layout), point_cluster.num_devices, point_cluster.device.name,
                         result.step_time_s, result.mfu, result.tokens_per_s, days,
                         days * 24 * point_cluster.num_devices, good.ettr, good.goodput, good.interruptions_per_day,
-                        good.interval_s / 60))
+                        good.interval_s / 60, **where))
     return Report(name, key, budget, tuple(rows))
 
 
