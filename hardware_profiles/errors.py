@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 
+QUOTE_LIMIT = 300   # characters of a user's value that a message repeats
+
+
+def clip(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """A value as messages quote it: a 1 MB flag is not echoed back whole."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 class UserInputError(Exception):
     """Bad input from a user: a file, a field, a flag or a layout.
 
@@ -15,10 +24,10 @@ class UserInputError(Exception):
         self.expected = expected
         parts = []
         if source:
-            parts.append(f"{source}:")
+            parts.append(f"{clip(source)}:")
         if field:
-            parts.append(f"field '{field}':")
-        parts.append(message.rstrip("."))
+            parts.append(f"field '{clip(field)}':")
+        parts.append(clip(message, 4 * QUOTE_LIMIT).rstrip("."))
         text = " ".join(parts) + "."
         if expected:
             text += f" Expected {expected.rstrip('.')}."
@@ -31,7 +40,7 @@ def format_pydantic_error(source: str, exc, what: str = "profile") -> UserInputE
     for err in exc.errors():
         location = ".".join(str(part) for part in err.get("loc", ())) or "(top level)"
         given = err.get("input")
-        given_text = "" if isinstance(given, dict) else f" (got {given!r})"
+        given_text = "" if isinstance(given, dict) else f" (got {clip(repr(given))})"
         problems.append(f"field '{location}': {err.get('msg', 'invalid')}{given_text}")
     first_field = ".".join(str(p) for p in exc.errors()[0].get("loc", ())) if exc.errors() else None
     message = "; ".join(problems)

@@ -1,6 +1,7 @@
 """Load device and cluster profiles from YAML: built-ins by name, or any file by path."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -14,12 +15,27 @@ DEVICE_DIR = PROFILE_DIR / "devices"
 CLUSTER_DIR = PROFILE_DIR / "clusters"
 
 
-def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise UserInputError("file not found", source=str(path),
-                             expected="a readable YAML profile")
+MAX_INPUT_FILE_BYTES = 1 << 20   # profiles and model files are a few KB; a larger one is not one
+
+
+def read_small_text(path: Path, what: str) -> str:
+    """The text of a small input file, refused when it is not one (size, encoding, unreadable)."""
+    if not os.path.isfile(path):
+        raise UserInputError("file not found", source=str(path), expected=f"a readable {what}")
+    size = path.stat().st_size
+    if size > MAX_INPUT_FILE_BYTES:
+        raise UserInputError(f"{size:,} bytes", source=str(path),
+                             expected=f"a {what} under {MAX_INPUT_FILE_BYTES >> 10} KB")
     try:
-        data = yaml.safe_load(path.read_text())
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserInputError(f"cannot read ({exc})", source=str(path), expected=f"a UTF-8 {what}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    text = read_small_text(path, "YAML profile")
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UserInputError(f"not valid YAML ({str(exc).splitlines()[0]})", source=str(path)) from None
     if not isinstance(data, dict):
@@ -37,8 +53,11 @@ def list_clusters() -> list[str]:
 
 
 def _resolve(name_or_path: str, directory: Path, names: list[str], kind: str) -> Path:
+    if not str(name_or_path).strip():
+        raise UserInputError(f"the {kind} name is empty", field=f"--{kind}",
+                             expected=f"a path to a YAML file or one of: {', '.join(names)}")
     candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+    if candidate.suffix in (".yaml", ".yml") or os.path.exists(candidate):
         return candidate
     if name_or_path in names:
         return directory / f"{name_or_path}.yaml"
@@ -58,15 +77,24 @@ def load_device(name_or_path: str) -> Device:
     return parse_device(_read_yaml(path), str(path))
 
 
-def parse_cluster(data: dict, source: str) -> Cluster:
+def _device_reference(device_ref: str, cluster_file: Path | None) -> str:
+    """A cluster's `device:` is a built-in name, or a path relative to the cluster file (as includes are),
+    never to wherever the planner happens to run."""
+    if device_ref in list_devices() or cluster_file is None:
+        return device_ref
+    path = Path(device_ref)
+    return str(path if path.is_absolute() else cluster_file.parent / path)
+
+
+def parse_cluster(data: dict, source: str, cluster_file: Path | None = None) -> Cluster:
     data = dict(data)
     device_ref = data.get("device")
     if isinstance(device_ref, str):
         try:
-            data["device"] = load_device(device_ref)
+            data["device"] = load_device(_device_reference(device_ref, cluster_file))
         except UserInputError as exc:
-            raise UserInputError(f"cannot load device '{device_ref}': {exc}", source=source,
-                                 field="device") from None
+            raise UserInputError(f"cannot load device '{device_ref}' (a path is read relative to the cluster "
+                                 f"file): {exc}", source=source, field="device") from None
     elif device_ref is None:
         raise UserInputError("missing", source=source, field="device",
                              expected=f"a device name ({', '.join(list_devices())}) or a device path")
@@ -78,7 +106,7 @@ def parse_cluster(data: dict, source: str) -> Cluster:
 
 def load_cluster(name_or_path: str) -> Cluster:
     path = _resolve(name_or_path, CLUSTER_DIR, list_clusters(), "cluster")
-    return parse_cluster(_read_yaml(path), str(path))
+    return parse_cluster(_read_yaml(path), str(path), path)
 
 
 def default_cluster_for(device: Device) -> Cluster | None:

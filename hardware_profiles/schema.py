@@ -17,7 +17,8 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a number written as text or as true/false is an error, never coerced; no nan or inf
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class FabricKind(str, Enum):
@@ -52,7 +53,7 @@ class GemmEfficiency(Strict):
 
 
 class IntraNodeFabric(Strict):
-    kind: FabricKind
+    kind: FabricKind = Field(strict=False)   # written as its text value in YAML
     bandwidth_per_direction_gbytes_per_s: float = Field(gt=0)
     ring_busbw_fraction: float = Field(gt=0, le=1)
     in_network_reduction: bool = False
@@ -123,7 +124,7 @@ class Reliability(Strict):
 
 
 class Cluster(Strict):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")   # goes into plans and launch commands
     description: str = ""
     device: Device
     devices_per_node: int = Field(gt=0)

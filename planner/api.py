@@ -15,7 +15,7 @@ from .graph import ModelGraph
 from .model_capture import capture
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search import SearchOutcome, search
-from .space import Pins, layout_problems, parse_layout_text, pins_from
+from .space import Pins, layout_problems, layout_values, parse_layout_text, pin_problems, pins_from
 
 
 class InfeasibleError(UserInputError):
@@ -24,6 +24,13 @@ class InfeasibleError(UserInputError):
 
 def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | None = None,
                     devices_per_node: int | None = None) -> Cluster:
+    _check_count("--num-devices", num_devices)
+    _check_count("--devices-per-node", devices_per_node)
+    if cluster is not None and (device is not None or devices_per_node is not None):
+        given = "--device" if device is not None else "--devices-per-node"
+        raise UserInputError(f"{given} is given with --cluster, which already names the device and its nodes",
+                             field=given, expected="either --cluster NAME|FILE [--num-devices N] or --device NAME "
+                             "--num-devices N [--devices-per-node K]")
     if isinstance(cluster, Cluster):
         resolved = cluster
     elif cluster is not None:
@@ -43,9 +50,19 @@ def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | 
     return resolved
 
 
+def _check_count(field: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise UserInputError(f"{value!r}", field=field, expected="a positive integer")
+
+
 def _check_batch(global_batch: int) -> None:
-    if not isinstance(global_batch, int) or global_batch <= 0:
-        raise UserInputError(f"{global_batch}", field="global_batch", expected="a positive number of sequences")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch <= 0:
+        raise UserInputError(f"{global_batch!r}", field="global_batch", expected="a positive number of sequences")
+
+
+def _check_time_limit(seconds) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise UserInputError(f"{seconds!r}", field="--time-limit", expected="a finite number of seconds >= 0")
 
 
 def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
@@ -64,6 +81,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices,
+        devices_per_node=cluster.devices_per_node,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
         layout=LayoutRecord.of(best.layout, best.layer_recompute, overlap),
         stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
@@ -123,24 +141,23 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe).
     """
     _check_batch(global_batch)
+    _check_time_limit(time_limit_s)
+    values = layout_values(fix, "fix")
     graph = capture(model, seq_len, leaf_modules)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
-    values = parse_layout_text(",".join(f"{k}={_as_text(v)}" for k, v in fix.items()), "fix")
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
+    problems = pin_problems(pins, graph, resolved.num_devices, global_batch)
+    if problems:
+        raise UserInputError("no layout can satisfy the pins: " + "; ".join(problems), field="--fix",
+                             expected="pins that the model, the device count and the batch allow")
     outcome = search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s, max(top_k, 1),
                      overlap, ep_imbalance, graph=graph, progress=progress)
     if not outcome.ranked:
         raise _infeasible(graph, resolved, global_batch, outcome, pins, precision)
     return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome, overlap)
-
-
-def _as_text(value) -> str:
-    if isinstance(value, Recompute):
-        return value.value
-    return "-".join(value) if isinstance(value, (tuple, list)) else str(value)
 
 
 def _given_once(field: str, argument, in_layout):
@@ -153,7 +170,9 @@ def _given_once(field: str, argument, in_layout):
 
 def resolve_precision(argument: str | None, values: dict) -> str:
     """The precision of an argument and of `precision=` in layout values (removed from them), bf16 if neither."""
-    precision = _given_once("--precision", argument, values.pop("precision", None)) or "bf16"
+    precision = _given_once("--precision", argument, values.pop("precision", None))
+    if precision is None:
+        return "bf16"
     if precision not in ("bf16", "fp8"):
         raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
     return precision
@@ -172,12 +191,16 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
              leaf_modules: tuple[str, ...] = ()) -> Plan:
     """Predict a given layout. Fields left out are searched; a layout that does not divide or fit is explained."""
     _check_batch(global_batch)
+    _check_time_limit(time_limit_s)
     graph = capture(model, seq_len, leaf_modules)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     if isinstance(layout, Layout):
         given = layout
     else:
-        values = parse_layout_text(layout) if isinstance(layout, str) else dict(layout)
+        if not isinstance(layout, (str, dict)):
+            raise UserInputError(f"{type(layout).__name__}", field="layout",
+                                 expected="layout text ('tp=8,pp=2'), a dict of fields or a Layout")
+        values = parse_layout_text(layout) if isinstance(layout, str) else layout_values(layout)
         precision = resolve_precision(precision, values)
         _given_once("--global-batch", global_batch, values.pop("gbs", None))
         known = {"dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "zero", "recompute"}

@@ -16,6 +16,7 @@ from hardware_profiles.errors import UserInputError
 
 from . import api, exports, views
 from .model_capture import capture
+from .output_paths import check_plan_file, check_report_dir
 from .plans import Plan
 from .space import parse_layout_text
 from .whatif import whatif, write_report
@@ -35,6 +36,7 @@ app.add_typer(profiles_app, name="profiles")
 app.add_typer(models_app, name="models")
 out = Console()
 err = Console(stderr=True)
+INTERRUPTED = 128 + 2   # the shell's status for a process ended by SIGINT
 
 ModelOpt = typer.Option(..., "--model", help="built-in name, model .yaml, HF config.json or file.py:factory")
 ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML path")
@@ -85,13 +87,15 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          top: int = typer.Option(3, "--top", help="alternatives to report"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="search time limit in seconds"),
          objective: str = typer.Option("step-time", "--objective", help="step-time or goodput"),
-         out_path: Optional[Path] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
+         out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
          leaf_modules: str = LeafOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
         raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
+    if out_path is not None:
+        out_path = check_plan_file(out_path)
     pins = parse_layout_text(fix, "--fix")
     precision = api.resolve_precision(precision, pins)
     progress, report = _progress()
@@ -127,13 +131,21 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
              precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
              time_limit: float = typer.Option(60.0, "--time-limit"),
              as_json: bool = typer.Option(False, "--json"), leaf_modules: str = LeafOpt,
+             out_path: Optional[str] = typer.Option(None, "--out", help="write the prediction as a plan file "
+                                                     "(.yaml or .json) that export and Plan.load read"),
              tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
+    if out_path is not None:
+        out_path = check_plan_file(out_path)
     result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
                           overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap))
+    if out_path:
+        result.save(out_path)
     _emit(result, as_json)
+    if out_path and not as_json:
+        out.print(f"plan written to {out_path}")
 
 
 @app.command(name="whatif")
@@ -144,10 +156,12 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
                    tokens: str = typer.Option("1T", "--tokens", help="token budget, e.g. 15T"),
                    time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
-                   out_dir: Optional[Path] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
+                   out_dir: Optional[str] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
                    as_json: bool = typer.Option(False, "--json"), tp_comm_overlap: bool = OverlapOpt,
                    moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
     """Best plan, time to train, device-hours and goodput at each point of a sweep."""
+    if out_dir is not None:
+        out_dir = check_report_dir(out_dir)
     if device is None and cluster is None:
         if not sweep.startswith("device="):
             raise UserInputError("no cluster given", field="--cluster", expected="--cluster or --device")
@@ -181,7 +195,7 @@ def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
     elif to == "deepspeed":
         text, notes = exports.deepspeed_json(result)
     elif to == "torchrun":
-        text, notes = exports.torchrun_command(result, str(plan_file)), []
+        text, notes = exports.torchrun_command(result, str(plan_file))
     else:
         raise UserInputError(f"'{to}'", field="--to", expected="megatron, torchtitan, deepspeed or torchrun")
     sys.stdout.write(text.rstrip("\n") + "\n")
@@ -222,20 +236,25 @@ def models_show(name: str = typer.Argument(..., help="built-in name, YAML, confi
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
+    except KeyboardInterrupt:
+        code = INTERRUPTED
+    except typer.Abort:
+        code = INTERRUPTED   # click turns Ctrl-C into Abort
     except UserInputError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         sys.exit(2)
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
-        sys.exit(code or 0)
-    except typer.Abort:
-        sys.exit(1)
     except Exception as exc:  # usage errors (unknown flag, missing option) arrive here without standalone mode
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    if code == INTERRUPTED:
+        err.print("interrupted", markup=False, highlight=False)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

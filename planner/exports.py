@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 from .plans import Plan
 
@@ -114,11 +116,23 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     return json.dumps(config, indent=2) + "\n", notes
 
 
-def torchrun_command(plan: Plan, plan_path: str, script: str = "examples/train_tiny.py",
-                     devices_per_node: int = 8) -> str:
+TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_tiny.py"
+ASSUMED_DEVICES_PER_NODE = 8   # only for plan files written before plans recorded their nodes (said in a note)
+
+
+def torchrun_command(plan: Plan, plan_path: str, script: str | Path = TRAIN_SCRIPT) -> tuple[str, list[str]]:
+    """A torchrun line for our runtime: nodes of the plan's cluster, absolute paths, every word quoted."""
+    notes = []
+    per_node = plan.devices_per_node
+    if per_node is None:
+        per_node = ASSUMED_DEVICES_PER_NODE
+        notes.append(f"the plan file does not record devices per node; {per_node} assumed (plan again to record it)")
     world = plan.num_devices
-    per_node = min(devices_per_node, world)
+    per_node = min(per_node, world)
     nodes = world // per_node
-    rendezvous = "" if nodes == 1 else " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500"
-    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rendezvous} {script} "
-            f"--model {plan.model} --plan {plan_path}")
+    words = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
+    if nodes > 1:
+        words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
+    words += [str(Path(script).resolve()), "--model", plan.model, "--plan", str(Path(plan_path).resolve())]
+    # $MASTER_ADDR stays for the shell to expand; everything else is one literal word
+    return " ".join(w if w.startswith("$MASTER_ADDR") else shlex.quote(w) for w in words), notes

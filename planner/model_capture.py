@@ -14,7 +14,7 @@ from hardware_profiles.errors import UserInputError
 from .capture import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
 from .graph import BlockStructure, LayerSlot, ModelGraph
 from .graph_analysis import signature
-from .model_config import ModelConfig
+from .model_config import MAX_SEQ, ModelConfig
 from .model_sources import UserModule, resolve_model
 from .op_costs import tensor_bytes
 from .reference_model import build_model
@@ -97,6 +97,9 @@ def _instantiate(source: ModelConfig | UserModule, seq_len: int) -> tuple[nn.Mod
     try:
         with torch.device("meta"):
             module = source.factory()
+    except SystemExit as exc:
+        raise UserInputError(f"the factory called sys.exit({exc.code!r})", source=source.source,
+                             expected="a factory that returns a torch.nn.Module") from None
     except Exception as exc:
         raise UserInputError(f"the factory failed: {type(exc).__name__}: {exc}", source=source.source) from None
     if not isinstance(module, nn.Module):
@@ -193,6 +196,6 @@ def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (
             raise UserInputError("a user module needs a sequence length", field="seq_len",
                                  expected="seq_len=... (--seq-len on the CLI)")
         seq_len = source.seq_length
-    if seq_len <= 0:
-        raise UserInputError(f"{seq_len}", field="seq_len", expected="a positive sequence length")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= MAX_SEQ:
+        raise UserInputError(f"{seq_len!r}", field="seq_len", expected=f"a positive integer sequence length up to {MAX_SEQ:,}")
     return _capture_cached(source, int(seq_len), tuple(leaf_modules))

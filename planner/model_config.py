@@ -6,27 +6,38 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+# Input limits, far above any model trained (Kimi-K2: 61 layers, 7,168 wide, 384 experts): a value past
+# them is a typo or an attack, and building or costing it would take unbounded time or memory.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 1 << 20          # hidden, ffn, head and latent sizes
+MAX_HEADS = 1 << 16
+MAX_EXPERTS = 1 << 16
+MAX_VOCAB = 1 << 24
+MAX_SEQ = 1 << 24
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a size given as text or as true/false is an error, never coerced
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class MLAConfig(_Strict):
     """Multi-head latent attention (DeepSeek-V2/V3)."""
-    q_lora_rank: int | None = Field(default=None, gt=0)
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0, le=MAX_WIDTH)
+    kv_lora_rank: int = Field(gt=0, le=MAX_WIDTH)
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    v_head_dim: int = Field(gt=0, le=MAX_WIDTH)
 
 
 class MoEConfig(_Strict):
-    num_experts: int = Field(gt=1)
+    num_experts: int = Field(gt=1, le=MAX_EXPERTS)
     router_topk: int = Field(gt=0)
-    moe_ffn_hidden_size: int = Field(gt=0)
-    num_shared_experts: int = Field(default=0, ge=0)
-    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0)
-    first_k_dense_layers: int = Field(default=0, ge=0)
-    layer_frequency: int = Field(default=1, gt=0)
+    moe_ffn_hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    num_shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
+    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_WIDTH)
+    first_k_dense_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    layer_frequency: int = Field(default=1, gt=0, le=MAX_LAYERS)
 
     @model_validator(mode="after")
     def _topk_fits(self):
@@ -36,15 +47,15 @@ class MoEConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: str = "custom"
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_query_groups: int | None = Field(default=None, gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-    ffn_hidden_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    seq_length: int = Field(gt=0)
+    name: str = Field(default="custom", pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:/-]{0,199}$")
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    num_attention_heads: int = Field(gt=0, le=MAX_HEADS)
+    num_query_groups: int | None = Field(default=None, gt=0, le=MAX_HEADS)
+    head_dim: int | None = Field(default=None, gt=0, le=MAX_WIDTH)
+    ffn_hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    seq_length: int = Field(gt=0, le=MAX_SEQ)
     activation: Literal["gelu", "swiglu", "relu2"] = "swiglu"
     normalization: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     position_embedding: Literal["rope", "learned"] = "rope"
@@ -52,7 +63,7 @@ class ModelConfig(_Strict):
     attention: Literal["mha", "gqa", "mla"] = "gqa"
     attention_impl: Literal["flash", "math"] = "flash"
     add_bias: bool = False
-    dropout: float = Field(default=0.0, ge=0, lt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1, strict=False)
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
 

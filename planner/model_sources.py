@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -16,10 +18,12 @@ from pydantic import ValidationError
 from torch import nn
 
 from hardware_profiles.errors import UserInputError, format_pydantic_error
+from hardware_profiles.loader import read_small_text
 
 from .model_config import ModelConfig
 
 MODEL_DIR = Path(__file__).resolve().parent / "models"
+MODULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,9 @@ def _validate(data: dict, source: str) -> ModelConfig:
 
 
 def load_model_yaml(path: Path) -> ModelConfig:
-    if not path.is_file():
-        raise UserInputError("file not found", source=str(path), expected="a model YAML or config.json")
+    text = read_small_text(path, "model YAML")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UserInputError(f"not valid YAML ({str(exc).splitlines()[0]})", source=str(path)) from None
     if not isinstance(data, dict):
@@ -62,9 +65,41 @@ def _first(config: dict, *keys, default=None):
     return default
 
 
+# model_type values whose config.json this reader maps (decoder families; docs/models.md)
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2",
+                  "deepseek_v3", "gpt2", "gpt_neox")
+HF_INT_KEYS = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer",
+               "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size",
+               "max_position_embeddings", "n_positions", "n_ctx", "num_local_experts", "n_routed_experts",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+               "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim")
+HF_BOOL_KEYS = ("tie_word_embeddings",)
+
+
+def _check_hf_types(config: dict, source: str) -> None:
+    """Sizes are integers and switches booleans: '"tie_word_embeddings": "false"' would read as true and
+    a string hidden size would multiply as text."""
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise UserInputError(f"model_type {model_type!r} is not a decoder family this reader maps",
+                             source=source, field="model_type", expected=f"one of {', '.join(HF_MODEL_TYPES)} "
+                             "(other models: pass the nn.Module, or write a model YAML)")
+    for key in HF_INT_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UserInputError(f"{value!r} is not an integer", source=source, field=key, expected="an integer")
+    for key in HF_BOOL_KEYS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise UserInputError(f"{value!r} is not a boolean", source=source, field=key,
+                                 expected="true or false (JSON booleans, not strings)")
+
+
 def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
     """Map Hugging Face key names (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3, GPT-2, NeoX)."""
-    model_type = config.get("model_type", "")
+    _check_hf_types(config, source)
+    model_type = config["model_type"]
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")
     layers = _first(config, "num_hidden_layers", "n_layer")
@@ -111,12 +146,18 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
 def load_user_module(spec: str) -> UserModule:
     path_text, _, factory_name = spec.rpartition(":")
     path = Path(path_text)
-    if not path.is_file():
+    if not os.path.isfile(path):
         raise UserInputError("file not found", source=path_text, expected="'path/to/file.py:factory'")
     module_spec = importlib.util.spec_from_file_location(f"user_model_{path.stem}", path)
+    if not MODULE_NAME.match(path.stem) or not MODULE_NAME.match(factory_name):
+        raise UserInputError(f"'{path.name}:{factory_name}' is not a plain file and factory name", source=path_text,
+                             expected="letters, digits, '_', '.' and '-' (the name goes into plans and commands)")
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as exc:  # sys.exit() in the user's file must not end the planner with its status
+        raise UserInputError(f"importing the file called sys.exit({exc.code!r})", source=path_text,
+                             expected="a module that defines the factory without exiting") from None
     except Exception as exc:  # the user's file: report, never a traceback
         raise UserInputError(f"importing the file failed: {type(exc).__name__}: {exc}", source=path_text) from None
     factory = getattr(module, factory_name, None)
@@ -143,12 +184,15 @@ def resolve_model(spec) -> ModelConfig | UserModule:
         return load_user_module(text)
     path = Path(text)
     if path.suffix == ".json":
-        if not path.is_file():
-            raise UserInputError("file not found", source=text, expected="a Hugging Face config.json")
+        content = read_small_text(path, "Hugging Face config.json")
         try:
-            return config_from_hf(json.loads(path.read_text()), text)
+            config = json.loads(content)
         except json.JSONDecodeError as exc:
             raise UserInputError(f"not valid JSON ({exc})", source=text) from None
+        if not isinstance(config, dict):
+            raise UserInputError("the file does not hold a JSON object", source=text,
+                                 expected="a Hugging Face config.json")
+        return config_from_hf(config, text)
     if path.suffix in (".yaml", ".yml"):
         return load_model_yaml(path)
     if text in list_builtin_models():

@@ -2,40 +2,78 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cost_models.layout import Layout, OverlapModel, Recompute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cost_models.compute import FP8_CAST_BYTES
+from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
 
+from .output_paths import write_no_follow
+
+
+MAX_PLAN_FILE_BYTES = 64 << 20   # a plan of 16,384 devices and 1,000 stages is under 1 MB
+PLAIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._+:/-]{0,199}$"   # goes into shell commands: no spaces, quotes or ;
+MAX_DEGREE = 1 << 20
+
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+
+Degree = Field(gt=0, le=MAX_DEGREE)
 
 
 class LayoutRecord(_Frozen):
-    dp: int
-    tp: int
-    pp: int
-    vp: int
-    cp: int
-    ep: int
-    etp: int
-    mbs: int
-    gbs: int
-    zero: int
+    dp: int = Degree
+    tp: int = Degree
+    pp: int = Degree
+    vp: int = Degree
+    cp: int = Degree
+    ep: int = Degree
+    etp: int = Degree
+    mbs: int = Degree
+    gbs: int = Field(gt=0)
+    zero: Literal[0, 1, 2, 3]
     sp: bool
-    recompute: str
-    schedule: str
-    precision: str
+    recompute: Literal["none", "selective", "full", "per-layer"]
+    schedule: Literal["1f1b", "interleaved-1f1b"]
+    precision: Literal["bf16", "fp8"]
     mesh_order: list[str]
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
-    grad_reduce: str = "fp32"       # gradient buffers and reductions (bf16: --grad-reduce-in-bf16)
+    grad_reduce: Literal["fp32", "bf16"] = "fp32"   # gradient buffers and reductions (bf16: --grad-reduce-in-bf16)
     fp8_recipe: str = "delayed"     # FP8 scaling recipe (Megatron --fp8-recipe), with precision fp8
+
+    @field_validator("mesh_order")
+    @classmethod
+    def _is_permutation(cls, order: list[str]) -> list[str]:
+        if sorted(order) != sorted(MEGATRON_ORDER):
+            raise ValueError(f"must list {', '.join(MEGATRON_ORDER)} once each, innermost first")
+        return order
+
+    @field_validator("fp8_recipe")
+    @classmethod
+    def _known_recipe(cls, recipe: str) -> str:
+        if recipe not in FP8_CAST_BYTES:
+            raise ValueError(f"must be one of {', '.join(FP8_CAST_BYTES)}")
+        return recipe
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.vp > 1 and self.pp == 1:
+            raise ValueError(f"vp={self.vp} needs pp > 1")
+        if self.schedule != ("interleaved-1f1b" if self.vp > 1 else "1f1b"):
+            raise ValueError(f"schedule {self.schedule} does not match vp={self.vp}")
+        if self.gbs % (self.dp * self.mbs):
+            raise ValueError(f"gbs={self.gbs} is not a multiple of dp*mbs = {self.dp * self.mbs}")
+        return self
 
     @classmethod
     def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
@@ -51,11 +89,17 @@ class LayoutRecord(_Frozen):
 
 
 class StageRecord(_Frozen):
-    index: int               # virtual stage (chunk); runs on pipeline rank index % pp
-    pipeline_rank: int
+    index: int = Field(ge=0)               # virtual stage (chunk); runs on pipeline rank index % pp
+    pipeline_rank: int = Field(ge=0)
     layers: list[int]        # block indices
-    modules: list[str]       # module names, as torchtitan's pipeline splitting takes them
-    recompute: list[str]     # per block of this stage
+    modules: list[str] = Field(min_length=1)   # module names, as torchtitan's pipeline splitting takes them
+    recompute: list[Literal["none", "selective", "full"]]     # per block of this stage
+
+    @model_validator(mode="after")
+    def _one_method_per_layer(self):
+        if len(self.recompute) != len(self.layers):
+            raise ValueError(f"{len(self.layers)} layers but {len(self.recompute)} recompute entries")
+        return self
 
 
 class MemoryRecord(_Frozen):
@@ -66,6 +110,7 @@ class MemoryRecord(_Frozen):
 
 
 class SearchStats(_Frozen):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)   # wall_s may be written as an int
     # wall time is reported (CLI, API) but kept out of plan files, which must be byte-identical per input
     wall_s: float = Field(default=0.0, exclude=True)
     candidates: int
@@ -77,6 +122,7 @@ class SearchStats(_Frozen):
 
 
 class Alternative(_Frozen):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
     layout: str
     step_time_s: float
     mfu: float
@@ -84,11 +130,13 @@ class Alternative(_Frozen):
 
 
 class Plan(_Frozen):
-    model: str
-    cluster: str
-    num_devices: int
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
+    model: str = Field(pattern=PLAIN_NAME)
+    cluster: str = Field(pattern=PLAIN_NAME)
+    num_devices: int = Field(gt=0, le=MAX_DEGREE)
+    devices_per_node: int | None = Field(default=None, gt=0)   # of the cluster planned for (launch commands)
     placement: str = ""                 # how the devices fill the scale-up domains (Cluster.placement_text)
-    seq_len: int
+    seq_len: int = Field(gt=0)
     layout: LayoutRecord
     stages: list[StageRecord]
     step_time_s: float
@@ -103,6 +151,19 @@ class Plan(_Frozen):
     search: SearchStats | None = None
     alternatives: list[Alternative] = []
     reasons: list[str] = []
+
+    @model_validator(mode="after")
+    def _layout_matches(self):
+        lay = self.layout
+        world = lay.dp * lay.tp * lay.pp * lay.cp
+        if world != self.num_devices:
+            raise ValueError(f"layout dp*tp*pp*cp = {world} does not equal num_devices={self.num_devices}")
+        if len(self.stages) != lay.pp * lay.vp:
+            raise ValueError(f"{len(self.stages)} stages where pp*vp = {lay.pp * lay.vp}")
+        if self.devices_per_node and self.num_devices % self.devices_per_node \
+                and self.devices_per_node % self.num_devices:
+            raise ValueError(f"num_devices={self.num_devices} does not fill nodes of {self.devices_per_node}")
+        return self
 
     def to_layout(self) -> Layout:
         """The runnable layout: degrees plus the stage partition and per-layer recomputation."""
@@ -119,17 +180,22 @@ class Plan(_Frozen):
     def save(self, path: str | Path) -> None:
         path = Path(path)
         data = self.model_dump(mode="json")
-        if path.suffix == ".json":
-            path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-        else:
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
+        text = json.dumps(data, indent=2, sort_keys=False) + "\n" if path.suffix == ".json" \
+            else yaml.safe_dump(data, sort_keys=False)
+        write_no_follow(path, text.encode())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         path = Path(path)
-        if not path.is_file():
+        if not os.path.isfile(path):
             raise UserInputError("file not found", source=str(path), expected="a plan written by 'planner plan --out'")
-        text = path.read_text()
+        if path.stat().st_size > MAX_PLAN_FILE_BYTES:
+            raise UserInputError(f"{path.stat().st_size:,} bytes", source=str(path),
+                                 expected=f"a plan file under {MAX_PLAN_FILE_BYTES >> 20} MB")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserInputError(f"cannot read ({exc})", source=str(path), expected="a UTF-8 plan file") from None
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:

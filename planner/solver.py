@@ -193,6 +193,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1  # deterministic: same inputs, same plan
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C reaches Python and ends the search (exit 130)
     status = solver.Solve(cp)
     wall = time.perf_counter() - start_time
     name = solver.StatusName(status)

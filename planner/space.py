@@ -44,9 +44,47 @@ def parse_layout_text(text: str, source: str = "--layout") -> dict:
             raise UserInputError(f"'{item}' is not key=value", field=source,
                                  expected="comma-separated key=value pairs such as 'tp=8,pp=4'")
         key, raw = (s.strip() for s in item.split("=", 1))
-        if key not in LAYOUT_KEYS:
-            raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
+        _check_key(key, source)
+        if key in values:
+            raise UserInputError(f"'{key}' is given twice", field=source, expected=f"each key once ({key}=...)")
         values[key] = _parse_value(key, raw, source)
+    return values
+
+
+def _check_key(key: str, source: str) -> None:
+    if key not in LAYOUT_KEYS:
+        raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
+
+
+TEXT_KEYS = ("recompute", "precision", "grad_reduce", "fp8_recipe")
+
+
+def layout_values(given: dict, source: str = "layout") -> dict:
+    """Typed layout fields from the API (`plan(..., tp=8, recompute="full")`, `evaluate(layout={...})`),
+    checked as strictly as the text form: an integer field takes an int (not a bool, float or text), a
+    named field its name, `sp` a bool, `order` a sequence of dims."""
+    values = {}
+    for key, value in given.items():
+        _check_key(key, source)
+        if key in TEXT_KEYS:
+            text = value.value if isinstance(value, Recompute) else value
+            if not isinstance(text, str):
+                raise UserInputError(f"{key}={value!r}", field=source, expected=f"{key} as text, e.g. {key}='...'")
+            values[key] = _parse_value(key, text, source)
+        elif key == "sp":
+            if not isinstance(value, bool):
+                raise UserInputError(f"sp={value!r}", field=source, expected="sp=True or sp=False")
+            values[key] = value
+        elif key == "order":
+            dims = value.split("-") if isinstance(value, str) else value
+            if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
+                raise UserInputError(f"order={value!r}", field=source, expected="a sequence of mesh dims")
+            values[key] = _parse_value(key, "-".join(dims), source)
+        else:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UserInputError(f"{key}={value!r} is not an integer", field=source,
+                                     expected=f"{key}=<positive integer>")
+            values[key] = _parse_value(key, str(value), source)
     return values
 
 
@@ -96,35 +134,20 @@ def pins_from(values: dict) -> Pins:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list[str]:
-    """Every validity rule the layout breaks, each as a sentence naming the numbers."""
-    problems = []
-    heads, groups, experts = graph.attention_heads, graph.kv_groups, graph.num_experts
-    if layout.world_size != num_devices:
-        problems.append(f"dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = {layout.world_size} "
-                        f"does not equal the {num_devices} devices")
-    if heads and heads % layout.tp:
-        problems.append(f"tp={layout.tp} does not divide the {heads} attention heads")
-    if groups and groups % layout.tp and layout.tp % groups:
-        problems.append(f"tp={layout.tp} and the {groups} kv groups do not divide one another")
-    if layout.ep > 1 and (not experts or experts % layout.ep):
-        problems.append(f"ep={layout.ep} does not divide the {experts} experts")
-    if layout.ep * layout.etp > layout.dp * layout.cp * layout.tp or (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp):
-        problems.append(f"ep*etp = {layout.ep * layout.etp} does not divide dp*cp*tp = {layout.dp * layout.cp * layout.tp}")
-    if layout.etp > layout.tp:
-        problems.append(f"etp={layout.etp} exceeds tp={layout.tp}")
-    if graph.seq_len % (2 * layout.cp) and layout.cp > 1:
-        problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * layout.cp} causal chunks")
-    if graph.num_blocks < layout.pp * layout.vp:
-        problems.append(f"{graph.num_blocks} layers cannot fill pp*vp = {layout.pp * layout.vp} stages")
-    if layout.global_batch % (layout.dp * layout.micro_batch):
-        problems.append(f"global batch {layout.global_batch} is not a multiple of dp*mbs = "
-                        f"{layout.dp}*{layout.micro_batch}")
-    elif layout.vp > 1 and layout.num_micro_batches % layout.pp:
-        problems.append(f"interleaving needs micro-batches ({layout.num_micro_batches}) divisible by pp={layout.pp}")
+    """Every validity rule the layout breaks, each as a sentence naming the numbers: the rules of pins
+    (a full layout pins every degree) and those only a whole layout can break."""
+    problems = value_problems(layout)
+    if problems:
+        return problems
+    problems = pin_problems(pins_of(layout), graph, num_devices, layout.global_batch)
+    folded = layout.dp * layout.cp * layout.tp
+    if (layout.ep > 1 or layout.etp > 1) and folded % (layout.ep * layout.etp):
+        problems.append(f"ep*etp = {layout.ep * layout.etp} does not divide dp*cp*tp = {folded}")
     if layout.stage_layers is not None and (len(layout.stage_layers) != layout.pp * layout.vp
                                             or sum(layout.stage_layers) != graph.num_blocks
                                             or min(layout.stage_layers) < 1):
@@ -132,6 +155,71 @@ def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list
                         f"into pp*vp = {layout.pp * layout.vp} non-empty stages")
     if layout.mesh_order and sorted(layout.mesh_order) != sorted(MEGATRON_ORDER):
         problems.append(f"mesh order {layout.mesh_order} is not a permutation of {MEGATRON_ORDER}")
+    return problems
+
+
+def pins_of(layout: Layout) -> Pins:
+    """A whole layout as pins: every degree fixed."""
+    return Pins(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
+                etp=layout.etp, mbs=layout.micro_batch, zero=layout.zero, recompute=layout.recompute)
+
+
+def value_problems(layout: Layout) -> list[str]:
+    """Values no layout may have, whatever the model (a `Layout` built in Python is not parsed)."""
+    problems = [f"{name}={getattr(layout, name)} is not a positive integer" for name in
+                ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "micro_batch", "global_batch")
+                if isinstance(getattr(layout, name), bool) or not isinstance(getattr(layout, name), int)
+                or getattr(layout, name) < 1]
+    if layout.zero not in (0, 1, 2, 3) or isinstance(layout.zero, bool):
+        problems.append(f"zero={layout.zero} is not a ZeRO stage 0-3")
+    for name, allowed in (("precision", ("bf16", "fp8")), ("grad_reduce", ("fp32", "bf16")),
+                          ("fp8_recipe", tuple(FP8_CAST_BYTES))):
+        if getattr(layout, name) not in allowed:
+            problems.append(f"{name}={getattr(layout, name)!r} is not one of {', '.join(allowed)}")
+    if not isinstance(layout.recompute, Recompute):
+        problems.append(f"recompute={layout.recompute!r} is not none, selective or full")
+    return problems
+
+
+def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: int) -> list[str]:
+    """The rule each pin breaks on its own or with the other pins, before any layout is tried."""
+    problems = []
+    degrees = {name: getattr(pins, name) for name in ("tp", "cp", "pp", "dp") if getattr(pins, name)}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    named = "*".join(degrees)
+    if len(degrees) == 4 and product != num_devices:
+        problems.append(f"the degrees multiply to {product:,} ({named}), not the {num_devices:,} devices")
+    elif degrees and num_devices % product:
+        problems.append(f"the pinned {named} = {product:,} does not divide the {num_devices:,} devices")
+    heads, groups, experts = graph.attention_heads, graph.kv_groups, graph.num_experts
+    if pins.tp and heads and heads % pins.tp:
+        problems.append(f"tp={pins.tp} does not divide the {heads} attention heads")
+    if pins.tp and groups and groups % pins.tp and pins.tp % groups:
+        problems.append(f"tp={pins.tp} and the {groups} kv groups do not divide one another")
+    if pins.ep and pins.ep > 1 and not experts:
+        problems.append(f"ep={pins.ep} needs experts, and {graph.name} is a dense model")
+    elif pins.ep and experts and experts % pins.ep:
+        problems.append(f"ep={pins.ep} does not divide the {experts} experts")
+    if pins.etp and pins.etp > 1 and not experts:
+        problems.append(f"etp={pins.etp} needs experts, and {graph.name} is a dense model")
+    if pins.etp and pins.tp and pins.etp > pins.tp:
+        problems.append(f"etp={pins.etp} exceeds tp={pins.tp}")
+    if pins.vp and pins.vp > 1 and pins.pp == 1:
+        problems.append(f"vp={pins.vp} needs pp > 1 (interleaving splits a pipeline rank's layers into chunks)")
+    if (pins.pp or 1) * (pins.vp or 1) > graph.num_blocks:
+        problems.append(f"{graph.num_blocks} layers cannot fill pp*vp = {(pins.pp or 1) * (pins.vp or 1)} stages")
+    if pins.cp and pins.cp > 1 and graph.seq_len % (2 * pins.cp):
+        problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * pins.cp} causal chunks")
+    if pins.dp and global_batch % (pins.dp * (pins.mbs or 1)):
+        problems.append(f"global batch {global_batch} is not a multiple of dp*mbs = {pins.dp}*{pins.mbs or 1}")
+    elif pins.dp and pins.mbs and pins.pp and pins.vp and pins.vp > 1:
+        micro = global_batch // (pins.dp * pins.mbs)
+        if micro % pins.pp:
+            problems.append(f"interleaving needs {micro} micro-batches divisible by pp={pins.pp}")
+    elif pins.mbs and global_batch % pins.mbs:
+        problems.append(f"global batch {global_batch} is not a multiple of mbs={pins.mbs}")
     return problems
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cost_models.reliability import goodput
-from hardware_profiles.errors import UserInputError
+from hardware_profiles.errors import UserInputError, clip
 
 from .api import InfeasibleError, plan, resolve_cluster
 from .model_capture import capture
@@ -15,15 +15,21 @@ SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
+MAX_SWEEP_POINTS = 64          # each point is a whole search
+MAX_SWEEP_VALUE = 1 << 24      # devices, sequence length, batch or Gbit/s
+MAX_TOKENS = 1e18   # a million times Llama 3's 15T: beyond it a budget is a typo
+
+
 def parse_tokens(text: str) -> float:
     text = str(text).strip().upper()
+    expected = f"a positive number up to {MAX_TOKENS:.0e} with an optional K/M/B/T suffix, e.g. 15T"
     try:
-        if text and text[-1] in TOKEN_SUFFIXES:
-            return float(text[:-1]) * TOKEN_SUFFIXES[text[-1]]
-        return float(text)
+        tokens = float(text[:-1]) * TOKEN_SUFFIXES[text[-1]] if text and text[-1] in TOKEN_SUFFIXES else float(text)
     except ValueError:
-        raise UserInputError(f"'{text}' is not a token count", field="--tokens",
-                             expected="a number with an optional K/M/B/T suffix, e.g. 15T") from None
+        raise UserInputError(f"'{clip(text)}' is not a token count", field="--tokens", expected=expected) from None
+    if not 0 < tokens <= MAX_TOKENS:   # also nan, inf and 1e400 (inf)
+        raise UserInputError(f"'{clip(text)}'", field="--tokens", expected=expected)
+    return tokens
 
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:
@@ -37,10 +43,13 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
         raise UserInputError(f"unknown sweep key '{key}'", field="--sweep", expected=f"one of {', '.join(SWEEP_KEYS)}")
     if not points:
         raise UserInputError("no values", field="--sweep", expected="at least one value after '='")
+    if len(points) > MAX_SWEEP_POINTS:
+        raise UserInputError(f"{len(points)} points", field="--sweep", expected=f"at most {MAX_SWEEP_POINTS} points")
     if key != "device":
         for value in points:
-            if not value.isdigit() or int(value) <= 0:
-                raise UserInputError(f"{key}={value}", field="--sweep", expected=f"positive integers for {key}")
+            if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= MAX_SWEEP_VALUE:
+                raise UserInputError(f"{key}={clip(value)}", field="--sweep",
+                                     expected=f"positive integers up to {MAX_SWEEP_VALUE:,} for {key}")
     return key, points
 
 
@@ -140,7 +149,7 @@ def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, 
            devices_per_node: int | None = None, time_limit_s: float = 30.0, **fix) -> Report:
     """Best plan at every sweep point: `whatif("llama3-70b", sweep="num-devices=512,1024", device="h100-sxm", ...)`."""
     key, points = parse_sweep(sweep)
-    budget = parse_tokens(tokens) if isinstance(tokens, str) else float(tokens)
+    budget = parse_tokens(str(tokens))
     base = {"cluster": cluster, "device": device, "num_devices": num_devices, "devices_per_node": devices_per_node}
     rows = []
     name = capture(model, seq_len).name
