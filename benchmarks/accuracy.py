@@ -13,13 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cost_models.layout_codec import text_of  # noqa: E402
 from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from planner.api import evaluate, plan  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
-from planner.model_capture import capture  # noqa: E402
-from planner.published import DEFAULT_RUNS, load_runs, predict, published_layout, run_overlap  # noqa: E402
-from planner.space import layout_problems  # noqa: E402
+from planner.capture.model_capture import capture  # noqa: E402
+from benchmarks.published import DEFAULT_RUNS, load_runs, predict, published_layout, run_overlap  # noqa: E402
+from planner.search.space import layout_problems  # noqa: E402
 
 
 # What is known of each run the model misses by more than 25%, with sources; no figure here enters a prediction
@@ -164,7 +165,7 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
     for run, layout, inside, published, searched in checks:
         ok = "yes" if searched.step_time_s <= published.step_time_s * (1 + 1e-9) else (
             "no" if published.fits else "n/a (does not fit)")
-        lines.append(f"| {run.id} | {layout.short()} | {'yes' if inside else 'NO'} | {published.step_time_s:.3f} | "
+        lines.append(f"| {run.id} | {text_of(layout)} | {'yes' if inside else 'NO'} | {published.step_time_s:.3f} | "
                      f"{'yes' if published.fits else 'no'} | {searched.step_time_s:.3f} | {ok} |")
     over = [max(s.total - s.capacity for s in published.stage_memory) / 1e9
             for _, _, _, published, _ in checks if not published.fits]

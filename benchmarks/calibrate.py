@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
-from planner.model_capture import capture  # noqa: E402
-from planner.published import DEFAULT_RUNS, load_runs, predict, run_overlap  # noqa: E402
+from planner.capture.model_capture import capture  # noqa: E402
+from benchmarks.published import DEFAULT_RUNS, load_runs, predict, run_overlap  # noqa: E402
 from gpu_compare import DEFAULT_RESULTS, HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
 
 # profiles without published runs of their own that share the fitted GPU's silicon and software

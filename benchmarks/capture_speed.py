@@ -8,8 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.model_capture import _capture_cached, capture  # noqa: E402
-from planner.model_config import ModelConfig  # noqa: E402
+from planner.capture.model_capture import _capture_cached, capture  # noqa: E402
+from planner.capture.model_config import ModelConfig  # noqa: E402
 
 MODELS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3"]
 

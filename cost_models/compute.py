@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hardware_profiles.schema import Device
 
+from .layout import Fp8Recipe, Precision
 from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 # Transformer Engine on Hopper, whose FP8 GEMMs take one operand layout only: read bf16 (2), write row- and
 # column-wise FP8 copies (1 + 1); tensorwise (current) scaling first reads the tensor for its amax (2),
 # delayed scaling takes the amax from history inside the cast (TE docs, FP8 recipes; Micikevicius et al. 2022)
-FP8_CAST_BYTES = {"delayed": 4.0, "tensorwise": 6.0}
+FP8_CAST_BYTES = {Fp8Recipe.delayed: 4.0, Fp8Recipe.tensorwise: 6.0}
 
 # a fused flash backward recomputes q k^T: 5 matmuls where an unfused backward has 4 (Dao 2023: backward =
 # 2.5 x forward FLOPs); measured on an H200 it takes 3.0-3.6 x the forward (docs/gpu-validation.md)
@@ -36,8 +37,8 @@ class ShardSpec:
     sp: bool = False
     cp: int = 1
     micro_batch: int = 1
-    precision: str = "bf16"
-    fp8_recipe: str = "delayed"
+    precision: Precision = Precision.bf16
+    fp8_recipe: Fp8Recipe = Fp8Recipe.delayed
     causal_attention_work: float = 0.5
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
     etp: int = 1    # ranks splitting each expert's weights
@@ -137,7 +138,7 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
 
 def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerCompute:
     if kind.role != "block":  # Megatron keeps the embedding and output layers in bf16 under FP8 (as memory.py)
-        spec = replace(spec, precision="bf16")
+        spec = replace(spec, precision=Precision.bf16)
     forward = backward_input = backward_weight = attention = 0.0
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)

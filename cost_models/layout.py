@@ -5,13 +5,39 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class Recompute(str, Enum):
+class TextEnum(str, Enum):
+    """A choice written as text: equal to, printed and formatted as its value (names equal values, so
+    it also hashes as its text and dict lookups by text work)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Recompute(TextEnum):
     none = "none"
     selective = "selective"   # recompute the attention core (Megatron --recompute-granularity selective)
     full = "full"             # keep only the layer input, recompute the whole layer
 
 
-class Schedule(str, Enum):
+class Precision(TextEnum):
+    bf16 = "bf16"
+    fp8 = "fp8"                 # FP8 GEMMs (Transformer Engine); embedding and output layers stay bf16
+
+
+class GradReduce(TextEnum):
+    fp32 = "fp32"               # gradient buffers and reductions in fp32 (Megatron-LM with --bf16)
+    bf16 = "bf16"               # --grad-reduce-in-bf16
+
+
+class Fp8Recipe(TextEnum):
+    delayed = "delayed"         # amax history (Megatron --fp8-recipe delayed)
+    tensorwise = "tensorwise"   # current scaling, one more read per cast (Megatron-Bridge "FP8-CS")
+
+
+class Schedule(TextEnum):
     one_f_one_b = "1f1b"
     interleaved = "interleaved-1f1b"
 
@@ -38,12 +64,20 @@ class Layout:
     zero: int = 1
     sequence_parallel: bool = True
     recompute: Recompute = Recompute.none
-    precision: str = "bf16"
-    grad_reduce: str = "fp32"   # gradient buffers and reductions: fp32 (Megatron-LM) or bf16 (--grad-reduce-in-bf16)
-    fp8_recipe: str = "delayed"  # FP8 scaling (Megatron --fp8-recipe): delayed (amax history) or tensorwise (current)
+    precision: Precision = Precision.bf16
+    grad_reduce: GradReduce = GradReduce.fp32
+    fp8_recipe: Fp8Recipe = Fp8Recipe.delayed
     mesh_order: tuple[str, ...] = MEGATRON_ORDER
     stage_layers: tuple[int, ...] | None = None        # blocks per virtual stage (pp * vp entries)
     layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
+
+    def __post_init__(self):
+        # choices given as their text become the enum; anything else is left for value_problems to name
+        for name, kind in (("recompute", Recompute), ("precision", Precision), ("grad_reduce", GradReduce),
+                           ("fp8_recipe", Fp8Recipe)):
+            value = getattr(self, name)
+            if isinstance(value, str) and not isinstance(value, kind) and value in kind._value2member_map_:
+                object.__setattr__(self, name, kind(value))
 
     @property
     def world_size(self) -> int:
@@ -83,17 +117,6 @@ class Layout:
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         sizes = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
         return tuple((name, sizes[name]) for name in self.mesh_order if name in sizes)
-
-    def short(self) -> str:
-        text = (f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep},etp={self.etp},vp={self.vp},"
-                f"mbs={self.micro_batch},zero={self.zero},recompute={self.recompute.value}")
-        if self.mesh_order != MEGATRON_ORDER:
-            text += ",order=" + "-".join(self.mesh_order)
-        if self.grad_reduce != "fp32":
-            text += f",grad_reduce={self.grad_reduce}"
-        if self.precision == "fp8" and self.fp8_recipe != "delayed":
-            text += f",fp8_recipe={self.fp8_recipe}"
-        return text
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cost_models.layout import Layout, Recompute  # noqa: E402
+from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
-from planner.model_capture import capture  # noqa: E402
-from planner.model_sources import ModelConfig, resolve_model  # noqa: E402
+from planner.capture.model_capture import capture  # noqa: E402
+from planner.capture.model_sources import ModelConfig, resolve_model  # noqa: E402
 from planner.plans import Plan  # noqa: E402
-from planner.reference_model import build_model  # noqa: E402
-from planner.space import parse_layout_text  # noqa: E402
+from planner.capture.reference_model import build_model  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402
 from runtime.parallel_model import device_type_of  # noqa: E402
 
@@ -81,14 +81,11 @@ def build(spec: str, seq_len: int, seed: int):
     return model, capture(spec, seq_len)
 
 
-def layout_from(args, graph) -> Layout:
+def run_layout(args, graph) -> Layout:
     if args.plan:
         return replace(Plan.load(args.plan).to_layout(), precision="fp32")
-    values = parse_layout_text(args.layout, "--layout")
-    degrees = {k: values.get(k, 1) for k in ("dp", "tp", "pp", "vp", "cp", "ep", "etp")}
-    return Layout(**degrees, micro_batch=values.get("mbs", 1), global_batch=args.global_batch,
-                  zero=values.get("zero", 1), sequence_parallel=values.get("sp", True),
-                  recompute=values.get("recompute", Recompute.none), precision="fp32")
+    values = parse_text(args.layout, "--layout")
+    return layout_from(values, global_batch=args.global_batch, precision="fp32")
 
 
 def batch(step: int, args, vocab: int):
@@ -108,7 +105,7 @@ def main(argv=None) -> int:
             saved = Plan.load(args.plan)
             args.global_batch, args.seq_len = saved.layout.gbs, saved.seq_len
         model, graph = build(args.model, args.seq_len, args.seed)
-        layout = layout_from(args, graph)
+        layout = run_layout(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
             raise PlanError(f"global batch {layout.global_batch} is not a multiple of dp*mbs")
         parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr,

@@ -32,8 +32,9 @@ def read_small_text(path: Path, what: str) -> str:
         raise UserInputError(f"cannot read ({exc})", source=str(path), expected=f"a UTF-8 {what}") from None
 
 
-def _read_yaml(path: Path) -> dict:
-    text = read_small_text(path, "YAML profile")
+def read_yaml_mapping(path: Path, what: str = "YAML profile") -> dict:
+    """A small YAML file that must hold a mapping of fields (profiles, model files)."""
+    text = read_small_text(path, what)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -74,7 +75,7 @@ def parse_device(data: dict, source: str) -> Device:
 
 def load_device(name_or_path: str) -> Device:
     path = _resolve(name_or_path, DEVICE_DIR, list_devices(), "device")
-    return parse_device(_read_yaml(path), str(path))
+    return parse_device(read_yaml_mapping(path), str(path))
 
 
 def _device_reference(device_ref: str, cluster_file: Path | None) -> str:
@@ -106,7 +107,7 @@ def parse_cluster(data: dict, source: str, cluster_file: Path | None = None) -> 
 
 def load_cluster(name_or_path: str) -> Cluster:
     path = _resolve(name_or_path, CLUSTER_DIR, list_clusters(), "cluster")
-    return parse_cluster(_read_yaml(path), str(path), path)
+    return parse_cluster(read_yaml_mapping(path), str(path), path)
 
 
 def default_cluster_for(device: Device) -> Cluster | None:

@@ -1,4 +1,4 @@
-"""The physical topology as a graph, and where each dim of a device mesh lands on it.
+"""Where each dim of a device mesh lands on the cluster: which scale-up domains, nodes and pods a group spans.
 
 Ranks are numbered as Megatron-Core does: the first mesh dim is innermost (fastest varying), so with
 the order tp-cp-ep-dp-pp a tp group is a run of consecutive ranks and sits inside one node.
@@ -6,8 +6,6 @@ the order tp-cp-ep-dp-pp a tp group is a run of consecutive ranks and sits insid
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import networkx as nx
 
 from .schema import Cluster, FabricKind
 
@@ -88,39 +86,3 @@ def place_mesh(dims: tuple[MeshDim, ...], cluster: Cluster) -> MeshPlacement:
         groups.append(place_group(dim.name, dim.size, stride, cluster))
         stride *= dim.size
     return MeshPlacement(dims=tuple(dims), groups=tuple(groups))
-
-
-def build_topology_graph(cluster: Cluster) -> nx.Graph:
-    """Devices, node fabric switches, NICs, leaf and spine switches, with link bandwidths (GB/s)."""
-    graph = nx.Graph()
-    device = cluster.device
-    nic_gbytes = cluster.inter_node.nic_bandwidth_gbit_per_s / 8
-    domain_switch_of = {}
-    block = cluster.placement_domain_devices
-    for domain in range(cluster.num_devices // block):
-        switch = f"fabric{domain}"
-        graph.add_node(switch, kind="fabric", fabric=device.intra_node.kind.value)
-        domain_switch_of[domain] = switch
-    nics_per_node = cluster.inter_node.nics_per_node
-    pod = cluster.inter_node.pod_size_devices or cluster.num_devices
-    for spine in range(max(1, cluster.num_devices // pod)):
-        graph.add_node(f"spine{spine}", kind="spine")
-    for node in range(cluster.num_nodes):
-        leaf = f"leaf{node * cluster.devices_per_node // pod}"
-        if leaf not in graph:
-            graph.add_node(leaf, kind="leaf")
-            graph.add_edge(leaf, f"spine{node * cluster.devices_per_node // pod % max(1, cluster.num_devices // pod)}",
-                           bandwidth_gbytes_per_s=nic_gbytes * pod / cluster.inter_node.oversubscription_above_pod)
-        for nic in range(nics_per_node):
-            nic_name = f"node{node}/nic{nic}"
-            graph.add_node(nic_name, kind="nic")
-            graph.add_edge(nic_name, leaf, bandwidth_gbytes_per_s=nic_gbytes)
-        for local in range(cluster.devices_per_node):
-            rank = node * cluster.devices_per_node + local
-            name = f"dev{rank}"
-            graph.add_node(name, kind="device", node=node)
-            graph.add_edge(name, domain_switch_of[rank // block],
-                           bandwidth_gbytes_per_s=device.intra_node.bandwidth_per_direction_gbytes_per_s)
-            graph.add_edge(name, f"node{node}/nic{local * nics_per_node // cluster.devices_per_node}",
-                           bandwidth_gbytes_per_s=nic_gbytes)
-    return graph

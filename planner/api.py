@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
+from cost_models.layout import Layout, OverlapModel, Precision, Recompute
+from cost_models.layout_codec import FULL_KEYS, layout_from, parse_text, parse_values
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.errors import UserInputError
@@ -11,11 +12,11 @@ from hardware_profiles.loader import cluster_from_device, load_cluster
 from hardware_profiles.schema import Cluster
 
 from .explain import alternatives, reasons
-from .graph import ModelGraph
-from .model_capture import capture
+from .capture.graph import ModelGraph
+from .capture.model_capture import capture
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
-from .search import SearchOutcome, search
-from .space import Pins, layout_problems, layout_values, parse_layout_text, pin_problems, pins_from
+from .search.tree import SearchOutcome, search
+from .search.space import Pins, layout_problems, pin_problems, pins_from
 
 
 class InfeasibleError(UserInputError):
@@ -72,12 +73,12 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     if outcome is not None:
         ranked = [s.estimate for s in outcome.ranked]
         top = outcome.ranked[0].partition if outcome.ranked else None
-        complete = outcome.unexplored == 0
-        status = (top.status if top else "NONE") + ("" if complete else f"; time limit: {outcome.unexplored} "
-                                                    "candidates unexplored")
-        stats = SearchStats(wall_s=round(outcome.wall_s, 3), candidates=outcome.candidates,
-                            pruned_memory=outcome.pruned_memory, pruned_bound=outcome.pruned_bound,
-                            solved=outcome.solved, solver_status=status, gap=round(top.gap if top else 0.0, 6))
+        status = "time-limited" if outcome.unexplored else "unproven" if outcome.unproven else "complete"
+        stats = SearchStats(wall_s=round(outcome.wall_s, 3), cpu_s=round(outcome.cpu_s, 3), status=status,
+                            candidates=outcome.candidates, pruned_memory=outcome.pruned_memory,
+                            pruned_bound=outcome.pruned_bound, solved=outcome.solved,
+                            unexplored=outcome.unexplored, unproven_leaves=outcome.unproven,
+                            gap=round(top.gap if top else 0.0, 6))
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices,
@@ -101,6 +102,11 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
                                f"no plan found yet for {graph.name} on {cluster.num_devices} x {cluster.device.name}",
                                field="--time-limit", expected="a longer time limit, or pins (--fix) that narrow "
                                "the space")
+    if outcome.unproven and need <= capacity:
+        return InfeasibleError(f"{outcome.unproven} stage partitions stopped at the solver's work limit without a "
+                               f"plan or a proof that none fits, and no plan was found for {graph.name} on "
+                               f"{cluster.num_devices} x {cluster.device.name}", field="--fix",
+                               expected="pins (--fix) that narrow the space, e.g. the pipeline degree")
     if need == float("inf"):
         return InfeasibleError(f"no layout of {cluster.num_devices} devices divides this model and batch "
                                f"({graph.attention_heads} heads, {graph.num_blocks} layers, global batch "
@@ -117,9 +123,9 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
 
 
 def _fewest_devices(graph, cluster, global_batch, pins, precision) -> int | None:
-    from .search import _Bounds
-    from .space import candidate_layouts
-    bounds = _Bounds(graph.costs_record, cluster, OverlapModel(),
+    from .search.bounds import Bounds
+    from .search.space import candidate_layouts
+    bounds = Bounds(graph.costs_record, cluster, OverlapModel(),
                      (pins.recompute,) if pins.recompute else tuple(Recompute))
     count = cluster.num_devices
     for _ in range(12):
@@ -142,7 +148,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     """
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
-    values = layout_values(fix, "fix")
+    values = parse_values(fix, "fix")
     graph = capture(model, seq_len, leaf_modules)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     precision = resolve_precision(precision, values)
@@ -172,10 +178,10 @@ def resolve_precision(argument: str | None, values: dict) -> str:
     """The precision of an argument and of `precision=` in layout values (removed from them), bf16 if neither."""
     precision = _given_once("--precision", argument, values.pop("precision", None))
     if precision is None:
-        return "bf16"
-    if precision not in ("bf16", "fp8"):
+        return Precision.bf16
+    if precision not in Precision._value2member_map_:
         raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
-    return precision
+    return Precision(precision)
 
 
 def _check_precision_on(cluster: Cluster, precision: str) -> None:
@@ -200,20 +206,14 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         if not isinstance(layout, (str, dict)):
             raise UserInputError(f"{type(layout).__name__}", field="layout",
                                  expected="layout text ('tp=8,pp=2'), a dict of fields or a Layout")
-        values = parse_layout_text(layout) if isinstance(layout, str) else layout_values(layout)
+        values = parse_text(layout) if isinstance(layout, str) else parse_values(layout)
         precision = resolve_precision(precision, values)
         _given_once("--global-batch", global_batch, values.pop("gbs", None))
-        known = {"dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "zero", "recompute"}
-        if not known <= set(values):  # search the rest with these pinned
+        if not set(FULL_KEYS) <= set(values):  # search the rest with these pinned
             return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
                         precision=precision, time_limit_s=time_limit_s, overlap=overlap,
                         ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, **values)
-        given = Layout(dp=values["dp"], tp=values["tp"], pp=values["pp"], vp=values["vp"], cp=values["cp"],
-                       ep=values["ep"], etp=values["etp"], micro_batch=values["mbs"], global_batch=global_batch,
-                       zero=values["zero"], recompute=values["recompute"], sequence_parallel=values.get("sp", True),
-                       grad_reduce=values.get("grad_reduce", "fp32"), precision=precision,
-                       fp8_recipe=values.get("fp8_recipe", "delayed"),
-                       mesh_order=values.get("order", MEGATRON_ORDER))
+        given = layout_from(values, global_batch=global_batch, precision=precision)
     given = replace(given, global_batch=global_batch)
     _check_precision_on(resolved, given.precision)
     problems = layout_problems(given, graph, resolved.num_devices)

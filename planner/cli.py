@@ -11,14 +11,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from cost_models.layout import OverlapModel
+from cost_models.layout_codec import parse_text
 from cost_models.reliability import goodput
 from hardware_profiles.errors import UserInputError
 
 from . import api, exports, views
-from .model_capture import capture
+from .capture.model_capture import capture
 from .output_paths import check_plan_file, check_report_dir
 from .plans import Plan
-from .space import parse_layout_text
 from .whatif import whatif, write_report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -71,6 +71,7 @@ def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
         data["peak_memory_bytes_per_stage"] = [m.total_bytes for m in result.memory]
         if result.search is not None:
             data["search"]["wall_s"] = result.search.wall_s
+            data["search"]["cpu_s"] = result.search.cpu_s
         if top_goodput:
             data["goodput"] = top_goodput
         out.print_json(json.dumps(data))
@@ -96,7 +97,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
     if out_path is not None:
         out_path = check_plan_file(out_path)
-    pins = parse_layout_text(fix, "--fix")
+    pins = parse_text(fix, "--fix")
     precision = api.resolve_precision(precision, pins)
     progress, report = _progress()
     with progress:

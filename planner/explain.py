@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from cost_models.layout import Recompute
+from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
 
 from .plans import Alternative
-from .search import six_digits
+from .search.tree import six_digits
 
 PART_NAMES = {
     "compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
@@ -30,7 +31,7 @@ def _loses(best: Estimate, other: Estimate) -> str:
 
 
 def alternatives(best: Estimate, others: list[Estimate]) -> list[Alternative]:
-    return [Alternative(layout=other.layout.short(), step_time_s=other.step_time_s, mfu=other.mfu,
+    return [Alternative(layout=text_of(other.layout), step_time_s=other.step_time_s, mfu=other.mfu,
                         loses=_loses(best, other)) for other in others]
 
 
@@ -59,5 +60,5 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate]) -> list[st
         out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual, {lay.num_micro_batches} micro-batches"
                    + ("; layers split unevenly to balance the embedding and head" if uneven else ""))
     if others:
-        out.append(f"the next best ({others[0].layout.short()}) {_loses(best, others[0])}")
+        out.append(f"the next best ({text_of(others[0].layout)}) {_loses(best, others[0])}")
     return out

@@ -10,8 +10,9 @@ import yaml
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cost_models.compute import FP8_CAST_BYTES
-from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
+from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, OverlapModel, Precision, Recompute,
+                                 Schedule)
+from cost_models.layout_codec import layout_from, parse_text, values_of
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
 
@@ -31,6 +32,7 @@ Degree = Field(gt=0, le=MAX_DEGREE)
 
 
 class LayoutRecord(_Frozen):
+    """A plan file's layout: the keys of the layout text (`cost_models.layout_codec`), one value each."""
     dp: int = Degree
     tp: int = Degree
     pp: int = Degree
@@ -41,35 +43,30 @@ class LayoutRecord(_Frozen):
     mbs: int = Degree
     gbs: int = Field(gt=0)
     zero: Literal[0, 1, 2, 3]
-    sp: bool
+    sp: bool                        # sequence parallelism in effect (with tp > 1)
     recompute: Literal["none", "selective", "full", "per-layer"]
-    schedule: Literal["1f1b", "interleaved-1f1b"]
-    precision: Literal["bf16", "fp8"]
-    mesh_order: list[str]
+    schedule: Schedule = Field(strict=False)
+    precision: Precision = Field(strict=False)
+    order: str                      # mesh order, innermost first, as in the layout text: tp-cp-ep-dp-pp
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
-    grad_reduce: Literal["fp32", "bf16"] = "fp32"   # gradient buffers and reductions (bf16: --grad-reduce-in-bf16)
-    fp8_recipe: str = "delayed"     # FP8 scaling recipe (Megatron --fp8-recipe), with precision fp8
+    grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
+    fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
 
-    @field_validator("mesh_order")
+    @field_validator("order")
     @classmethod
-    def _is_permutation(cls, order: list[str]) -> list[str]:
-        if sorted(order) != sorted(MEGATRON_ORDER):
-            raise ValueError(f"must list {', '.join(MEGATRON_ORDER)} once each, innermost first")
+    def _is_permutation(cls, order: str) -> str:
+        try:
+            parse_text(f"order={order}", "layout.order")
+        except UserInputError:
+            raise ValueError(f"must list {', '.join(MEGATRON_ORDER)} once each, innermost first") from None
         return order
-
-    @field_validator("fp8_recipe")
-    @classmethod
-    def _known_recipe(cls, recipe: str) -> str:
-        if recipe not in FP8_CAST_BYTES:
-            raise ValueError(f"must be one of {', '.join(FP8_CAST_BYTES)}")
-        return recipe
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.vp > 1 and self.pp == 1:
             raise ValueError(f"vp={self.vp} needs pp > 1")
-        if self.schedule != ("interleaved-1f1b" if self.vp > 1 else "1f1b"):
+        if self.schedule != (Schedule.interleaved if self.vp > 1 else Schedule.one_f_one_b):
             raise ValueError(f"schedule {self.schedule} does not match vp={self.vp}")
         if self.gbs % (self.dp * self.mbs):
             raise ValueError(f"gbs={self.gbs} is not a multiple of dp*mbs = {self.dp * self.mbs}")
@@ -79,13 +76,16 @@ class LayoutRecord(_Frozen):
     def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
            overlap: OverlapModel = OverlapModel()) -> "LayoutRecord":
         kinds = {r.value for r in layer_recompute} or {layout.recompute.value}
-        summary = kinds.pop() if len(kinds) == 1 else "per-layer"
-        return cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
-                   etp=layout.etp, mbs=layout.micro_batch, gbs=layout.global_batch, zero=layout.zero,
-                   sp=layout.sp, recompute=summary, schedule=layout.schedule.value, precision=layout.precision,
-                   mesh_order=list(layout.mesh_order), tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
-                   moe_a2a_overlap=overlap.hides_moe_a2a(layout),
-                   grad_reduce=layout.grad_reduce, fp8_recipe=layout.fp8_recipe)
+        values = values_of(layout, ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "precision",
+                                    "grad_reduce", "fp8_recipe"))
+        return cls(**values, sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
+                   schedule=layout.schedule, order="-".join(layout.mesh_order),
+                   tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
+                   moe_a2a_overlap=overlap.hides_moe_a2a(layout))
+
+    @property
+    def mesh_order(self) -> tuple[str, ...]:
+        return tuple(self.order.split("-"))
 
 
 class StageRecord(_Frozen):
@@ -111,14 +111,20 @@ class MemoryRecord(_Frozen):
 
 class SearchStats(_Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)   # wall_s may be written as an int
-    # wall time is reported (CLI, API) but kept out of plan files, which must be byte-identical per input
+    # times are reported (CLI, API) but kept out of plan files, which must be byte-identical per input
     wall_s: float = Field(default=0.0, exclude=True)
+    cpu_s: float = Field(default=0.0, exclude=True)
+    # complete: every candidate bounded away or solved to a proof, so the plan is the model's optimum;
+    # time-limited: the wall-clock limit left candidates unexplored; unproven: a leaf's solver stopped at
+    # its work limit without a proof. Only a complete search's plan is independent of machine load.
+    status: Literal["complete", "time-limited", "unproven"]
     candidates: int
     pruned_memory: int
     pruned_bound: int
     solved: int
-    solver_status: str
-    gap: float
+    unexplored: int = 0
+    unproven_leaves: int = 0
+    gap: float                  # of the plan's own partition (0 when proven optimal)
 
 
 class Alternative(_Frozen):
@@ -168,14 +174,12 @@ class Plan(_Frozen):
     def to_layout(self) -> Layout:
         """The runnable layout: degrees plus the stage partition and per-layer recomputation."""
         lay = self.layout
-        stage_layers = tuple(len(stage.layers) for stage in self.stages)
-        recompute = tuple(Recompute(r) for stage in self.stages for r in stage.recompute)
-        return Layout(dp=lay.dp, tp=lay.tp, pp=lay.pp, vp=lay.vp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
-                      micro_batch=lay.mbs, global_batch=lay.gbs, zero=lay.zero, sequence_parallel=lay.sp,
-                      precision=lay.precision, grad_reduce=lay.grad_reduce, fp8_recipe=lay.fp8_recipe, mesh_order=tuple(lay.mesh_order),
-                      stage_layers=stage_layers,
-                      layer_recompute=recompute,
-                      recompute=Recompute(lay.recompute) if lay.recompute != "per-layer" else Recompute.none)
+        values = {key: getattr(lay, key) for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero",
+                                                     "sp", "precision", "grad_reduce", "fp8_recipe")}
+        return layout_from({**values, "order": lay.mesh_order,
+                            "recompute": Recompute.none if lay.recompute == "per-layer" else Recompute(lay.recompute)},
+                           stage_layers=tuple(len(stage.layers) for stage in self.stages),
+                           layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

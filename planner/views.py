@@ -7,11 +7,11 @@ from rich.console import Console
 from rich.table import Table
 
 from hardware_profiles.errors import UserInputError
-from hardware_profiles.loader import _read_yaml, list_clusters, list_devices, load_cluster, load_device
+from hardware_profiles.loader import list_clusters, list_devices, load_cluster, load_device, read_yaml_mapping
 
 from .explain import PART_NAMES
-from .graph import ModelGraph
-from .model_sources import list_builtin_models
+from .capture.graph import ModelGraph
+from .capture.model_sources import list_builtin_models
 from .plans import Plan
 
 GB = 1e9
@@ -21,7 +21,7 @@ def _differences(layout_text: str, best) -> str:
     """'tp=1,pp=1,dp=16,cp=2,...' -> the fields that differ from the plan's layout, e.g. 'dp=16, cp=2'."""
     pairs = [item.split("=", 1) for item in layout_text.split(",")]
     plan_values = {**{key: str(value) for key, value in best.model_dump().items()},
-                   "order": "-".join(best.mesh_order)}
+                   "order": best.order}
     changed = [f"{key}={value}" for key, value in pairs if plan_values.get(key, value) != value]
     return ", ".join(changed) or layout_text
 
@@ -48,7 +48,7 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     head.add_row("batch", f"global {lay.gbs}, micro {lay.mbs}, {lay.gbs // (lay.dp * lay.mbs)} micro-batches, "
                  f"seq {result.seq_len}")
     head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}, "
-                 f"mesh {'-'.join(lay.mesh_order)}")
+                 f"mesh {lay.order}")
     head.add_row("step time", f"{result.step_time_s:.3f} s   {result.tokens_per_s:,.0f} tokens/s")
     head.add_row("utilisation", f"{result.tflops_per_device:.0f} TFLOP/s per device, MFU {result.mfu:.1%}, "
                  f"HFU {result.hfu:.1%}")
@@ -88,9 +88,20 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     for reason in result.reasons:
         console.print(f"- {reason}")
     if result.search:
-        s = result.search
-        console.print(f"search: {s.candidates} candidates, {s.pruned_memory} pruned by memory, {s.pruned_bound} by "
-                      f"bound, {s.solved} solved ({s.solver_status}, gap {s.gap:.2%}) in {s.wall_s:.1f} s")
+        console.print(search_line(result.search))
+
+
+def search_line(s) -> str:
+    """The search's status in words: only a complete search says its plan is the best."""
+    counts = (f"{s.candidates:,} candidates, {s.pruned_memory:,} pruned by memory, {s.pruned_bound:,} by bound, "
+              f"{s.solved:,} solved in {s.wall_s:.1f} s ({s.cpu_s:.1f} CPU s)")
+    if s.status == "complete":
+        return f"search complete (every candidate bounded or solved to optimality): {counts}"
+    if s.status == "time-limited":
+        return (f"search TIME-LIMITED: {s.unexplored:,} candidates left unexplored by --time-limit; the plan is "
+                f"the best found, not proven best: {counts}")
+    return (f"search INCOMPLETE: {s.unproven_leaves:,} stage partitions stopped at the solver's work limit "
+            f"unproven (gap {s.gap:.2%} on the plan's own); the plan is the best found, not proven best: {counts}")
 
 
 def show_whatif(console: Console, report) -> None:
@@ -156,7 +167,7 @@ def show_profile(console: Console, name: str) -> None:
 def _peek(path: str) -> dict:
     """The fields of a profile file, or {} when it cannot be read (show_profile then reports it)."""
     try:
-        return _read_yaml(Path(path))
+        return read_yaml_mapping(Path(path))
     except UserInputError:
         return {}
 

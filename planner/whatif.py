@@ -9,7 +9,7 @@ from cost_models.reliability import goodput
 from hardware_profiles.errors import UserInputError, clip
 
 from .api import InfeasibleError, plan, resolve_cluster
-from .model_capture import capture
+from .capture.model_capture import capture
 
 SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.reference_model import CoreAttention, Rotary, rotate_half
+from planner.capture.reference_model import CoreAttention, Rotary, rotate_half
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from planner.graph import ModelGraph
-from planner.graph_analysis import routed_experts
+from planner.capture.graph import ModelGraph
+from planner.capture.graph_analysis import routed_experts
 
 
 def expert_meshes(world: DeviceMesh, ep: int, etp: int = 1) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:

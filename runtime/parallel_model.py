@@ -14,7 +14,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 from cost_models.layout import Layout, Recompute
 from cost_models.step_time import chunk_blocks
-from planner.graph import ModelGraph
+from planner.capture.graph import ModelGraph
 
 from .dims import ParallelDims, PlanError, world
 from .context_parallel import apply_cp, shard_sequence

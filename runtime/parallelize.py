@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from cost_models.layout import Recompute
-from planner.graph import ModelGraph
+from planner.capture.graph import ModelGraph
 
 
 def _present(module: nn.Module) -> set[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from planner.capture import trace
+from planner.capture.tracing import trace
 
 
 def _block_calls(graph: fx.Graph, block_names: set[str]) -> list[fx.Node]:

@@ -4,9 +4,9 @@ import pytest
 
 from cost_models.step_time import estimate
 from planner.api import plan
-from planner.model_capture import capture
-from planner.published import DEFAULT_RUNS, load_runs, predict, published_layout
-from planner.space import layout_problems
+from planner.capture.model_capture import capture
+from benchmarks.published import DEFAULT_RUNS, load_runs, predict, published_layout
+from planner.search.space import layout_problems
 
 pytestmark = pytest.mark.skipif(not DEFAULT_RUNS.exists(), reason="shared/validation not present")
 

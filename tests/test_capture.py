@@ -7,9 +7,9 @@ from cost_models.layout import Layout, Recompute
 from cost_models.memory import activation_bytes
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
-from planner.model_capture import capture
-from planner.model_config import ModelConfig, MoEConfig
-from planner.model_sources import config_from_hf, resolve_model
+from planner.capture.model_capture import capture
+from planner.capture.model_config import ModelConfig, MoEConfig
+from planner.capture.model_sources import config_from_hf, resolve_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -218,7 +218,7 @@ def test_full_recomputation_flops_equal_narayanan_96_form():
 
 
 def test_published_gpt_configurations_are_built_in():
-    from planner.model_sources import list_builtin_models
+    from planner.capture.model_sources import list_builtin_models
     names = set(list_builtin_models())
     assert {"narayanan21-1t", "korthikanti22-22b", "bloom-176b", "nemo2407-gpt3-175b"} <= names
     graph = capture("narayanan21-145b")

@@ -48,12 +48,12 @@ def plan_file(tmp_path_factory):
 def test_plan_json_schema():
     proc = run("plan --model tiny-llama --device h100-sxm --num-devices 8 --global-batch 16 --json")
     data = json.loads(proc.stdout)
-    for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "schedule", "mesh_order"):
+    for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "schedule", "order"):
         assert key in data["layout"]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "peak_memory_bytes",
                 "peak_memory_bytes_per_stage", "fits", "breakdown", "search"):
         assert key in data
-    assert {"wall_s", "candidates", "solved", "solver_status", "gap"} <= set(data["search"])
+    assert {"wall_s", "cpu_s", "status", "candidates", "solved", "unexplored", "unproven_leaves", "gap"} <= set(data["search"])
     assert data["step_time_s"] == pytest.approx(sum(data["breakdown"].values()), rel=1e-9)
 
 

@@ -236,7 +236,7 @@ def test_config_json_values_are_typed(change, named, tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("path,value,named", [
     (("layout", "tp"), 0, "tp"), (("layout", "gbs"), -1, "gbs"), (("layout", "recompute"), "banana", "recompute"),
     (("stages",), [], "stages"), (("num_devices",), -8, "num_devices"), (("layout", "dp"), 0, "dp"),
-    (("layout", "zero"), 9, "zero"), (("layout", "mesh_order"), ["tp"], "mesh_order"),
+    (("layout", "zero"), 9, "zero"), (("layout", "order"), "tp", "order"),
 ])
 def test_plan_files_are_validated(path, value, named, tiny_plan, tmp_path, capsys, monkeypatch):
     """tp: 0, gbs: -1, recompute: banana, stages: [], num_devices: -8 exported with exit 0; dp: 0 crashed."""

@@ -10,12 +10,11 @@ from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
 from planner.api import InfeasibleError, evaluate, plan
-from planner.model_capture import capture
-from planner.model_config import ModelConfig, MoEConfig
-from planner.search import (_balanced_bound, _Bounds, _communication_bound, _pipeline_bound, _work,
-                             _work_before_zero,
-                             search)
-from planner.space import Pins, parse_layout_text
+from planner.capture.model_capture import capture
+from planner.capture.model_config import ModelConfig, MoEConfig
+from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
+from planner.search.tree import search
+from planner.search.space import Pins
 
 GB = 1e9
 
@@ -126,13 +125,13 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
     assert outcome.unexplored == 0
     assert outcome.ranked[0].estimate.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
     # each level's bound stays at or below the best plan of every layout beneath it
-    bounds = _Bounds(graph.costs(), cluster, overlap, (Recompute.none,))
+    bounds = Bounds(graph.costs(), cluster, overlap, (Recompute.none,))
     for layout, best in per_layout.items():
         costs = MeshCosts(graph.costs(), cluster, layout, overlap)
-        compute_only = _pipeline_bound(bounds.compute_work_s(layout), layout)
-        work = _work(*_work_before_zero(costs, Recompute.none), layout.pp, layout.vp)
-        communication = _communication_bound(work, costs.p2p_s(), layout)
-        balanced = _balanced_bound(costs, layout)
+        compute_only = pipeline_bound(bounds.compute_work_s(layout), layout)
+        work = work_floor(*work_before_zero(costs, Recompute.none), layout.pp, layout.vp)
+        communication = communication_bound(work, costs.p2p_s(), layout)
+        balanced = balanced_bound(costs, layout)
         tol = 1 + 1e-9  # the levels sum the same terms in different orders
         assert compute_only <= communication * tol and communication <= balanced * tol
         assert balanced <= best.step_time_s * tol
@@ -323,3 +322,70 @@ def test_pinned_search_equals_the_best_split_by_enumeration(zero, pp, vp, dp, ep
     own = estimate(graph.costs(), cluster, replace(base, stage_layers=found.stage_layers,
                                                    layer_recompute=found.layer_recompute))
     assert own.step_time_s == found.step_time_s
+
+
+def test_forced_recomputation_bound_never_exceeds_the_best_plan():
+    """Where memory forces recomputation, the leaf bound adds the least recomputation work that fitting
+    needs (an LP bound over the floor's weights). Every split and per-layer recomputation that fits is
+    enumerated: none recomputes less work than the bound says, and the leaf bound stays at or below the
+    best plan."""
+    graph = capture(mixed_moe_model(seq=4096))
+    choices = (Recompute.none, Recompute.full)
+    checked = 0
+    for pp, vp, dp, ep, zero in [(2, 1, 16, 2, 1), (2, 2, 8, 4, 0), (4, 1, 8, 8, 1), (2, 1, 16, 2, 3)]:
+        tp = 32 // (pp * dp)
+        base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, ep=ep, global_batch=64, zero=zero)
+        roomy = small_cluster(32, 80)
+        # just below the least memory any split needs without recomputation: recomputation is forced
+        floor = Bounds(graph.costs(), roomy, OverlapModel(), choices)._floor(base, Recompute.none).bytes
+        reserve = roomy.device.memory_reserve
+        for share in (0.99, 0.96):
+            usable = share * floor
+            cluster = small_cluster(32, (usable / (1 - reserve.fragmentation_fraction)
+                                         + reserve.runtime_context_bytes) / GB)
+            costs = MeshCosts(graph.costs(), cluster, base, OverlapModel())
+            forced = Bounds(graph.costs(), cluster, OverlapModel(), choices).forced_recompute_s(base, costs)
+            assert forced > 0
+            extra = {kind.name: costs.layer(kind).work_s(Recompute.full) - costs.layer(kind).work_s(Recompute.none)
+                     for kind in graph.costs().kinds}
+            kinds = [graph.costs().kind(name).name for name in graph.costs().blocks]
+            best = None
+            for parts in compositions(graph.num_blocks, pp * vp):
+                for rec in itertools.product(choices, repeat=graph.num_blocks):
+                    result = estimate(graph.costs(), cluster, replace(base, stage_layers=parts, layer_recompute=rec),
+                                      mesh_costs=costs)
+                    if not result.fits:
+                        continue
+                    recomputed = sum(extra[k] for k, r in zip(kinds, rec) if r is Recompute.full)
+                    assert recomputed >= forced * (1 - 1e-9)
+                    if best is None or result.step_time_s < best.step_time_s:
+                        best = result
+            assert best is not None
+            assert balanced_bound(costs, base, Recompute.none, forced) <= best.step_time_s * (1 + 1e-9)
+            checked += 1
+    assert checked == 8
+
+
+def test_search_status_says_complete_only_when_it_is(capsys, monkeypatch):
+    """A search cut by its time limit is 'time-limited' and never prints OPTIMAL; a leaf stopped by the
+    solver's work limit makes it 'unproven'; only a complete search says its plan is the best."""
+    import shlex
+    import sys
+
+    from planner import cli
+    monkeypatch.setattr(sys, "argv", ["planner", *shlex.split(
+        "plan --model deepseek-v3 --device h800 --num-devices 2048 --global-batch 4096 --time-limit 1")])
+    try:
+        cli.main()
+    except SystemExit as exc:
+        assert exc.code in (0, 2)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "OPTIMAL" not in text and ("TIME-LIMITED" in text or "time limit" in text)
+    complete = plan("tiny-llama", device="h100-sxm", num_devices=8, global_batch=16)
+    assert complete.search.status == "complete" and complete.search.unexplored == 0
+    graph = capture(dense_model(8))
+    cluster = small_cluster(8, 30)
+    outcome = search(graph.costs(), cluster, 16, Pins(cp=1, ep=1, etp=1, mbs=1, zero=1, tp=1, pp=4), graph=graph,
+                     top_k=1, recompute_choices=(Recompute.none, Recompute.full), leaf_work_limit=0.0)
+    assert outcome.unproven > 0 and not outcome.complete

@@ -11,7 +11,7 @@ from torch import fx, nn
 from cost_models.records import LayerKind, OpCost, OpKind, ParamGroup, Sharding
 from hardware_profiles.errors import UserInputError
 
-from .capture import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
+from .tracing import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
 from .graph import BlockStructure, LayerSlot, ModelGraph
 from .graph_analysis import signature
 from .model_config import MAX_SEQ, ModelConfig

@@ -3,14 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from cost_models.compute import FP8_CAST_BYTES
-from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
+from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute
+from cost_models.layout_codec import CHOICES, layout_from
 from hardware_profiles.errors import UserInputError
 
-from .graph import ModelGraph
-
-LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision",
-               "grad_reduce", "fp8_recipe", "order")
+from ..capture.graph import ModelGraph
 
 
 @dataclass(frozen=True)
@@ -27,105 +24,13 @@ class Pins:
     zero: int | None = None
     recompute: Recompute | None = None
     sp: bool | None = None
-    grad_reduce: str | None = None     # not searched: fp32 unless given
-    fp8_recipe: str | None = None      # not searched: delayed unless given
+    grad_reduce: GradReduce | None = None   # not searched: fp32 unless given
+    fp8_recipe: Fp8Recipe | None = None     # not searched: delayed unless given
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
 
     def allows(self, name: str, value) -> bool:
         pinned = getattr(self, name)
         return pinned is None or pinned == value
-
-
-def parse_layout_text(text: str, source: str = "--layout") -> dict:
-    """'tp=8,pp=16,recompute=selective' -> typed values; a clear error for anything else."""
-    values: dict = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        if "=" not in item:
-            raise UserInputError(f"'{item}' is not key=value", field=source,
-                                 expected="comma-separated key=value pairs such as 'tp=8,pp=4'")
-        key, raw = (s.strip() for s in item.split("=", 1))
-        _check_key(key, source)
-        if key in values:
-            raise UserInputError(f"'{key}' is given twice", field=source, expected=f"each key once ({key}=...)")
-        values[key] = _parse_value(key, raw, source)
-    return values
-
-
-def _check_key(key: str, source: str) -> None:
-    if key not in LAYOUT_KEYS:
-        raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
-
-
-TEXT_KEYS = ("recompute", "precision", "grad_reduce", "fp8_recipe")
-
-
-def layout_values(given: dict, source: str = "layout") -> dict:
-    """Typed layout fields from the API (`plan(..., tp=8, recompute="full")`, `evaluate(layout={...})`),
-    checked as strictly as the text form: an integer field takes an int (not a bool, float or text), a
-    named field its name, `sp` a bool, `order` a sequence of dims."""
-    values = {}
-    for key, value in given.items():
-        _check_key(key, source)
-        if key in TEXT_KEYS:
-            text = value.value if isinstance(value, Recompute) else value
-            if not isinstance(text, str):
-                raise UserInputError(f"{key}={value!r}", field=source, expected=f"{key} as text, e.g. {key}='...'")
-            values[key] = _parse_value(key, text, source)
-        elif key == "sp":
-            if not isinstance(value, bool):
-                raise UserInputError(f"sp={value!r}", field=source, expected="sp=True or sp=False")
-            values[key] = value
-        elif key == "order":
-            dims = value.split("-") if isinstance(value, str) else value
-            if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
-                raise UserInputError(f"order={value!r}", field=source, expected="a sequence of mesh dims")
-            values[key] = _parse_value(key, "-".join(dims), source)
-        else:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise UserInputError(f"{key}={value!r} is not an integer", field=source,
-                                     expected=f"{key}=<positive integer>")
-            values[key] = _parse_value(key, str(value), source)
-    return values
-
-
-def _parse_value(key: str, raw: str, source: str):
-    if key == "recompute":
-        try:
-            return Recompute(raw)
-        except ValueError:
-            raise UserInputError(f"recompute={raw}", field=source, expected="none, selective or full") from None
-    if key == "precision":
-        if raw not in ("bf16", "fp8"):
-            raise UserInputError(f"precision={raw}", field=source, expected="bf16 or fp8")
-        return raw
-    if key == "grad_reduce":
-        if raw not in ("fp32", "bf16"):
-            raise UserInputError(f"grad_reduce={raw}", field=source, expected="fp32 or bf16")
-        return raw
-    if key == "fp8_recipe":
-        if raw not in FP8_CAST_BYTES:
-            raise UserInputError(f"fp8_recipe={raw}", field=source,
-                                 expected="delayed or tensorwise (Megatron --fp8-recipe)")
-        return raw
-    if key == "order":
-        order = tuple(raw.split("-"))
-        if sorted(order) != sorted(MEGATRON_ORDER):
-            raise UserInputError(f"order={raw}", field=source,
-                                 expected="the five mesh dims innermost first, each once, e.g. tp-cp-ep-dp-pp")
-        return order
-    if key == "sp":
-        if raw.lower() not in ("true", "false", "1", "0"):
-            raise UserInputError(f"sp={raw}", field=source, expected="true or false")
-        return raw.lower() in ("true", "1")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UserInputError(f"{key}={raw} is not an integer", field=source, expected=f"{key}=<positive integer>") from None
-    if key == "zero" and value not in (0, 1, 2, 3):
-        raise UserInputError(f"zero={value}", field=source, expected="a ZeRO stage 0, 1, 2 or 3")
-    if key != "zero" and value <= 0:
-        raise UserInputError(f"{key}={value}", field=source, expected=f"{key} >= 1")
-    return value
 
 
 def pins_from(values: dict) -> Pins:
@@ -172,12 +77,10 @@ def value_problems(layout: Layout) -> list[str]:
                 or getattr(layout, name) < 1]
     if layout.zero not in (0, 1, 2, 3) or isinstance(layout.zero, bool):
         problems.append(f"zero={layout.zero} is not a ZeRO stage 0-3")
-    for name, allowed in (("precision", ("bf16", "fp8")), ("grad_reduce", ("fp32", "bf16")),
-                          ("fp8_recipe", tuple(FP8_CAST_BYTES))):
-        if getattr(layout, name) not in allowed:
-            problems.append(f"{name}={getattr(layout, name)!r} is not one of {', '.join(allowed)}")
-    if not isinstance(layout.recompute, Recompute):
-        problems.append(f"recompute={layout.recompute!r} is not none, selective or full")
+    for key, kind in CHOICES.items():
+        value = getattr(layout, key)
+        if not isinstance(value, kind):
+            problems.append(f"{key}={str(value)!r} is not one of {', '.join(kind._value2member_map_)}")
     return problems
 
 
@@ -283,11 +186,11 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0) -> Layout:
-    return Layout(dp=shape.dp, tp=shape.tp, pp=shape.pp, vp=vp, cp=shape.cp, ep=ep, etp=etp, micro_batch=mbs,
-                  global_batch=global_batch, zero=zero, precision=precision,
-                  sequence_parallel=pins.sp if pins.sp is not None else True, grad_reduce=pins.grad_reduce or "fp32",
-                  fp8_recipe=pins.fp8_recipe or "delayed",
-                  recompute=pins.recompute or Recompute.none, mesh_order=order)
+    chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute")
+              if getattr(pins, key) is not None}
+    return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,
+                        "etp": etp, "mbs": mbs, "gbs": global_batch, "zero": zero, "precision": precision,
+                        "order": order, **chosen})
 
 
 def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pins,

@@ -67,9 +67,16 @@ def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
     return runs
 
 
-def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 10.0,
-                    hint: tuple[int, ...] | None = None, cutoff_s: float = float("inf")) -> PartitionResult:
-    """Best partition and recomputation; with `cutoff_s`, only one that beats it (else INFEASIBLE)."""
+# CP-SAT's deterministic time (its work count, in roughly seconds of one core) that one leaf may take: a
+# limit in work rather than wall seconds gives the same answer however loaded the machine is
+LEAF_WORK_LIMIT = 4.0
+
+
+def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 600.0,
+                    cutoff_s: float = float("inf"), work_limit: float = LEAF_WORK_LIMIT) -> PartitionResult:
+    """Best partition and recomputation; with `cutoff_s`, only one that beats it (else INFEASIBLE).
+    OPTIMAL and INFEASIBLE are proofs; FEASIBLE (a partition, not proven best) and UNKNOWN mean the work
+    limit stopped the solver first."""
     start_time = time.perf_counter()
     lay, model = costs.layout, costs.model
     num_blocks, chunks, pp, v = len(model.blocks), lay.pp * lay.vp, lay.pp, lay.vp
@@ -186,12 +193,10 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     if cutoff_s < float("inf"):  # branch and bound: a plan no better than the incumbent is of no use
         cp.Add(objective <= _t(cutoff_s * v))
     cp.Minimize(objective)
-    if hint:
-        for j, value in enumerate(hint):
-            cp.AddHint(size[j], value)
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_time_in_seconds = time_limit_s          # a safety net; the work limit decides
+    solver.parameters.max_deterministic_time = work_limit
     solver.parameters.num_workers = 1  # deterministic: same inputs, same plan
     solver.parameters.catch_sigint_signal = False  # Ctrl-C reaches Python and ends the search (exit 130)
     status = solver.Solve(cp)

@@ -7,10 +7,11 @@ from pathlib import Path
 import yaml
 
 from cost_models.layout import Layout, OverlapModel, Recompute
+from cost_models.layout_codec import LAYOUT_KEYS, layout_from, parse_values
 from hardware_profiles.loader import cluster_from_device, list_devices
 from hardware_profiles.schema import Cluster
 
-from .model_config import MLAConfig, ModelConfig, MoEConfig
+from planner.capture.model_config import MLAConfig, ModelConfig, MoEConfig
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "published_runs.yaml"
 MOE_FIELDS = {"shared_experts": "num_shared_experts"}   # the runs file's names -> ModelConfig's
@@ -158,18 +159,16 @@ def published_layout(run: PublishedRun, precision: str) -> Layout | None:
     need = ("tp", "pp", "dp", "cp")
     if not all(k in run.known for k in need) or "mbs" not in run.known:
         return None
-    known = run.known
-    return Layout(dp=known["dp"], tp=known["tp"], pp=known["pp"], vp=known.get("vp", 1), cp=known["cp"],
-                  ep=known.get("ep", 1), micro_batch=known["mbs"], global_batch=run.global_batch,
-                  grad_reduce=known.get("grad_reduce", "fp32"), fp8_recipe=known.get("fp8_recipe", "delayed"),
-                  zero=known.get("zero", 1), sequence_parallel=known.get("sp", True),
-                  recompute=Recompute(known.get("recompute", "none")), precision=precision)
+    known = {key: value for key, value in run.known.items() if key in LAYOUT_KEYS}
+    defaults = {"recompute": "none"}
+    return layout_from(parse_values({**defaults, **known}, run.id), global_batch=run.global_batch,
+                       precision=precision)
 
 
 def predict(run: PublishedRun, time_limit_s: float = 20.0):
     """The planner's best plan for the run's published layout, unknown fields searched as the run's
     software allows: where it checkpoints all layers or none, both are tried and the faster that fits wins."""
-    from .api import InfeasibleError, plan
+    from planner.api import InfeasibleError, plan
     stack = software_stack(run.id)
     base = dict(global_batch=run.global_batch, seq_len=run.seq_len, precision=run.precision,
                 time_limit_s=time_limit_s, top_k=1, overlap=run_overlap(run.id))

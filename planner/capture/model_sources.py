@@ -13,16 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import yaml
 from pydantic import ValidationError
 from torch import nn
 
 from hardware_profiles.errors import UserInputError, format_pydantic_error
-from hardware_profiles.loader import read_small_text
+from hardware_profiles.loader import read_small_text, read_yaml_mapping
 
 from .model_config import ModelConfig
 
-MODEL_DIR = Path(__file__).resolve().parent / "models"
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models"
 MODULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -47,13 +46,7 @@ def _validate(data: dict, source: str) -> ModelConfig:
 
 
 def load_model_yaml(path: Path) -> ModelConfig:
-    text = read_small_text(path, "model YAML")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserInputError(f"not valid YAML ({str(exc).splitlines()[0]})", source=str(path)) from None
-    if not isinstance(data, dict):
-        raise UserInputError("the file does not hold a mapping of fields", source=str(path))
+    data = read_yaml_mapping(path, "model YAML")
     data.setdefault("name", path.stem)
     return _validate(data, str(path))
 

@@ -1,0 +1,123 @@
+"""One layout vocabulary: the keys users write and the `Layout` fields they mean, parsed and printed once.
+
+The same keys are the layout text (`--layout`, `--fix`, `examples/train_tiny.py --layout`), the keyword
+arguments of the API (`planner.plan(..., tp=8, recompute="full")`), the fields of a plan file's `layout`
+record and the strings the plan prints for its alternatives. Every conversion between them goes
+through this module, so a key means the same thing everywhere.
+"""
+from __future__ import annotations
+
+from hardware_profiles.errors import UserInputError
+
+from .layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute, TextEnum
+
+# key as users write it -> the Layout attribute it sets
+ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
+              "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
+              "sp": "sequence_parallel", "precision": "precision", "grad_reduce": "grad_reduce",
+              "fp8_recipe": "fp8_recipe", "order": "mesh_order"}
+LAYOUT_KEYS = tuple(ATTRIBUTES)
+DEGREE_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs")
+CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
+                                      "fp8_recipe": Fp8Recipe}
+WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",
+        "fp8_recipe": "delayed or tensorwise (Megatron --fp8-recipe)"}
+FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees
+
+
+def parse_text(text: str, source: str = "--layout") -> dict:
+    """'tp=8,pp=16,recompute=selective' -> typed values by key; a clear error for anything else."""
+    values: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if "=" not in item:
+            raise UserInputError(f"'{item}' is not key=value", field=source,
+                                 expected="comma-separated key=value pairs such as 'tp=8,pp=4'")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        _check_key(key, source)
+        if key in values:
+            raise UserInputError(f"'{key}' is given twice", field=source, expected=f"each key once ({key}=...)")
+        values[key] = _parse_value(key, raw, source)
+    return values
+
+
+def parse_values(given: dict, source: str = "layout") -> dict:
+    """Typed values from the API (`plan(..., tp=8, recompute="full")`, `evaluate(layout={...})`), checked as
+    strictly as the text form: an integer field takes an int (not a bool, float or text), a choice its
+    name or enum, `sp` a bool, `order` a sequence of dims or 'tp-cp-ep-dp-pp'."""
+    values = {}
+    for key, value in given.items():
+        _check_key(key, source)
+        if key in CHOICES:
+            if not isinstance(value, str):
+                raise UserInputError(f"{key}={value!r}", field=source, expected=WHAT[key])
+            values[key] = _parse_value(key, str(value), source)
+        elif key == "sp":
+            if not isinstance(value, bool):
+                raise UserInputError(f"sp={value!r}", field=source, expected="sp=True or sp=False")
+            values[key] = value
+        elif key == "order":
+            dims = value.split("-") if isinstance(value, str) else value
+            if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
+                raise UserInputError(f"order={value!r}", field=source, expected="a sequence of mesh dims")
+            values[key] = _parse_value(key, "-".join(dims), source)
+        else:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UserInputError(f"{key}={value!r} is not an integer", field=source,
+                                     expected=f"{key}=<positive integer>")
+            values[key] = _parse_value(key, str(value), source)
+    return values
+
+
+def layout_from(values: dict, **fixed) -> Layout:
+    """Typed values by key (and `fixed` Layout attributes, e.g. global_batch=...) -> a Layout; keys left
+    out take Layout's defaults (Megatron's)."""
+    return Layout(**{ATTRIBUTES[key]: value for key, value in values.items()}, **fixed)
+
+
+def values_of(layout: Layout, keys: tuple[str, ...] = LAYOUT_KEYS) -> dict:
+    """The layout's values by key."""
+    return {key: getattr(layout, ATTRIBUTES[key]) for key in keys}
+
+
+def text_of(layout: Layout) -> str:
+    """The layout as `--layout` text: every degree, and the other keys where they are not the default."""
+    parts = [f"{key}={value}" for key, value in values_of(layout, FULL_KEYS).items()]
+    if layout.mesh_order != MEGATRON_ORDER:
+        parts.append("order=" + "-".join(layout.mesh_order))
+    if layout.grad_reduce != GradReduce.fp32:
+        parts.append(f"grad_reduce={layout.grad_reduce}")
+    if layout.precision == Precision.fp8 and layout.fp8_recipe != Fp8Recipe.delayed:
+        parts.append(f"fp8_recipe={layout.fp8_recipe}")
+    return ",".join(parts)
+
+
+def _check_key(key: str, source: str) -> None:
+    if key not in ATTRIBUTES:
+        raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
+
+
+def _parse_value(key: str, raw: str, source: str):
+    if key in CHOICES:
+        try:
+            return CHOICES[key](raw)
+        except ValueError:
+            raise UserInputError(f"{key}={raw}", field=source, expected=WHAT[key]) from None
+    if key == "order":
+        order = tuple(raw.split("-"))
+        if sorted(order) != sorted(MEGATRON_ORDER):
+            raise UserInputError(f"order={raw}", field=source,
+                                 expected="the five mesh dims innermost first, each once, e.g. tp-cp-ep-dp-pp")
+        return order
+    if key == "sp":
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise UserInputError(f"sp={raw}", field=source, expected="true or false")
+        return raw.lower() in ("true", "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserInputError(f"{key}={raw} is not an integer", field=source, expected=f"{key}=<positive integer>") from None
+    if key == "zero" and value not in (0, 1, 2, 3):
+        raise UserInputError(f"zero={value}", field=source, expected="a ZeRO stage 0, 1, 2 or 3")
+    if key != "zero" and value <= 0:
+        raise UserInputError(f"{key}={value}", field=source, expected=f"{key} >= 1")
+    return value

@@ -1,0 +1,194 @@
+"""Bounds of the search tree's subtrees, each at or below the best plan of every layout beneath it.
+
+A mesh shape with a schedule is bounded by its compute alone; with expert folding and mesh order by
+compute plus exposed per-layer communication; with a ZeRO stage by a balanced pipeline with its
+data-parallel and optimizer time. The memory floor (model states of a perfectly split model plus the
+cheapest activations) prunes layouts that cannot fit. Every term comes from the same `MeshCosts` layer
+costs the estimate and the partition solver read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cost_models.compute import ShardSpec, layer_compute
+from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+from cost_models.layout import Layout, OverlapModel, Recompute
+from cost_models.memory import StateSharding, activation_bytes, logits_bytes, model_state_bytes, usable_bytes
+from cost_models.pipeline import in_flight_micro_batches, p2p_transfers_on_critical_path
+from cost_models.records import ModelCosts
+from cost_models.step_time import estimate
+from hardware_profiles.schema import Cluster
+
+
+@dataclass(frozen=True)
+class WorkFloor:
+    """Per-micro-batch work of the whole model (every block at its fastest) and the least work the
+    busiest pipeline rank can have."""
+    total_s: float
+    busiest_rank_floor_s: float
+
+
+def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int, vp: int) -> WorkFloor:
+    """`block_work_s`: (blocks, seconds each) per block kind."""
+    items = sorted([w for n, w in block_work_s for _ in range(n)] + list(edge_work_s), reverse=True)
+    total = sum(items)
+    if pp == 1:
+        return WorkFloor(total, total)
+    # scheduling bound (P||Cmax): of the k pp + 1 largest items some rank holds k + 1, so its work is at
+    # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
+    packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
+        if len(items) > pp else 0.0
+    # the ranks with the embedding or the head hold one block per virtual stage besides it
+    edge_rank = max(edge_work_s) + vp * min(w for _, w in block_work_s)
+    return WorkFloor(total, max(packing, edge_rank))
+
+
+def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple[float, float]]:
+    """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
+    stage pays at least (the same for every virtual-stage count that allows the same MoE overlap)."""
+    model = costs.model
+    blocks = tuple((n, costs.work(kind).work_before_zero_s(fastest)) for kind, n in model.block_counts)
+    return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
+
+
+def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout) -> float:
+    """Pipeline of compute and exposed per-layer communication as balanced as integers allow."""
+    return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s)
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp) * p2p_s)
+
+
+def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recompute.none,
+                   forced_recompute_s: float = 0.0) -> float:
+    """Step time of a perfectly balanced pipeline at the fastest recomputation allowed, plus the least
+    recomputation work per micro-batch that memory forces (`Bounds.forced_recompute_s`)."""
+    model = costs.model
+    edges = (costs.layer(model.embedding), costs.layer(model.head))
+    # the slowest stage's DP exposure and optimizer step are at least the stages' mean (max >= mean)
+    def mean(attribute: str) -> float:
+        return (sum(n * getattr(costs.layer(kind), attribute) for kind, n in model.block_counts)
+                + sum(getattr(c, attribute) for c in edges)) / layout.pp
+    # dp_exposed_s is convex (a max of affine terms), so its value at the mean is below its mean (Jensen)
+    dp = costs.dp_exposed_s(mean("dp_reduce_s"), mean("forward_s") + mean("backward_s"))
+    optimizer = mean("optimizer_step_s")
+    work = work_floor(tuple((n, costs.layer(kind).work_s(fastest)) for kind, n in model.block_counts),
+                      tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp)
+    work = WorkFloor(work.total_s + forced_recompute_s, work.busiest_rank_floor_s)
+    return communication_bound(work, costs.p2p_s(), layout) + dp + optimizer
+
+
+def pipeline_bound(total_work_s: float, layout: Layout, busiest_floor_s: float = 0.0) -> float:
+    """pipeline_seconds with max W_i at its least possible value: the mean, or the floor if higher."""
+    p, v, m = layout.pp, layout.vp, layout.num_micro_batches
+    slowest = max(total_work_s / p, busiest_floor_s)
+    return (m - 1) * slowest + (total_work_s + (v - 1) * slowest) / v
+
+
+@dataclass(frozen=True)
+class _Floor:
+    bytes: float
+    parts: dict
+    heaviest_weight: float      # max_i w_i f_i: what one byte of activations weighs at most
+
+
+class Bounds:
+    """Cheap bounds shared across candidates: compute-only work and the memory floor."""
+
+    def __init__(self, model: ModelCosts, cluster: Cluster, overlap: OverlapModel, allowed: tuple[Recompute, ...]):
+        self.model, self.cluster, self.overlap = model, cluster, overlap
+        rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
+        self.allowed = allowed
+        self.cheapest = max(allowed, key=rank.get)   # least activation memory
+        self.fastest = min(allowed, key=rank.get)    # least work
+        self.work: dict[tuple, float] = {}
+        self.activations: dict[tuple, float] = {}
+        self.largest_ep = max([k.num_experts or 1 for k in model.kinds])
+
+    def compute_work_s(self, layout: Layout) -> float:
+        """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight
+        reads only shrink with ep x etp, so every expert on its own rank, split tp ways, bounds it from below."""
+        spec = ShardSpec.of(layout, self.overlap, ep=self.largest_ep, etp=layout.tp)
+        if spec not in self.work:
+            model = self.model
+            counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
+            self.work[spec] = sum(n * (compute.forward_s + compute.backward_s) for kind, n in counted
+                                  for compute in [layer_compute(kind, self.cluster.device, spec)])
+        return self.work[spec]
+
+    def memory_floor(self, layout: Layout) -> tuple[float, dict]:
+        """Least memory any partition needs on its fullest stage, with the cheapest activations."""
+        floor = self._floor(layout, self.cheapest)
+        return floor.bytes, floor.parts
+
+    def _floor(self, layout: Layout, recompute: Recompute) -> "_Floor":
+        """Stage i holding layers of kind k needs s_k + f_i a_k each (states, and activations of its f_i
+        micro-batches in flight). For weights w_i >= 0 summing to 1, the fullest stage holds at least the
+        weighted mean of the stages, and that is at least sum_k n_k min_i w_i (s_k + f_i a_k) whatever the
+        split (LP duality). w_i proportional to 1 / (S + f_i A) (S, A: the model's totals) makes it exact
+        for a model of one layer kind, where the best split equalises the stages."""
+        sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
+                                 expert_dp=layout.expert_data_parallel, zero=layout.zero,
+                                 gradient_bytes=layout.gradient_bytes)
+        kinds = [(n, model_state_bytes(kind, sharding).total, act)
+                 for (kind, n), act in zip(self.model.block_counts, self._activations(layout, recompute))]
+        flights = [in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp)
+                   for i in range(layout.pp)]
+        total_states = sum(n * state for n, state, _ in kinds)
+        total_activations = sum(n * act for n, _, act in kinds)
+        inverse = [1.0 / (total_states + f * total_activations) for f in flights]
+        weights = [x / sum(inverse) for x in inverse]
+        states = activations = 0.0
+        for n, state, act in kinds:
+            stage = min(range(layout.pp), key=lambda i: weights[i] * (state + flights[i] * act))
+            states += n * weights[stage] * state
+            activations += n * weights[stage] * flights[stage] * act
+        # the first stage holds the embedding, the last the output layer and its fp32 logits
+        model = self.model
+        states += weights[0] * model_state_bytes(model.embedding, sharding).total \
+            + weights[-1] * model_state_bytes(model.head, sharding).total
+        logits = weights[-1] * logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch)
+        return _Floor(states + activations + logits,
+                      {"model_states": states, "activations": activations, "logits": logits},
+                      max(w * f for w, f in zip(weights, flights)))
+
+    def _activations(self, layout: Layout, recompute: Recompute) -> tuple[float, ...]:
+        key = (recompute, layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.precision)
+        if key not in self.activations:
+            self.activations[key] = tuple(activation_bytes(kind, recompute, *key[1:])
+                                          for kind, _ in self.model.block_counts)
+        return self.activations[key]
+
+    def forced_recompute_s(self, layout: Layout, costs: MeshCosts) -> float:
+        """Least recomputation work per micro-batch, summed over the ranks, that fitting the memory forces.
+
+        With the weights of `_floor` at the fastest recomputation, the stages' weighted memory
+        sum_l w_i(l) (s_l + f_i(l) a_l) must come down to the usable bytes C, so the layers recomputed
+        save sum_l w_i(l) f_i(l) da_l >= D = floor - C, hence sum_l da_l >= D / max_i w_i f_i; no
+        layer buys a byte for less than the cheapest seconds-per-byte of any kind and method (an LP
+        bound), and at least one layer recomputes. Infinite when no allowed method saves memory and the
+        floor does not fit."""
+        floor = self._floor(layout, self.fastest)
+        deficit = floor.bytes - usable_bytes(self.cluster.device)
+        if deficit <= 0:
+            return 0.0
+        prices, single = [], []
+        for kind, _ in self.model.block_counts:
+            cost = costs.layer(kind)
+            for method in self.allowed:
+                saved = cost.activation_bytes[RECOMPUTE_ORDER.index(self.fastest)] \
+                    - cost.activation_bytes[RECOMPUTE_ORDER.index(method)]
+                if saved > 0:
+                    seconds = cost.work_s(method) - cost.work_s(self.fastest)
+                    prices.append(seconds / saved)
+                    single.append(seconds)
+        if not prices:
+            return float("inf")
+        # and at least one whole layer recomputes, whatever the LP's fraction
+        return max(deficit / floor.heaviest_weight * min(prices), min(single))
+
+    def least_need(self, layout: Layout, costs: MeshCosts) -> tuple[float, dict]:
+        """Peak memory of the layout with every block at its least-memory recomputation, evenly staged:
+        a need some real plan has, where the floor only bounds it from below."""
+        least = replace(layout, recompute=self.cheapest, layer_recompute=None, stage_layers=None)
+        fullest = max(estimate(self.model, self.cluster, least, self.overlap, mesh_costs=costs).stage_memory,
+                      key=lambda stage: stage.total)
+        return fullest.total, fullest.parts()
