@@ -126,7 +126,7 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
              "FLOP conventions. Efficiency figures are the device profiles' shared values, the same for every run",
              "on that hardware (see `docs/profiles.md`); no per-run factors. What each run's software could do",
              "(fused attention, sequence parallelism, per-layer recomputation, TP overlap, gradient dtype, FP8 recipe) comes",
-             "from its source family (`planner/published.py`, `SoftwareStack`), or from the run's recipe where it",
+             "from its source family (`benchmarks/published.py`, `SoftwareStack`), or from the run's recipe where it",
              "departs from the family (`RECIPE_SETTINGS`, each with its source).", "",
              f"MAPE **{statistics.mean(errors):.1%}** over {len(rows)} runs; worst miss "
              f"**{max(errors):.1%}**; {sum(e <= 0.25 for e in errors)} of {len(rows)} within 25%.", "",
