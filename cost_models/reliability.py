@@ -95,13 +95,21 @@ def checkpoint_save_s(cluster: Cluster, nbytes: float, writers: int) -> float:
     return nbytes / bandwidth
 
 
+def checkpoint_load_s(cluster: Cluster, nbytes: float, readers: int) -> float:
+    """A restart reads the last checkpoint back, every rank its shard, at the storage's read bandwidth."""
+    storage = cluster.storage
+    bandwidth = min(storage.checkpoint_read_gbytes_per_s, readers * storage.per_writer_gbytes_per_s) * 1e9
+    return nbytes / bandwidth
+
+
 def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float,
             asynchronous: bool = True) -> Goodput:
     mtbf = job_mtbf_s(cluster, num_devices)
     nbytes = total_params * CHECKPOINT_BYTES_PER_PARAM
     save = checkpoint_save_s(cluster, nbytes, num_devices)
     blocking = save * cluster.storage.async_blocking_fraction if asynchronous else save
-    restart = cluster.reliability.restart_s + cluster.reliability.rewarm_s
+    restart = cluster.reliability.restart_s + cluster.reliability.rewarm_s + checkpoint_load_s(cluster, nbytes,
+                                                                                              num_devices)
     if math.isinf(mtbf):
         return Goodput(mtbf, 0.0, nbytes, save, blocking, float("inf"), restart, 1.0, mfu)
     interval = max(daly_interval_s(blocking, mtbf), save)  # an async save must finish before the next

@@ -249,3 +249,11 @@ def test_plan_files_are_validated(path, value, named, tiny_plan, tmp_path, capsy
     bad.write_text(yaml.safe_dump(data))
     for to in ("megatron", "torchrun"):
         assert named in refused(f"export {bad} --to {to}", capsys, monkeypatch)
+
+
+def test_the_runtime_does_not_load_the_search():
+    """`import runtime` reads plans and captured graphs; it must not pull in the search or OR-Tools."""
+    code = "import sys, runtime; print(any(m.startswith('ortools') for m in sys.modules), " \
+           "any(m.startswith('planner.search') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]

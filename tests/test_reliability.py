@@ -43,3 +43,15 @@ def test_llama3_reliability():
     assert result.ettr > 0.90
     assert result.goodput == pytest.approx(0.40 * result.ettr)
     assert result.interruptions_per_day == pytest.approx(419 / 54, rel=0.02)
+
+
+def test_restart_reads_the_checkpoint_back():
+    """A restart pays its fixed time plus reading the last checkpoint at the storage's read bandwidth
+    (profile field checkpoint_read_gbytes_per_s), every rank its shard."""
+    cluster = cluster_from_device("h100-sxm", 1024)
+    storage = cluster.storage.model_copy(update={"checkpoint_read_gbytes_per_s": 100.0})
+    slow = cluster.model_copy(update={"storage": storage})
+    result = goodput(slow, 1024, 70e9, mfu=0.4)
+    fixed = cluster.reliability.restart_s + cluster.reliability.rewarm_s
+    assert result.restart_s == pytest.approx(fixed + result.checkpoint_bytes / 100e9, rel=1e-12)
+    assert goodput(cluster, 1024, 70e9, mfu=0.4).restart_s < result.restart_s
