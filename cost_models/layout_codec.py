@@ -15,7 +15,7 @@ from .layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Re
 ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
               "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
               "sp": "sequence_parallel", "precision": "precision", "grad_reduce": "grad_reduce",
-              "fp8_recipe": "fp8_recipe", "order": "mesh_order"}
+              "fp8_recipe": "fp8_recipe", "order": "mesh_order", "stages": "stage_layers"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
 DEGREE_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs")
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
@@ -23,6 +23,7 @@ CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Preci
 WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",
         "fp8_recipe": "delayed or tensorwise (Megatron --fp8-recipe)"}
 FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees
+MAX_CHUNKS = 1 << 14
 
 
 def parse_text(text: str, source: str = "--layout") -> dict:
@@ -55,6 +56,12 @@ def parse_values(given: dict, source: str = "layout") -> dict:
             if not isinstance(value, bool):
                 raise UserInputError(f"sp={value!r}", field=source, expected="sp=True or sp=False")
             values[key] = value
+        elif key == "stages":
+            if isinstance(value, (tuple, list)):
+                value = "-".join(str(c) if isinstance(c, int) and not isinstance(c, bool) else "x" for c in value)
+            if not isinstance(value, str):
+                raise UserInputError(f"stages={value!r}", field=source, expected="layer counts per chunk")
+            values[key] = _parse_value(key, value, source)
         elif key == "order":
             dims = value.split("-") if isinstance(value, str) else value
             if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
@@ -91,6 +98,22 @@ def text_of(layout: Layout) -> str:
     return ",".join(parts)
 
 
+def _parse_stages(raw: str, source: str) -> tuple[int, ...]:
+    """'0-2*7-1' -> decoder layers per chunk, in chunk order (chunk c * pp + i runs on pipeline rank i):
+    counts joined by '-', a count followed by '*n' repeated n times."""
+    counts = []
+    for part in raw.split("-"):
+        count, _, repeat = part.partition("*")
+        if not count.isdigit() or (repeat and not repeat.isdigit()) or len(part) > 12:
+            raise UserInputError(f"stages={raw}", field=source,
+                                 expected="layer counts per chunk joined by '-', e.g. stages=0-2*7-1")
+        counts += [int(count)] * (int(repeat) if repeat else 1)
+        if len(counts) > MAX_CHUNKS:
+            raise UserInputError(f"stages= lists more than {MAX_CHUNKS} chunks", field=source,
+                                 expected=f"at most {MAX_CHUNKS} chunks")
+    return tuple(counts)
+
+
 def _check_key(key: str, source: str) -> None:
     if key not in ATTRIBUTES:
         raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
@@ -108,6 +131,8 @@ def _parse_value(key: str, raw: str, source: str):
             raise UserInputError(f"order={raw}", field=source,
                                  expected="the five mesh dims innermost first, each once, e.g. tp-cp-ep-dp-pp")
         return order
+    if key == "stages":
+        return _parse_stages(raw, source)
     if key == "sp":
         if raw.lower() not in ("true", "false", "1", "0"):
             raise UserInputError(f"sp={raw}", field=source, expected="true or false")

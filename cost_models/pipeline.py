@@ -1,5 +1,46 @@
-"""Pipeline schedules: critical path and in-flight micro-batches per stage."""
+"""Pipeline schedules: critical path and in-flight micro-batches per stage, and the partitions allowed."""
 from __future__ import annotations
+
+# Megatron-Core's flexible layout (--pipeline-model-parallel-layout, or account_for_embedding/loss_in_
+# pipeline_split) and torchtitan's module names per stage let a chunk hold no decoder layer beside the
+# embedding (first chunk) or the loss (last chunk); the planner allows that, and no other empty chunk.
+PLACED_BESIDE_LAYERS = 2      # the embedding and the loss count as one layer each
+
+
+def most_chunks(num_blocks: int) -> int:
+    """pp * vp chunks a model of `num_blocks` decoder layers can fill."""
+    return num_blocks + PLACED_BESIDE_LAYERS
+
+
+def least_blocks(chunk: int, chunks: int) -> int:
+    """Decoder layers chunk `chunk` of `chunks` must hold: none beside the embedding or the loss, else one."""
+    return 0 if chunk in (0, chunks - 1) else 1
+
+
+def partition_problem(stage_layers: tuple[int, ...], num_blocks: int, chunks: int) -> str | None:
+    """Why a per-chunk layer count is not a layout the runtimes take, or None."""
+    if len(stage_layers) != chunks or sum(stage_layers) != num_blocks:
+        return (f"stage layers {list(stage_layers)} do not split {num_blocks} layers into pp*vp = {chunks} "
+                "chunks")
+    empty = [j for j, n in enumerate(stage_layers) if n < least_blocks(j, chunks)]
+    if empty:
+        return (f"chunks {empty} of {list(stage_layers)} hold nothing: only the first chunk (beside the "
+                "embedding) and the last (beside the loss) may hold no decoder layer (Megatron-Core's "
+                "embedding/loss accounting, torchtitan's module names per stage)")
+    return None
+
+
+def even_partition(num_blocks: int, chunks: int) -> tuple[int, ...]:
+    """Megatron's even split; with more chunks than layers, the embedding and the loss count as one layer
+    each (account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split)."""
+    if chunks <= num_blocks:
+        base, extra = divmod(num_blocks, chunks)
+        return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+    base, extra = divmod(num_blocks + PLACED_BESIDE_LAYERS, chunks)
+    counts = [base + (1 if i < extra else 0) for i in range(chunks)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    return tuple(counts)
 
 
 def pipeline_seconds(stage_work_s: list[float], num_micro_batches: int, virtual_stages: int = 1) -> float:

@@ -8,7 +8,7 @@ from hardware_profiles.schema import Cluster
 from .layer_costs import RECOMPUTE_ORDER, LayerCost, MeshCosts
 from .layout import Layout, OverlapModel, Recompute
 from .memory import StageMemory, logits_bytes, usable_bytes
-from .pipeline import in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds
+from .pipeline import even_partition, in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds
 from .records import ModelCosts
 
 
@@ -68,11 +68,6 @@ class StageTotals:
     memory: StageMemory
     dp_reduce_s: float
     optimizer_s: float
-
-
-def even_partition(num_blocks: int, chunks: int) -> tuple[int, ...]:
-    base, extra = divmod(num_blocks, chunks)
-    return tuple(base + (1 if i < extra else 0) for i in range(chunks))
 
 
 def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:

@@ -149,6 +149,9 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
     values = parse_values(fix, "fix")
+    if "stages" in values:
+        raise UserInputError("stages= gives a whole pipeline split, which the search chooses", field="--fix",
+                             expected="stages= in planner evaluate --layout, with every degree given")
     graph = capture(model, seq_len, leaf_modules)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     precision = resolve_precision(precision, values)
@@ -209,6 +212,9 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         values = parse_text(layout) if isinstance(layout, str) else parse_values(layout)
         precision = resolve_precision(precision, values)
         _given_once("--global-batch", global_batch, values.pop("gbs", None))
+        if not set(FULL_KEYS) <= set(values) and "stages" in values:
+            raise UserInputError("stages= needs the whole layout", field="--layout",
+                                 expected=f"every one of {', '.join(FULL_KEYS)} beside stages=")
         if not set(FULL_KEYS) <= set(values):  # search the rest with these pinned
             return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
                         precision=precision, time_limit_s=time_limit_s, overlap=overlap,

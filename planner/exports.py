@@ -28,12 +28,11 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
             f"--context-parallel-size {lay.cp}", f"--expert-model-parallel-size {lay.ep}",
             f"--expert-tensor-parallel-size {lay.etp}", f"--micro-batch-size {lay.mbs}",
             f"--global-batch-size {lay.gbs}", f"--seq-length {plan.seq_len}"]
-    if lay.vp > 1:
-        layers_per_chunk = {len(s.layers) for s in plan.stages}
-        if len(layers_per_chunk) == 1:
-            args.append(f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk.pop()}")
-        else:
-            args.append(f"--num-virtual-stages-per-pipeline-rank {lay.vp}")
+    layers_per_chunk = {len(s.layers) for s in plan.stages}
+    if len(layers_per_chunk) > 1:   # any per-chunk count, embedding and loss placed by name
+        args.append(f"--pipeline-model-parallel-layout {shlex.quote(megatron_pipeline_layout(plan))}")
+    elif lay.vp > 1:
+        args.append(f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk.pop()}")
     if lay.sp and lay.tp > 1:
         args.append("--sequence-parallel")
     if lay.tp_comm_overlap:
@@ -59,16 +58,30 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         if "selective" in recompute or len({sum(r == 'full' for r in s.recompute) for s in plan.stages}) > 1:
             notes.append(f"Megatron recomputes the same number of layers in every stage: {per_stage} per "
                          f"stage here, where the plan asks for {full} in all, unevenly")
-    if lay.pp > 1:
-        counts = [sum(len(s.layers) for s in plan.stages if s.pipeline_rank == r) for r in range(lay.pp)]
-        if len(set(counts)) > 1:
-            args += [f"--decoder-first-pipeline-num-layers {counts[0]}", f"--decoder-last-pipeline-num-layers {counts[-1]}"]
-            if len(set(counts[1:-1])) > 1:
-                notes.append(f"Megatron splits the middle stages evenly; the plan has {counts[1:-1]}")
     if lay.zero in (2, 3):
         notes.append(f"ZeRO-{lay.zero} is Megatron-FSDP territory (--use-custom-fsdp); the distributed "
                      "optimizer above is ZeRO-1")
     return args, notes
+
+
+def megatron_pipeline_layout(plan: Plan) -> str:
+    """Megatron-Core's --pipeline-model-parallel-layout for the plan's chunks, in chunk order: E (the
+    embedding) opens the first chunk, L (output layer and loss) closes the last, t is a decoder layer;
+    runs of equal chunks are written '(x|)*n' and a layer repeated 'tn' as 't*n', as its parser unrolls them."""
+    chunks = []
+    last = len(plan.stages) - 1
+    for j, stage in enumerate(plan.stages):
+        n = len(stage.layers)
+        layers = "t" * n if n <= 3 else f"t*{n}"
+        chunks.append(("E" if j == 0 else "") + layers + ("L" if j == last else ""))
+    text, j = "", 0
+    while j < last:
+        run = 1
+        while j + run < last and chunks[j + run] == chunks[j]:
+            run += 1
+        text += f"({chunks[j]}|)*{run}," if run > 1 else f"{chunks[j]}|"
+        j += run
+    return text + chunks[last]
 
 
 def torchtitan_toml(plan: Plan) -> tuple[str, list[str]]:
@@ -85,6 +98,9 @@ def torchtitan_toml(plan: Plan) -> tuple[str, list[str]]:
              f"pipeline_parallel_schedule = \"{'Interleaved1F1B' if lay.vp > 1 else '1F1B'}\"",
              f"pipeline_parallel_microbatch_size = {lay.mbs}",
              f"pipeline_parallel_split_points = {json.dumps(split_points)}",
+             # module names per virtual stage (torchtitan's own split; any chunk sizes, embedding and
+             # output placed by name): what the plan's stages hold, in chunk order
+             f"module_fqns_per_model_part = {json.dumps([s.modules for s in plan.stages])}",
              f"context_parallel_degree = {lay.cp}",
              f"expert_parallel_degree = {lay.ep}",
              f"expert_tensor_parallel_degree = {lay.etp}",

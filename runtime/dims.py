@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cost_models.layout import Layout
+from cost_models.pipeline import even_partition, most_chunks, partition_problem
 
 
 class PlanError(ValueError):
@@ -40,12 +41,14 @@ class ParallelDims:
         if self.world_size != world_size:
             problems.append(f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} but "
                             f"the job has {world_size} ranks")
-        if stage_layers is not None:
-            if len(stage_layers) != self.pp * self.vp or sum(stage_layers) != num_blocks or min(stage_layers) < 1:
-                problems.append(f"stage partition {list(stage_layers)} does not split {num_blocks} layers into "
-                                f"pp*vp = {self.pp * self.vp} stages")
-        elif num_blocks % (self.pp * self.vp):
-            problems.append(f"{num_blocks} layers do not split evenly into pp*vp = {self.pp * self.vp} stages")
+        chunks = self.pp * self.vp
+        if chunks > most_chunks(num_blocks):
+            problems.append(f"{num_blocks} layers, the embedding and the loss do not split into pp*vp = {chunks} "
+                            "chunks")
+        else:
+            problem = partition_problem(stage_layers or even_partition(num_blocks, chunks), num_blocks, chunks)
+            if problem:
+                problems.append(problem)
         if self.etp not in (1, self.tp):
             problems.append(f"etp={self.etp} must be 1 or tp={self.tp} in this runtime")
         if self.ep > 1 and self.dp % self.ep:

@@ -13,6 +13,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from cost_models.layout import Layout, Recompute
+from cost_models.pipeline import even_partition
 from cost_models.step_time import chunk_blocks
 from planner.capture.graph import ModelGraph
 
@@ -34,8 +35,8 @@ class ParallelModel:
                  optimizer: str = "sgd", lr: float = 0.1, max_grad_norm: float | None = None):
         rank, world_size = world()
         self.dims = ParallelDims.of(layout)
-        stage_layers = layout.stage_layers or tuple([graph.num_blocks // (layout.pp * layout.vp)] * layout.pp * layout.vp)
         self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
+        stage_layers = layout.stage_layers or even_partition(graph.num_blocks, layout.pp * layout.vp)
         self.layout = replace(layout, stage_layers=stage_layers)
         recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(graph.num_blocks))
         self.graph, self.device = graph, torch.device(device_type)
@@ -53,13 +54,12 @@ class ParallelModel:
     def _build_modules(self, model: nn.Module, graph: ModelGraph, recompute) -> list[nn.Module]:
         dims = self.dims
         names = [slot.module_name for slot in graph.blocks]
-        chunks = [(r.start, r.stop - 1) for r in chunk_blocks(self.layout.stage_layers)]
+        chunks = chunk_blocks(self.layout.stage_layers)
         if dims.pp == 1:
             modules = [model]
         else:
             mine = [j for j in range(len(chunks)) if j % dims.pp == self.local["pp"]]
-            modules = [split_stage(model, names, chunks[j][0], chunks[j][1], j == 0, j == len(chunks) - 1)
-                       for j in mine]
+            modules = [split_stage(model, names, chunks[j], j == 0, j == len(chunks) - 1) for j in mine]
             self.chunk_ids = mine
         self.expert_params: list[nn.Parameter] = []
         if dims.ep > 1:

@@ -16,11 +16,12 @@ def _block_calls(graph: fx.Graph, block_names: set[str]) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_module" and n.target in block_names]
 
 
-def split_stage(model: nn.Module, block_names: list[str], first: int, last: int, is_first: bool,
+def split_stage(model: nn.Module, block_names: list[str], blocks: range, is_first: bool,
                 is_last: bool) -> fx.GraphModule:
-    """Module running blocks[first..last] (inclusive), with embedding and/or head when it holds them."""
-    blocks = {name: model.get_submodule(name) for name in block_names}
-    top = trace(model, leaf_ids={id(m) for m in blocks.values()}, label=type(model).__name__)
+    """Module running the blocks in `blocks`, with the embedding and/or the head when it holds them; the
+    first chunk may hold only the embedding and the last only the head (an empty `blocks`)."""
+    modules = {name: model.get_submodule(name) for name in block_names}
+    top = trace(model, leaf_ids={id(m) for m in modules.values()}, label=type(model).__name__)
     calls = _block_calls(top.graph, set(block_names))
     if [c.target for c in calls] != block_names:
         raise ValueError("blocks are not called once each, in order: the model cannot be split into stages")
@@ -28,18 +29,23 @@ def split_stage(model: nn.Module, block_names: list[str], first: int, last: int,
         if call.args != (previous,) or call.kwargs:
             raise ValueError(f"block {call.target} does not take exactly the previous block's output")
     nodes = list(top.graph.nodes)
-    start = 0 if is_first else nodes.index(calls[first])
-    stop = len(nodes) if is_last else nodes.index(calls[last]) + 1
+    # the hidden state entering and leaving the chunk: the previous block's output, or the embedding's
+    entering = calls[blocks.start].args[0] if blocks.start < len(calls) else calls[-1]
+    leaving = calls[blocks.stop - 1] if len(blocks) else entering
+    if is_first:
+        start = 0
+    else:   # from the chunk's first block, or, holding only the head, from after the last block
+        start = nodes.index(calls[blocks.start]) if len(blocks) else nodes.index(calls[-1]) + 1
+    stop = len(nodes) if is_last else nodes.index(leaving) + 1
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if not is_first:
-        env[calls[first].args[0]] = graph.placeholder("hidden")
+        env[entering] = graph.placeholder("hidden")
     result = None
     for node in nodes[start:stop]:
         if node.op == "output":
             result = env[node.args[0]]
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
-        result = env[node]
-    graph.output(result)
-    return fx.GraphModule(top, graph, class_name=f"Stage{first}to{last}")
+    graph.output(result if is_last else env[leaving])
+    return fx.GraphModule(top, graph, class_name=f"Stage{blocks.start}to{blocks.stop - 1}")

@@ -24,7 +24,7 @@ MEGATRON_ARGS = {
     "--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp8-format", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--tp-comm-overlap", "--grad-reduce-in-bf16",
-    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-recipe",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-recipe", "--pipeline-model-parallel-layout",
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",

@@ -68,6 +68,9 @@ CASES = [
     ("tp2-no-sp", 2, "tp=2,sp=false"),
     ("pp2-1f1b", 2, "pp=2,mbs=2"),
     ("pp2-vp2-interleaved", 2, "pp=2,vp=2,mbs=1"),
+    # uneven chunks: the first holds only the embedding, the last only the head (Megatron-Core's layout)
+    ("pp2-vp2-embedding-and-loss-chunks", 2, "pp=2,vp=2,mbs=1,stages=0-2-2-0"),
+    ("pp2-uneven", 2, "pp=2,mbs=2,stages=3-1"),
     ("zero1", 2, "dp=2,zero=1"),
     ("zero2", 2, "dp=2,zero=2"),
     ("zero3", 2, "dp=2,zero=3"),
@@ -129,7 +132,8 @@ def test_plan_from_the_planner_runs_as_is(reference, tmp_path):
     assert losses(proc) == pytest.approx(reference["tiny-llama"][0], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout,needle", [("tp=4", "cannot run here"), ("pp=2,vp=3", "do not split")])
+@pytest.mark.parametrize("layout,needle", [("tp=4", "cannot run here"), ("pp=2,vp=4", "do not split"),
+                                           ("pp=2,vp=2,stages=1-0-2-1", "hold nothing")])
 def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle):
     proc = launch(2, "--model", "tiny-llama", "--steps", "1", "--layout", layout, check=False)
     assert proc.returncode != 0

@@ -36,11 +36,29 @@ def moe_model():
                        moe=MoEConfig(num_experts=8, router_topk=2, moe_ffn_hidden_size=2048, first_k_dense_layers=2))
 
 
-def compositions(total, parts):
+def positive_compositions(total, parts):
     """Every way to write `total` as `parts` positive integers in order."""
     for cuts in itertools.combinations(range(1, total), parts - 1):
         bounds = (0,) + cuts + (total,)
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def compositions(total, parts):
+    """Every split of `total` layers into `parts` chunks that Megatron-Core's flexible layout and
+    torchtitan take: the first chunk (beside the embedding) and the last (beside the loss) may hold no
+    layer, every other chunk at least one."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for last in range(total - first + 1):
+            middle = total - first - last
+            if parts == 2:
+                if middle == 0:
+                    yield (first, last)
+                continue
+            for inner in positive_compositions(middle, parts - 2):
+                yield (first, *inner, last)
 
 
 def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
@@ -374,7 +392,7 @@ def test_search_status_says_complete_only_when_it_is(capsys, monkeypatch):
 
     from planner import cli
     monkeypatch.setattr(sys, "argv", ["planner", *shlex.split(
-        "plan --model deepseek-v3 --device h800 --num-devices 2048 --global-batch 4096 --time-limit 1")])
+        "plan --model llama3-70b --device h100-sxm --num-devices 1024 --global-batch 1024 --time-limit 0.05")])
     try:
         cli.main()
     except SystemExit as exc:

@@ -38,8 +38,8 @@ def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[f
     # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
     packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
         if len(items) > pp else 0.0
-    # the ranks with the embedding or the head hold one block per virtual stage besides it
-    edge_rank = max(edge_work_s) + vp * min(w for _, w in block_work_s)
+    # the ranks with the embedding or the head hold a block in each of their chunks but the one beside it
+    edge_rank = max(edge_work_s) + (vp - 1) * min(w for _, w in block_work_s)
     return WorkFloor(total, max(packing, edge_rank))
 
 

@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import Recompute
 from cost_models.memory import logits_bytes, usable_bytes
-from cost_models.pipeline import in_flight_micro_batches
+from cost_models.pipeline import in_flight_micro_batches, least_blocks
 
 TIME_UNIT_S = 1e-6          # integer scaling: solver times are multiples of 1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
@@ -92,11 +92,13 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     # contiguous), so the units are ranks; several kinds: the units are the pp * vp chunks in order
     single_kind = len(runs) == 1
     units = pp if single_kind else chunks
-    unit_min = v if single_kind else 1
     stage_of = (lambda u: u) if single_kind else (lambda u: u % pp)
+    # a chunk holds a layer, or the embedding (first chunk) or the loss (last) alone (cost_models.pipeline)
+    chunk_min = [least_blocks(j, chunks) for j in range(chunks)]
+    unit_min = [sum(chunk_min[c * pp + i] for c in range(v)) for i in range(pp)] if single_kind else chunk_min
 
     # variables: blocks per unit and blocks of each run in each unit
-    size = [cp.NewIntVar(unit_min, num_blocks, f"size{u}") for u in range(units)]
+    size = [cp.NewIntVar(unit_min[u], num_blocks, f"size{u}") for u in range(units)]
     count = [[size[j]] if single_kind else
              [cp.NewIntVar(0, r1 - r0, f"n{j}_{r}") for r, (_, r0, r1) in enumerate(runs)]
              for j in range(units)]
@@ -216,8 +218,16 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
 
 def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], pp: int,
                              v: int) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-    """Blocks per rank -> blocks per chunk (chunk c * pp + i on rank i), recomputation kept per rank."""
-    shares = [[n // v + (1 if c < n % v else 0) for c in range(v)] for n in per_rank]
+    """Blocks per rank -> blocks per chunk (chunk c * pp + i on rank i), recomputation kept per rank; the
+    chunks that may hold no layer (the first, beside the embedding, and the last) take their share last."""
+    chunks = pp * v
+    shares = []
+    for i, n in enumerate(per_rank):
+        order = sorted(range(v), key=lambda c: (least_blocks(c * pp + i, chunks) == 0, c))
+        share = [0] * v
+        for rank_in_order, c in enumerate(order):
+            share[c] = n // v + (1 if rank_in_order < n % v else 0)
+        shares.append(share)
     by_rank, start = [], 0
     for n in per_rank:
         by_rank.append(list(recompute[start:start + n]))

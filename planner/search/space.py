@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 
 from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute
 from cost_models.layout_codec import CHOICES, layout_from
+from cost_models.pipeline import most_chunks, partition_problem
 from hardware_profiles.errors import UserInputError
 
 from ..capture.graph import ModelGraph
@@ -53,11 +54,10 @@ def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list
     folded = layout.dp * layout.cp * layout.tp
     if (layout.ep > 1 or layout.etp > 1) and folded % (layout.ep * layout.etp):
         problems.append(f"ep*etp = {layout.ep * layout.etp} does not divide dp*cp*tp = {folded}")
-    if layout.stage_layers is not None and (len(layout.stage_layers) != layout.pp * layout.vp
-                                            or sum(layout.stage_layers) != graph.num_blocks
-                                            or min(layout.stage_layers) < 1):
-        problems.append(f"stage_layers {list(layout.stage_layers)} does not split {graph.num_blocks} layers "
-                        f"into pp*vp = {layout.pp * layout.vp} non-empty stages")
+    if layout.stage_layers is not None:
+        problem = partition_problem(layout.stage_layers, graph.num_blocks, layout.pp * layout.vp)
+        if problem:
+            problems.append(problem)
     if layout.mesh_order and sorted(layout.mesh_order) != sorted(MEGATRON_ORDER):
         problems.append(f"mesh order {layout.mesh_order} is not a permutation of {MEGATRON_ORDER}")
     return problems
@@ -111,8 +111,9 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
         problems.append(f"etp={pins.etp} exceeds tp={pins.tp}")
     if pins.vp and pins.vp > 1 and pins.pp == 1:
         problems.append(f"vp={pins.vp} needs pp > 1 (interleaving splits a pipeline rank's layers into chunks)")
-    if (pins.pp or 1) * (pins.vp or 1) > graph.num_blocks:
-        problems.append(f"{graph.num_blocks} layers cannot fill pp*vp = {(pins.pp or 1) * (pins.vp or 1)} stages")
+    if (pins.pp or 1) * (pins.vp or 1) > most_chunks(graph.num_blocks):
+        problems.append(f"{graph.num_blocks} layers, the embedding and the loss cannot fill pp*vp = "
+                        f"{(pins.pp or 1) * (pins.vp or 1)} chunks")
     if pins.cp and pins.cp > 1 and graph.seq_len % (2 * pins.cp):
         problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * pins.cp} causal chunks")
     if pins.dp and global_batch % (pins.dp * (pins.mbs or 1)):
@@ -147,7 +148,7 @@ def mesh_shapes(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pi
         for cp in (c for c in divisors(num_devices // tp) if pins.allows("cp", c)):
             if cp > 1 and graph.seq_len % (2 * cp):
                 continue
-            for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= graph.num_blocks and pins.allows("pp", p)):
+            for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= most_chunks(graph.num_blocks) and pins.allows("pp", p)):
                 dp = num_devices // (tp * cp * pp)
                 if pins.allows("dp", dp) and global_batch % dp == 0:
                     out.append(MeshShape(tp, cp, pp, dp))
@@ -159,7 +160,9 @@ def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pin
     stages go up to 8, and beyond where they split the layers evenly (NeMo runs use up to 24)."""
     out = []
     blocks = graph.num_blocks
-    vps = [v for v in range(1, blocks // shape.pp + 1) if v <= 8 or blocks % (shape.pp * v) == 0]
+    # a chunk may hold just the embedding or the loss beside its layers (Megatron-Core, torchtitan)
+    vps = [v for v in range(1, most_chunks(blocks) // shape.pp + 1)
+           if v <= 8 or blocks % (shape.pp * v) == 0 or most_chunks(blocks) % (shape.pp * v) == 0]
     for vp in (v for v in vps if (shape.pp > 1 or v == 1) and pins.allows("vp", v)):
         for mbs in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
             if vp == 1 or (global_batch // (shape.dp * mbs)) % shape.pp == 0:
