@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.nn.parallel import DistributedDataParallel
 
 from cost_models.layout import Layout, Recompute
 from cost_models.pipeline import even_partition
@@ -64,6 +65,7 @@ class ParallelModel:
         self.expert_params: list[nn.Parameter] = []
         if dims.ep > 1:
             self.ep_mesh, self.edp_mesh, self.expert_mesh = expert_meshes(self.mesh, dims.ep, dims.etp)
+        wrapped = []
         for module in modules:
             module.to(self.device)
             if dims.tp > 1:
@@ -73,8 +75,9 @@ class ParallelModel:
             experts = apply_ep(module, graph, self.ep_mesh, self.expert_mesh) if dims.ep > 1 else []
             self.expert_params += experts
             apply_ac(module, graph, recompute)
-            apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts))
-        return modules
+            wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts),
+                                    pipelined=dims.pp > 1))
+        return wrapped
 
     def _dp_mesh(self):
         names = self.mesh.mesh_dim_names
@@ -135,8 +138,13 @@ class ParallelModel:
     def _accumulate(self, tokens, targets) -> torch.Tensor:
         micro = self.layout.num_micro_batches
         total = torch.zeros((), device=self.device)
-        for mb_tokens, mb_targets in zip(tokens.chunk(micro), targets.chunk(micro)):
-            loss = cross_entropy(self.modules[0](mb_tokens), mb_targets) / micro
+        module = self.modules[0]
+        # ZeRO-0/1: gradients accumulate unreduced and are all-reduced once, after the last micro-batch
+        once = hasattr(module, "set_requires_gradient_sync") and self.dims.zero < 2
+        for index, (mb_tokens, mb_targets) in enumerate(zip(tokens.chunk(micro), targets.chunk(micro))):
+            if once:
+                module.set_requires_gradient_sync(index == micro - 1)
+            loss = cross_entropy(module(mb_tokens), mb_targets) / micro
             loss.backward()
             total += loss.detach()
         return total
@@ -186,7 +194,7 @@ class ParallelModel:
         """Full (unsharded) gradients of this rank's parameters by full-model name, for checks."""
         grads = {}
         for module in self.modules:
-            for name, param in module.named_parameters():
+            for name, param in _inner(module).named_parameters():
                 if param.grad is None:
                     continue
                 grad = param.grad
@@ -198,7 +206,7 @@ class ParallelModel:
         """Model state with the full model's parameter names, whatever the layout (DTensors where sharded)."""
         state: dict = {}
         for module in self.modules:
-            state.update(get_model_state_dict(module))
+            state.update(get_model_state_dict(_inner(module)))
         return state
 
     def save(self, path: str) -> None:
@@ -207,9 +215,14 @@ class ParallelModel:
     def load(self, path: str) -> None:
         state = self.state_dict()
         dcp.load(state, checkpoint_id=path)
-        for module in self.modules:
+        for module in map(_inner, self.modules):
             names = set(get_model_state_dict(module))
             set_model_state_dict(module, {k: v for k, v in state.items() if k in names})
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    """The stage module inside a DistributedDataParallel wrapper (its parameter names are the model's)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def device_type_of(plan) -> str:

@@ -6,6 +6,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint, replicate
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -119,11 +120,14 @@ def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, .
 
 
 def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int, has_tp: bool,
-             ignored: set[nn.Parameter]) -> None:
+             ignored: set[nn.Parameter], pipelined: bool = False) -> nn.Module:
     """ZeRO 0: replicate (DDP); 1: replicate + sharded optimizer (see ParallelModel); 2 and 3: FSDP2
-    without and with resharding after forward. With tensor parallelism FSDP2 is the data-parallel path."""
+    without and with resharding after forward. With tensor parallelism FSDP2 is the data-parallel path.
+    A pipeline stage under ZeRO 0/1 is wrapped in DistributedDataParallel, whose reduction torch's
+    pipeline stages hold back until the last micro-batch's backward: the composable replicate cannot be
+    told so and reduced wrong gradients with several forwards in flight (1F1B). Returns the module to run."""
     if dp_mesh.size() == 1 and zero < 2:
-        return
+        return module
     if zero >= 2 or has_tp or ignored:
         reshard = zero >= 3
         present = _present(module)
@@ -132,5 +136,12 @@ def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: in
                 fully_shard(module.get_submodule(slot.module_name), mesh=dp_mesh, reshard_after_forward=reshard,
                             ignored_params=ignored or None)
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    elif pipelined:
+        wrapped = DistributedDataParallel(module, process_group=dp_mesh.get_group())
+        # forwards must not arm the reducer: 1F1B runs several before their backwards, so the stage arms
+        # it itself for the last micro-batch's backward (PipelineStage's prepare_for_backward)
+        wrapped.require_backward_grad_sync = False
+        return wrapped
     else:
         replicate(module, device_mesh=dp_mesh)
+    return module
