@@ -23,6 +23,7 @@ from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
 from .parallelize import apply_ac, apply_dp, apply_tp
 from .split import split_stage
+from .tied import StageTies, retie, tied_names
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,10 @@ class ParallelModel:
         self.graph, self.device = graph, torch.device(device_type)
         self.mesh = self.dims.build_mesh(device_type)
         self.local = self.dims.local_ranks(self.mesh)
+        self.tied = tied_names(model)
         self.modules = self._build_modules(model, graph, recompute)
+        self.stage_ties = StageTies(self.tied, self.mesh, graph.embedding_modules, graph.head_modules) \
+            if self.tied and self.dims.pp > 1 else None
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = self._optimizer(optimizer, lr)
         self.max_grad_norm = max_grad_norm
@@ -70,6 +74,7 @@ class ParallelModel:
             module.to(self.device)
             if dims.tp > 1:
                 apply_tp(module, graph, self.mesh["tp"], dims.sp)
+                retie(module, self.tied)
             if dims.cp > 1:
                 apply_cp(module, self.mesh["cp"], graph.seq_len)
             experts = apply_ep(module, graph, self.ep_mesh, self.expert_mesh) if dims.ep > 1 else []
@@ -126,6 +131,8 @@ class ParallelModel:
             loss = self._accumulate(tokens, targets)
         else:
             loss = self._pipelined(tokens, targets)
+        if self.stage_ties:
+            self.stage_ties.sum_gradients([_inner(module) for module in self.modules])
         if self.expert_params:
             finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
         if self.max_grad_norm:
@@ -193,12 +200,14 @@ class ParallelModel:
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) gradients of this rank's parameters by full-model name, for checks."""
         grads = {}
+        canonical = {name: names[0] for names in self.tied for name in names}   # a tied weight's first name
         for module in self.modules:
             for name, param in _inner(module).named_parameters():
                 if param.grad is None:
                     continue
                 grad = param.grad
-                grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()
+                grads[canonical.get(name, name)] = grad.full_tensor() if hasattr(grad, "full_tensor") \
+                    else grad.detach().clone()
         return grads
 
     # -- state ----------------------------------------------------------------------------------
