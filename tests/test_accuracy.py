@@ -10,6 +10,9 @@ from planner.search.space import layout_problems
 
 pytestmark = pytest.mark.skipif(not DEFAULT_RUNS.exists(), reason="shared/validation not present")
 
+# published layouts that really ran but exceed the memory model's usable HBM (docs/accuracy.md): when the
+# model is mended, the `not published.fits` check fails and the run leaves this list
+OVER_THE_MEMORY_MODEL = {"nemo2407-gpt3-20b-64gpu"}
 QUICK = ["narayanan21-3p6b", "korthikanti22-22b-selective", "nemo2407-llama2-7b-8gpu", "nemo2407-gpt3-20b-64gpu"]
 
 
@@ -38,5 +41,9 @@ def test_search_is_never_slower_than_the_published_layout(runs, run_id):
     published = estimate(graph.costs_record, run.cluster, layout)
     searched = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len, precision=precision,
                     time_limit_s=60, top_k=1)
-    if published.fits:
-        assert searched.step_time_s <= published.step_time_s * (1 + 1e-9)
+    if run_id in OVER_THE_MEMORY_MODEL:   # a layout that ran but the memory model rejects (issue 20)
+        assert not published.fits
+        pytest.xfail(f"{run_id} ran, but the memory model predicts "
+                     f"{max(m.total for m in published.stage_memory) / 1e9:.1f} GB per device")
+    assert published.fits
+    assert searched.step_time_s <= published.step_time_s * (1 + 1e-9)

@@ -47,12 +47,10 @@ def test_gpt_flops_equal_narayanan_eq3():
     B = 1
     exact = 72 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V  # layers x3 passes + logits
     assert graph.model_flops_per_sample() == pytest.approx(exact, rel=1e-9)
-    paper = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     big = capture("gpt3-175b")
     s, l, h, V = 2048, 96, 12288, 51200
     assert big.model_flops_per_sample() == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)),
                                                          rel=0.01)
-    assert paper > 0
 
 
 S, H, A = 512, 1024, 16
@@ -120,10 +118,14 @@ def test_flash_attention_removes_the_attention_matrix_term():
     assert got > S * H * 30
 
 
-def test_capture_time_does_not_grow_with_hidden_size():
-    small = capture(gpt(l=2, h=1024, s=512, impl="flash", dropout=0.0)).capture_seconds
-    large = capture(gpt(l=2, h=16384, s=512, impl="flash", dropout=0.0)).capture_seconds
-    assert large < small * 3 + 0.5
+def test_capture_work_does_not_grow_with_hidden_size():
+    """Capture traces each layer kind once on meta tensors: a 16x wider model has the same ops (only their
+    sizes grow), so its capture does the same work (the timings: benchmarks/capture_speed.py)."""
+    small = capture(gpt(l=2, h=1024, s=512, impl="flash", dropout=0.0))
+    large = capture(gpt(l=2, h=16384, s=512, impl="flash", dropout=0.0))
+    for a, b in zip(small.costs().kinds, large.costs().kinds):
+        assert [op.name for op in a.ops] == [op.name for op in b.ops]
+        assert sum(op.forward_flops for op in b.ops) > 8 * sum(op.forward_flops for op in a.ops)
 
 
 def test_user_module_is_captured_with_its_tp_pairs():

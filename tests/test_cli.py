@@ -54,7 +54,11 @@ def test_plan_json_schema():
                 "peak_memory_bytes_per_stage", "fits", "breakdown", "search"):
         assert key in data
     assert {"wall_s", "cpu_s", "status", "candidates", "solved", "unexplored", "unproven_leaves", "gap"} <= set(data["search"])
-    assert data["step_time_s"] == pytest.approx(sum(data["breakdown"].values()), rel=1e-9)
+    # the JSON's prediction is the API's for the layout it prints (another path through the code)
+    layout = ",".join(f"{k}={data['layout'][k]}" for k in ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero",
+                                                            "recompute"))
+    again = api.evaluate("tiny-llama", device="h100-sxm", num_devices=8, global_batch=16, layout=layout)
+    assert data["step_time_s"] == pytest.approx(again.step_time_s, rel=1e-12)
 
 
 def test_plan_table_and_goodput():
