@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,6 +32,7 @@ from planner.plans import Plan  # noqa: E402
 from planner.capture.reference_model import build_model  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402
 from runtime.parallel_model import device_type_of  # noqa: E402
+from runtime.watchdog import Watchdog  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,6 +52,11 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
     parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue from --start-step")
     parser.add_argument("--start-step", type=int, default=1)
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
+                        help="seconds a collective may wait for a peer before the job fails naming the ranks "
+                             "that stopped (torch's default is 30 minutes)")
+    parser.add_argument("--inject", default=None, help="stop@STEP:RANK: the rank stops itself (SIGSTOP) at that "
+                        "step, to check that the others fail with a named rank instead of hanging")
     parser.add_argument("--device-type", default=None, choices=sorted(BACKENDS),
                         help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu); "
                              "default: what the plan's cluster profile names, else cpu")
@@ -58,13 +66,24 @@ def parse_args(argv=None):
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
-def init_distributed(device_type: str = "cpu") -> None:
+def parse_inject(text: str | None) -> tuple[int | None, int | None]:
+    """'stop@2:1' -> (2, 1): rank 1 stops itself at step 2."""
+    if not text:
+        return None, None
+    kind, _, where = text.partition("@")
+    step, _, rank = where.partition(":")
+    if kind != "stop" or not step.isdigit() or not rank.isdigit():
+        raise SystemExit(f"error: --inject {text}: expected stop@STEP:RANK")
+    return int(step), int(rank)
+
+
+def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> None:
     if "RANK" in os.environ:
         if device_type == "npu":
             import torch_npu  # noqa: F401  (registers the npu device and hccl)
         if device_type != "cpu":
             getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(BACKENDS[device_type])
+        dist.init_process_group(BACKENDS[device_type], timeout=timedelta(seconds=timeout_s))
     else:  # the single-process reference runs the same code on a one-rank group
         store = tempfile.mktemp(prefix="planner-ref-")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -98,8 +117,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device_type is None:
         args.device_type = device_type_of(Plan.load(args.plan)) if args.plan else "cpu"
-    init_distributed(args.device_type)
+    init_distributed(args.device_type, args.collective_timeout)
     rank = dist.get_rank()
+    watchdog = Watchdog(args.collective_timeout)
+    stop_step, stop_rank = parse_inject(args.inject)
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for
             saved = Plan.load(args.plan)
@@ -127,8 +148,15 @@ def main(argv=None) -> int:
         parallel.dump_done = False
         parallel.on_gradients = dump
     for step in range(args.start_step, args.start_step + args.steps):
+        if step == stop_step and rank == stop_rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        watchdog.reached(step)
         tokens, targets = batch(step, args, graph.vocab_size)
-        loss = parallel.train_step(tokens, targets)
+        try:
+            loss = parallel.train_step(tokens, targets)
+        except (RuntimeError, dist.DistError) as exc:   # a peer stopped or died mid-collective
+            print(watchdog.report(step, exc), file=sys.stderr, flush=True)
+            os._exit(3)   # the process group cannot be torn down cleanly with a peer gone
         if rank == 0:
             print(f"step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:

@@ -147,3 +147,54 @@ def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle):
     proc = launch(2, "--model", "tiny-llama", "--steps", "1", "--layout", layout, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count(needle) == 2, proc.stderr[-2000:]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout():
+    """Rank 1 stops itself (SIGSTOP) at step 2; with a 5 s collective timeout rank 0 fails its collective and
+    says, in one line starting with 'health:', that rank 1 never reached step 2 (torch's default would hang
+    for 30 minutes)."""
+    import selectors
+    import signal
+    import time
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
+               "dp=2", "--collective-timeout", "5", "--inject", "stop@2:1"]
+    started = time.time()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            start_new_session=True)
+    watch = selectors.DefaultSelector()
+    watch.register(proc.stderr, selectors.EVENT_READ)
+    health = None
+    try:
+        while health is None and time.time() - started < 120:
+            if watch.select(timeout=1):
+                line = proc.stderr.readline()
+                health = line if line.startswith("health:") else None
+    finally:   # the stopped rank cannot end by itself, and torchrun starts ranks in sessions of their own
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+    assert health is not None, "no health: line within 120 s"
+    assert "rank 1 did not reach step 2" in health and "5 s collective timeout" in health
+    assert time.time() - started < 60
