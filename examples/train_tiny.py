@@ -104,6 +104,9 @@ def run_layout(args, graph) -> Layout:
     if args.plan:
         return replace(Plan.load(args.plan).to_layout(), precision="fp32")
     values = parse_text(args.layout, "--layout")
+    if "dp" not in values:   # the data-parallel degree fills the ranks the other degrees leave
+        others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
+        values["dp"] = max(1, dist.get_world_size() // others)
     return layout_from(values, global_batch=args.global_batch, precision="fp32")
 
 

@@ -66,15 +66,7 @@ def _progress():
 
 def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
     if as_json:
-        data = result.model_dump(mode="json")
-        data["layout"]["recompute_per_layer"] = [r for s in result.stages for r in s.recompute]
-        data["peak_memory_bytes_per_stage"] = [m.total_bytes for m in result.memory]
-        if result.search is not None:
-            data["search"]["wall_s"] = result.search.wall_s
-            data["search"]["cpu_s"] = result.search.cpu_s
-        if top_goodput:
-            data["goodput"] = top_goodput
-        out.print_json(json.dumps(data))
+        out.print_json(json.dumps(result.report(top_goodput)))
     else:
         views.show_plan(out, result, top_goodput)
 

@@ -22,6 +22,7 @@ from .output_paths import write_no_follow
 MAX_PLAN_FILE_BYTES = 64 << 20   # a plan of 16,384 devices and 1,000 stages is under 1 MB
 PLAIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._+:/-]{0,199}$"   # goes into shell commands: no spaces, quotes or ;
 MAX_DEGREE = 1 << 20
+REPORT_KEYS = ("recompute_per_layer", "peak_memory_bytes_per_stage", "goodput")   # derived, in --json only
 
 
 class _Frozen(BaseModel):
@@ -181,6 +182,18 @@ class Plan(_Frozen):
                            stage_layers=tuple(len(stage.layers) for stage in self.stages),
                            layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))
 
+    def report(self, goodput: dict | None = None) -> dict:
+        """What `--json` prints: the plan file's object plus derived keys (REPORT_KEYS) and the timings,
+        which `load` drops again, so the JSON of `plan` and `evaluate` is a plan file too."""
+        data = self.model_dump(mode="json")
+        data["layout"]["recompute_per_layer"] = [r for s in self.stages for r in s.recompute]
+        data["peak_memory_bytes_per_stage"] = [m.total_bytes for m in self.memory]
+        if self.search is not None:
+            data["search"].update(wall_s=self.search.wall_s, cpu_s=self.search.cpu_s)
+        if goodput:
+            data["goodput"] = goodput
+        return data
+
     def save(self, path: str | Path) -> None:
         path = Path(path)
         data = self.model_dump(mode="json")
@@ -204,6 +217,10 @@ class Plan(_Frozen):
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
             raise UserInputError(f"cannot parse ({str(exc).splitlines()[0]})", source=str(path)) from None
+        if isinstance(data, dict):   # the JSON printed by --json: its derived keys go
+            data = {k: v for k, v in data.items() if k not in REPORT_KEYS}
+            if isinstance(data.get("layout"), dict):
+                data["layout"] = {k: v for k, v in data["layout"].items() if k not in REPORT_KEYS}
         try:
             return cls.model_validate(data)
         except ValidationError as exc:

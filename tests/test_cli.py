@@ -296,3 +296,15 @@ def test_export_to_unknown_target(plan_file, capsys, monkeypatch):
     with pytest.raises(SystemExit) as info:
         cli.main()
     assert info.value.code == 2 and "megatron" in capsys.readouterr().err
+
+
+def test_evaluate_json_and_out_load_as_plans(tmp_path, capsys, monkeypatch):
+    """`evaluate --json` printed keys Plan.load refused; it is a plan file now, as is `evaluate --out`."""
+    args = ("evaluate --model tiny-llama --device h100-sxm --num-devices 8 --global-batch 16 "
+            "--layout tp=2,pp=2,dp=2,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
+    printed = tmp_path / "printed.json"
+    printed.write_text(run_here(args + " --json", capsys, monkeypatch))
+    written = tmp_path / "written.yaml"
+    run_here(args + f" --out {written}", capsys, monkeypatch)
+    assert Plan.load(printed).model_dump() == Plan.load(written).model_dump()
+    assert Plan.load(printed).layout.tp == 2

@@ -83,6 +83,7 @@ CASES = [
     ("pp2-dp2-zero2", 4, "pp=2,dp=2,zero=2,mbs=2"),
     ("pp2-dp2-zero3", 4, "pp=2,dp=2,zero=3,mbs=2"),
     ("dp2-tp2-pp2", 8, "dp=2,tp=2,pp=2,zero=3"),
+    ("dp-from-world-tp2", 4, "tp=2"),   # dp unstated: the ranks tp leaves (2)
     ("cp2", 2, "cp=2"),
     ("cp2-tp2", 4, "cp=2,tp=2"),
     ("ep2", 2, "dp=2,ep=2", "tiny-moe"),
