@@ -45,8 +45,6 @@ class LayerCost(LayerWork):
     working_bytes: float                           # a recomputed layer's activations, live during its backward
     states: ModelStateBytes
     grad_reduce_bytes: float                       # dense gradient bytes for the dp x cp reduction
-    expert_grad_reduce_bytes: float
-    optimizer_params: float                        # parameters whose optimizer step runs on this rank
     dp_reduce_s: float                             # this layer's share of the per-step dp reduction (its slope)
     optimizer_step_s: float                        # its optimizer step on this rank
     weight_bytes_unsharded: float                  # bf16 weights a ZeRO-3 all-gather materialises
@@ -209,8 +207,7 @@ class MeshCosts:
         (_, dense_slope), (_, expert_slope) = self.dp_lines
         cost = LayerCost(
             **vars(self.work(kind)), activation_bytes=activations, working_bytes=activations[0],
-            states=states, grad_reduce_bytes=grad_bytes, expert_grad_reduce_bytes=expert_grad_bytes,
-            optimizer_params=optimizer_params,
+            states=states, grad_reduce_bytes=grad_bytes,
             dp_reduce_s=dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
             optimizer_step_s=self.optimizer_s(optimizer_params),
             weight_bytes_unsharded=(dense_params + expert_params) * 2,

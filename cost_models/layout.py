@@ -15,6 +15,10 @@ class TextEnum(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
+    @classmethod
+    def texts(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
 
 class Recompute(TextEnum):
     none = "none"
@@ -76,7 +80,7 @@ class Layout:
         for name, kind in (("recompute", Recompute), ("precision", Precision), ("grad_reduce", GradReduce),
                            ("fp8_recipe", Fp8Recipe)):
             value = getattr(self, name)
-            if isinstance(value, str) and not isinstance(value, kind) and value in kind._value2member_map_:
+            if isinstance(value, str) and not isinstance(value, kind) and value in kind.texts():
                 object.__setattr__(self, name, kind(value))
 
     @property

@@ -17,7 +17,6 @@ ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": 
               "sp": "sequence_parallel", "precision": "precision", "grad_reduce": "grad_reduce",
               "fp8_recipe": "fp8_recipe", "order": "mesh_order", "stages": "stage_layers"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
-DEGREE_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs")
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
                                       "fp8_recipe": Fp8Recipe}
 WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",

@@ -182,7 +182,7 @@ def resolve_precision(argument: str | None, values: dict) -> str:
     precision = _given_once("--precision", argument, values.pop("precision", None))
     if precision is None:
         return Precision.bf16
-    if precision not in Precision._value2member_map_:
+    if precision not in Precision.texts():
         raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
     return Precision(precision)
 

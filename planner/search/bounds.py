@@ -135,7 +135,8 @@ class Bounds:
         total_states = sum(n * state for n, state, _ in kinds)
         total_activations = sum(n * act for n, _, act in kinds)
         inverse = [1.0 / (total_states + f * total_activations) for f in flights]
-        weights = [x / sum(inverse) for x in inverse]
+        norm = sum(inverse)
+        weights = [x / norm for x in inverse]
         states = activations = 0.0
         for n, state, act in kinds:
             stage = min(range(layout.pp), key=lambda i: weights[i] * (state + flights[i] * act))

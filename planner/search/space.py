@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute
-from cost_models.layout_codec import CHOICES, layout_from
+from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
 from cost_models.pipeline import most_chunks, partition_problem
 from hardware_profiles.errors import UserInputError
 
@@ -65,8 +65,7 @@ def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list
 
 def pins_of(layout: Layout) -> Pins:
     """A whole layout as pins: every degree fixed."""
-    return Pins(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
-                etp=layout.etp, mbs=layout.micro_batch, zero=layout.zero, recompute=layout.recompute)
+    return pins_from(values_of(layout, FULL_KEYS))
 
 
 def value_problems(layout: Layout) -> list[str]:
@@ -80,7 +79,7 @@ def value_problems(layout: Layout) -> list[str]:
     for key, kind in CHOICES.items():
         value = getattr(layout, key)
         if not isinstance(value, kind):
-            problems.append(f"{key}={str(value)!r} is not one of {', '.join(kind._value2member_map_)}")
+            problems.append(f"{key}={str(value)!r} is not one of {', '.join(kind.texts())}")
     return problems
 
 
