@@ -13,14 +13,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cost_models.layout_codec import text_of  # noqa: E402
-from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
-from planner.api import evaluate, plan  # noqa: E402
+from planner.api import capture_for, evaluate, plan  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
-from planner.capture.model_capture import capture  # noqa: E402
-from benchmarks.published import DEFAULT_RUNS, load_runs, predict, published_layout, run_overlap  # noqa: E402
+from benchmarks.published import (DEFAULT_RUNS, FAMILY_STACKS, UNSTATED_CHOICES, check_published, load_runs,  # noqa: E402
+                                  predict, run_stack)
 from planner.search.space import layout_problems  # noqa: E402
+from benchmarks.calibrate import split_runs  # noqa: E402
 
 
 # What is known of each run the model misses by more than 25%, with sources; no figure here enters a prediction
@@ -58,7 +57,7 @@ def other_measurement_rows(runs) -> list[tuple]:
         if run is None:
             continue
         predicted = evaluate(run.model, run.cluster, layout, global_batch=run.global_batch, seq_len=run.seq_len,
-                             precision=precision, overlap=run_overlap(run.id), time_limit_s=20).step_time_s
+                             precision=precision, stack=run_stack(run.id), time_limit_s=20).step_time_s
         rows.append((run_id, source, layout, precision, measured, predicted))
     return rows
 
@@ -71,6 +70,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="comma-separated run ids")
     args = parser.parse_args(argv)
     runs, skipped = load_runs(args.runs)
+    held_ids = {run.id for _, half in split_runs(runs).values() for run in half}   # as calibrate.py splits them
     if args.only:
         runs = [r for r in runs if r.id in args.only.split(",")]
     rows = []
@@ -89,30 +89,29 @@ def main(argv=None) -> int:
               f"error {error:+7.1%}  {result.layout.tp}/{result.layout.pp}/{result.layout.dp}/{result.layout.cp}")
     checks = [check for check in map(published_layout_check, runs) if check]
     others = other_measurement_rows(runs)
-    write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others)
+    write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids)
     errors = [abs(e) for _, _, e, _ in rows]
     print(f"MAPE {statistics.mean(errors):.1%} over {len(rows)} runs, worst {max(errors):.1%}")
     return 0
 
 
 def published_layout_check(run) -> tuple | None:
-    """Is the run's complete published layout inside the search space, and does the full search (nothing
-    pinned) find a plan at least as fast when the published layout fits?"""
-    layout = published_layout(run, run.precision)
-    if layout is None:
+    """Is the run's complete published layout inside the search space, does it fit (or which unstated
+    choice makes it fit), and does the full search (nothing pinned) find a plan at least as fast?"""
+    check = check_published(run)
+    if check is None:
         return None
-    graph = capture(run.model, run.seq_len)
-    overlap = run_overlap(run.id)
-    published = estimate(graph.costs_record, run.cluster, layout, overlap)
+    stack = run_stack(run.id)
     searched = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len,
-                    precision=run.precision, time_limit_s=60, top_k=1, overlap=overlap)
-    inside = not layout_problems(layout, graph, run.cluster.num_devices)
-    print(f"{run.id:48s} published {published.step_time_s:8.3f} s fits {published.fits!s:5s} "
-          f"searched {searched.step_time_s:8.3f} s inside {inside}")
-    return run, layout, inside, published, searched
+                    precision=run.precision, time_limit_s=60, top_k=1, stack=stack)
+    graph = capture_for(run.model, run.seq_len, (), stack)
+    inside = not layout_problems(check.predicted.to_layout(), graph, run.cluster.num_devices)
+    print(f"{run.id:48s} published {check.predicted.step_time_s:8.3f} s fits {check.predicted.fits!s:5s} "
+          f"{check.fits_with or ''} searched {searched.step_time_s:8.3f} s inside {inside}")
+    return check, inside, searched
 
 
-def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=()) -> None:
+def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset()) -> None:
     errors = [abs(e) for _, _, e, _ in rows]
     by_device: dict[str, list[float]] = {}
     by_class: dict[str, list[float]] = {}
@@ -125,14 +124,21 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
              "recomputation, stage partition) are searched. Step times are compared in seconds, never across",
              "FLOP conventions. Efficiency figures are the device profiles' shared values, the same for every run",
              "on that hardware (see `docs/profiles.md`); no per-run factors. What each run's software could do",
-             "(fused attention, sequence parallelism, per-layer recomputation, TP overlap, gradient dtype, FP8 recipe) comes",
-             "from its source family (`benchmarks/published.py`, `SoftwareStack`), or from the run's recipe where it",
-             "departs from the family (`RECIPE_SETTINGS`, each with its source).", "",
+             "(fused attention, sequence parallelism, per-layer recomputation, TP overlap, gradient dtype, FP8 recipe,",
+             "what it holds in memory) is the built-in software stack of its source family, passed as `stack=` to",
+             "`planner.plan` / `planner.evaluate` exactly as a user passes `--stack` (`benchmarks/published.py`",
+             "`FAMILY_STACKS`); layout facts a run's recipe states are pins (`RECIPE_SETTINGS`, each with its source).",
+             "Stacks by family: " + ", ".join(f"{family} `{name}`" for family, name in sorted(FAMILY_STACKS.items()))
+             + " (others `nemo`).", "",
              f"MAPE **{statistics.mean(errors):.1%}** over {len(rows)} runs; worst miss "
              f"**{max(errors):.1%}**; {sum(e <= 0.25 for e in errors)} of {len(rows)} within 25%.", "",
              "| device | runs | MAPE | worst |", "|---|---|---|---|"]
     for device, errs in sorted(by_device.items()):
         lines.append(f"| {device} | {len(errs)} | {statistics.mean(errs):.1%} | {max(errs):.1%} |")
+    held_errors = [abs(e) for run, _, e, _ in rows if run.id in held_ids]
+    if held_errors:
+        lines.append(f"| held-out half (`benchmarks/calibrate.py` fits the other) | {len(held_errors)} | "
+                     f"{statistics.mean(held_errors):.1%} | {max(held_errors):.1%} |")
     for name, errs in sorted(by_class.items()):
         lines.append(f"| {name} models | {len(errs)} | {statistics.mean(errs):.1%} | {max(errs):.1%} |")
     lines += ["", "| run | devices | layout predicted (tp/pp/dp/cp/ep, vp, mbs, zero, recompute) | measured s | "
@@ -160,22 +166,25 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
               "unstated) is checked against the search's rules and predicted as is, then the search runs with",
               "nothing pinned on the same devices and batch. Where the published layout fits the memory model,",
               "the searched plan must be at least as fast.", "",
-              "| run | published layout | inside the space | published predicted s | fits | searched s | searched <= published |",
-              "|---|---|---|---|---|---|---|"]
-    for run, layout, inside, published, searched in checks:
+              "| run | published layout | inside the space | published predicted s | peak GB | fits | searched s | "
+              "searched <= published |",
+              "|---|---|---|---|---|---|---|---|"]
+    for check, inside, searched in checks:
+        published = check.predicted
         ok = "yes" if searched.step_time_s <= published.step_time_s * (1 + 1e-9) else (
             "no" if published.fits else "n/a (does not fit)")
-        lines.append(f"| {run.id} | {text_of(layout)} | {'yes' if inside else 'NO'} | {published.step_time_s:.3f} | "
-                     f"{'yes' if published.fits else 'no'} | {searched.step_time_s:.3f} | {ok} |")
-    over = [max(s.total - s.capacity for s in published.stage_memory) / 1e9
-            for _, _, _, published, _ in checks if not published.fits]
+        fits = "yes" if published.fits else (f"with {check.fits_with}" if check.fits_with else "no")
+        layout_text = ",".join(f"{k}={v}" for k, v in check.values.items())
+        lines.append(f"| {check.run.id} | {layout_text} | {'yes' if inside else 'NO'} | "
+                     f"{published.step_time_s:.3f} | {published.peak_memory_bytes / 1e9:.1f} | {fits} | "
+                     f"{searched.step_time_s:.3f} | {ok} |")
+    over = [c for c, _, _ in checks if not c.predicted.fits]
     if over:
-        lines += ["", f"With unstated recomputation taken as none and ZeRO as 1, {len(over)} of {len(checks)} published "
-                  f"layouts exceed the memory model's usable HBM by {min(over):.1f} to {max(over):.1f} GB. The runs may have "
-                  "recomputed or sharded more (their sources do not say); the model also keeps fp32 gradient "
-                  "buffers unless the recipe reduces in bf16, and counts SwiGLU's three unfused intermediates where "
-                  "Megatron's fused kernel keeps two, so it is conservative for such stacks, and the search then "
-                  "prefers layouts that shard more or recompute."]
+        needs = "; ".join(f"{c.run.id}: {c.fits_with or 'no single unstated choice'}" for c in over)
+        lines += ["", f"With unstated recomputation taken as none and ZeRO as 1, {len(over)} of {len(checks)} "
+                  "published layouts exceed the memory model's usable HBM. Where the source leaves a choice "
+                  "unstated, the first of " + ", ".join(f"{k}={v}" for k, v in UNSTATED_CHOICES) +
+                  f" (one at a time, as the run's stack allows) that fits is: {needs}."]
     lines += ["", "Activation memory: the first pipeline stage of Korthikanti et al.'s four models (Table 3: 22B,",
               "175B, 530B, 1T at t = 8) matches their Section 4.2.3 closed forms within 0.3%, with and without",
               "selective recomputation (`tests/test_capture.py::test_first_stage_activation_memory_of_korthikanti_models`)."]

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
-from planner.capture.model_capture import capture  # noqa: E402
-from benchmarks.published import DEFAULT_RUNS, load_runs, predict, run_overlap  # noqa: E402
-from gpu_compare import DEFAULT_RESULTS, HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
+from planner.api import capture_for  # noqa: E402
+from benchmarks.published import DEFAULT_RUNS, load_runs, predict, run_stack  # noqa: E402
+from benchmarks.gpu_compare import DEFAULT_RESULTS, HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
 
 # profiles without published runs of their own that share the fitted GPU's silicon and software
 SAME_SILICON = {"a100-80g": ("a100-40g",), "h100-sxm": ("h200", "h800"), "b200": ("gb200",)}
@@ -38,6 +38,15 @@ MIN_RUNS_FOR_TWO = 3  # fitting runs needed to fit the saturation scale as well
 SUSTAINED = [round(0.40 + 0.01 * i, 2) for i in range(61)]
 # GEMM saturation measured on a GPU of the same silicon (benchmarks/gpu_measure.py): measured, not fitted
 MEASURED_GEMMS = {"h100-sxm": DEFAULT_RESULTS}
+
+
+def split_runs(runs) -> dict[str, tuple[list, list]]:
+    """Per device, the runs sorted by id and split alternately into the fitting half and the held-out half
+    (before any prediction, so that a run the planner cannot predict moves no other run across)."""
+    by_device: dict[str, list] = {}
+    for run in sorted(runs, key=lambda r: r.id):
+        by_device.setdefault(run.cluster.device.name, []).append(run)
+    return {device: (group[0::2], group[1::2]) for device, group in by_device.items()}
 
 
 def fixed_layouts(runs, time_limit_s):
@@ -57,8 +66,9 @@ def errors_with(items, sustained: float, half: float) -> list[float]:
         gemm = run.cluster.device.gemm.model_copy(update={"sustained_fraction": sustained, "half_work_gflop": half})
         device = run.cluster.device.model_copy(update={"gemm": gemm})
         cluster = run.cluster.model_copy(update={"device": device})
-        predicted = estimate(capture(run.model, run.seq_len).costs_record, cluster, layout,
-                             run_overlap(run.id)).step_time_s
+        stack = run_stack(run.id)
+        predicted = estimate(capture_for(run.model, run.seq_len, (), stack).costs_record, cluster, layout,
+                             stack).step_time_s
         errs.append(abs(predicted / run.measured_step_s - 1))
     return errs
 
@@ -93,12 +103,11 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=10.0)
     args = parser.parse_args(argv)
     runs, _ = load_runs(args.runs)
-    by_device: dict[str, list] = {}
-    for run in sorted(runs, key=lambda r: r.id):
-        by_device.setdefault(run.cluster.device.name, []).append(run)
-    for device, device_runs in sorted(by_device.items()):
-        items = fixed_layouts(device_runs, args.time_limit)
-        fitting, held_out = items[0::2], items[1::2]
+    halves = split_runs(runs)
+    for device, (fitting_runs, held_runs) in sorted(halves.items()):
+        device_runs = fitting_runs + held_runs
+        fitting = fixed_layouts(fitting_runs, args.time_limit)
+        held_out = fixed_layouts(held_runs, args.time_limit)
         measured = MEASURED_GEMMS.get(device)
         measured_half = (measured_half_work(json.loads(measured.read_text()), device_runs[0].cluster.device)
                          if measured else None)
@@ -110,7 +119,8 @@ def main(argv=None) -> int:
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
               f"({', '.join(run.id for run, _ in held_out)})")
         if args.write:
-            for name in (device, *SAME_SILICON.get(device, ())):
+            # a same-silicon device takes this fit only where it has no runs of its own to fit
+            for name in (device, *(d for d in SAME_SILICON.get(device, ()) if d not in halves)):
                 write_profile(name, sustained, half)
     return 0
 

@@ -1,15 +1,15 @@
 """Published training runs (shared/validation/published_runs.yaml) as model, cluster and layout inputs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from cost_models.layout import Layout, OverlapModel, Recompute
-from cost_models.layout_codec import LAYOUT_KEYS, layout_from, parse_values
-from hardware_profiles.loader import cluster_from_device, list_devices
+from cost_models.layout_codec import LAYOUT_KEYS
+from hardware_profiles.loader import cluster_from_device, list_devices, load_stack
 from hardware_profiles.schema import Cluster
+from hardware_profiles.stack import SoftwareStack
 
 from planner.capture.model_config import MLAConfig, ModelConfig, MoEConfig
 
@@ -18,52 +18,36 @@ MOE_FIELDS = {"shared_experts": "num_shared_experts"}   # the runs file's names 
 LAYOUT_FIELDS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vp": "vp", "micro_batch": "mbs"}
 
 
-@dataclass(frozen=True)
-class SoftwareStack:
-    """What the run's software could do, which the rows leave implicit."""
-    flash_attention: bool      # FlashAttention (Dao et al., May 2022) in the stack
-    sequence_parallel: bool    # Megatron sequence parallelism (Korthikanti et al., May 2022) available
-    per_layer_recompute: bool  # selective / per-layer recomputation; else all layers checkpoint or none do
-    tp_comm_overlap: bool      # TP collectives overlapped with GEMMs (NeMo recipes: ub_tp_comm_overlap)
-    grad_reduce: str = "fp32"  # gradient buffers and reductions
-    fp8_recipe: str = "delayed"  # FP8 scaling (Megatron --fp8-recipe), where the run is FP8
+# By source family (run id prefix): the built-in software stack the runs used (hardware_profiles/stacks),
+# and stack fields a family's runs set otherwise. Megatron-LM and Megatron-DeepSpeed runs of 2021 (SC21,
+# MT-NLG on Selene, BLOOM) checkpointed all layers or none and materialised attention; Korthikanti et al.
+# added sequence parallelism and selective recomputation; NeMo and Megatron-Bridge recipes overlap TP
+# communication (ub_tp_comm_overlap / tp_comm_overlap).
+FAMILY_STACKS = {"narayanan21": "megatron-lm-2021", "mtnlg": "megatron-lm-2021", "bloom": "megatron-lm-2021",
+                 "opt": "megatron-lm-2021", "korthikanti22": "megatron-lm-2022", "mbridge": "megatron-bridge",
+                 "nemo2407": "nemo", "dgxc": "nemo", "torchtitan": "torchtitan", "pangu": "mindspeed",
+                 "megatron24": "megatron-core"}
+FAMILY_STACK_SETTINGS = {
+    # Megatron-LM's 2024 README table: the calibration has assumed TP overlap on; the README does not say
+    "megatron24": {"tp_comm_overlap": True},
+}
+DEFAULT_FAMILY_STACK = "nemo"
 
 
-# By source family (run id prefix). Megatron-LM and Megatron-DeepSpeed runs of 2021-22 (SC21, MT-NLG on
-# Selene, BLOOM, Korthikanti et al.) materialised the attention matrix; only Korthikanti et al. had sequence
-# parallelism and selective recomputation (their rows say where they used them); before them activation
-# checkpointing was one switch for every layer (--checkpoint-activations). NeMo, Megatron-Core and
-# Megatron-Bridge runs have all of it, and their recipes overlap TP communication with GEMMs
-# (NeMo-Framework-Launcher conf/training gpt3/20b.yaml, gpt3/175b.yaml, llama/llama3_1_70b.yaml:
-# ub_tp_comm_overlap: true).
-CURRENT_STACK = SoftwareStack(flash_attention=True, sequence_parallel=True, per_layer_recompute=True,
-                              tp_comm_overlap=True)
-LEGACY = SoftwareStack(flash_attention=False, sequence_parallel=False, per_layer_recompute=False,
-                       tp_comm_overlap=False)
-STACKS = {"narayanan21": LEGACY, "mtnlg": LEGACY, "bloom": LEGACY, "opt": LEGACY,
-          "korthikanti22": replace(LEGACY, sequence_parallel=True, per_layer_recompute=True),
-          # Megatron-Bridge's performance scripts reduce gradients in bf16 (set_llama3_common_configs and
-          # set_qwen3_common_configs: grad_reduce_in_fp32 = False); its 25.11 FP8 rows are labelled FP8-CS
-          # (current scaling: Megatron's tensorwise recipe)
-          "mbridge": replace(CURRENT_STACK, grad_reduce="bf16", fp8_recipe="tensorwise")}
+def run_stack(run_id: str) -> SoftwareStack:
+    """The software stack a published run is predicted with, through the public API's `stack=`."""
+    family = run_id.split("-")[0]
+    stack = load_stack(FAMILY_STACKS.get(family, DEFAULT_FAMILY_STACK))
+    settings = FAMILY_STACK_SETTINGS.get(family)
+    return stack.model_copy(update=settings) if settings else stack
 
 
-# Per-run settings read in the recipe a run used, where they depart from its family's stack
+# Per-run layout facts read in the recipe a run used, where its source states them
 RECIPE_SETTINGS = {
     # NeMo-Framework-Launcher conf/training/nemotron/nemotron_340b.yaml: optim mcore_distributed_optim,
     # grad_sync_dtype: bf16 (the family's other recipes use distributed_fused_adam without it)
     "nemo2407-nemotron-340b-128gpu": {"grad_reduce": "bf16"},
 }
-
-
-def software_stack(run_id: str) -> SoftwareStack:
-    stack = STACKS.get(run_id.split("-")[0], CURRENT_STACK)
-    return replace(stack, **RECIPE_SETTINGS.get(run_id, {}))
-
-
-def run_overlap(run_id: str) -> OverlapModel:
-    """What the run's runtime overlapped: every prediction of the run (search, calibration) uses it."""
-    return OverlapModel(tp_comm_overlap=software_stack(run_id).tp_comm_overlap)
 
 
 @dataclass(frozen=True)
@@ -85,7 +69,6 @@ def _model(run: dict) -> ModelConfig:
     m = run["model"]
     activation = m.get("activation") or "gelu"
     gpt = activation == "gelu"
-    stack = software_stack(run["id"])
     moe = m.get("moe")
     mla = m.get("mla")
     heads = m["num_attention_heads"]
@@ -97,7 +80,6 @@ def _model(run: dict) -> ModelConfig:
         position_embedding="learned" if gpt else "rope",
         tied_embeddings=gpt if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
-        attention_impl="flash" if stack.flash_attention else "math",
         add_bias=gpt, mla=MLAConfig(**mla) if mla else None,
         moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None)
 
@@ -116,7 +98,7 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
     """Runs that can be predicted, and (id, why not) for the rest."""
     runs, skipped = [], []
     for run in yaml.safe_load(Path(path).read_text()):
-        layout, hardware, stack = run["layout"], run["hardware"], software_stack(run["id"])
+        layout, hardware = run["layout"], run["hardware"]
         gbs = layout.get("global_batch")
         if not gbs:
             skipped.append((run["id"], "no global batch"))
@@ -141,12 +123,7 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["zero"] = layout["zero"]
         if layout.get("sequence_parallel") is not None:
             known["sp"] = bool(layout["sequence_parallel"])
-        elif not stack.sequence_parallel:
-            known["sp"] = False
-        if stack.grad_reduce != "fp32":
-            known["grad_reduce"] = stack.grad_reduce
-        if stack.fp8_recipe != "delayed":
-            known["fp8_recipe"] = stack.fp8_recipe
+        known.update(RECIPE_SETTINGS.get(run["id"], {}))
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
         precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
@@ -154,35 +131,64 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
     return runs, skipped
 
 
-def published_layout(run: PublishedRun, precision: str) -> Layout | None:
-    """The run's layout when the source gives every degree (zero and recompute default to Megatron's)."""
-    need = ("tp", "pp", "dp", "cp")
-    if not all(k in run.known for k in need) or "mbs" not in run.known:
+ASSUMED_WHERE_UNSTATED = {"recompute": "none", "zero": 1, "ep": 1, "etp": 1, "vp": 1}
+# departures from the assumptions, cheapest in step time first, tried one at a time where the source
+# leaves the field out: bf16 gradient buffers (NeMo's FP8 performance recipes set grad_sync_dtype: bf16,
+# e.g. NeMo-Framework-Launcher gpt3/20b_fp8_performance.yaml), more sharding, then recomputation
+UNSTATED_CHOICES = (("grad_reduce", "bf16"), ("zero", 2), ("zero", 3), ("recompute", "selective"),
+                    ("recompute", "full"))
+
+
+def published_values(run: PublishedRun) -> dict | None:
+    """The run's whole layout as `evaluate` values when the source gives every degree and the micro-batch;
+    what it leaves out is ASSUMED_WHERE_UNSTATED (Megatron's defaults)."""
+    need = ("tp", "pp", "dp", "cp", "mbs")
+    if not all(k in run.known for k in need):
         return None
     known = {key: value for key, value in run.known.items() if key in LAYOUT_KEYS}
-    defaults = {"recompute": "none"}
-    return layout_from(parse_values({**defaults, **known}, run.id), global_batch=run.global_batch,
-                       precision=precision)
+    return {**ASSUMED_WHERE_UNSTATED, **known}
+
+
+@dataclass(frozen=True)
+class PublishedCheck:
+    """A published layout predicted as is, and what an unstated choice needs to make it fit."""
+    run: PublishedRun
+    values: dict
+    predicted: object            # planner.plans.Plan of the layout as published
+    stated: bool                 # the source states recomputation and ZeRO: no choice is left open
+    fits_with: str | None        # the first unstated choice that fits (`UNSTATED_CHOICES`), where it needs one
+
+
+def check_published(run: PublishedRun) -> PublishedCheck | None:
+    from planner.api import evaluate
+    values = published_values(run)
+    if values is None:
+        return None
+    stack = run_stack(run.id)
+
+    def predict_with(changed: dict):
+        return evaluate(run.model, run.cluster, {**values, **changed}, global_batch=run.global_batch,
+                        seq_len=run.seq_len, precision=run.precision, stack=stack)
+
+    predicted = predict_with({})
+    stated = "recompute" in run.known and "zero" in run.known
+    fits_with = None
+    if not predicted.fits:
+        for key, value in UNSTATED_CHOICES:
+            allowed = (key != "zero" or value in stack.zero_stages) and \
+                (value != "selective" or stack.selective_recompute)
+            if key in run.known or not allowed:
+                continue
+            trial = predict_with({key: value})
+            if trial.fits:
+                fits_with = f"{key}={value} ({trial.peak_memory_bytes / 1e9:.1f} GB)"
+                break
+    return PublishedCheck(run, values, predicted, stated, fits_with)
 
 
 def predict(run: PublishedRun, time_limit_s: float = 20.0):
-    """The planner's best plan for the run's published layout, unknown fields searched as the run's
-    software allows: where it checkpoints all layers or none, both are tried and the faster that fits wins."""
-    from planner.api import InfeasibleError, plan
-    stack = software_stack(run.id)
-    base = dict(global_batch=run.global_batch, seq_len=run.seq_len, precision=run.precision,
-                time_limit_s=time_limit_s, top_k=1, overlap=run_overlap(run.id))
-    if "recompute" in run.known or stack.per_layer_recompute:
-        return plan(run.model, run.cluster, **base, **run.known)
-    best, failure = None, None
-    for recompute in ("none", "full"):
-        try:
-            result = plan(run.model, run.cluster, **base, **run.known, recompute=recompute)
-        except InfeasibleError as exc:
-            failure = exc
-            continue
-        if best is None or result.step_time_s < best.step_time_s:
-            best = result
-    if best is None:
-        raise failure
-    return best
+    """The planner's best plan for the run's published layout through the public API: the fields the
+    source leaves out are searched within what the run's stack can do."""
+    from planner.api import plan
+    return plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len,
+                precision=run.precision, time_limit_s=time_limit_s, top_k=1, stack=run_stack(run.id), **run.known)

@@ -17,7 +17,9 @@ from .layout import Fp8Recipe, Precision
 from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
 
 if TYPE_CHECKING:
-    from .layout import Layout, OverlapModel
+    from hardware_profiles.stack import SoftwareStack
+
+    from .layout import Layout
 
 # bytes moved per element of every FP8 GEMM operand cast (input forward, output gradient backward) by
 # Transformer Engine on Hopper, whose FP8 GEMMs take one operand layout only: read bf16 (2), write row- and
@@ -44,11 +46,11 @@ class ShardSpec:
     etp: int = 1    # ranks splitting each expert's weights
 
     @classmethod
-    def of(cls, layout: "Layout", overlap: "OverlapModel", ep: int | None = None, etp: int | None = None) -> "ShardSpec":
+    def of(cls, layout: "Layout", stack: "SoftwareStack", ep: int | None = None, etp: int | None = None) -> "ShardSpec":
         """A layout's division of one micro-batch; `ep`/`etp` override the layout's (search bounds)."""
         return cls(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
                    precision=layout.precision, fp8_recipe=layout.fp8_recipe,
-                   causal_attention_work=overlap.causal_attention_work,
+                   causal_attention_work=stack.causal_attention_work,
                    ep=layout.ep if ep is None else ep, etp=layout.etp if etp is None else etp)
 
 

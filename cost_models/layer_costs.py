@@ -13,7 +13,9 @@ from hardware_profiles.topology import MeshDim, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
 from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
-from .layout import Layout, OverlapModel, Recompute
+from hardware_profiles.stack import SoftwareStack
+
+from .layout import Layout, Recompute
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
                      params_on_rank)
 from .records import ATTENTION_MATMUL_KINDS, MATMUL_KINDS, LayerKind, ModelCosts
@@ -69,11 +71,11 @@ class SharedCosts:
 class MeshCosts:
     """Costs of every layer kind for one layout's degrees (partition and recomputation left free)."""
 
-    def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, overlap: OverlapModel,
+    def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack,
                  ep_imbalance: float = 1.0, shared: SharedCosts | None = None):
-        self.model, self.cluster, self.layout, self.overlap = model, cluster, layout, overlap
+        self.model, self.cluster, self.layout, self.stack = model, cluster, layout, stack
         self.ep_imbalance = ep_imbalance
-        self.spec = ShardSpec.of(layout, overlap)
+        self.spec = ShardSpec.of(layout, stack)
         self.state_sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp,
                                             dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
                                             zero=layout.zero, gradient_bytes=layout.gradient_bytes)
@@ -130,7 +132,7 @@ class MeshCosts:
         if self.layout.tp == 1 or not kind.tp_pair_count:
             return 0.0
         total = self._tp_collectives_s(kind)
-        if not self.overlap.tp_comm_overlap:
+        if not self.stack.tp_comm_overlap:
             return total
         # chunked over tp ring steps (Wang et al. ASPLOS'23 decomposition; TE userbuffers): one chunk is
         # exposed, the others overlap the GEMMs of the same layer, forward and backward
@@ -155,8 +157,8 @@ class MeshCosts:
         size = 2 * lay.micro_batch * self.model.seq_len * kind.kv_channels * ACTIVATION_BYTES / lay.tp
         forward = self.collective(Collective.all_gather, size, "cp").seconds
         backward = self.collective(Collective.reduce_scatter, size, "cp").seconds
-        hidden_fwd = self.overlap.cp_hidden * attention_forward_s
-        hidden_bwd = self.overlap.cp_hidden * 2 * attention_forward_s
+        hidden_fwd = self.stack.cp_hidden * attention_forward_s
+        hidden_bwd = self.stack.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
     def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
@@ -167,7 +169,7 @@ class MeshCosts:
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
         per_pass = 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
-        if not self.overlap.hides_moe_a2a(lay):
+        if not self.stack.hides_moe_a2a(lay):
             return 2 * per_pass
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer: each
         # pass's all-to-alls hide behind the other's compute; the first forward and last backward are alone
@@ -231,7 +233,7 @@ class MeshCosts:
         if self.layout.pp == 1:
             return 0.0
         size = self.activation_message_bytes / (self.layout.tp if self.layout.sp else 1)
-        return self.collective(Collective.send_recv, size, "pp").seconds * (1 - self.overlap.pp_hidden)
+        return self.collective(Collective.send_recv, size, "pp").seconds * (1 - self.stack.pp_hidden)
 
     def optimizer_s(self, params: float) -> float:
         return memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)
@@ -271,7 +273,7 @@ class MeshCosts:
         """A stage's per-step reduction (latency plus its layers' `dp_reduce_s`) not hidden behind the last
         micro-batch's compute (Megatron overlap_grad_reduce). The estimate, the solver and the search
         bound all use this form: it is linear in the layers up to the max with 0."""
-        return max(0.0, self.dp_latency_s + reduce_s - self.overlap.dp_window_fraction * compute_s)
+        return max(0.0, self.dp_latency_s + reduce_s - self.stack.dp_window_fraction * compute_s)
 
     def sharded_dp_comm_s(self, dense_params: float, expert_params: float) -> float:
         """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (they cannot accumulate

@@ -121,27 +121,3 @@ class Layout:
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         sizes = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
         return tuple((name, sizes[name]) for name in self.mesh_order if name in sizes)
-
-
-@dataclass(frozen=True)
-class OverlapModel:
-    """How much communication each runtime hides behind compute (0 = fully exposed, 1 = fully hidden).
-
-    Defaults follow Megatron-LM's defaults with the distributed optimizer: overlapped gradient
-    reduce-scatter and parameter all-gather, no TP communication overlap, CP ring exchange overlapped
-    with attention compute, EP all-to-all exposed. With TP overlap the collectives run as tp chunked
-    ring steps beside the GEMMs: the first chunk stays exposed, the rest hides behind the layer's
-    compute where that suffices (`MeshCosts.tp_comm_s`). With MoE A2A overlap each layer's forward
-    of one micro-batch runs beside its backward of another, so each pass's all-to-alls hide behind
-    the other pass's compute (`MeshCosts.ep_comm_s`).
-    """
-    tp_comm_overlap: bool = False     # Megatron --tp-comm-overlap / TE userbuffers (NeMo recipes set it)
-    moe_a2a_overlap: bool = False     # Megatron --overlap-moe-expert-parallel-comm (combined 1F1B schedule)
-    cp_hidden: float = 1.0
-    pp_hidden: float = 0.0
-    dp_window_fraction: float = 1.0   # share of the last micro-batch's backward that hides DP reduction
-    causal_attention_work: float = 0.5  # flash kernels skip masked blocks: about half of s x s work
-
-    def hides_moe_a2a(self, layout: "Layout") -> bool:
-        """MoE A2A overlap applies: asked for, experts spread, and a schedule Megatron can pair."""
-        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches

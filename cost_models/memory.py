@@ -90,6 +90,28 @@ def logits_bytes(kind: LayerKind, tp: int, cp: int, micro_batch: int) -> float:
     return kind.logits_fp32_bytes * micro_batch / (tp * cp)
 
 
+# bytes per logit that cross-entropy's backward allocates beside its saved fp32 softmax, by stack behaviour:
+# in place (Megatron vocab-parallel cross-entropy writes the gradient into the saved softmax and hands the
+# output layer a bf16 copy, megatron/core/tensor_parallel/cross_entropy.py) or eager (F.cross_entropy:
+# NLL and log-softmax backward each allocate an fp32 tensor of the logits' size)
+LOSS_GRADIENT_BYTES_PER_LOGIT = {"in_place": 2, "eager": 2 * 4}
+FP32_BYTES = 4
+
+
+def loss_gradient_bytes(kind: LayerKind, tp: int, cp: int, micro_batch: int, loss_gradient: str) -> float:
+    """Gradient buffers the loss's backward adds on the last stage, at the start of backward."""
+    logits = kind.logits_fp32_bytes / FP32_BYTES * micro_batch / (tp * cp)
+    return logits * LOSS_GRADIENT_BYTES_PER_LOGIT[loss_gradient]
+
+
+def gradients_held_at_peak(gradient_buffer: str, num_micro_batches: int) -> bool:
+    """Whether the gradients exist while the activations peak: always with a persistent buffer (Megatron's
+    param-and-grad buffer, DeepSpeed's contiguous gradients); with gradients that backward allocates, from
+    the second micro-batch of a step on (accumulation), but not in a step of one micro-batch, where they
+    grow only as backward frees the activations."""
+    return gradient_buffer == "persistent" or num_micro_batches > 1
+
+
 def usable_bytes(device: Device) -> float:
     """HBM left for tensors after the runtime context and allocator fragmentation."""
     reserve = device.memory_reserve
@@ -105,14 +127,19 @@ class StageMemory:
     optimizer: float
     activations: float
     logits: float
+    loss_gradient: float
     recompute_working: float
     comm_buffers: float
     capacity: float
+    gradients_held: bool = True     # `gradients_held_at_peak`
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits
-                + self.recompute_working + self.comm_buffers)
+        """States, and the larger of the two peaks: the start of backward (activations, logits and their
+        gradient, plus the gradients where they are held) and the end of backward (all gradients)."""
+        activation_peak = self.activations + self.logits + self.loss_gradient + self.recompute_working
+        held = self.gradients if self.gradients_held else 0.0
+        return self.weights + self.optimizer + self.comm_buffers + max(activation_peak + held, self.gradients)
 
     @property
     def fits(self) -> bool:
@@ -120,5 +147,5 @@ class StageMemory:
 
     def parts(self) -> dict[str, float]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": self.activations, "logits": self.logits,
+                "activations": self.activations, "logits": self.logits, "loss_gradient": self.loss_gradient,
                 "recompute_working": self.recompute_working, "comm_buffers": self.comm_buffers}

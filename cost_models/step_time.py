@@ -6,8 +6,11 @@ from dataclasses import dataclass
 from hardware_profiles.schema import Cluster
 
 from .layer_costs import RECOMPUTE_ORDER, LayerCost, MeshCosts
-from .layout import Layout, OverlapModel, Recompute
-from .memory import StageMemory, logits_bytes, usable_bytes
+from hardware_profiles.loader import load_stack
+from hardware_profiles.stack import SoftwareStack
+
+from .layout import Layout, Recompute
+from .memory import StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from .pipeline import even_partition, in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds
 from .records import ModelCosts
 
@@ -98,7 +101,10 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         activations=activations,
         logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) if with_head else 0.0,
-        recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device))
+        loss_gradient=loss_gradient_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, costs.stack.loss_gradient)
+        if with_head else 0.0,
+        recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device),
+        gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer, micro_batches))
     return StageTotals(
         work_s=sum(c.work_s(r) for c, r in items), compute_s=compute, recompute_s=recomputed,
         tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),
@@ -121,10 +127,11 @@ def physical_stages(costs: MeshCosts, stage_layers: tuple[int, ...], recompute: 
     return stages
 
 
-def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, overlap: OverlapModel = OverlapModel(),
+def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack | None = None,
              ep_imbalance: float = 1.0, mesh_costs: MeshCosts | None = None) -> Estimate:
-    """Predict one training step of `layout` (partition and recomputation default to even / uniform)."""
-    costs = mesh_costs or MeshCosts(model, cluster, layout, overlap, ep_imbalance)
+    """Predict one training step of `layout` (partition and recomputation default to even / uniform) under
+    `stack` (the mesh costs' stack where given; else Megatron-Core's defaults, `DEFAULT_STACK`)."""
+    costs = mesh_costs or MeshCosts(model, cluster, layout, stack or load_stack(), ep_imbalance)
     num_blocks = len(model.blocks)
     stage_layers = layout.stage_layers or even_partition(num_blocks, layout.pp * layout.vp)
     recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(num_blocks))

@@ -9,10 +9,12 @@ from pydantic import ValidationError
 
 from .errors import UserInputError, format_pydantic_error
 from .schema import Cluster, Device
+from .stack import DEFAULT_STACK, SoftwareStack
 
 PROFILE_DIR = Path(__file__).resolve().parent
 DEVICE_DIR = PROFILE_DIR / "devices"
 CLUSTER_DIR = PROFILE_DIR / "clusters"
+STACK_DIR = PROFILE_DIR / "stacks"
 
 
 MAX_INPUT_FILE_BYTES = 1 << 20   # profiles and model files are a few KB; a larger one is not one
@@ -51,6 +53,29 @@ def list_devices() -> list[str]:
 
 def list_clusters() -> list[str]:
     return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+
+
+def list_stacks() -> list[str]:
+    return sorted(p.stem for p in STACK_DIR.glob("*.yaml"))
+
+
+def load_stack(name_or_path: str | None = None) -> SoftwareStack:
+    """A software stack by built-in name or YAML path; Megatron-Core's defaults when none is named."""
+    path = _resolve(DEFAULT_STACK if name_or_path is None else name_or_path, STACK_DIR, list_stacks(), "stack")
+    try:
+        return SoftwareStack.model_validate(read_yaml_mapping(path, "software-stack profile"))
+    except ValidationError as exc:
+        raise format_pydantic_error(str(path), exc) from None
+
+
+def resolve_stack(stack) -> SoftwareStack:
+    """A `SoftwareStack`, a built-in name, a YAML path, or None (the default stack)."""
+    if isinstance(stack, SoftwareStack):
+        return stack
+    if stack is not None and not isinstance(stack, (str, os.PathLike)):
+        raise UserInputError(f"{type(stack).__name__}", field="stack",
+                             expected=f"a stack name ({', '.join(list_stacks())}), a YAML path or a SoftwareStack")
+    return load_stack(None if stack is None else str(stack))
 
 
 def _resolve(name_or_path: str, directory: Path, names: list[str], kind: str) -> Path:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Layout, OverlapModel, Precision, Recompute
+from cost_models.layout import Layout, Precision, Recompute
 from cost_models.layout_codec import FULL_KEYS, layout_from, parse_text, parse_values
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.errors import UserInputError
-from hardware_profiles.loader import cluster_from_device, load_cluster
+from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_stack
 from hardware_profiles.schema import Cluster
+from hardware_profiles.stack import SoftwareStack
 
 from .explain import alternatives, reasons
 from .capture.graph import ModelGraph
@@ -17,6 +18,8 @@ from .capture.model_capture import capture
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.tree import SearchOutcome, search
 from .search.space import Pins, layout_problems, pin_problems, pins_from
+from .search.stack_rules import (layout_stack_problems, recompute_choices, stack_pins, stack_problems,
+                                 uniform_recompute)
 
 
 class InfeasibleError(UserInputError):
@@ -67,7 +70,7 @@ def _check_time_limit(seconds) -> None:
 
 
 def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
-               overlap: OverlapModel = OverlapModel()) -> Plan:
+               stack: SoftwareStack) -> Plan:
     stats = None
     ranked = []
     if outcome is not None:
@@ -81,10 +84,10 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
                             gap=round(top.gap if top else 0.0, 6))
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
-        model=graph.name, cluster=cluster.name, num_devices=cluster.num_devices,
+        model=graph.name, cluster=cluster.name, stack=stack.name, num_devices=cluster.num_devices,
         devices_per_node=cluster.devices_per_node,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
-        layout=LayoutRecord.of(best.layout, best.layer_recompute, overlap),
+        layout=LayoutRecord.of(best.layout, best.layer_recompute, stack),
         stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
@@ -93,7 +96,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
 
 
 def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome: SearchOutcome,
-                pins: Pins, precision: str) -> InfeasibleError:
+                pins: Pins, precision: str, stack: SoftwareStack) -> InfeasibleError:
     capacity = usable_bytes(cluster.device)
     need = outcome.smallest_memory_need
     if outcome.unexplored and need <= capacity:
@@ -113,7 +116,7 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
                                f"{global_batch})", field="layout", expected="a device count and batch that the "
                                "heads, layers and batch divide")
     dominant = max(outcome.smallest_need_parts, key=outcome.smallest_need_parts.get)
-    fewest = _fewest_devices(graph, cluster, global_batch, pins, precision)
+    fewest = _fewest_devices(graph, cluster, global_batch, pins, precision, stack)
     more = f"; about {fewest} {cluster.device.name} devices would fit" if fewest else ""
     return InfeasibleError(
         f"{graph.name} does not fit {cluster.num_devices} x {cluster.device.name}: the smallest memory need "
@@ -122,11 +125,10 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
         field="--num-devices", expected="more devices, a larger device, a smaller batch or sequence")
 
 
-def _fewest_devices(graph, cluster, global_batch, pins, precision) -> int | None:
+def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int | None:
     from .search.bounds import Bounds
     from .search.space import candidate_layouts
-    bounds = Bounds(graph.costs_record, cluster, OverlapModel(),
-                     (pins.recompute,) if pins.recompute else tuple(Recompute))
+    bounds = Bounds(graph.costs_record, cluster, stack, recompute_choices(pins, stack))
     count = cluster.num_devices
     for _ in range(12):
         count *= 2
@@ -138,12 +140,14 @@ def _fewest_devices(graph, cluster, global_batch, pins, precision) -> int | None
 
 def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str | None = None,
          device: str | None = None, num_devices: int | None = None, devices_per_node: int | None = None,
-         time_limit_s: float = 60.0, top_k: int = 3, overlap: OverlapModel = OverlapModel(),
-         ep_imbalance: float = 1.0, leaf_modules: tuple[str, ...] = (), progress=None, **fix) -> Plan:
+         time_limit_s: float = 60.0, top_k: int = 3, stack=None, ep_imbalance: float = 1.0,
+         leaf_modules: tuple[str, ...] = (), progress=None, **fix) -> Plan:
     """Search the fastest layout that fits: `planner.plan("llama3-70b", "dgx-h100", global_batch=1024, tp=8)`.
 
     `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.
     `cluster`: a profile name, path or `Cluster`; or give `device=` and `num_devices=`.
+    `stack`: the software stack that will train it (a name such as "torchtitan", a YAML path or a
+    `SoftwareStack`; Megatron-Core's defaults when omitted). The search stays inside what it can run.
     `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe).
     """
     _check_batch(global_batch)
@@ -152,21 +156,51 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     if "stages" in values:
         raise UserInputError("stages= gives a whole pipeline split, which the search chooses", field="--fix",
                              expected="stages= in planner evaluate --layout, with every degree given")
-    graph = capture(model, seq_len, leaf_modules)
+    stack = resolve_stack(stack)
+    graph = capture_for(model, seq_len, leaf_modules, stack)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
-    problems = pin_problems(pins, graph, resolved.num_devices, global_batch)
+    problems = stack_problems(pins, stack, precision) + pin_problems(pins, graph, resolved.num_devices, global_batch)
     if problems:
         raise UserInputError("no layout can satisfy the pins: " + "; ".join(problems), field="--fix",
-                             expected="pins that the model, the device count and the batch allow")
-    outcome = search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s, max(top_k, 1),
-                     overlap, ep_imbalance, graph=graph, progress=progress)
-    if not outcome.ranked:
-        raise _infeasible(graph, resolved, global_batch, outcome, pins, precision)
-    return build_plan(graph, resolved, outcome.ranked[0].estimate, outcome, overlap)
+                             expected=f"pins that the model, the device count, the batch and the {stack.name} "
+                             "stack allow")
+    pins = stack_pins(pins, stack)
+    # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
+    methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
+        else [recompute_choices(pins, stack)]
+    outcomes = [search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s / len(methods),
+                       max(top_k, 1), stack=stack, ep_imbalance=ep_imbalance, graph=graph, progress=progress,
+                       recompute_choices=allowed) for allowed in methods]
+    found = [o for o in outcomes if o.ranked]
+    if not found:
+        raise _infeasible(graph, resolved, global_batch, outcomes[0], pins, precision, stack)
+    best = min(found, key=lambda o: o.ranked[0].estimate.step_time_s)
+    result = build_plan(graph, resolved, best.ranked[0].estimate, best, stack)
+    if len(methods) > 1:
+        tried = ", ".join(f"{allowed[0]}: " + (f"{o.ranked[0].estimate.step_time_s:.3f} s" if o.ranked else "no fit")
+                          for allowed, o in zip(methods, outcomes))
+        result = result.model_copy(update={"reasons": result.reasons + [
+            f"the {stack.name} stack recomputes every layer or none; searched each ({tried})"]})
+    return result
+
+
+def capture_for(model, seq_len: int | None, leaf_modules: tuple[str, ...], stack: SoftwareStack) -> ModelGraph:
+    """Capture, with a config-built model's attention as the stack runs it (a module's own code decides)."""
+    return capture(model, seq_len, leaf_modules, attention_impl="flash" if stack.flash_attention else "math")
+
+
+def _stack_defaults(values: dict, stack: SoftwareStack) -> dict:
+    """Layout values with what the text leaves open taken from the stack (gradient dtype, FP8 recipe, SP)."""
+    filled = {"grad_reduce": stack.gradient_reduce}
+    if stack.fp8_recipes:
+        filled["fp8_recipe"] = stack.fp8_recipes[0]
+    if not stack.sequence_parallel:
+        filled["sp"] = False
+    return parse_values({**filled, **values}, "stack")
 
 
 def _given_once(field: str, argument, in_layout):
@@ -196,12 +230,14 @@ def _check_precision_on(cluster: Cluster, precision: str) -> None:
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
              seq_len: int | None = None, precision: str | None = None, device: str | None = None,
              num_devices: int | None = None, devices_per_node: int | None = None,
-             overlap: OverlapModel = OverlapModel(), ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
+             stack=None, ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
              leaf_modules: tuple[str, ...] = ()) -> Plan:
-    """Predict a given layout. Fields left out are searched; a layout that does not divide or fit is explained."""
+    """Predict a given layout under a software stack (`plan`'s `stack`). Fields left out are searched; a
+    layout that does not divide, fit or run on the stack is explained."""
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
-    graph = capture(model, seq_len, leaf_modules)
+    stack = resolve_stack(stack)
+    graph = capture_for(model, seq_len, leaf_modules, stack)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     if isinstance(layout, Layout):
         given = layout
@@ -217,17 +253,21 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
                                  expected=f"every one of {', '.join(FULL_KEYS)} beside stages=")
         if not set(FULL_KEYS) <= set(values):  # search the rest with these pinned
             return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
-                        precision=precision, time_limit_s=time_limit_s, overlap=overlap,
+                        precision=precision, time_limit_s=time_limit_s, stack=stack,
                         ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, **values)
-        given = layout_from(values, global_batch=global_batch, precision=precision)
+        given = layout_from(_stack_defaults(values, stack), global_batch=global_batch, precision=precision)
     given = replace(given, global_batch=global_batch)
+    refused = layout_stack_problems(given, stack)
+    if refused:
+        raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
+                             expected=f"a layout the {stack.name} stack runs, or another --stack")
     _check_precision_on(resolved, given.precision)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
                              expected="degrees whose product is the device count and that divide the model")
-    result = estimate(graph.costs_record, resolved, given, overlap, ep_imbalance)
-    plan_ = build_plan(graph, resolved, result, None, overlap)
+    result = estimate(graph.costs_record, resolved, given, stack, ep_imbalance)
+    plan_ = build_plan(graph, resolved, result, None, stack)
     if given.pp > 1 and given.stage_layers is None:
         plan_ = plan_.model_copy(update={"reasons": plan_.reasons + [
             "layers split evenly over the stages and recomputation as given (Megatron's defaults); plan with "

@@ -10,10 +10,11 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from cost_models.layout import OverlapModel
 from cost_models.layout_codec import parse_text
 from cost_models.reliability import goodput
 from hardware_profiles.errors import UserInputError
+from hardware_profiles.loader import list_stacks, load_stack, resolve_stack
+from hardware_profiles.stack import DEFAULT_STACK
 
 from . import api, exports, views
 from .capture.model_capture import capture
@@ -31,9 +32,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                        "--global-batch 1024 --tokens 15T --out report/\n\n"
                        "  planner export plan.yaml --to megatron")
 profiles_app = typer.Typer(no_args_is_help=True, help="Device and cluster profiles.")
+stacks_app = typer.Typer(no_args_is_help=True, help="Software-stack profiles: what each framework runs, fuses, "
+                         "overlaps and holds.")
 models_app = typer.Typer(no_args_is_help=True, help="Built-in models and what capture finds in them.")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(models_app, name="models")
+app.add_typer(stacks_app, name="stacks")
 out = Console()
 err = Console(stderr=True)
 INTERRUPTED = 128 + 2   # the shell's status for a process ended by SIGINT
@@ -45,11 +49,21 @@ DevicesOpt = typer.Option(None, "--num-devices", help="number of devices")
 PerNodeOpt = typer.Option(None, "--devices-per-node", help="devices per node (with --device)")
 BatchOpt = typer.Option(..., "--global-batch", help="sequences per optimizer step")
 SeqOpt = typer.Option(None, "--seq-len", help="sequence length (default: the model's)")
-OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="the runtime overlaps TP collectives with GEMMs "
-                          "(Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
-MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="the runtime overlaps MoE all-to-alls with another "
-                             "micro-batch's compute (Megatron --overlap-moe-expert-parallel-comm; no pipeline or "
-                             "virtual stages)")
+StackOpt = typer.Option(None, "--stack", help=f"software stack that trains the model: a name "
+                        f"({', '.join(list_stacks())}) or a YAML path; default {DEFAULT_STACK}. The search stays "
+                        "inside what it runs (planner stacks show NAME)")
+OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="also overlap TP collectives with GEMMs where the stack "
+                          "does not (Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
+MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="also overlap MoE all-to-alls with another "
+                             "micro-batch's compute where the stack does not (Megatron "
+                             "--overlap-moe-expert-parallel-comm; no pipeline or virtual stages)")
+
+
+def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool):
+    """The named stack, with the overlaps the flags add."""
+    stack = resolve_stack(name)
+    extra = {k: True for k, on in (("tp_comm_overlap", tp_comm_overlap), ("moe_a2a_overlap", moe_a2a_overlap)) if on}
+    return stack.model_copy(update=extra) if extra else stack
 LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
 
 
@@ -82,7 +96,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          objective: str = typer.Option("step-time", "--objective", help="step-time or goodput"),
          out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
-         tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
+         stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
          leaf_modules: str = LeafOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
@@ -96,7 +110,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         result = api.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
-                          overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap),
+                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap),
                           leaf_modules=_leaves(leaf_modules), **pins)
     extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len) \
         if objective == "goodput" else None
@@ -126,14 +140,15 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
              as_json: bool = typer.Option(False, "--json"), leaf_modules: str = LeafOpt,
              out_path: Optional[str] = typer.Option(None, "--out", help="write the prediction as a plan file "
                                                      "(.yaml or .json) that export and Plan.load read"),
-             tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
+             stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt,
+             moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
     if out_path is not None:
         out_path = check_plan_file(out_path)
     result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
-                          overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap))
+                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
     if out_path:
         result.save(out_path)
     _emit(result, as_json)
@@ -150,8 +165,8 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    tokens: str = typer.Option("1T", "--tokens", help="token budget, e.g. 15T"),
                    time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
                    out_dir: Optional[str] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
-                   as_json: bool = typer.Option(False, "--json"), tp_comm_overlap: bool = OverlapOpt,
-                   moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
+                   as_json: bool = typer.Option(False, "--json"), stack: Optional[str] = StackOpt,
+                   tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
     """Best plan, time to train, device-hours and goodput at each point of a sweep."""
     if out_dir is not None:
         out_dir = check_report_dir(out_dir)
@@ -163,7 +178,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
     report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
                     device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
                     devices_per_node=devices_per_node, time_limit_s=time_limit,
-                    overlap=OverlapModel(tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap))
+                    stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
     if as_json:
         out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,
                                    "rows": [row.__dict__ for row in report.rows]}))
@@ -206,6 +221,28 @@ def profiles_list() -> None:
 def profiles_show(name: str = typer.Argument(..., help="a device or cluster name, or a YAML path")) -> None:
     """One profile, field by field."""
     views.show_profile(out, name)
+
+
+@stacks_app.command("list")
+def stacks_list() -> None:
+    """Every built-in software stack, one line each."""
+    for name in list_stacks():
+        stack = load_stack(name)
+        default = "  (default)" if name == DEFAULT_STACK else ""
+        out.print(f"{name:18s} {stack.display_name}{default}")
+
+
+@stacks_app.command("show")
+def stacks_show(name: str = typer.Argument(..., help="a stack name or a YAML path"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """One stack, field by field: what the search may use and what the cost models assume."""
+    stack = load_stack(name)
+    if as_json:
+        out.print_json(stack.model_dump_json())
+        return
+    for field, value in stack.model_dump().items():
+        shown = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        out.print(f"{field:22s} {shown}", highlight=False)
 
 
 @models_app.command("list")

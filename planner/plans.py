@@ -10,11 +10,12 @@ import yaml
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, OverlapModel, Precision, Recompute,
+from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute,
                                  Schedule)
 from cost_models.layout_codec import layout_from, parse_text, values_of
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
+from hardware_profiles.stack import DEFAULT_STACK, SoftwareStack
 
 from .output_paths import write_no_follow
 
@@ -75,14 +76,14 @@ class LayoutRecord(_Frozen):
 
     @classmethod
     def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
-           overlap: OverlapModel = OverlapModel()) -> "LayoutRecord":
+           stack: SoftwareStack) -> "LayoutRecord":
         kinds = {r.value for r in layer_recompute} or {layout.recompute.value}
         values = values_of(layout, ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "precision",
                                     "grad_reduce", "fp8_recipe"))
         return cls(**values, sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
                    schedule=layout.schedule, order="-".join(layout.mesh_order),
-                   tp_comm_overlap=overlap.tp_comm_overlap and layout.tp > 1,
-                   moe_a2a_overlap=overlap.hides_moe_a2a(layout))
+                   tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
+                   moe_a2a_overlap=stack.hides_moe_a2a(layout))
 
     @property
     def mesh_order(self) -> tuple[str, ...]:
@@ -140,6 +141,7 @@ class Plan(_Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
     model: str = Field(pattern=PLAIN_NAME)
     cluster: str = Field(pattern=PLAIN_NAME)
+    stack: str = Field(default=DEFAULT_STACK, pattern=PLAIN_NAME)   # the software stack predicted for
     num_devices: int = Field(gt=0, le=MAX_DEGREE)
     devices_per_node: int | None = Field(default=None, gt=0)   # of the cluster planned for (launch commands)
     placement: str = ""                 # how the devices fill the scale-up domains (Cluster.placement_text)

@@ -41,6 +41,7 @@ def _stage_summary(result: Plan) -> Table:
 def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> None:
     lay = result.layout
     head = Table(title=f"Plan: {result.model} on {result.num_devices} x {result.cluster}", show_header=False)
+    head.add_row("stack", f"{result.stack} (planner stacks show {result.stack})")
     if result.placement:
         head.add_row("placement", result.placement)
     head.add_row("layout", f"dp={lay.dp} tp={lay.tp}{' (+SP)' if lay.sp else ''} pp={lay.pp} vp={lay.vp} cp={lay.cp} "
@@ -70,7 +71,7 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
         memory.add_column(column, justify="right")
     for m in result.memory:
         p = m.parts
-        other = p["logits"] + p["recompute_working"] + p["comm_buffers"]
+        other = p["logits"] + p.get("loss_gradient", 0.0) + p["recompute_working"] + p["comm_buffers"]
         memory.add_row(str(m.stage), *(f"{v / GB:.1f}" for v in (p["weights"], p["gradients"], p["optimizer"],
                                                                  p["activations"], other, m.total_bytes,
                                                                  m.capacity_bytes)))

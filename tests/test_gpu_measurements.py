@@ -21,6 +21,9 @@ def test_training_step_memory_and_time_match_the_gpu(name):
     assert predicted["forward_saved_bytes"] == pytest.approx(record["forward_saved_bytes"], rel=0.01)
     # bf16 weights, fp32 master weights and Adam moments between steps (plus token buffers and RoPE tables)
     assert predicted["states_bytes"] == pytest.approx(record["states_bytes"], rel=0.02)
+    # the step's peak (max_memory_allocated): at the start of backward, with the loss's fp32 gradient
+    # buffers and no parameter gradient yet, as the torchtitan stack holds it (issue 20: within 5%)
+    assert predicted["total_bytes"] == pytest.approx(record["peak_bytes"], rel=0.05)
     # eager PyTorch with the efficiency fitted to Megatron runs: within the accuracy target for runs
     assert predicted["step_s"] == pytest.approx(record["step_s"], rel=0.25)
 

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from cost_models.layer_costs import MeshCosts
-from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
+from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
+from hardware_profiles.loader import load_stack
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
 from planner.api import InfeasibleError, evaluate, plan
@@ -77,7 +78,7 @@ def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
                 for order in orders:
                     base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=1, global_batch=global_batch, zero=1,
                                   mesh_order=order)
-                    costs = MeshCosts(model_costs, cluster, base, OverlapModel())  # per-layer costs, reused
+                    costs = MeshCosts(model_costs, cluster, base, load_stack())  # per-layer costs, reused
                     for parts in compositions(num_blocks, pp * vp):
                         for rec in itertools.product(choices, repeat=num_blocks):
                             full = replace(base, stage_layers=parts, layer_recompute=rec)
@@ -106,7 +107,7 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
     assert found.fits and Recompute.full in found.layer_recompute
 
 
-def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=OverlapModel(), vps=(1,)):
+def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_stack(), vps=(1,)):
     """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order and partition (no recomputation):
     the best plan of each layout, keyed by the layout."""
     n, best = cluster.num_devices, {}
@@ -131,7 +132,7 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=Overl
     return best
 
 
-@pytest.mark.parametrize("overlap,vps", [(OverlapModel(), (1,)), (OverlapModel(moe_a2a_overlap=True), (1, 2, 3, 4))])
+@pytest.mark.parametrize("overlap,vps", [(load_stack(), (1,)), (load_stack().model_copy(update={"moe_a2a_overlap": True}), (1, 2, 3, 4))])
 def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
     """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum, also
     where MoE all-to-all overlap makes the communication depend on the virtual-stage count."""
@@ -139,7 +140,7 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
     cluster = small_cluster(8, 16)
     per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16, overlap, vps)
     truth = min(per_layout.values(), key=lambda e: e.step_time_s)
-    outcome = search(graph.costs(), cluster, 16, Pins(vp=None if len(vps) > 1 else 1), overlap=overlap,
+    outcome = search(graph.costs(), cluster, 16, Pins(vp=None if len(vps) > 1 else 1), stack=overlap,
                      graph=graph, top_k=1, time_limit_s=120, recompute_choices=(Recompute.none,))
     assert outcome.unexplored == 0
     assert outcome.ranked[0].estimate.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
@@ -174,7 +175,8 @@ def independent_stage_memory(graph, layout, stage_blocks, stage, pp, m):
         kinds.append(graph.kind("embedding"))
     if stage == pp - 1:
         kinds.append(graph.kind("head"))
-        total += graph.kind("head").logits_fp32_bytes * layout.micro_batch / tp
+        logits = graph.kind("head").logits_fp32_bytes / 4 * layout.micro_batch / tp   # one per vocabulary entry
+        total += logits * (4 + 2)   # Megatron's cross-entropy: fp32 softmax kept, bf16 gradient handed back
     for kind in kinds:
         params = sum(g.count / (tp if g.sharding.value == "tensor" else 1) for g in kind.params)
         total += params * (2 + 4 + 12 / dpcp)  # ZeRO-1: optimizer states sharded over dp x cp
@@ -261,7 +263,7 @@ def test_bf16_gradient_reduction_stores_two_bytes_per_parameter():
     assert bf16.layout.grad_reduce == "bf16"
     graph, cluster = capture("llama3-8b"), cluster_from_device("h100-sxm", 64)
     block = graph.costs().kind(graph.costs().blocks[0])
-    reduced = [MeshCosts(graph.costs(), cluster, Layout(dp=64, global_batch=64, grad_reduce=g), OverlapModel())
+    reduced = [MeshCosts(graph.costs(), cluster, Layout(dp=64, global_batch=64, grad_reduce=g), load_stack())
                .layer(block).grad_reduce_bytes for g in ("fp32", "bf16")]
     assert reduced[0] == pytest.approx(2 * reduced[1], rel=1e-12) and reduced[1] > 0
 
@@ -284,7 +286,7 @@ def test_expert_and_data_groups_follow_the_mesh_order(order, domains):
     expert group. With pp innermost the ranks of one stage are 0, 2, ..., 14: the group spans both nodes."""
     graph = capture(moe_model())
     layout = Layout(dp=8, pp=2, ep=8, global_batch=16, mesh_order=order)
-    attention, dp_cp, experts = MeshCosts(graph.costs(), small_cluster(16, 80), layout, OverlapModel()).placement
+    attention, dp_cp, experts = MeshCosts(graph.costs(), small_cluster(16, 80), layout, load_stack()).placement
     assert experts.of("ep").domains == domains and dp_cp.domains == domains
 
 
@@ -325,7 +327,7 @@ def test_pinned_search_equals_the_best_split_by_enumeration(zero, pp, vp, dp, ep
     reserve = roomy.device.memory_reserve
     hbm = (need[0] + need[1]) / 2 / (1 - reserve.fragmentation_fraction) + reserve.runtime_context_bytes
     cluster = small_cluster(32, hbm / GB)
-    costs = MeshCosts(graph.costs(), cluster, base, OverlapModel())
+    costs = MeshCosts(graph.costs(), cluster, base, load_stack())
     best = None
     for parts in compositions(graph.num_blocks, pp * vp):
         for rec in itertools.product(choices, repeat=graph.num_blocks):
@@ -356,14 +358,14 @@ def test_forced_recomputation_bound_never_exceeds_the_best_plan():
         base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, ep=ep, global_batch=64, zero=zero)
         roomy = small_cluster(32, 80)
         # just below the least memory any split needs without recomputation: recomputation is forced
-        floor = Bounds(graph.costs(), roomy, OverlapModel(), choices)._floor(base, Recompute.none).bytes
+        floor = Bounds(graph.costs(), roomy, load_stack(), choices)._floor(base, Recompute.none).bytes
         reserve = roomy.device.memory_reserve
         for share in (0.99, 0.96):
             usable = share * floor
             cluster = small_cluster(32, (usable / (1 - reserve.fragmentation_fraction)
                                          + reserve.runtime_context_bytes) / GB)
-            costs = MeshCosts(graph.costs(), cluster, base, OverlapModel())
-            forced = Bounds(graph.costs(), cluster, OverlapModel(), choices).forced_recompute_s(base, costs)
+            costs = MeshCosts(graph.costs(), cluster, base, load_stack())
+            forced = Bounds(graph.costs(), cluster, load_stack(), choices).forced_recompute_s(base, costs)
             assert forced > 0
             extra = {kind.name: costs.layer(kind).work_s(Recompute.full) - costs.layer(kind).work_s(Recompute.none)
                      for kind in graph.costs().kinds}

@@ -188,9 +188,16 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelG
                       capture_seconds=time.perf_counter() - start)
 
 
-def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = ()) -> ModelGraph:
-    """Capture a model (built-in name, YAML, HF config, `file.py:factory`, ModelConfig or nn.Module)."""
+def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (),
+            attention_impl: str | None = None) -> ModelGraph:
+    """Capture a model (built-in name, YAML, HF config, `file.py:factory`, ModelConfig or nn.Module).
+
+    `attention_impl` ("flash" or "math"): how a model built from a config runs attention, as the software
+    stack does it, unless the config names its own; a user module's own attention code is what it captures."""
     source = resolve_model(model)
+    if attention_impl is not None and isinstance(source, ModelConfig) \
+            and "attention_impl" not in source.model_fields_set:
+        source = source.model_copy(update={"attention_impl": attention_impl})
     if seq_len is None:
         if not isinstance(source, ModelConfig):
             raise UserInputError("a user module needs a sequence length", field="seq_len",

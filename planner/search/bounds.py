@@ -12,8 +12,10 @@ from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
-from cost_models.layout import Layout, OverlapModel, Recompute
-from cost_models.memory import StateSharding, activation_bytes, logits_bytes, model_state_bytes, usable_bytes
+from cost_models.layout import Layout, Recompute
+from hardware_profiles.stack import SoftwareStack
+from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
+                                 loss_gradient_bytes, model_state_bytes, usable_bytes)
 from cost_models.pipeline import in_flight_micro_batches, p2p_transfers_on_critical_path
 from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
@@ -93,8 +95,8 @@ class _Floor:
 class Bounds:
     """Cheap bounds shared across candidates: compute-only work and the memory floor."""
 
-    def __init__(self, model: ModelCosts, cluster: Cluster, overlap: OverlapModel, allowed: tuple[Recompute, ...]):
-        self.model, self.cluster, self.overlap = model, cluster, overlap
+    def __init__(self, model: ModelCosts, cluster: Cluster, stack: SoftwareStack, allowed: tuple[Recompute, ...]):
+        self.model, self.cluster, self.stack = model, cluster, stack
         rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
         self.allowed = allowed
         self.cheapest = max(allowed, key=rank.get)   # least activation memory
@@ -106,7 +108,7 @@ class Bounds:
     def compute_work_s(self, layout: Layout) -> float:
         """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight
         reads only shrink with ep x etp, so every expert on its own rank, split tp ways, bounds it from below."""
-        spec = ShardSpec.of(layout, self.overlap, ep=self.largest_ep, etp=layout.tp)
+        spec = ShardSpec.of(layout, self.stack, ep=self.largest_ep, etp=layout.tp)
         if spec not in self.work:
             model = self.model
             counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
@@ -128,7 +130,13 @@ class Bounds:
         sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                                  expert_dp=layout.expert_data_parallel, zero=layout.zero,
                                  gradient_bytes=layout.gradient_bytes)
-        kinds = [(n, model_state_bytes(kind, sharding).total, act)
+        held = gradients_held_at_peak(self.stack.gradient_buffer, layout.num_micro_batches)
+
+        def states_at_peak(kind) -> float:  # max(a + g_held, g) >= a + g_held: still a floor
+            states = model_state_bytes(kind, sharding)
+            return states.total if held else states.total - states.gradients
+
+        kinds = [(n, states_at_peak(kind), act)
                  for (kind, n), act in zip(self.model.block_counts, self._activations(layout, recompute))]
         flights = [in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp)
                    for i in range(layout.pp)]
@@ -144,9 +152,10 @@ class Bounds:
             activations += n * weights[stage] * flights[stage] * act
         # the first stage holds the embedding, the last the output layer and its fp32 logits
         model = self.model
-        states += weights[0] * model_state_bytes(model.embedding, sharding).total \
-            + weights[-1] * model_state_bytes(model.head, sharding).total
-        logits = weights[-1] * logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch)
+        states += weights[0] * states_at_peak(model.embedding) + weights[-1] * states_at_peak(model.head)
+        logits = weights[-1] * (logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch)
+                                + loss_gradient_bytes(model.head, layout.tp, layout.cp, layout.micro_batch,
+                                                      self.stack.loss_gradient))
         return _Floor(states + activations + logits,
                       {"model_states": states, "activations": activations, "logits": logits},
                       max(w * f for w, f in zip(weights, flights)))
@@ -190,6 +199,6 @@ class Bounds:
         """Peak memory of the layout with every block at its least-memory recomputation, evenly staged:
         a need some real plan has, where the floor only bounds it from below."""
         least = replace(layout, recompute=self.cheapest, layer_recompute=None, stage_layers=None)
-        fullest = max(estimate(self.model, self.cluster, least, self.overlap, mesh_costs=costs).stage_memory,
+        fullest = max(estimate(self.model, self.cluster, least, self.stack, mesh_costs=costs).stage_memory,
                       key=lambda stage: stage.total)
         return fullest.total, fullest.parts()

@@ -15,7 +15,7 @@ from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import Recompute
-from cost_models.memory import logits_bytes, usable_bytes
+from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from cost_models.pipeline import in_flight_micro_batches, least_blocks
 
 TIME_UNIT_S = 1e-6          # integer scaling: solver times are multiples of 1 us
@@ -53,7 +53,7 @@ def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...]) -> tuple:
     lay, model = costs.layout, costs.model
     return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, model.blocks,
             tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_latency_s,
-            costs.overlap.dp_window_fraction, costs.cluster.device.name)
+            costs.stack.dp_window_fraction, costs.cluster.device.name)
 
 
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -137,19 +137,27 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 cp.Add(sum(redo[i, r, k] for k in extra) == held)
 
     capacity = usable_bytes(costs.cluster.device)
+    # gradients that backward allocates (one micro-batch per step) are not held at the activation peak:
+    # the stage then fits when both peaks fit (`StageMemory.total`)
+    held = gradients_held_at_peak(costs.stack.gradient_buffer, m)
+
+    def peak_states(c) -> float:
+        return c.states.total if held else c.states.total - c.states.gradients
+
     work, compute, reduce, optimizer_steps = [], [], [], []
     for i in range(pp):
         owned = owned_by[i]
         first, last = i == 0, i == (chunks - 1) % pp
         flight = in_flight_micro_batches(i, pp, m, v)
-        w_terms, c_terms, mem_terms, g_terms, o_terms = [], [], [], [], []
+        w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
         for j in owned:
             for r, (kind, _, _) in enumerate(runs):
                 c = layer[kind]
                 n = count[j][r]
                 w_terms.append(_t(c.work_s(Recompute.none)) * n)
                 c_terms.append(_t(c.forward_s + c.backward_s) * n)
-                mem_terms.append(_m(c.states.total + flight * c.activation_bytes[0]) * n)
+                mem_terms.append(_m(peak_states(c) + flight * c.activation_bytes[0]) * n)
+                grad_terms.append(_m(c.states.total) * n)
                 g_terms.append(_fine(c.dp_reduce_s) * n)
                 o_terms.append(_fine(c.optimizer_step_s) * n)
         for r, (kind, _, _) in enumerate(runs):
@@ -159,8 +167,9 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
-        fixed_mem = sum(c.states.total + flight * c.activation_bytes[0] for c in fixed)
-        fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) if last else 0.0
+        fixed_mem = sum(peak_states(c) + flight * c.activation_bytes[0] for c in fixed)
+        fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) + loss_gradient_bytes(
+            model.head, lay.tp, lay.cp, lay.micro_batch, costs.stack.loss_gradient) if last else 0.0
         fixed_mem += costs.comm_buffer_bytes
         # working set: a recomputed layer's full activations while its backward runs
         working = cp.NewIntVar(0, _m(max(c.working_bytes for c in layer.values())), f"working{i}")
@@ -171,6 +180,8 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 cp.Add(working >= _m(layer[kind].working_bytes) * has)
         # constraint: memory of each stage within the usable HBM
         cp.Add(sum(mem_terms) + _m(fixed_mem) + working <= _m(capacity))
+        if not held:  # and at the end of backward, every gradient beside the states
+            cp.Add(sum(grad_terms) + _m(sum(c.states.total for c in fixed) + costs.comm_buffer_bytes) <= _m(capacity))
         work.append(sum(w_terms) + fixed_work)
         compute.append(sum(c_terms) + sum(_t(c.forward_s + c.backward_s) for c in fixed))
         reduce.append(sum(g_terms) + sum(_fine(c.dp_reduce_s) for c in fixed))
@@ -180,7 +191,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     slowest = cp.NewIntVar(0, horizon, "slowest")
     dp_exposed = cp.NewIntVar(0, horizon, "dp_exposed")
     optimizer = cp.NewIntVar(0, horizon, "optimizer")
-    window = int(round(costs.overlap.dp_window_fraction * FINE_PER_UNIT))
+    window = int(round(costs.stack.dp_window_fraction * FINE_PER_UNIT))
     for i in range(pp):
         # constraint: the slowest stage paces the steady state
         cp.Add(slowest >= work[i])

@@ -28,14 +28,17 @@ class Pins:
     grad_reduce: GradReduce | None = None   # not searched: fp32 unless given
     fp8_recipe: Fp8Recipe | None = None     # not searched: delayed unless given
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)   # what the software stack runs (`stack_rules.stack_pins`)
 
     def allows(self, name: str, value) -> bool:
+        if name == "zero" and value not in self.zero_stages:
+            return False
         pinned = getattr(self, name)
         return pinned is None or pinned == value
 
 
 def pins_from(values: dict) -> Pins:
-    known = {f.name for f in fields(Pins)}
+    known = {f.name for f in fields(Pins)} - {"zero_stages"}
     return Pins(**{k: v for k, v in values.items() if k in known})
 
 

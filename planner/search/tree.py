@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass, replace
 
 from cost_models.layer_costs import MeshCosts, SharedCosts
-from cost_models.layout import MEGATRON_ORDER, Layout, OverlapModel, Recompute
+from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
+from hardware_profiles.loader import load_stack
+from hardware_profiles.stack import SoftwareStack
 from cost_models.layout_codec import text_of
 from cost_models.memory import usable_bytes
 from cost_models.pipeline import p2p_transfers_on_critical_path
@@ -168,25 +170,26 @@ class _Tree:
 
 
 def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = Pins(),
-           precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3,
-           overlap: OverlapModel = OverlapModel(), ep_imbalance: float = 1.0, graph=None,
+           precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3, *,
+           stack: SoftwareStack | None = None, ep_imbalance: float = 1.0, graph=None,
            progress=None, recompute_choices: tuple[Recompute, ...] | None = None,
            leaf_work_limit: float = LEAF_WORK_LIMIT) -> SearchOutcome:
     start, cpu_start = time.perf_counter(), time.process_time()
+    stack = stack or load_stack()   # Megatron-Core's defaults (the API always names its stack)
     allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
     problem = _Problem(cluster, global_batch, pins, precision, graph, zero_choices(pins))
     tree = _Tree(problem)
     capacity = usable_bytes(cluster.device)
-    bounds = Bounds(model, cluster, overlap, allowed)
+    bounds = Bounds(model, cluster, stack, allowed)
     shared = SharedCosts()
     heap: list = []
     solved_models = _SolvedModels()
     placement_work: dict[tuple, tuple[tuple, tuple, float]] = {}   # (shape, mbs, placement): any vp
 
     def node_communication_bound(node: _Node, layout: Layout) -> float:
-        key = (node.shape, node.mbs, node.placement, overlap.hides_moe_a2a(layout))
+        key = (node.shape, node.mbs, node.placement, stack.hides_moe_a2a(layout))
         if key not in placement_work:  # the last entry: whether MoE all-to-alls overlap (vp-dependent)
-            costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
+            costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
             placement_work[key] = (*work_before_zero(costs, bounds.fastest), costs.p2p_s())
         blocks, edges, p2p = placement_work[key]
         return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp), p2p, layout)
@@ -226,7 +229,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
                 if child.zero is None:
                     child_bound = node_communication_bound(child, layout)
                 else:
-                    child_costs = MeshCosts(model, cluster, layout, overlap, ep_imbalance, shared)
+                    child_costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
                     forced = bounds.forced_recompute_s(layout, child_costs)
                     if forced == float("inf"):
                         pruned_memory += 1
@@ -260,7 +263,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
                     least_need, least_parts = need, parts
             continue
         full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute)
-        scored = Scored(estimate(model, cluster, full, overlap, ep_imbalance, mesh_costs=costs), result)
+        scored = Scored(estimate(model, cluster, full, stack, ep_imbalance, mesh_costs=costs), result)
         if scored.estimate.fits:
             ranked.append(scored)
             ranked.sort(key=_rank_key)

@@ -1,0 +1,78 @@
+"""Software-stack profiles: what the training framework a user runs fuses, overlaps, holds and supports.
+
+A stack is the fourth input beside model, cluster and layout (`--stack NAME|FILE`, `stack=` in the API).
+Each built-in names its sources in comments (`hardware_profiles/stacks/*.yaml`). The search never proposes
+what the stack cannot run (a degree, ZeRO stage, schedule, recomputation or FP8 recipe it lacks), the cost
+models charge what it hides or exposes, and the memory model holds what it holds.
+
+Overlaps (0 = exposed, 1 = hidden): with TP overlap the collectives run as tp chunked ring steps beside
+the GEMMs, the first chunk exposed and the rest hidden where the layer's compute suffices
+(`MeshCosts.tp_comm_s`); with MoE A2A overlap each layer's forward of one micro-batch runs beside its
+backward of another, so each pass's all-to-alls hide behind the other's compute (`MeshCosts.ep_comm_s`).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .schema import Strict
+
+DEFAULT_STACK = "megatron-core"
+
+Axis = Literal["tp", "pp", "cp", "ep"]
+Fp8RecipeName = Literal["delayed", "tensorwise"]
+
+
+class SoftwareStack(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")   # goes into plan files and commands
+    display_name: str = Field(min_length=1)
+
+    # what it supports: the search never leaves these
+    parallelism: tuple[Axis, ...] = Field(strict=False)   # model-parallel axes beside data parallelism
+    zero_stages: tuple[int, ...] = Field(min_length=1, strict=False)   # 0 = replicated, 1 = optimizer, 2 = +gradients, 3 = +weights
+    interleaved_schedule: bool               # virtual pipeline stages (interleaved 1F1B)
+    sequence_parallel: bool                  # Megatron sequence parallelism beside TP
+    selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
+    per_layer_recompute: bool                # each layer its own method; else every layer checkpoints or none does
+    fp8_recipes: tuple[Fp8RecipeName, ...] = Field(strict=False)   # first is the default; empty: no FP8 training
+
+    # what it fuses and overlaps (cost models)
+    flash_attention: bool                    # fused attention: no s x s tensors stored, masked blocks skipped
+    tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
+    moe_a2a_overlap: bool                    # MoE all-to-alls beside another micro-batch's compute
+    dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
+    cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
+    pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute
+    causal_attention_work: float = Field(gt=0, le=1)  # share of s x s work a causal fused kernel does
+
+    # what it holds (memory model)
+    gradient_reduce: Literal["fp32", "bf16"]             # gradient buffers and reductions, unless the layout says
+    gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
+    loss_gradient: Literal["in_place", "eager"]          # cross-entropy backward: into its saved softmax, or
+    #                                                      two new fp32 buffers of the logits' size
+
+    @model_validator(mode="after")
+    def _valid_sets(self):
+        if any(z not in (0, 1, 2, 3) for z in self.zero_stages):
+            raise ValueError(f"zero_stages {list(self.zero_stages)}: stages are 0 to 3")
+        if len(set(self.zero_stages)) != len(self.zero_stages) or len(set(self.parallelism)) != len(self.parallelism):
+            raise ValueError("zero_stages and parallelism list each entry once")
+        if self.sequence_parallel and "tp" not in self.parallelism:
+            raise ValueError("sequence_parallel needs tp in parallelism")
+        if self.interleaved_schedule and "pp" not in self.parallelism:
+            raise ValueError("interleaved_schedule needs pp in parallelism")
+        return self
+
+    def hides_moe_a2a(self, layout) -> bool:
+        """MoE A2A overlap applies: the stack has it, experts spread, and a schedule Megatron can pair."""
+        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches
+
+    def summary(self) -> str:
+        """One line for plan output: the stack and what it changes in the prediction."""
+        held = "gradients held across steps" if self.gradient_buffer == "persistent" else "gradients per step"
+        extras = [f for f, on in (("flash attention", self.flash_attention), ("SP", self.sequence_parallel),
+                                  ("TP overlap", self.tp_comm_overlap), ("MoE A2A overlap", self.moe_a2a_overlap))
+                  if on]
+        return f"{self.name} ({', '.join(extras) or 'no fused attention or overlaps'}; {self.gradient_reduce} " \
+               f"gradients, {held})"

@@ -1,0 +1,83 @@
+"""What a software stack can run, as pins and refusals: one rule set for the search and for `evaluate`.
+
+The search never proposes a layout the stack lacks (a parallel degree, ZeRO stage, interleaving, sequence
+parallelism, selective recomputation or FP8 recipe), and a pinned or given layout that needs one is refused
+with the rule it breaks. Defaults the layout leaves open (gradient dtype, FP8 recipe) are the stack's.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cost_models.layout import Fp8Recipe, GradReduce, Layout, Precision, Recompute
+from cost_models.layout_codec import FULL_KEYS, values_of
+from hardware_profiles.stack import SoftwareStack
+
+from .space import Pins, pins_from
+
+AXES = ("tp", "pp", "cp", "ep")
+
+
+def stack_problems(pins: Pins, stack: SoftwareStack, precision: str) -> list[str]:
+    """The pins (or a given layout's values) the stack cannot run, each with the rule it breaks."""
+    name, problems = stack.name, []
+    for axis in AXES:
+        degree = getattr(pins, axis)
+        if axis not in stack.parallelism and degree and degree > 1:
+            problems.append(f"{axis}={degree}: the {name} stack has no {axis.upper()} parallelism")
+    if pins.etp and pins.etp > 1 and "ep" not in stack.parallelism:
+        problems.append(f"etp={pins.etp}: the {name} stack has no expert parallelism")
+    if pins.zero is not None and pins.zero not in stack.zero_stages:
+        problems.append(f"zero={pins.zero}: the {name} stack runs ZeRO stages {list(stack.zero_stages)}")
+    if pins.vp and pins.vp > 1 and not stack.interleaved_schedule:
+        problems.append(f"vp={pins.vp}: the {name} stack has no interleaved pipeline schedule")
+    if pins.sp and not stack.sequence_parallel:
+        problems.append(f"sp=true: the {name} stack has no sequence parallelism")
+    if pins.recompute is Recompute.selective and not stack.selective_recompute:
+        problems.append(f"recompute=selective: the {name} stack has no selective recomputation")
+    if precision == Precision.fp8 and not stack.fp8_recipes:
+        problems.append(f"precision=fp8: the {name} stack has no FP8 training")
+    elif precision == Precision.fp8 and pins.fp8_recipe is not None and pins.fp8_recipe not in stack.fp8_recipes:
+        problems.append(f"fp8_recipe={pins.fp8_recipe}: the {name} stack has {', '.join(stack.fp8_recipes)}")
+    return problems
+
+
+def layout_stack_problems(layout: Layout, stack: SoftwareStack) -> list[str]:
+    """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run."""
+    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "fp8_recipe"))), stack,
+                              layout.precision)
+    methods = set(layout.layer_recompute or ())
+    if len(methods) > 1 and not stack.per_layer_recompute:
+        problems.append(f"per-layer recomputation ({', '.join(sorted(map(str, methods)))}): the {stack.name} "
+                        "stack recomputes every layer or none")
+    if Recompute.selective in methods and not stack.selective_recompute and layout.recompute is not Recompute.selective:
+        problems.append(f"recompute=selective: the {stack.name} stack has no selective recomputation")
+    return problems
+
+
+def stack_pins(pins: Pins, stack: SoftwareStack) -> Pins:
+    """The user's pins with what the stack lacks ruled out and its defaults filled (call after
+    `stack_problems` found nothing)."""
+    fixed = {axis: 1 for axis in AXES if axis not in stack.parallelism and getattr(pins, axis) is None}
+    if "ep" not in stack.parallelism and pins.etp is None:
+        fixed["etp"] = 1
+    if not stack.interleaved_schedule and pins.vp is None:
+        fixed["vp"] = 1
+    if not stack.sequence_parallel and pins.sp is None:
+        fixed["sp"] = False
+    if pins.grad_reduce is None:
+        fixed["grad_reduce"] = GradReduce(stack.gradient_reduce)
+    if pins.fp8_recipe is None and stack.fp8_recipes:
+        fixed["fp8_recipe"] = Fp8Recipe(stack.fp8_recipes[0])
+    return replace(pins, zero_stages=stack.zero_stages, **fixed)
+
+
+def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]:
+    """Recomputation methods the search may give a layer."""
+    if pins.recompute is not None:
+        return (pins.recompute,)
+    return tuple(r for r in Recompute if r is not Recompute.selective or stack.selective_recompute)
+
+
+def uniform_recompute(pins: Pins, stack: SoftwareStack) -> bool:
+    """Every layer must take the same method: the stack checkpoints all layers or none."""
+    return pins.recompute is None and not stack.per_layer_recompute

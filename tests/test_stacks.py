@@ -1,0 +1,87 @@
+"""Software stacks as an input: the search stays inside what the named stack runs, a layout it cannot run
+is refused with the rule, and the stack is recorded in the plan."""
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hardware_profiles.errors import UserInputError
+from hardware_profiles.loader import list_stacks, load_stack
+from planner import api
+from planner.plans import Plan
+
+PLANNER = str(Path(sys.executable).with_name("planner"))
+BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
+            "deepspeed", "llm-foundry", "mindspeed"}
+
+
+def run(args):
+    return subprocess.run([PLANNER, *shlex.split(args)], capture_output=True, text=True, timeout=600)
+
+
+def test_built_in_stacks_load_and_list():
+    assert BUILT_IN <= set(list_stacks())
+    listed = run("stacks list")
+    assert listed.returncode == 0 and all(name in listed.stdout for name in BUILT_IN)
+    shown = json.loads(run("stacks show torchtitan --json").stdout)
+    assert shown["zero_stages"] == [0, 2, 3] and shown["loss_gradient"] == "eager"
+    assert "megatron-core" in run("plan --help").stdout   # the default is said
+
+
+@pytest.mark.parametrize("stack,rule", [
+    ("llm-foundry", lambda p: (p.layout.tp, p.layout.pp, p.layout.cp) == (1, 1, 1)),   # FSDP only
+    ("deepspeed", lambda p: p.layout.vp == 1 and p.layout.tp == 1),                      # no interleaving, no TP
+    ("torchtitan", lambda p: p.layout.zero != 1),                                          # FSDP2 or DDP
+    ("megatron-lm-2021", lambda p: p.layout.recompute != "per-layer" and not p.layout.sp),
+])
+def test_search_stays_inside_the_stack(stack, rule):
+    result = api.plan("llama3-8b", device="h100-sxm", num_devices=16, global_batch=64, stack=stack, time_limit_s=60)
+    assert result.stack == stack
+    assert rule(result)
+
+
+def test_a_layout_the_stack_cannot_run_is_refused_with_the_rule():
+    with pytest.raises(UserInputError, match="llm-foundry stack has no TP"):
+        api.evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, stack="llm-foundry",
+                     layout="tp=2,pp=1,dp=4,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=3,recompute=none")
+    with pytest.raises(UserInputError, match="ZeRO stages"):
+        api.plan("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, stack="torchtitan", zero=1)
+    proc = run("evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack mindspeed "
+               "--precision fp8 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
+    assert proc.returncode == 2 and "no FP8 training" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_uniform_recomputation_stack_searches_each_method():
+    """A stack that checkpoints every layer or none gets the better of the two uniform plans."""
+    searched = api.plan("gpt3-175b", device="a100-80g", num_devices=64, global_batch=512, stack="megatron-lm-2021",
+                        time_limit_s=60, tp=8, pp=8)
+    each = []
+    for method in ("none", "full"):
+        try:
+            each.append(api.plan("gpt3-175b", device="a100-80g", num_devices=64, global_batch=512,
+                                 stack="megatron-lm-2021", time_limit_s=60, tp=8, pp=8, recompute=method).step_time_s)
+        except UserInputError:
+            pass
+    assert each and searched.step_time_s == pytest.approx(min(each), rel=1e-9)
+    assert searched.layout.recompute in ("none", "full")
+
+
+def test_stack_is_recorded_in_the_plan_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack torchtitan "
+               f"--out {path}")
+    assert proc.returncode == 0, proc.stderr
+    assert Plan.load(path).stack == "torchtitan"
+    assert "torchtitan" in proc.stdout
+
+
+def test_a_stack_file_with_an_unknown_field_is_refused(tmp_path):
+    data = load_stack("megatron-core").model_dump()
+    data["tp_overlap"] = True
+    path = tmp_path / "mine.yaml"
+    path.write_text(json.dumps(data))
+    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
+    assert proc.returncode == 2 and "tp_overlap" in proc.stderr and "Traceback" not in proc.stderr
