@@ -22,9 +22,9 @@ DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30.json"
 LAUNCH_BOUND_S = 20e-6   # GEMMs shorter than this measured the host's launch rate (about 12-18 us), not the GPU
 HALF_WORK_GRID_GFLOP = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 FLASH_BACKWARD_FLOPS = 2 * FLASH_BACKWARD_RECOMPUTE   # x forward FLOPs; an unfused backward does 2
-# gpu_measure's loop holds memory as torchtitan does: gradients allocated by backward and released by the
-# step, F.cross_entropy on fp32 logits (two fp32 gradient buffers of the logits' size at backward start)
-MEASURED_STACK = "torchtitan"
+# gpu_measure's loop as a stack file: gradients allocated by backward and released by the step,
+# F.cross_entropy on fp32 logits (two fp32 gradient buffers of the logits' size at backward start)
+MEASURED_STACK = str(ROOT / "benchmarks" / "stacks" / "gpu-measure-loop.yaml")
 
 
 def measured_half_work(results: dict, device) -> float:
@@ -142,7 +142,7 @@ def training_section(results: dict, predictions: list[dict]) -> list[str]:
                     "the profiles share was fitted to Megatron-LM and NeMo runs, and eager PyTorch (unfused "
                     "norms, rotary and optimizer-side casts, one launch per op) is slower. The predicted peak "
                     f"is {min(totals):+.1%} to {max(totals):+.1%} off the measured peak (`max_memory_allocated`), "
-                    f"predicted with the `{MEASURED_STACK}` stack, which holds memory as this loop does: the peak "
+                    f"predicted with the loop's own stack file (`benchmarks/stacks/gpu-measure-loop.yaml`): the peak "
                     "is at the start of backward, states plus the saved activations plus the cross-entropy's two "
                     "fp32 gradient buffers of the logits' size, with no gradient allocated yet "
                     "(`cost_models/memory.py`, `StageMemory.total`).", ""]

@@ -76,9 +76,7 @@ class MeshCosts:
         self.model, self.cluster, self.layout, self.stack = model, cluster, layout, stack
         self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec.of(layout, stack)
-        self.state_sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp,
-                                            dp_cp=layout.dp * layout.cp, expert_dp=layout.expert_data_parallel,
-                                            zero=layout.zero, gradient_bytes=layout.gradient_bytes)
+        self.state_sharding = StateSharding.of(layout, stack)
         self._cache: dict[str, LayerCost] = {}
         self._shared = shared if shared is not None else SharedCosts()
 

@@ -16,7 +16,9 @@ from .layout import Recompute
 from .records import LayerKind, Sharding
 
 WEIGHT_BYTES = 2        # bf16 weights (fp8 training keeps bf16 weights and casts per GEMM)
-OPTIMIZER_BYTES = 12    # fp32 master + Adam m and v
+MASTER_BYTES = 4        # fp32 master weights
+MOMENT_BYTES = 8        # Adam m and v in fp32
+OPTIMIZER_BYTES = MASTER_BYTES + MOMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,14 @@ class StateSharding:
     expert_dp: int          # ranks an expert parameter's state is sharded over
     zero: int
     gradient_bytes: int     # per parameter: `Layout.gradient_bytes`
+    fp32_parameters: bool = False   # the parameters are the fp32 master, cast to bf16 per use (FSDP2 mixed
+    #                                 precision, autocast): no bf16 copy is kept, the optimizer holds moments only
+
+    @classmethod
+    def of(cls, layout, stack) -> "StateSharding":
+        return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
+                   expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
+                   fp32_parameters=stack.master_weights == "parameters")
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,11 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
     def shard(count: float, group: int, from_stage: int) -> float:
         return count / group if sharding.zero >= from_stage else count
 
-    weights = WEIGHT_BYTES * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
+    weight_bytes, optimizer_bytes = (MASTER_BYTES, MOMENT_BYTES) if sharding.fp32_parameters \
+        else (WEIGHT_BYTES, OPTIMIZER_BYTES)
+    weights = weight_bytes * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
     grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
-    optim = OPTIMIZER_BYTES * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
+    optim = optimizer_bytes * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
     return ModelStateBytes(weights, grads, optim)
 
 

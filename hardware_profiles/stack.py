@@ -48,6 +48,8 @@ class SoftwareStack(Strict):
 
     # what it holds (memory model)
     gradient_reduce: Literal["fp32", "bf16"]             # gradient buffers and reductions, unless the layout says
+    master_weights: Literal["separate", "parameters"]    # bf16 weights beside an fp32 master in the optimizer,
+    #                                                      or fp32 parameters that are the master (cast per use)
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
     loss_gradient: Literal["in_place", "eager"]          # cross-entropy backward: into its saved softmax, or
     #                                                      two new fp32 buffers of the logits' size

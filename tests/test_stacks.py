@@ -85,3 +85,47 @@ def test_a_stack_file_with_an_unknown_field_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
     assert proc.returncode == 2 and "tp_overlap" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fsdp2_states_match_the_torchtitan_stack():
+    """Real FSDP2 with torchtitan's mixed-precision policy (bf16 compute, fp32 reduction) and AdamW, on one
+    gloo rank: the bytes of its sharded parameters, gradients and optimizer state are what the torchtitan
+    stack predicts for zero=3 (fp32 parameters as the master, no bf16 copy kept), and not what a stack with
+    a separate bf16 copy predicts."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from planner.capture.model_sources import resolve_model
+    from planner.capture.reference_model import build_model
+
+    cfg = resolve_model("tiny-llama")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg, device="cpu")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 33))
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+
+        def nbytes(t):
+            return t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+        measured = sum(nbytes(p) + nbytes(p.grad) for p in model.parameters())
+        measured += sum(nbytes(v) for state in optimizer.state.values() for k, v in state.items() if k != "step")
+    finally:
+        dist.destroy_process_group()
+    layout = "tp=1,pp=1,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=3,recompute=none"
+    predicted = {}
+    for stack in ("torchtitan", "megatron-core"):
+        plan = api.evaluate(cfg, device="h100-sxm", num_devices=1, devices_per_node=1, global_batch=1,
+                            seq_len=32, layout=layout, stack=stack)
+        parts = plan.memory[0].parts
+        predicted[stack] = parts["weights"] + parts["gradients"] + parts["optimizer"]
+    assert predicted["torchtitan"] == pytest.approx(measured, rel=0.01)
+    assert predicted["megatron-core"] > measured * 1.1

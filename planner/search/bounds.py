@@ -127,9 +127,7 @@ class Bounds:
         weighted mean of the stages, and that is at least sum_k n_k min_i w_i (s_k + f_i a_k) whatever the
         split (LP duality). w_i proportional to 1 / (S + f_i A) (S, A: the model's totals) makes it exact
         for a model of one layer kind, where the best split equalises the stages."""
-        sharding = StateSharding(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
-                                 expert_dp=layout.expert_data_parallel, zero=layout.zero,
-                                 gradient_bytes=layout.gradient_bytes)
+        sharding = StateSharding.of(layout, self.stack)
         held = gradients_held_at_peak(self.stack.gradient_buffer, layout.num_micro_batches)
 
         def states_at_peak(kind) -> float:  # max(a + g_held, g) >= a + g_held: still a floor
