@@ -71,7 +71,10 @@ def test_out_is_checked_before_the_search(tmp_path, capsys, monkeypatch):
     target.write_text("keep")
     link = tmp_path / "link.yaml"
     link.symlink_to(target)
-    started = time.perf_counter()
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the search ran before --out was checked")
+    monkeypatch.setattr(api, "search", no_search)   # refused up front, never after searching
     assert "symbolic link" in refused(f"plan {TINY} --out {link}", capsys, monkeypatch)
     assert target.read_text() == "keep"
     assert "is a directory" in refused(f"plan {TINY} --out {tmp_path}/newdir/", capsys, monkeypatch)
@@ -83,7 +86,6 @@ def test_out_is_checked_before_the_search(tmp_path, capsys, monkeypatch):
     locked.chmod(0o500)
     if not os.access(locked, os.W_OK):   # root can write anywhere: nothing to check then
         assert "cannot write" in refused(f"plan {TINY} --out {locked}/p.yaml", capsys, monkeypatch)
-    assert time.perf_counter() - started < 10   # refused up front, not after searching
     report = tmp_path / "report.txt"
     report.write_text("")
     assert "is a file" in refused(f"whatif --model tiny-llama --device h100-sxm --sweep num-devices=8 "
@@ -125,11 +127,10 @@ def test_ctrl_c_exits_130_promptly_with_one_line():
                              "--global-batch", "4096", "--top", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     time.sleep(8)   # interpreter start-up, capture, then inside the search (about 24 s on this machine)
-    started = time.perf_counter()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
-    assert time.perf_counter() - started < 15
+    assert "Plan:" not in out   # the search stopped at the signal: no plan was printed after finishing it
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
 
 
