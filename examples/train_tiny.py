@@ -50,8 +50,11 @@ def parse_args(argv=None):
     parser.add_argument("--dump-grads", default=None, help="directory: first-step gradients per rank")
     parser.add_argument("--save-at", type=int, default=None, help="save a DCP checkpoint after this step")
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
-    parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue from --start-step")
-    parser.add_argument("--start-step", type=int, default=1)
+    parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue after the step it "
+                        "was saved at (model, optimizer, step, learning rate, RNG)")
+    parser.add_argument("--async-save", action="store_true", help="write the checkpoint with dcp.async_save")
+    parser.add_argument("--drop-optimizer-state", action="store_true", help="with --resume: forget the "
+                        "optimizer's state after loading, as a model-only checkpoint would (shows what it costs)")
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a collective may wait for a peer before the job fails naming the ranks "
                              "that stopped (torch's default is 30 minutes)")
@@ -138,19 +141,20 @@ def main(argv=None) -> int:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
+    start = 1
     if args.resume:
-        parallel.load(args.checkpoint)
+        start = parallel.load(args.checkpoint).step + 1
+        if args.drop_optimizer_state:
+            parallel.forget_optimizer_state()
     if args.dump_grads:
         Path(args.dump_grads).mkdir(parents=True, exist_ok=True)
 
-        def dump(pm):
-            if pm.dump_done:
-                return
-            torch.save(pm.gradients(), Path(args.dump_grads) / f"rank{rank}.pt")
-            pm.dump_done = True
-        parallel.dump_done = False
+        def dump(pm):   # every step's gradients, before the optimizer uses them
+            torch.save(pm.gradients(), Path(args.dump_grads) / f"step{pm.step}-rank{rank}.pt")
         parallel.on_gradients = dump
-    for step in range(args.start_step, args.start_step + args.steps):
+    pending = None
+    for step in range(start, start + args.steps):
+        parallel.step = step
         if step == stop_step and rank == stop_rank:
             os.kill(os.getpid(), signal.SIGSTOP)
         watchdog.reached(step)
@@ -163,7 +167,9 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:
-            parallel.save(args.checkpoint)
+            pending = parallel.save(args.checkpoint, step, asynchronous=args.async_save)
+    if pending is not None:
+        pending.result()   # the asynchronous write finishes before the job ends
     # drop the optimizer, FSDP and mesh state (and any collective work they hold) while the groups still
     # exist: a group freed at interpreter exit with gloo threads alive aborts the process (seen twice in
     # the runtime tests as 'terminate called without an active exception' after a clean run)

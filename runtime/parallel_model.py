@@ -5,10 +5,9 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
@@ -18,6 +17,7 @@ from cost_models.pipeline import even_partition
 from cost_models.step_time import chunk_blocks
 from planner.capture.graph import ModelGraph
 
+from . import checkpoint
 from .dims import ParallelDims, PlanError, world
 from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
@@ -200,7 +200,7 @@ class ParallelModel:
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) gradients of this rank's parameters by full-model name, for checks."""
         grads = {}
-        canonical = {name: names[0] for names in self.tied for name in names}   # a tied weight's first name
+        canonical = self.canonical_names
         for module in self.modules:
             for name, param in _inner(module).named_parameters():
                 if param.grad is None:
@@ -211,6 +211,11 @@ class ParallelModel:
         return grads
 
     # -- state ----------------------------------------------------------------------------------
+    @property
+    def canonical_names(self) -> dict[str, str]:
+        """Each tied weight's names -> its first (the single-process model's parameter name)."""
+        return {name: names[0] for names in self.tied for name in names}
+
     def state_dict(self) -> dict:
         """Model state with the full model's parameter names, whatever the layout (DTensors where sharded)."""
         state: dict = {}
@@ -218,15 +223,23 @@ class ParallelModel:
             state.update(get_model_state_dict(_inner(module)))
         return state
 
-    def save(self, path: str) -> None:
-        dcp.save(self.state_dict(), checkpoint_id=path)
+    def save(self, path: str, step: int, asynchronous: bool = False):
+        """The whole training state after `step` (model, optimizer, step, learning rate, RNG) as one DCP
+        checkpoint any other layout can load; `asynchronous` returns `dcp.async_save`'s future."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        return checkpoint.save(path, [_inner(m) for m in self.modules], self.optimizer, self.canonical_names,
+                               checkpoint.TrainState(step=step, lr=lr), asynchronous)
 
-    def load(self, path: str) -> None:
-        state = self.state_dict()
-        dcp.load(state, checkpoint_id=path)
-        for module in map(_inner, self.modules):
-            names = set(get_model_state_dict(module))
-            set_model_state_dict(module, {k: v for k, v in state.items() if k in names})
+    def forget_optimizer_state(self) -> None:
+        """Drop the optimizer's moments and step counts (what a model-only checkpoint resumes with)."""
+        checkpoint.local_optimizer(self.optimizer).state.clear()
+
+    def load(self, path: str) -> checkpoint.TrainState:
+        """Resume from a checkpoint written under any layout; returns the step it ended and its lr."""
+        train = checkpoint.load(path, [_inner(m) for m in self.modules], self.optimizer, self.canonical_names)
+        for group in self.optimizer.param_groups:   # ZeRO-1 copies the outer groups into its shard's
+            group["lr"] = train.lr
+        return train
 
 
 def _inner(module: nn.Module) -> nn.Module:

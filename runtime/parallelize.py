@@ -91,8 +91,18 @@ def _localize_head_counts(module: nn.Module, graph: ModelGraph, tp: int) -> None
             owner = module.get_submodule(f"{slot.module_name}.{owner_path}" if owner_path else slot.module_name)
             for attr, value in list(vars(owner).items()):
                 if (isinstance(value, int) and not isinstance(value, bool) and value in counts
-                        and ("head" in attr or "group" in attr) and value % tp == 0):
+                        and _names_a_head_count(attr) and value % tp == 0):
                     setattr(owner, attr, value // tp)
+
+
+def _names_a_head_count(attr: str) -> bool:
+    """`n_head`, `heads`, `num_kv_heads`, `groups`: counts a rank holds 1/tp of. A head's width (`head_dim`,
+    `head_size`) or heads per kv group (`num_key_value_groups`) is the same on every rank, even where it
+    happens to equal a count."""
+    name = attr.lower()
+    if any(word in name for word in ("dim", "size", "width")) or name.endswith(("per_group", "key_value_groups")):
+        return False
+    return "head" in name or "group" in name
 
 
 ATTENTION_OPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
