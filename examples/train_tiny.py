@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,6 +44,9 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp8"],
+                        help="train in this precision instead of the plan's (fp32 for numerical checks; "
+                             "default: the plan's, or fp32 for a --layout that names none)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip by the global gradient norm")
     parser.add_argument("--dump-grads", default=None, help="directory: first-step gradients per rank")
@@ -105,12 +107,22 @@ def build(spec: str, seq_len: int, seed: int):
 
 def run_layout(args, graph) -> Layout:
     if args.plan:
-        return replace(Plan.load(args.plan).to_layout(), precision="fp32")
+        return Plan.load(args.plan).to_layout()
     values = parse_text(args.layout, "--layout")
     if "dp" not in values:   # the data-parallel degree fills the ranks the other degrees leave
         others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
         values["dp"] = max(1, dist.get_world_size() // others)
-    return layout_from(values, global_batch=args.global_batch, precision="fp32")
+    return layout_from(values, global_batch=args.global_batch)
+
+
+def run_precision(args, layout: Layout) -> str:
+    """What to train in: --precision if given, else the plan's; a --layout without precision= is a numerical
+    check and runs in fp32."""
+    if args.precision:
+        return args.precision
+    if args.plan or "precision=" in args.layout:
+        return str(layout.precision)
+    return "fp32"
 
 
 def batch(step: int, args, vocab: int):
@@ -135,8 +147,12 @@ def main(argv=None) -> int:
         layout = run_layout(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
             raise PlanError(f"global batch {layout.global_batch} is not a multiple of dp*mbs")
+        precision = run_precision(args, layout)
+        if args.plan and precision != str(layout.precision) and rank == 0:
+            print(f"note: training in {precision} (--precision), not the plan's {layout.precision}",
+                  file=sys.stderr, flush=True)
         parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr,
-                              max_grad_norm=args.max_grad_norm)
+                              max_grad_norm=args.max_grad_norm, precision=precision)
     except (PlanError, UserInputError, ValueError) as exc:  # a plan this model cannot run: say so on every rank
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()

@@ -21,7 +21,8 @@ from . import checkpoint
 from .dims import ParallelDims, PlanError, world
 from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
-from .parallelize import apply_ac, apply_dp, apply_tp
+from . import mixed_precision
+from .parallelize import apply_ac, apply_dp, apply_tp, uses_fsdp
 from .split import split_stage
 from .tied import StageTies, retie, tied_names
 
@@ -34,10 +35,12 @@ class ParallelModel:
     """A model laid out by a plan: `train_step(tokens, targets) -> loss`, `state_dict()`, `save`/`load`."""
 
     def __init__(self, model: nn.Module, graph: ModelGraph, layout: Layout, device_type: str = "cpu",
-                 optimizer: str = "sgd", lr: float = 0.1, max_grad_norm: float | None = None):
+                 optimizer: str = "sgd", lr: float = 0.1, max_grad_norm: float | None = None,
+                 precision: str | None = None):
         rank, world_size = world()
         self.dims = ParallelDims.of(layout)
         self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
+        self.precision = mixed_precision.check(precision or str(layout.precision), layout, self.dims)
         stage_layers = layout.stage_layers or even_partition(graph.num_blocks, layout.pp * layout.vp)
         self.layout = replace(layout, stage_layers=stage_layers)
         recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(graph.num_blocks))
@@ -81,7 +84,10 @@ class ParallelModel:
             self.expert_params += experts
             apply_ac(module, graph, recompute)
             wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts),
-                                    pipelined=dims.pp > 1))
+                                    pipelined=dims.pp > 1,
+                                    mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))
+        sharded = uses_fsdp(self._dp_mesh().size(), dims.zero, dims.tp > 1, bool(self.expert_params))
+        self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
         return wrapped
 
     def _dp_mesh(self):
@@ -127,10 +133,11 @@ class ParallelModel:
         """One optimizer step on the global batch (every rank passes the same global tokens)."""
         tokens, targets = self.batch_slice(tokens).to(self.device), self.batch_slice(targets).to(self.device)
         self.optimizer.zero_grad()
-        if self.schedule is None:
-            loss = self._accumulate(tokens, targets)
-        else:
-            loss = self._pipelined(tokens, targets)
+        with self.autocast:   # bf16 compute over fp32 parameters where FSDP2's policy does not cast
+            if self.schedule is None:
+                loss = self._accumulate(tokens, targets)
+            else:
+                loss = self._pipelined(tokens, targets)
         if self.stage_ties:
             self.stage_ties.sum_gradients([_inner(module) for module in self.modules])
         if self.expert_params:

@@ -129,23 +129,30 @@ def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, .
             checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_attention_only))
 
 
+def uses_fsdp(dp_size: int, zero: int, has_tp: bool, has_experts: bool) -> bool:
+    """Whether `apply_dp` shards with FSDP2 (which then also applies the mixed-precision policy)."""
+    return zero >= 2 or (dp_size > 1 and (has_tp or has_experts))
+
+
 def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int, has_tp: bool,
-             ignored: set[nn.Parameter], pipelined: bool = False) -> nn.Module:
+             ignored: set[nn.Parameter], pipelined: bool = False, mp_policy=None) -> nn.Module:
     """ZeRO 0: replicate (DDP); 1: replicate + sharded optimizer (see ParallelModel); 2 and 3: FSDP2
     without and with resharding after forward. With tensor parallelism FSDP2 is the data-parallel path.
     A pipeline stage under ZeRO 0/1 is wrapped in DistributedDataParallel, whose reduction torch's
     pipeline stages hold back until the last micro-batch's backward: the composable replicate cannot be
     told so and reduced wrong gradients with several forwards in flight (1F1B). Returns the module to run."""
-    if dp_mesh.size() == 1 and zero < 2:
+    if not uses_fsdp(dp_mesh.size(), zero, has_tp, bool(ignored)) and dp_mesh.size() == 1:
         return module
-    if zero >= 2 or has_tp or ignored:
+    if uses_fsdp(dp_mesh.size(), zero, has_tp, bool(ignored)):
         reshard = zero >= 3
         present = _present(module)
+        options = dict(mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+        if mp_policy is not None:
+            options["mp_policy"] = mp_policy
         for slot in graph.blocks:
             if slot.module_name in present:
-                fully_shard(module.get_submodule(slot.module_name), mesh=dp_mesh, reshard_after_forward=reshard,
-                            ignored_params=ignored or None)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+                fully_shard(module.get_submodule(slot.module_name), **options)
+        fully_shard(module, **options)
     elif pipelined:
         wrapped = DistributedDataParallel(module, process_group=dp_mesh.get_group())
         # forwards must not arm the reducer: 1F1B runs several before their backwards, so the stage arms

@@ -176,13 +176,29 @@ def test_plan_from_the_planner_runs_as_is(reference, tmp_path):
     subprocess.run([str(planner), "plan", "--model", "tiny-llama", "--device", "cpu", "--num-devices", "8",
                     "--global-batch", "8", "--out", str(plan_file)],
                    check=True, capture_output=True, timeout=300, cwd=ROOT)
-    proc = launch(8, "--model", "tiny-llama", "--plan", str(plan_file), "--steps", str(STEPS), *TRAIN)
+    proc = launch(8, "--model", "tiny-llama", "--plan", str(plan_file), "--steps", str(STEPS), *TRAIN,
+                  "--precision", "fp32")   # the plan says bf16: fp32 only for the numerical check, and said so
+    assert "training in fp32 (--precision), not the plan's bf16" in proc.stderr
     assert len(losses(proc)) == STEPS
     assert losses(proc) == pytest.approx(reference["tiny-llama"][0], rel=LOSS_TOLERANCE)
 
 
+@pytest.mark.parametrize("nproc,layout", [(1, "precision=bf16"), (2, "dp=2,zero=3,precision=bf16"),
+                                          (2, "dp=2,zero=1,precision=bf16"), (2, "pp=2,mbs=2,precision=bf16"),
+                                          (2, "tp=2,precision=bf16")])
+def test_bf16_is_trained_as_planned(reference, nproc, layout):
+    """bf16 compute over fp32 master parameters (FSDP2's MixedPrecisionPolicy where it shards, autocast
+    elsewhere): the losses leave the fp32 run's by more than fp32 rounding, and stay within bf16's."""
+    got = losses(launch(nproc, "--model", "tiny-llama", "--steps", str(STEPS), *TRAIN, "--layout", layout))
+    ref = reference["tiny-llama"][0]
+    assert got == pytest.approx(ref, rel=1e-3)
+    assert max(abs(g / r - 1) for g, r in zip(got, ref)) > 1e-6   # bf16 was applied, not fp32 kept
+
+
 @pytest.mark.parametrize("layout,needle", [("tp=4", "cannot run here"), ("pp=2,vp=4", "do not split"),
-                                           ("pp=2,vp=2,stages=1-0-2-1", "hold nothing")])
+                                           ("pp=2,vp=2,stages=1-0-2-1", "hold nothing"),
+                                           ("dp=2,precision=fp8", "does not apply FP8"),
+                                           ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1")])
 def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle):
     proc = launch(2, "--model", "tiny-llama", "--steps", "1", "--layout", layout, check=False)
     assert proc.returncode != 0
