@@ -157,6 +157,9 @@ def main(argv=None) -> int:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
+    if rank == 0:
+        for note in parallel.notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     start = 1
     if args.resume:
         start = parallel.load(args.checkpoint).step + 1

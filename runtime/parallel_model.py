@@ -45,6 +45,7 @@ class ParallelModel:
         self.layout = replace(layout, stage_layers=stage_layers)
         recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(graph.num_blocks))
         self.graph, self.device = graph, torch.device(device_type)
+        self.notes: list[str] = []   # where the runtime applies the plan otherwise than it says
         self.mesh = self.dims.build_mesh(device_type)
         self.local = self.dims.local_ranks(self.mesh)
         self.tied = tied_names(model)
@@ -87,6 +88,10 @@ class ParallelModel:
                                     pipelined=dims.pp > 1,
                                     mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))
         sharded = uses_fsdp(self._dp_mesh().size(), dims.zero, dims.tp > 1, bool(self.expert_params))
+        if sharded and dims.zero < 2:   # said, never silent: the composable replicate takes no DTensors here
+            self.notes.append(f"ZeRO-{dims.zero} beside {'tensor' if dims.tp > 1 else 'expert'} parallelism runs "
+                              "as FSDP2 (parameters, gradients and optimizer state sharded over the data-parallel "
+                              "ranks): the same training, with more sharding and other collectives than planned")
         self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
         return wrapped
 

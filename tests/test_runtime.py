@@ -156,6 +156,8 @@ def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(referen
         assert [line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("step ")] == ["3", "4"]
         assert losses(resumed) == pytest.approx(ref_losses[2:4], rel=LOSS_TOLERANCE), layout
         assert_gradients_match(grads, ref_grads, (3, 4))
+        # ZeRO-1 beside tp runs as FSDP2, and says so
+        assert ("ZeRO-1 beside tensor parallelism runs as FSDP2" in resumed.stderr) == (layout == "tp=2,dp=2")
 
 
 def test_resume_without_the_optimizer_state_would_be_seen(reference, tmp_path):
