@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from .schema import Strict
 
 DEFAULT_STACK = "megatron-core"
+RUNTIME_STACK = "parallel-planner"   # what this project's runtime (runtime/) runs; it checks every plan against it
 
 Axis = Literal["tp", "pp", "cp", "ep"]
 Fp8RecipeName = Literal["delayed", "tensorwise"]
@@ -36,6 +37,11 @@ class SoftwareStack(Strict):
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
     per_layer_recompute: bool                # each layer its own method; else every layer checkpoints or none does
     fp8_recipes: tuple[Fp8RecipeName, ...] = Field(strict=False)   # first is the default; empty: no FP8 training
+    context_parallel_attention: Literal["any", "reference"]   # attention it can split by sequence: its own
+    #                                        layers' ("any": the model is written for the framework) or only
+    #                                        the reference decoder's CoreAttention (this project's runtime)
+    expert_parallel_experts: Literal["any", "stacked"]        # experts it can spread: any, or stacked weights
+    #                                        with the reference MoE's route/routed protocol
 
     # what it fuses and overlaps (cost models)
     flash_attention: bool                    # fused attention: no s x s tensors stored, masked blocks skipped

@@ -163,12 +163,13 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     _check_precision_on(resolved, precision)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
-    problems = stack_problems(pins, stack, precision) + pin_problems(pins, graph, resolved.num_devices, global_batch)
+    problems = stack_problems(pins, stack, precision, graph) + pin_problems(pins, graph, resolved.num_devices,
+                                                                           global_batch)
     if problems:
         raise UserInputError("no layout can satisfy the pins: " + "; ".join(problems), field="--fix",
                              expected=f"pins that the model, the device count, the batch and the {stack.name} "
                              "stack allow")
-    pins = stack_pins(pins, stack)
+    pins = stack_pins(pins, stack, graph)
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
         else [recompute_choices(pins, stack)]
@@ -257,7 +258,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
                         ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, **values)
         given = layout_from(_stack_defaults(values, stack), global_batch=global_batch, precision=precision)
     given = replace(given, global_batch=global_batch)
-    refused = layout_stack_problems(given, stack)
+    refused = layout_stack_problems(given, stack, graph)
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")

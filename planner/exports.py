@@ -5,6 +5,8 @@ import json
 import shlex
 from pathlib import Path
 
+from hardware_profiles.stack import RUNTIME_STACK
+
 from .plans import Plan
 
 
@@ -39,10 +41,19 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--tp-comm-overlap")
     if lay.moe_a2a_overlap:  # Megatron-Core's MoE docs pair it with delayed weight-gradient GEMMs
         args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+    if lay.ep > 1:   # the cost model bills all-to-all dispatch (Megatron's default is allgather)
+        args.append("--moe-token-dispatcher-type alltoall")
     if lay.grad_reduce == "bf16":
         args.append("--grad-reduce-in-bf16")
     if lay.zero >= 1:
         args.append("--use-distributed-optimizer")
+    if lay.zero >= 2:   # Megatron-FSDP: gradients (2) and also parameters (3) sharded
+        strategy = "optim_grads" if lay.zero == 2 else "optim_grads_params"
+        args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {strategy}"]
+    if lay.dp * lay.cp > 1:   # the prediction hides the DP reduction (and ZeRO's parameter gather) in backward
+        args.append("--overlap-grad-reduce")
+        if lay.zero >= 1:
+            args.append("--overlap-param-gather")
     if lay.precision == "fp8":
         args += ["--bf16", "--fp8-format hybrid", f"--fp8-recipe {lay.fp8_recipe}"]
     else:
@@ -58,9 +69,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         if "selective" in recompute or len({sum(r == 'full' for r in s.recompute) for s in plan.stages}) > 1:
             notes.append(f"Megatron recomputes the same number of layers in every stage: {per_stage} per "
                          f"stage here, where the plan asks for {full} in all, unevenly")
-    if lay.zero in (2, 3):
-        notes.append(f"ZeRO-{lay.zero} is Megatron-FSDP territory (--use-custom-fsdp); the distributed "
-                     "optimizer above is ZeRO-1")
+    if lay.moe_a2a_overlap and "full" in recompute:
+        notes.append("Megatron refuses --overlap-moe-expert-parallel-comm with full recomputation: drop one")
     return args, notes
 
 
@@ -143,6 +153,9 @@ def torchrun_command(plan: Plan, plan_path: str, script: str | Path = TRAIN_SCRI
     if per_node is None:
         per_node = ASSUMED_DEVICES_PER_NODE
         notes.append(f"the plan file does not record devices per node; {per_node} assumed (plan again to record it)")
+    if plan.stack != RUNTIME_STACK:
+        notes.append(f"the plan was made for the {plan.stack} stack; the runtime runs what the {RUNTIME_STACK} "
+                     f"stack allows and refuses the rest before the first step (plan with --stack {RUNTIME_STACK})")
     world = plan.num_devices
     per_node = min(per_node, world)
     nodes = world // per_node

@@ -12,10 +12,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
 
-from cost_models.layout import Layout, Recompute
+from cost_models.layout import Layout, Precision, Recompute
 from cost_models.pipeline import even_partition
 from cost_models.step_time import chunk_blocks
+from hardware_profiles.loader import load_stack
+from hardware_profiles.stack import RUNTIME_STACK
 from planner.capture.graph import ModelGraph
+from planner.search.stack_rules import layout_stack_problems
 
 from . import checkpoint
 from .dims import ParallelDims, PlanError, world
@@ -41,6 +44,11 @@ class ParallelModel:
         self.dims = ParallelDims.of(layout)
         self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
         self.precision = mixed_precision.check(precision or str(layout.precision), layout, self.dims)
+        # one rule set with the planner: what `--stack parallel-planner` would never plan, refused here
+        refused = layout_stack_problems(replace(layout, precision=Precision.bf16), load_stack(RUNTIME_STACK), graph)
+        if refused:
+            raise PlanError("the plan asks for what this runtime does not run: " + "; ".join(refused)
+                            + f" (plan with --stack {RUNTIME_STACK} to stay inside it)")
         stage_layers = layout.stage_layers or even_partition(graph.num_blocks, layout.pp * layout.vp)
         self.layout = replace(layout, stage_layers=stage_layers)
         recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(graph.num_blocks))

@@ -25,6 +25,8 @@ MEGATRON_ARGS = {
     "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--tp-comm-overlap", "--grad-reduce-in-bf16",
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-recipe", "--pipeline-model-parallel-layout",
+    "--moe-token-dispatcher-type", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--overlap-grad-reduce",
+    "--overlap-param-gather",
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",

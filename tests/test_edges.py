@@ -254,8 +254,10 @@ def test_plan_files_are_validated(path, value, named, tiny_plan, tmp_path, capsy
 
 
 def test_the_runtime_does_not_load_the_search():
-    """`import runtime` reads plans and captured graphs; it must not pull in the search or OR-Tools."""
+    """`import runtime` reads plans, captured graphs and the layout rules it shares with the planner
+    (planner.search.space, planner.search.stack_rules); it must not pull in the search or OR-Tools."""
     code = "import sys, runtime; print(any(m.startswith('ortools') for m in sys.modules), " \
-           "any(m.startswith('planner.search') for m in sys.modules))"
+           "any(m in sys.modules for m in ('planner.search.tree', 'planner.search.partition', " \
+           "'planner.search.bounds')), 'planner.search.stack_rules' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "True"]

@@ -176,7 +176,7 @@ def test_plan_from_the_planner_runs_as_is(reference, tmp_path):
     plan_file = tmp_path / "plan.yaml"
     planner = Path(sys.executable).parent / "planner"
     subprocess.run([str(planner), "plan", "--model", "tiny-llama", "--device", "cpu", "--num-devices", "8",
-                    "--global-batch", "8", "--out", str(plan_file)],
+                    "--global-batch", "8", "--stack", "parallel-planner", "--out", str(plan_file)],
                    check=True, capture_output=True, timeout=300, cwd=ROOT)
     proc = launch(8, "--model", "tiny-llama", "--plan", str(plan_file), "--steps", str(STEPS), *TRAIN,
                   "--precision", "fp32")   # the plan says bf16: fp32 only for the numerical check, and said so
@@ -197,12 +197,15 @@ def test_bf16_is_trained_as_planned(reference, nproc, layout):
     assert max(abs(g / r - 1) for g, r in zip(got, ref)) > 1e-6   # bf16 was applied, not fp32 kept
 
 
-@pytest.mark.parametrize("layout,needle", [("tp=4", "cannot run here"), ("pp=2,vp=4", "do not split"),
-                                           ("pp=2,vp=2,stages=1-0-2-1", "hold nothing"),
-                                           ("dp=2,precision=fp8", "does not apply FP8"),
-                                           ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1")])
-def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle):
-    proc = launch(2, "--model", "tiny-llama", "--steps", "1", "--layout", layout, check=False)
+@pytest.mark.parametrize("layout,needle,model", [
+    ("tp=4", "cannot run here", "tiny-llama"), ("pp=2,vp=4", "do not split", "tiny-llama"),
+    ("pp=2,vp=2,stages=1-0-2-1", "hold nothing", "tiny-llama"),
+    ("dp=2,precision=fp8", "does not apply FP8", "tiny-llama"),
+    ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1", "tiny-llama"),
+    # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set
+    ("cp=2", "splits the sequence only for the reference decoder's attention", USER_MODEL)])
+def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle, model):
+    proc = launch(2, "--model", model, "--steps", "1", "--layout", layout, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count(needle) == 2, proc.stderr[-2000:]
 

@@ -15,7 +15,7 @@ from planner.plans import Plan
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
 BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
-            "deepspeed", "llm-foundry", "mindspeed"}
+            "deepspeed", "llm-foundry", "mindspeed", "parallel-planner"}
 
 
 def run(args):
@@ -129,3 +129,18 @@ def test_fsdp2_states_match_the_torchtitan_stack():
         predicted[stack] = parts["weights"] + parts["gradients"] + parts["optimizer"]
     assert predicted["torchtitan"] == pytest.approx(measured, rel=0.01)
     assert predicted["megatron-core"] > measured * 1.1
+
+
+def test_the_runtime_stack_never_plans_what_the_runtime_refuses():
+    """`--stack parallel-planner` (this project's runtime) keeps cp and ep at 1 for a model whose attention
+    and experts the runtime cannot split; the runtime refuses the same layouts with the same rule
+    (tests/test_runtime.py::test_bad_plans_fail_on_every_rank_before_collectives)."""
+    user = "examples/user_gpt.py:build_separate_qkv"
+    for count in (8, 16):
+        result = api.plan(user, device="cpu", num_devices=count, global_batch=16, seq_len=32, stack="parallel-planner")
+        assert result.layout.cp == 1 and result.layout.ep == 1
+    with pytest.raises(UserInputError, match="reference decoder's attention"):
+        api.plan(user, device="cpu", num_devices=8, global_batch=16, seq_len=32, stack="parallel-planner", cp=2)
+    # the reference decoder's attention can be split: cp stays in the space
+    api.evaluate("tiny-llama", device="cpu", num_devices=8, global_batch=16, stack="parallel-planner",
+                 layout="tp=1,pp=1,dp=4,cp=2,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")

@@ -33,6 +33,10 @@ class BlockStructure:
     expert_container: str | None    # module path of the routed-experts leaf, if any
     num_experts: int
     router_topk: int
+    # what this project's runtime can shard (runtime/context_parallel.py, runtime/experts.py): the attention
+    # core is the reference decoder's `CoreAttention`; the experts are stacked with its route/routed protocol
+    reference_attention: bool = False
+    stacked_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from hardware_profiles.errors import UserInputError
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, is_expert_container, is_norm_like,
                              routed_experts, router_topk)
 from .graph import BlockStructure
+from .reference_model import CoreAttention
 from .op_costs import node_costs
 
 
@@ -280,8 +281,17 @@ def measure_block(block: nn.Module, example: torch.Tensor, seq_len: int, label: 
         norms=tuple(n for n, m in block.named_modules() if is_norm_like(m) or isinstance(m, nn.LayerNorm)),
         expert_container=experts[0] if experts else None,
         num_experts=routed_experts(experts[1]).count if experts else 0,
-        router_topk=router_topk(experts[1]) if experts else 0)
+        router_topk=router_topk(experts[1]) if experts else 0,
+        reference_attention=any(isinstance(m, CoreAttention) for m in block.modules()),
+        stacked_experts=bool(experts) and _stacked(experts[1]))
     return measured, structure, gm
+
+
+def _stacked(container: nn.Module) -> bool:
+    """Experts as stacked weights with the reference MoE's route/routed protocol (what runtime/experts.py
+    shards), not a ModuleList of expert modules."""
+    found = routed_experts(container)
+    return found is not None and found.module_list is None and hasattr(container, "routed")
 
 
 def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, int]:

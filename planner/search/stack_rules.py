@@ -17,9 +17,26 @@ from .space import Pins, pins_from
 AXES = ("tp", "pp", "cp", "ep")
 
 
-def stack_problems(pins: Pins, stack: SoftwareStack, precision: str) -> list[str]:
-    """The pins (or a given layout's values) the stack cannot run, each with the rule it breaks."""
+def model_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
+    """What the stack cannot shard in this model (context or expert parallelism of layers it cannot split)."""
+    if graph is None:
+        return []
     name, problems = stack.name, []
+    blocks = graph.structures
+    if pins.cp and pins.cp > 1 and stack.context_parallel_attention == "reference" \
+            and not all(b.reference_attention for b in blocks):
+        problems.append(f"cp={pins.cp}: the {name} stack splits the sequence only for the reference decoder's "
+                        f"attention (CoreAttention), which {graph.name} does not use")
+    if pins.ep and pins.ep > 1 and stack.expert_parallel_experts == "stacked" \
+            and not all(b.stacked_experts for b in blocks if b.expert_container):
+        problems.append(f"ep={pins.ep}: the {name} stack spreads only stacked expert weights (the reference "
+                        f"MoE), which {graph.name}'s experts are not")
+    return problems
+
+
+def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None) -> list[str]:
+    """The pins (or a given layout's values) the stack cannot run, each with the rule it breaks."""
+    name, problems = stack.name, model_problems(pins, stack, graph)
     for axis in AXES:
         degree = getattr(pins, axis)
         if axis not in stack.parallelism and degree and degree > 1:
@@ -41,10 +58,11 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str) -> list[str
     return problems
 
 
-def layout_stack_problems(layout: Layout, stack: SoftwareStack) -> list[str]:
-    """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run."""
+def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
+    """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
+    this model where `graph` is given."""
     problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "fp8_recipe"))), stack,
-                              layout.precision)
+                              layout.precision, graph)
     methods = set(layout.layer_recompute or ())
     if len(methods) > 1 and not stack.per_layer_recompute:
         problems.append(f"per-layer recomputation ({', '.join(sorted(map(str, methods)))}): the {stack.name} "
@@ -54,10 +72,11 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack) -> list[str]:
     return problems
 
 
-def stack_pins(pins: Pins, stack: SoftwareStack) -> Pins:
-    """The user's pins with what the stack lacks ruled out and its defaults filled (call after
-    `stack_problems` found nothing)."""
-    fixed = {axis: 1 for axis in AXES if axis not in stack.parallelism and getattr(pins, axis) is None}
+def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
+    """The user's pins with what the stack lacks (for this model) ruled out and its defaults filled (call
+    after `stack_problems` found nothing)."""
+    fixed = {axis: 1 for axis in AXES if getattr(pins, axis) is None and (
+        axis not in stack.parallelism or model_problems(replace(pins, **{axis: 2}), stack, graph))}
     if "ep" not in stack.parallelism and pins.etp is None:
         fixed["etp"] = 1
     if not stack.interleaved_schedule and pins.vp is None:

@@ -1,0 +1,148 @@
+"""Megatron exports checked by Megatron-Core's own configuration classes (megatron-core, a test extra):
+the exported flags, read as Megatron's argument parser maps them onto `TransformerConfig` and
+`DistributedDataParallelConfig`, must construct (their __post_init__ checks the combination) and read
+back the plan's degrees, schedule, recomputation, precision, overlaps and dispatcher (issue 18)."""
+import shlex
+import warnings
+
+import pytest
+import torch
+
+from hardware_profiles.loader import load_stack
+from planner.api import evaluate
+from planner.capture.model_capture import capture
+from planner.capture.model_sources import resolve_model
+from planner.exports import megatron_args
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # "Transformer Engine and Apex are not installed"
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+FULL = "tp={tp},pp={pp},vp={vp},dp={dp},cp={cp},ep={ep},etp={etp},mbs={mbs},zero={zero},recompute={rc}"
+MOE_OVERLAP = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "tp_comm_overlap": True})
+# (id, model, device, devices, global batch, layout, precision, stack)
+PLANS = [
+    ("dense-dp", "llama3-8b", "h100-sxm", 8, 64, FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=1, etp=1, mbs=1, zero=1,
+                                                                rc="none"), "bf16", None),
+    ("tp-pp-vp-selective", "llama3-70b", "h100-sxm", 64, 64,
+     FULL.format(tp=8, pp=4, vp=2, dp=2, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="selective"), "bf16", None),
+    ("cp", "llama3-8b", "h100-sxm", 16, 32, FULL.format(tp=2, pp=1, vp=1, dp=2, cp=4, ep=1, etp=1, mbs=1, zero=1,
+                                                          rc="none"), "bf16", None),
+    ("moe-ep-etp", "mixtral-8x7b", "h100-sxm", 32, 64,
+     FULL.format(tp=2, pp=2, vp=1, dp=8, cp=1, ep=8, etp=2, mbs=1, zero=1, rc="selective"), "bf16", None),
+    ("zero3", "llama3-8b", "h100-sxm", 16, 64, FULL.format(tp=1, pp=1, vp=1, dp=16, cp=1, ep=1, etp=1, mbs=1, zero=3,
+                                                             rc="none"), "bf16", None),
+    ("zero2", "llama3-8b", "h100-sxm", 16, 64, FULL.format(tp=2, pp=1, vp=1, dp=8, cp=1, ep=1, etp=1, mbs=1, zero=2,
+                                                             rc="none"), "bf16", None),
+    ("fp8-tensorwise", "llama3-8b", "h100-sxm", 8, 64,
+     FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="none") + ",fp8_recipe=tensorwise",
+     "fp8", None),
+    ("tp-and-moe-overlap", "mixtral-8x7b", "h100-sxm", 16, 64,
+     FULL.format(tp=2, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="selective"), "bf16", MOE_OVERLAP),
+    ("full-recompute", "llama3-70b", "h100-sxm", 32, 64,
+     FULL.format(tp=8, pp=4, vp=1, dp=1, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="full"), "bf16", None),
+    ("uneven-stages", "llama3-8b", "h100-sxm", 8, 32,
+     FULL.format(tp=2, pp=4, vp=1, dp=1, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="none") + ",stages=10-8-8-6",
+     "bf16", None),
+    ("gb200-nvl72", "llama3-70b", "gb200", 72, 72,
+     FULL.format(tp=4, pp=2, vp=2, dp=9, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="selective"), "bf16", None),
+    ("12-devices", "llama3-8b", "h100-sxm", 12, 48, FULL.format(tp=2, pp=2, vp=1, dp=3, cp=1, ep=1, etp=1, mbs=1,
+                                                                  zero=1, rc="none"), "bf16", None),
+]
+
+
+def flags(args: list[str]) -> dict[str, str | bool]:
+    words = shlex.split(" ".join(args))
+    out, i = {}, 0
+    while i < len(words):
+        if i + 1 < len(words) and not words[i + 1].startswith("--"):
+            out[words[i]], i = words[i + 1], i + 2
+        else:
+            out[words[i]], i = True, i + 1
+    return out
+
+
+def megatron_configs(exported: dict, graph, add_bias: bool):
+    """The two configs, filled from the flags as Megatron-LM's arguments.py does (core_transformer_config_from_args
+    and the DDP config in training.py), with the model's sizes from the captured graph."""
+    structure = graph.structure(graph.blocks[-1].kind)
+    pp = int(exported["--pipeline-model-parallel-size"])
+    per_chunk = exported.get("--num-layers-per-virtual-pipeline-stage")
+    moe = dict(num_moe_experts=graph.num_experts, moe_router_topk=structure.router_topk,
+               moe_token_dispatcher_type=exported.get("--moe-token-dispatcher-type", "allgather")) \
+        if graph.num_experts else {}
+    recompute = {}
+    if "--recompute-granularity" in exported:
+        recompute["recompute_granularity"] = exported["--recompute-granularity"]
+        if "--recompute-method" in exported:
+            recompute.update(recompute_method=exported["--recompute-method"],
+                             recompute_num_layers=int(exported["--recompute-num-layers"]))
+    fp8 = dict(fp8=exported["--fp8-format"], fp8_recipe=exported["--fp8-recipe"]) if "--fp8-format" in exported else {}
+    transformer = TransformerConfig(
+        num_layers=graph.num_blocks, hidden_size=graph.hidden_size, num_attention_heads=graph.attention_heads,
+        num_query_groups=graph.kv_groups, tensor_model_parallel_size=int(exported["--tensor-model-parallel-size"]),
+        pipeline_model_parallel_size=pp, context_parallel_size=int(exported["--context-parallel-size"]),
+        expert_model_parallel_size=int(exported["--expert-model-parallel-size"]),
+        expert_tensor_parallel_size=int(exported["--expert-tensor-parallel-size"]),
+        virtual_pipeline_model_parallel_size=graph.num_blocks // (pp * int(per_chunk)) if per_chunk else None,
+        pipeline_model_parallel_layout=exported.get("--pipeline-model-parallel-layout"),
+        sequence_parallel=bool(exported.get("--sequence-parallel")), tp_comm_overlap=bool(exported.get("--tp-comm-overlap")),
+        overlap_moe_expert_parallel_comm=bool(exported.get("--overlap-moe-expert-parallel-comm")),
+        delay_wgrad_compute=bool(exported.get("--delay-wgrad-compute")),
+        add_bias_linear=add_bias, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **moe, **recompute, **fp8)
+    sharding = exported.get("--data-parallel-sharding-strategy", "no_shard")
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not exported.get("--grad-reduce-in-bf16"),
+        overlap_grad_reduce=bool(exported.get("--overlap-grad-reduce")),
+        overlap_param_gather=bool(exported.get("--overlap-param-gather")),
+        use_distributed_optimizer=bool(exported.get("--use-distributed-optimizer")),
+        use_megatron_fsdp=bool(exported.get("--use-megatron-fsdp")), data_parallel_sharding_strategy=sharding)
+    return transformer, ddp
+
+
+@pytest.mark.parametrize("case", PLANS, ids=[c[0] for c in PLANS])
+def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
+    name, model, device, count, batch, layout, precision, stack = case
+    per_node = 4 if count % 8 else None   # 12 devices: three nodes of 4
+    plan = evaluate(model, device=device, num_devices=count, devices_per_node=per_node, global_batch=batch,
+                    layout=layout, precision=precision, stack=stack)
+    args, _ = megatron_args(plan)
+    exported = flags(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformer, ddp = megatron_configs(exported, capture(model), resolve_model(model).add_bias)
+    lay = plan.layout
+    assert (transformer.tensor_model_parallel_size, transformer.pipeline_model_parallel_size,
+            transformer.context_parallel_size, transformer.expert_model_parallel_size,
+            transformer.expert_tensor_parallel_size) == (lay.tp, lay.pp, lay.cp, lay.ep, lay.etp)
+    # every chunk holds the plan's decoder layers, in the plan's order
+    if transformer.pipeline_model_parallel_layout is not None:
+        from megatron.core.transformer.enums import LayerType
+        parsed = transformer.pipeline_model_parallel_layout
+        for stage in plan.stages:
+            vp_stage, pp_rank = divmod(stage.index, lay.pp)
+            assert parsed.layout[pp_rank][vp_stage].count(LayerType.decoder) == len(stage.layers)
+    else:
+        assert (transformer.virtual_pipeline_model_parallel_size or 1) == lay.vp
+    assert transformer.sequence_parallel == (lay.sp and lay.tp > 1)
+    assert transformer.tp_comm_overlap == lay.tp_comm_overlap
+    assert transformer.overlap_moe_expert_parallel_comm == lay.moe_a2a_overlap
+    methods = {r for stage in plan.stages for r in stage.recompute}
+    assert transformer.recompute_granularity == (None if methods == {"none"} else
+                                                 "selective" if methods == {"selective"} else "full")
+    if methods == {"full"}:
+        assert transformer.recompute_num_layers == max(len(s.layers) for s in plan.stages)
+    assert (transformer.fp8 is not None) == (lay.precision == "fp8")
+    if lay.precision == "fp8":
+        assert transformer.fp8_recipe == lay.fp8_recipe
+    if lay.ep > 1:
+        assert transformer.moe_token_dispatcher_type == "alltoall"   # what the cost model bills
+    # ZeRO: 1 the distributed optimizer, 2 and 3 Megatron-FSDP sharding gradients (and parameters)
+    assert ddp.use_distributed_optimizer == (lay.zero >= 1)
+    assert ddp.data_parallel_sharding_strategy == {0: "no_shard", 1: "no_shard", 2: "optim_grads",
+                                                   3: "optim_grads_params"}[lay.zero]
+    assert ddp.grad_reduce_in_fp32 == (lay.grad_reduce == "fp32")
+    # the prediction hid the DP reduction and ZeRO's gather in backward: the export asks for it
+    assert ddp.overlap_grad_reduce == (lay.dp * lay.cp > 1)
+    assert ddp.overlap_param_gather == (lay.dp * lay.cp > 1 and lay.zero >= 1)
