@@ -136,9 +136,21 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
                                      "number_checkpoints": _full_recompute_layers(plan) or None},
     }
     notes = ["DeepSpeed's tensor and pipeline degrees are set by the model code (Megatron-DeepSpeed "
-             f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}), not this file"]
+             f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}), not this file; "
+             f"its mpu must give a data-parallel size of {lay.dp} for the batch fields to check"]
     if lay.cp > 1 or lay.ep > 1:
         notes.append("context and expert parallel degrees are not DeepSpeed config fields")
+    if lay.precision == "fp8":
+        notes.append("the plan trains in FP8; this file says bf16: FP8 needs Transformer Engine layers in the model")
+    if any(r == "selective" for stage in plan.stages for r in stage.recompute):
+        notes.append("DeepSpeed has no selective (attention-only) recomputation: the plan's selective layers are "
+                     "not checkpointed by this file")
+    if lay.pp > 1 and lay.zero >= 2:
+        notes.append(f"DeepSpeed's PipelineEngine runs ZeRO-0/1 only: ZeRO-{lay.zero} with pp={lay.pp} is refused "
+                     "by DeepSpeed; plan with zero<=1 or --stack deepspeed")
+    if lay.vp > 1:
+        notes.append(f"DeepSpeed's PipelineModule has no interleaved schedule: vp={lay.vp} has no equivalent "
+                     "(plan with --stack deepspeed)")
     return json.dumps(config, indent=2) + "\n", notes
 
 

@@ -146,3 +146,28 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
     # the prediction hid the DP reduction and ZeRO's gather in backward: the export asks for it
     assert ddp.overlap_grad_reduce == (lay.dp * lay.cp > 1)
     assert ddp.overlap_param_gather == (lay.dp * lay.cp > 1 and lay.zero >= 1)
+
+
+@pytest.mark.parametrize("device,count,per_node", [("h100-sxm", 16, None), ("gb200", 8, None), ("h100-sxm", 12, 4)])
+def test_torchrun_export_is_what_torch_distributed_run_parses(device, count, per_node, tmp_path):
+    """torch's own launcher parser reads the exported line: nodes and processes per node from the plan's
+    cluster (GB200 NVL72 nodes hold 4), the world size the plan's, absolute paths (issue 18)."""
+    from pathlib import Path
+
+    from torch.distributed.run import get_args_parser
+
+    from planner.exports import torchrun_command
+    plan = evaluate("tiny-llama", device=device, num_devices=count, devices_per_node=per_node, global_batch=count,
+                    layout=f"tp=1,pp=1,vp=1,dp={count},cp=1,ep=1,etp=1,mbs=1,zero=1,recompute=none",
+                    stack="parallel-planner")
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    line, _ = torchrun_command(plan, str(path))
+    words = shlex.split(line.replace("$MASTER_ADDR", "head-node"))
+    assert words[0] == "torchrun"
+    parsed = get_args_parser().parse_args(words[1:])
+    assert int(parsed.nnodes) * int(parsed.nproc_per_node) == plan.num_devices
+    assert int(parsed.nproc_per_node) == plan.devices_per_node
+    assert Path(parsed.training_script).is_absolute() and Path(parsed.training_script).exists()
+    plan_arg = parsed.training_script_args[parsed.training_script_args.index("--plan") + 1]
+    assert Path(plan_arg).is_absolute() and Path(plan_arg).exists()

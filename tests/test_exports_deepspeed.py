@@ -1,0 +1,65 @@
+"""DeepSpeed exports read by DeepSpeed's own `DeepSpeedConfig` (deepspeed, a test extra), with an mpu that
+gives the plan's data-parallel size as Megatron-DeepSpeed's does: accepted, and the batch, accumulation,
+ZeRO stage and precision read back as the plan's; what DeepSpeed cannot express is a note (issue 18)."""
+import json
+import warnings
+
+import pytest
+
+from planner.api import evaluate
+from planner.exports import deepspeed_json
+
+deepspeed_config = pytest.importorskip("deepspeed.runtime.config", reason="deepspeed is a test extra")
+
+
+class PlanTopology:
+    """The mpu interface DeepSpeedConfig asks for the data-parallel size (deepspeed/runtime/config.py)."""
+
+    def __init__(self, dp: int, mp: int):
+        self.dp, self.mp = dp, mp
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+    def get_model_parallel_world_size(self):
+        return self.mp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """DeepSpeedConfig asks deepspeed.comm for the rank before it asks the mpu: one gloo rank."""
+    import socket
+
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    yield
+    dist.destroy_process_group()
+
+
+CASES = [("tp=1,pp=1,vp=1,dp=8,cp=1,ep=1,etp=1,mbs=2,zero=1,recompute=none", "bf16", 8, []),
+         ("tp=2,pp=2,vp=1,dp=2,cp=1,ep=1,etp=1,mbs=1,zero=1,recompute=full", "bf16", 8, []),
+         ("tp=1,pp=1,vp=1,dp=16,cp=1,ep=1,etp=1,mbs=1,zero=3,recompute=none", "bf16", 16, []),
+         ("tp=2,pp=1,vp=1,dp=4,cp=1,ep=1,etp=1,mbs=1,zero=2,recompute=selective", "fp8", 8, ["FP8", "selective"]),
+         ("tp=1,pp=2,vp=2,dp=4,cp=1,ep=1,etp=1,mbs=1,zero=2,recompute=none", "bf16", 8, ["ZeRO-0/1", "interleaved"])]
+
+
+@pytest.mark.parametrize("layout,precision,count,noted", CASES, ids=[c[0].split(",mbs")[0] for c in CASES])
+def test_deepspeed_reads_the_export_as_the_plan(layout, precision, count, noted):
+    plan = evaluate("llama3-8b", device="h100-sxm", num_devices=count, global_batch=64, layout=layout,
+                    precision=precision)
+    text, notes = deepspeed_json(plan)
+    lay = plan.layout
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = deepspeed_config.DeepSpeedConfig(json.loads(text), mpu=PlanTopology(lay.dp, lay.tp * lay.pp))
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == \
+        (lay.gbs, lay.mbs, lay.gbs // (lay.dp * lay.mbs))
+    assert config.zero_optimization_stage == lay.zero
+    assert config.bfloat16_config.enabled
+    for word in noted:
+        assert any(word in note for note in notes), (word, notes)
