@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import signal
 import sys
 import tempfile
 from datetime import timedelta
@@ -31,6 +30,8 @@ from planner.plans import Plan  # noqa: E402
 from planner.capture.reference_model import build_model  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402
 from runtime.parallel_model import device_type_of  # noqa: E402
+from runtime import faults  # noqa: E402
+from runtime.health import HealthPolicy, HealthStop  # noqa: E402
 from runtime.watchdog import Watchdog  # noqa: E402
 
 
@@ -60,8 +61,14 @@ def parse_args(argv=None):
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a collective may wait for a peer before the job fails naming the ranks "
                              "that stopped (torch's default is 30 minutes)")
-    parser.add_argument("--inject", default=None, help="stop@STEP:RANK: the rank stops itself (SIGSTOP) at that "
-                        "step, to check that the others fail with a named rank instead of hanging")
+    parser.add_argument("--inject", default=None, help="KIND@STEP[:RANK], KIND one of stop, nan, spike, bitflip "
+                        "(runtime/faults.py): a fault the health checks or the watchdog must name")
+    parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
+    parser.add_argument("--sdc-every", type=int, default=10, help="steps between replica fingerprints")
+    parser.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"])
+    parser.add_argument("--on-spike", default="skip", choices=["skip", "ignore"])
+    parser.add_argument("--skip-steps", default="", help="comma-separated steps whose batches are not trained "
+                        "(the reference a skipped batch is compared with)")
     parser.add_argument("--device-type", default=None, choices=sorted(BACKENDS),
                         help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu); "
                              "default: what the plan's cluster profile names, else cpu")
@@ -69,17 +76,6 @@ def parse_args(argv=None):
 
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
-def parse_inject(text: str | None) -> tuple[int | None, int | None]:
-    """'stop@2:1' -> (2, 1): rank 1 stops itself at step 2."""
-    if not text:
-        return None, None
-    kind, _, where = text.partition("@")
-    step, _, rank = where.partition(":")
-    if kind != "stop" or not step.isdigit() or not rank.isdigit():
-        raise SystemExit(f"error: --inject {text}: expected stop@STEP:RANK")
-    return int(step), int(rank)
 
 
 def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> None:
@@ -131,6 +127,19 @@ def batch(step: int, args, vocab: int):
     return data[:, :-1], data[:, 1:]
 
 
+def scale_output_layer(parallel, graph, factor: float) -> None:
+    """Multiply the output projection's weights in place (the spike fault); a power of two is exact."""
+    if factor == 1:
+        return
+    with torch.no_grad():
+        for module in parallel.modules:
+            inner = module.module if hasattr(module, "module") else module
+            present = dict(inner.named_modules())
+            for name in graph.head_modules:
+                if isinstance(present.get(name), torch.nn.Linear):
+                    present[name].weight.mul_(factor)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device_type is None:
@@ -138,7 +147,15 @@ def main(argv=None) -> int:
     init_distributed(args.device_type, args.collective_timeout)
     rank = dist.get_rank()
     watchdog = Watchdog(args.collective_timeout)
-    stop_step, stop_rank = parse_inject(args.inject)
+    try:
+        injection = faults.parse_injection(args.inject)
+        skip_steps = {int(s) for s in args.skip_steps.split(",") if s.strip()}
+    except ValueError as exc:
+        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
+    health = None if args.no_health else HealthPolicy(on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
+                                                       sdc_every=args.sdc_every)
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for
             saved = Plan.load(args.plan)
@@ -152,7 +169,7 @@ def main(argv=None) -> int:
             print(f"note: training in {precision} (--precision), not the plan's {layout.precision}",
                   file=sys.stderr, flush=True)
         parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr,
-                              max_grad_norm=args.max_grad_norm, precision=precision)
+                              max_grad_norm=args.max_grad_norm, precision=precision, health=health)
     except (PlanError, UserInputError, ValueError) as exc:  # a plan this model cannot run: say so on every rank
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
@@ -171,15 +188,23 @@ def main(argv=None) -> int:
         def dump(pm):   # every step's gradients, before the optimizer uses them
             torch.save(pm.gradients(), Path(args.dump_grads) / f"step{pm.step}-rank{rank}.pt")
         parallel.on_gradients = dump
+    faults.install(injection, parallel, rank)
     pending = None
     for step in range(start, start + args.steps):
-        parallel.step = step
-        if step == stop_step and rank == stop_rank:
-            os.kill(os.getpid(), signal.SIGSTOP)
+        faults.stop_here(injection, step, rank)
         watchdog.reached(step)
+        if step in skip_steps:   # this batch is not trained at all
+            parallel.step += 1
+            continue
         tokens, targets = batch(step, args, graph.vocab_size)
+        scale = faults.spike_scale(injection, step)
         try:
+            scale_output_layer(parallel, graph, scale)
             loss = parallel.train_step(tokens, targets)
+            scale_output_layer(parallel, graph, 1 / scale)
+        except HealthStop as exc:
+            print(f"error (rank {rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
+            os._exit(4)
         except (RuntimeError, dist.DistError) as exc:   # a peer stopped or died mid-collective
             print(watchdog.report(step, exc), file=sys.stderr, flush=True)
             os._exit(3)   # the process group cannot be torn down cleanly with a peer gone

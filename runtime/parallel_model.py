@@ -22,6 +22,7 @@ from planner.search.stack_rules import layout_stack_problems
 
 from . import checkpoint
 from .dims import ParallelDims, PlanError, world
+from .health import HealthMonitor, HealthPolicy
 from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
 from . import mixed_precision
@@ -39,7 +40,7 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, graph: ModelGraph, layout: Layout, device_type: str = "cpu",
                  optimizer: str = "sgd", lr: float = 0.1, max_grad_norm: float | None = None,
-                 precision: str | None = None):
+                 precision: str | None = None, health: HealthPolicy | None = HealthPolicy()):
         rank, world_size = world()
         self.dims = ParallelDims.of(layout)
         self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
@@ -65,7 +66,15 @@ class ParallelModel:
         self.max_grad_norm = max_grad_norm
         self.schedule = self._schedule() if self.dims.pp > 1 else None
         self.rank = rank
-        self.on_gradients = None  # callback(ParallelModel) between backward and the optimizer step
+        self.step = 0              # steps taken (a resumed run starts at the checkpoint's)
+        self.on_gradients = None   # callback(ParallelModel) between backward and the optimizer step
+        self.after_backward = None  # callback(ParallelModel) once gradients are complete (fault injection)
+        self.after_step = None     # callback(ParallelModel) after the optimizer step (fault injection)
+        self.health = None if health is None else HealthMonitor(health, self._dp_mesh().get_group(),
+                                                                self.replicated, self.device)
+        if self.health and not self.replicated and self._dp_mesh().size() > 1:
+            self.notes.append("the replica fingerprint (silent data corruption) is off: FSDP2 shards the "
+                              "parameters, so no rank holds a replica to compare")
 
     # -- construction ---------------------------------------------------------------------------
     def _build_modules(self, model: nn.Module, graph: ModelGraph, recompute) -> list[nn.Module]:
@@ -96,6 +105,7 @@ class ParallelModel:
                                     pipelined=dims.pp > 1,
                                     mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))
         sharded = uses_fsdp(self._dp_mesh().size(), dims.zero, dims.tp > 1, bool(self.expert_params))
+        self.replicated = not sharded   # every data-parallel rank holds the same parameters
         if sharded and dims.zero < 2:   # said, never silent: the composable replicate takes no DTensors here
             self.notes.append(f"ZeRO-{dims.zero} beside {'tensor' if dims.tp > 1 else 'expert'} parallelism runs "
                               "as FSDP2 (parameters, gradients and optimizer state sharded over the data-parallel "
@@ -151,16 +161,28 @@ class ParallelModel:
                 loss = self._accumulate(tokens, targets)
             else:
                 loss = self._pipelined(tokens, targets)
+        self.step += 1
         if self.stage_ties:
             self.stage_ties.sum_gradients([_inner(module) for module in self.modules])
         if self.expert_params:
             finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
+        if self.after_backward:
+            self.after_backward(self)
+        mean = self._mean_over_ranks(loss)
+        if self.health and not self.health.accept(self.step, mean, [p.grad for p in self.params
+                                                                    if p.grad is not None]):
+            self.optimizer.zero_grad()   # the batch is skipped on every rank: no update, no optimizer step
+            return mean
         if self.max_grad_norm:
             self.clip_gradients(self.max_grad_norm)
         if self.on_gradients:
             self.on_gradients(self)
         self.optimizer.step()
-        return self._mean_over_ranks(loss)
+        if self.after_step:
+            self.after_step(self)
+        if self.health:
+            self.health.check_replicas(self.step, self.params)
+        return mean
 
     def _accumulate(self, tokens, targets) -> torch.Tensor:
         micro = self.layout.num_micro_batches
@@ -257,6 +279,7 @@ class ParallelModel:
     def load(self, path: str) -> checkpoint.TrainState:
         """Resume from a checkpoint written under any layout; returns the step it ended and its lr."""
         train = checkpoint.load(path, [_inner(m) for m in self.modules], self.optimizer, self.canonical_names)
+        self.step = train.step
         for group in self.optimizer.param_groups:   # ZeRO-1 copies the outer groups into its shard's
             group["lr"] = train.lr
         return train

@@ -1,0 +1,70 @@
+"""What the in-step health checks cost (runtime/health.py): steps of the tiny model on one CPU process with
+the checks on (non-finite test, spike statistics, a replica fingerprint every step) and off, alternating
+runs; the median step time of each and the ratio. Results and the command: docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/health_overhead.py [--steps 40] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
+from planner.capture.model_capture import capture  # noqa: E402
+from planner.capture.model_sources import resolve_model  # noqa: E402
+from planner.capture.reference_model import build_model  # noqa: E402
+from runtime import apply_plan  # noqa: E402
+from runtime.health import HealthPolicy  # noqa: E402
+
+
+def step_seconds(health: HealthPolicy | None, steps: int, batch: int) -> float:
+    torch.manual_seed(0)
+    cfg = resolve_model("tiny-llama")
+    model = build_model(cfg, "cpu")
+    graph = capture("tiny-llama", cfg.seq_length)
+    layout = layout_from(parse_text("dp=1,tp=1,pp=1,cp=1,mbs=4"), global_batch=batch)
+    parallel = apply_plan(model, graph, layout, "cpu", optimizer="adamw", lr=1e-3, precision="fp32", health=health)
+    data = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        parallel.train_step(data[:, :-1], data[:, 1:])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[steps // 4:])   # past the first steps' allocations
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    store = tempfile.mktemp(prefix="health-bench-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    step_seconds(None, args.steps, args.batch)   # warm-up: first-call costs belong to neither
+    on, off = [], []
+    for repeat in range(args.repeats):   # alternating which goes first
+        pair = [(on, HealthPolicy(sdc_every=1)), (off, None)]
+        for times, policy in (pair if repeat % 2 else pair[::-1]):
+            times.append(step_seconds(policy, args.steps, args.batch))
+    dist.destroy_process_group()
+    with_checks, without = statistics.median(on), statistics.median(off)
+    print(f"tiny-llama, batch {args.batch}, 1 CPU thread: {without * 1e3:.2f} ms per step without the checks, "
+          f"{with_checks * 1e3:.2f} ms with them (fingerprint every step): {with_checks / without - 1:+.1%}")
+    os.remove(store) if os.path.exists(store) else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Faults injected on purpose, to check that the health checks and the watchdog see them
+(`examples/train_tiny.py --inject KIND@STEP[:RANK]`):
+
+* `stop@S:R`   rank R stops itself (SIGSTOP) before step S: the watchdog names it;
+* `nan@S:R`    one gradient element of rank R turns NaN after step S's backward: skipped on every rank;
+* `spike@S`    step S's output layer runs with its weights x 64 (restored exactly after the step, 64 being
+               a power of two): the loss jumps, and the spike policy skips the batch;
+* `bitflip@S:R` after step S's optimizer step one bit of one parameter of rank R flips: its replicas'
+               fingerprints disagree at the next check.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("stop", "nan", "spike", "bitflip")
+SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
+FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    step: int
+    rank: int | None    # None: every rank (spike)
+
+
+def parse_injection(text: str | None) -> Injection | None:
+    if not text:
+        return None
+    kind, _, where = text.partition("@")
+    step, _, rank = where.partition(":")
+    if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()) or (kind != "spike" and not rank):
+        raise ValueError(f"--inject {text}: expected KIND@STEP:RANK with KIND one of {', '.join(KINDS)} "
+                         "(spike@STEP for every rank)")
+    return Injection(kind, int(step), int(rank) if rank else None)
+
+
+def install(injection: Injection | None, parallel, rank: int) -> None:
+    """Hook the fault into the ParallelModel's step callbacks (stop is the caller's: before the step)."""
+    if injection is None or (injection.rank is not None and injection.rank != rank):
+        return
+    if injection.kind == "nan":
+        def poison(pm):
+            if pm.step == injection.step:
+                grad = next(p.grad for p in pm.params if p.grad is not None)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                local.view(-1)[0] = float("nan")
+        parallel.after_backward = poison
+    elif injection.kind == "bitflip":
+        def flip(pm):
+            if pm.step == injection.step:
+                param = pm.params[0].detach()
+                local = param.to_local() if hasattr(param, "to_local") else param
+                bits = local.view(-1)[:1].view(torch.int32)
+                bits.bitwise_xor_(FLIPPED_BIT)
+        parallel.after_step = flip
+
+
+def stop_here(injection: Injection | None, step: int, rank: int) -> None:
+    if injection and injection.kind == "stop" and injection.step == step and injection.rank == rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def spike_scale(injection: Injection | None, step: int) -> float:
+    return SPIKE_SCALE if injection and injection.kind == "spike" and injection.step == step else 1.0

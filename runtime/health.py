@@ -1,0 +1,126 @@
+"""Health checks that run inside every step, on by default: what they find is one `health:` line, the same
+on every rank, and the step's policy (skip the batch, or stop) is applied on every rank alike.
+
+* non-finite loss or gradients: each rank tests its own gradients after backward; one all-gather of a flag
+  per rank names the ranks that produced them, before any optimizer step uses them;
+* loss spikes: a robust z-score of the step's loss (mean over ranks, the same number everywhere) against
+  the median and median absolute deviation of the last accepted steps;
+* silent data corruption: where parameters are replicated over the data-parallel ranks (ZeRO-0/1), a
+  bit-exact fingerprint of each rank's parameters (the sum of their bit patterns as integers) is compared
+  over the replicas every `sdc_every` steps after the optimizer step; a rank that disagrees with the
+  majority is named. Sharded parameters (FSDP2) have no replicas to compare, and that is said once.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MAD_TO_SIGMA = 1.4826   # median absolute deviation of a normal distribution, as a standard deviation
+INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+                torch.float64: torch.int64}
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    on_nonfinite: str = "skip"      # skip the batch (no optimizer step), or stop the job
+    on_spike: str = "skip"          # skip the batch, or ignore (report only)
+    spike_z: float = 6.0            # robust z-score that makes a loss a spike
+    spike_window: int = 20          # accepted steps the median and deviation are taken over
+    spike_min_history: int = 8      # steps before spikes are judged at all
+    sdc_every: int = 10             # steps between replica fingerprints (0: never)
+
+
+class HealthStop(RuntimeError):
+    """The policy says stop: raised on every rank at the same step."""
+
+
+class HealthMonitor:
+    def __init__(self, policy: HealthPolicy, replica_group, replicated: bool, device: torch.device):
+        self.policy, self.device = policy, device
+        self.losses: deque[float] = deque(maxlen=policy.spike_window)
+        self.replica_group = replica_group      # the data-parallel group replicas live in
+        self.replicated = replicated            # parameters replicated over it (ZeRO-0/1)
+        self.rank = dist.get_rank()
+        self.reports: list[str] = []            # every `health:` line, in order
+
+    def _say(self, line: str) -> None:
+        self.reports.append(line)
+        if self.rank == 0:
+            print(line, flush=True)
+
+    # -- before the optimizer step ---------------------------------------------------------------
+    def accept(self, step: int, loss: float, gradients: list[torch.Tensor]) -> bool:
+        """Whether the step's gradients may be applied; says why not."""
+        bad_ranks = self._nonfinite_ranks(loss, gradients)
+        if bad_ranks:
+            self._say(f"health: step {step}: non-finite loss or gradients on rank{'s' if len(bad_ranks) > 1 else ''} "
+                      f"{', '.join(map(str, bad_ranks))}; policy {self.policy.on_nonfinite}")
+            if self.policy.on_nonfinite == "stop":
+                raise HealthStop(f"non-finite gradients at step {step}")
+            return False
+        z = self._spike_z(loss)
+        if z is not None and z > self.policy.spike_z:
+            median = statistics.median(self.losses)
+            self._say(f"health: step {step}: loss spike, {loss:.4f} against a median of {median:.4f} "
+                      f"(robust z {z:.1f} > {self.policy.spike_z:g}); policy {self.policy.on_spike}")
+            if self.policy.on_spike == "skip":
+                return False
+        self.losses.append(loss)
+        return True
+
+    def _nonfinite_ranks(self, loss: float, gradients: list[torch.Tensor]) -> list[int]:
+        local = not math.isfinite(loss) or any(not bool(torch.isfinite(_local(g)).all()) for g in gradients)
+        flags = [torch.zeros(1, device=self.device) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, torch.tensor([float(local)], device=self.device))
+        return [rank for rank, flag in enumerate(flags) if flag.item()]
+
+    def _spike_z(self, loss: float) -> float | None:
+        if len(self.losses) < self.policy.spike_min_history or not math.isfinite(loss):
+            return None
+        median = statistics.median(self.losses)
+        spread = MAD_TO_SIGMA * statistics.median(abs(x - median) for x in self.losses)
+        return (loss - median) / max(spread, 1e-6 * abs(median) + 1e-12)
+
+    # -- after the optimizer step ----------------------------------------------------------------
+    def check_replicas(self, step: int, parameters: list[torch.Tensor]) -> None:
+        """Every `sdc_every` steps: the replicas' parameter fingerprints agree, or the odd ranks are named."""
+        every = self.policy.sdc_every
+        if not every or step % every or not self.replicated or dist.get_world_size(self.replica_group) < 2:
+            return
+        mine = torch.tensor([fingerprint(parameters)], dtype=torch.int64, device=self.device)
+        size = dist.get_world_size(self.replica_group)
+        gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
+        dist.all_gather(gathered, mine, group=self.replica_group)
+        values = [int(t.item()) for t in gathered]
+        if len(set(values)) == 1:
+            return
+        ranks = dist.get_process_group_ranks(self.replica_group)
+        common = max(set(values), key=values.count)
+        if values.count(common) * 2 > size:   # a majority agrees: the others are the corrupt ones
+            odd = [rank for rank, value in zip(ranks, values) if value != common]
+            line = (f"health: step {step}: parameters of rank{'s' if len(odd) > 1 else ''} "
+                    f"{', '.join(map(str, odd))} differ from their data-parallel replicas (silent data "
+                    f"corruption); ranks {', '.join(map(str, ranks))} compared")
+        else:
+            line = (f"health: step {step}: the data-parallel replicas on ranks {', '.join(map(str, ranks))} "
+                    "hold different parameters (silent data corruption); no majority tells which")
+        self.reports.append(line)
+        print(line, flush=True)   # every rank of the group says it: the odd one may be rank 0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def fingerprint(parameters: list[torch.Tensor]) -> int:
+    """Bit-exact: the sum of every element's bit pattern read as an integer (a flipped bit changes it)."""
+    total = 0
+    for param in parameters:
+        local = _local(param.detach()).contiguous()
+        total += int(local.view(INTEGER_VIEW[local.dtype]).sum(dtype=torch.int64))
+    return total

@@ -1,0 +1,45 @@
+"""Health checks inside the step (runtime/health.py), each fault injected on CPU/gloo (runtime/faults.py):
+detected at the step it happens, named in one line that starts with `health:`, and the policy applied on
+every rank; a skipped batch leaves the run where a run that never trained on it would be."""
+import pytest
+
+from test_runtime import LOSS_TOLERANCE, TRAIN, launch, losses
+
+
+def health_lines(proc) -> list[str]:
+    return sorted({line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("health:")})
+
+
+def test_a_nan_gradient_is_named_and_its_batch_skipped_on_every_rank():
+    faulty = launch(2, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=2", "--inject", "nan@2:1")
+    assert health_lines(faulty) == ["health: step 2: non-finite loss or gradients on rank 1; policy skip"]
+    skipped = launch(1, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--skip-steps", "2")
+    assert losses(faulty)[2:] == pytest.approx(losses(skipped)[1:], rel=LOSS_TOLERANCE)
+
+
+def test_a_nan_gradient_stops_the_job_when_the_policy_says_stop():
+    proc = launch(2, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=2", "--inject", "nan@2:0",
+                  "--on-nonfinite", "stop", check=False)
+    assert proc.returncode != 0
+    assert "health: step 2: non-finite loss or gradients on rank 0; policy stop" in proc.stdout
+    assert proc.stderr.count("stopped by the health policy") == 2   # every rank, at the same step
+
+
+def test_a_loss_spike_is_named_and_skipped():
+    faulty = launch(2, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--layout", "pp=2,mbs=2",
+                    "--inject", "spike@10")
+    lines = health_lines(faulty)
+    assert len(lines) == 1 and lines[0].startswith("health: step 10: loss spike") and "policy skip" in lines[0]
+    skipped = launch(1, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--skip-steps", "10")
+    assert losses(faulty)[:9] == pytest.approx(losses(skipped)[:9], rel=LOSS_TOLERANCE)   # no false alarm before
+    assert losses(faulty)[10:] == pytest.approx(losses(skipped)[9:], rel=LOSS_TOLERANCE)
+
+
+def test_a_flipped_bit_in_one_replica_names_the_rank():
+    proc = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0",
+                  "--inject", "bitflip@3:1", "--sdc-every", "1")
+    lines = health_lines(proc)
+    assert lines[0] == ("health: step 3: parameters of rank 1 differ from their data-parallel replicas (silent "
+                        "data corruption); ranks 0, 1, 2, 3 compared")
+    clean = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0", "--sdc-every", "1")
+    assert health_lines(clean) == []
