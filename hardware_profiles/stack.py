@@ -31,7 +31,8 @@ class SoftwareStack(Strict):
 
     # what it supports: the search never leaves these
     parallelism: tuple[Axis, ...] = Field(strict=False)   # model-parallel axes beside data parallelism
-    zero_stages: tuple[int, ...] = Field(min_length=1, strict=False)   # 0 = replicated, 1 = optimizer, 2 = +gradients, 3 = +weights
+    # ZeRO stages: 0 = replicated, 1 = optimizer sharded, 2 = also gradients, 3 = also weights
+    zero_stages: tuple[int, ...] = Field(min_length=1, strict=False)
     interleaved_schedule: bool               # virtual pipeline stages (interleaved 1F1B)
     sequence_parallel: bool                  # Megatron sequence parallelism beside TP
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)

@@ -74,7 +74,14 @@ class HealthMonitor:
         return True
 
     def _nonfinite_ranks(self, loss: float, gradients: list[torch.Tensor]) -> list[int]:
-        local = not math.isfinite(loss) or any(not bool(torch.isfinite(_local(g)).all()) for g in gradients)
+        """One norm per gradient (a NaN or Inf anywhere makes it non-finite) and one all-reduce of a flag;
+        only when some rank raised it, an all-gather to name the ranks."""
+        norms = torch._foreach_norm([_local(g) for g in gradients]) if gradients else []
+        local = not math.isfinite(loss) or (bool(norms) and not bool(torch.isfinite(torch.stack(norms)).all()))
+        flag = torch.tensor([float(local)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return []
         flags = [torch.zeros(1, device=self.device) for _ in range(dist.get_world_size())]
         dist.all_gather(flags, torch.tensor([float(local)], device=self.device))
         return [rank for rank, flag in enumerate(flags) if flag.item()]
