@@ -30,7 +30,7 @@ from planner.plans import Plan  # noqa: E402
 from planner.capture.reference_model import build_model  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402
 from runtime.parallel_model import device_type_of  # noqa: E402
-from runtime import faults  # noqa: E402
+from runtime import checkpoint as checkpoints, faults  # noqa: E402
 from runtime.health import HealthPolicy, HealthStop  # noqa: E402
 from runtime.watchdog import Watchdog  # noqa: E402
 
@@ -56,6 +56,11 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue after the step it "
                         "was saved at (model, optimizer, step, learning rate, RNG)")
     parser.add_argument("--async-save", action="store_true", help="write the checkpoint with dcp.async_save")
+    parser.add_argument("--checkpoint-dir", default=None, help="save every --save-every steps into this directory "
+                        "and, on start (as after a torchrun restart), resume from its last complete checkpoint")
+    parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints in --checkpoint-dir")
+    parser.add_argument("--last-step", type=int, default=None, help="train up to this step (default: --steps with "
+                        "--checkpoint-dir, whose job spans its restarts; else the first step + --steps - 1)")
     parser.add_argument("--drop-optimizer-state", action="store_true", help="with --resume: forget the "
                         "optimizer's state after loading, as a model-only checkpoint would (shows what it costs)")
     parser.add_argument("--collective-timeout", type=float, default=300.0,
@@ -84,7 +89,17 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> None
             import torch_npu  # noqa: F401  (registers the npu device and hccl)
         if device_type != "cpu":
             getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(BACKENDS[device_type], timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart == "0":
+            dist.init_process_group(BACKENDS[device_type], timeout=timeout)
+        else:   # after a torchrun restart: keys of this attempt only (a dead attempt's addresses stay behind)
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=not agent_store and rank == 0, timeout=timeout)
+            dist.init_process_group(BACKENDS[device_type], store=dist.PrefixStore(f"attempt-{restart}", store),
+                                    rank=rank, world_size=world_size, timeout=timeout)
     else:  # the single-process reference runs the same code on a one-rank group
         store = tempfile.mktemp(prefix="planner-ref-")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -178,6 +193,12 @@ def main(argv=None) -> int:
         for note in parallel.notes:
             print(f"note: {note}", file=sys.stderr, flush=True)
     start = 1
+    latest = checkpoints.latest(args.checkpoint_dir) if args.checkpoint_dir else None
+    if latest is not None:   # a restarted job picks up where its last complete checkpoint ends
+        start = parallel.load(str(latest)).step + 1
+        if rank == 0:
+            print(f"resumed from {latest.name} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})",
+                  file=sys.stderr, flush=True)
     if args.resume:
         start = parallel.load(args.checkpoint).step + 1
         if args.drop_optimizer_state:
@@ -190,7 +211,10 @@ def main(argv=None) -> int:
         parallel.on_gradients = dump
     faults.install(injection, parallel, rank)
     pending = None
-    for step in range(start, start + args.steps):
+    # a job that checkpoints into a directory trains steps 1..--steps as a whole, across its restarts
+    last = args.last_step if args.last_step is not None else (
+        args.steps if args.checkpoint_dir else start + args.steps - 1)
+    for step in range(start, last + 1):
         faults.stop_here(injection, step, rank)
         watchdog.reached(step)
         if step in skip_steps:   # this batch is not trained at all
@@ -212,6 +236,8 @@ def main(argv=None) -> int:
             print(f"step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:
             pending = parallel.save(args.checkpoint, step, asynchronous=args.async_save)
+        if args.checkpoint_dir and args.save_every and step % args.save_every == 0:
+            checkpoints.save_complete(parallel, args.checkpoint_dir, step)
     if pending is not None:
         pending.result()   # the asynchronous write finishes before the job ends
     # drop the optimizer, FSDP and mesh state (and any collective work they hold) while the groups still

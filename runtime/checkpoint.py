@@ -9,7 +9,9 @@ reshards DTensors on load and deduplicates replicated tensors on save; under ZeR
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -109,3 +111,27 @@ def load(path: str, modules, optimizer, canonical) -> TrainState:
         group["lr"] = lr
     torch.set_rng_state(state["train/rng"])
     return TrainState(step=int(state["train/step"]), lr=lr)
+
+
+LATEST = "latest"   # names the last checkpoint of a directory that every rank finished writing
+
+
+def save_complete(parallel, directory: str, step: int) -> Path:
+    """Save into `directory/step-NNNNNN` and only then, once every rank is done, point `latest` at it
+    (an atomic rename): a job killed mid-save resumes from the previous complete checkpoint."""
+    import torch.distributed as dist
+    target = Path(directory) / f"step-{step:06d}"
+    parallel.save(str(target), step)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        marker = Path(directory) / f".{LATEST}.tmp"
+        marker.write_text(target.name)
+        os.replace(marker, Path(directory) / LATEST)
+    dist.barrier()
+    return target
+
+
+def latest(directory: str) -> Path | None:
+    """The last complete checkpoint in `directory`, or None."""
+    marker = Path(directory) / LATEST
+    return Path(directory) / marker.read_text().strip() if marker.is_file() else None

@@ -2,6 +2,9 @@
 (`examples/train_tiny.py --inject KIND@STEP[:RANK]`):
 
 * `stop@S:R`   rank R stops itself (SIGSTOP) before step S: the watchdog names it;
+* `kill@S:R`   rank R dies (SIGKILL) before step S;
+               both only in the job's first attempt: torchrun restarts the job (`--max-restarts`) and it
+               resumes from the last complete checkpoint (`--checkpoint-dir`);
 * `nan@S:R`    one gradient element of rank R turns NaN after step S's backward: skipped on every rank;
 * `spike@S`    step S's output layer runs with its weights x 64 (restored exactly after the step, 64 being
                a power of two): the loss jumps, and the spike policy skips the batch;
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("stop", "nan", "spike", "bitflip")
+KINDS = ("stop", "kill", "nan", "spike", "bitflip")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
 
@@ -61,8 +64,15 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
 
 
 def stop_here(injection: Injection | None, step: int, rank: int) -> None:
-    if injection and injection.kind == "stop" and injection.step == step and injection.rank == rank:
+    """Stop or kill this rank where the injection says (a kill only before the first restart)."""
+    if not injection or injection.step != step or injection.rank != rank:
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return   # the restarted job runs clean
+    if injection.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif injection.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def spike_scale(injection: Injection | None, step: int) -> float:

@@ -43,3 +43,31 @@ def test_a_flipped_bit_in_one_replica_names_the_rank():
                         "data corruption); ranks 0, 1, 2, 3 compared")
     clean = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0", "--sdc-every", "1")
     assert health_lines(clean) == []
+
+
+@pytest.mark.parametrize("fault", ["kill@5:1", "stop@5:1"])
+def test_a_dead_or_stopped_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
+    """torchrun --max-restarts 1: rank 1 dies (SIGKILL) or stops (SIGSTOP) before step 5; the live rank names
+    it (the watchdog), torchrun restarts the job, which resumes from the last complete checkpoint (step 4)
+    and trains steps 5 and 6 as the uninterrupted run does; nothing is trained twice."""
+    import socket
+    import subprocess
+    import sys
+
+    from test_runtime import ENV, ROOT, SCRIPT
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT,
+               "--model", "tiny-llama", "--steps", "6", *TRAIN, "--layout", "dp=2", "--checkpoint-dir",
+               str(tmp_path / "ckpt"), "--save-every", "2", "--inject", fault, "--collective-timeout", "5"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step-000004 (restart 1)" in proc.stderr
+    assert any(line.startswith("health:") and "rank 1 did not reach step 5" in line
+               for line in proc.stderr.splitlines())
+    steps = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    reference = launch(1, "--model", "tiny-llama", "--steps", "6", *TRAIN)
+    assert losses(proc) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
