@@ -280,3 +280,39 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
             f"does not fit: stage {worst.stage} needs {worst.total / 1e9:.1f} GB of {worst.capacity / 1e9:.1f} GB "
             f"usable, mostly {part.replace('_', ' ')} ({worst.parts()[part] / 1e9:.1f} GB)"] + plan_.reasons})
     return plan_
+
+
+def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0) -> Plan:
+    """The plan again for `num_devices` (a node lost, or gained): same model, device, nodes, batch, sequence,
+    precision and stack; its `reasons` start with what changed. `model` is needed where the plan's model
+    name is not a built-in (a file or module the plan cannot name)."""
+    from .capture.model_sources import list_builtin_models
+    _check_count("--num-devices", num_devices)
+    if model is None:
+        if plan_.model not in list_builtin_models():
+            raise UserInputError(f"the plan's model '{plan_.model}' is not a built-in name", field="--model",
+                                 expected="the model the plan was made for (--model NAME|FILE)")
+        model = plan_.model
+    device = _plan_device(plan_)
+    new = plan(model, device=device, num_devices=num_devices, devices_per_node=plan_.devices_per_node,
+               global_batch=plan_.layout.gbs, seq_len=plan_.seq_len, precision=str(plan_.layout.precision),
+               stack=plan_.stack, time_limit_s=time_limit_s)
+    old, lay = plan_.layout, new.layout
+    changed = [f"{key} {getattr(old, key)} -> {getattr(lay, key)}" for key in ("dp", "tp", "pp", "vp", "cp", "ep",
+                                                                              "mbs", "zero")
+               if getattr(old, key) != getattr(lay, key)]
+    summary = (f"replanned from {plan_.num_devices} to {num_devices} devices, global batch {lay.gbs} kept: "
+               f"{', '.join(changed) or 'same degrees'}; step {plan_.step_time_s:.3f} s -> {new.step_time_s:.3f} s")
+    return new.model_copy(update={"reasons": [summary] + new.reasons})
+
+
+def _plan_device(plan_: Plan) -> str:
+    """The device a plan's cluster is made of (a built-in cluster, or '<device>-x<count>')."""
+    from hardware_profiles.loader import list_clusters, list_devices
+    if plan_.cluster in list_clusters():
+        return load_cluster(plan_.cluster).device.name
+    device = plan_.cluster.rsplit("-x", 1)[0]
+    if device not in list_devices():
+        raise UserInputError(f"cannot tell the device of cluster '{plan_.cluster}'", field="cluster",
+                             expected="a plan made on a built-in cluster or with --device")
+    return device

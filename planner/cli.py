@@ -191,6 +191,26 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
 
 
 @app.command()
+def replan(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
+           num_devices: int = typer.Option(..., "--num-devices", help="the devices the job has now"),
+           model: Optional[str] = typer.Option(None, "--model", help="the model, where the plan's name is not a "
+                                               "built-in"),
+           time_limit: float = typer.Option(60.0, "--time-limit"),
+           out_path: Optional[str] = typer.Option(None, "--out", help="write the new plan (.yaml or .json)"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """The plan again for another device count (a node lost): same model, batch, precision and stack; the
+    runtime resumes the old plan's checkpoint under the new layout."""
+    if out_path is not None:
+        out_path = check_plan_file(out_path)
+    result = api.replan(Plan.load(plan_file), num_devices, model=model, time_limit_s=time_limit)
+    if out_path:
+        result.save(out_path)
+    _emit(result, as_json)
+    if out_path and not as_json:
+        out.print(f"plan written to {out_path}")
+
+
+@app.command()
 def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
            to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun")) -> None:
     """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a torchrun line for our runtime."""

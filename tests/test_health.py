@@ -71,3 +71,30 @@ def test_a_dead_or_stopped_rank_ends_in_a_restart_that_resumes_the_run(fault, tm
     assert steps == [1, 2, 3, 4, 5, 6]
     reference = launch(1, "--model", "tiny-llama", "--steps", "6", *TRAIN)
     assert losses(proc) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
+
+
+def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path):
+    """Two nodes of 4 CPUs train two steps; one node is lost: `planner replan --num-devices 4` plans the same
+    global batch for the devices left, and the runtime resumes the 8-rank checkpoint under the new layout,
+    with steps 3 and 4 those of the uninterrupted run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from planner.plans import Plan
+    from test_runtime import ROOT
+    planner = str(Path(sys.executable).with_name("planner"))
+    before, after, ckpt = tmp_path / "p8.yaml", tmp_path / "p4.yaml", tmp_path / "ckpt"
+    subprocess.run([planner, "plan", "--model", "tiny-llama", "--device", "cpu", "--num-devices", "8",
+                    "--devices-per-node", "4", "--global-batch", "8", "--stack", "parallel-planner", "--out",
+                    str(before)], check=True, capture_output=True, timeout=300, cwd=ROOT)
+    replanned = subprocess.run([planner, "replan", str(before), "--num-devices", "4", "--out", str(after)],
+                               check=True, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "replanned from 8 to 4 devices, global batch 8 kept" in replanned.stdout
+    assert Plan.load(after).num_devices == 4 and Plan.load(after).layout.gbs == 8
+    common = ("--model", "tiny-llama", *TRAIN, "--precision", "fp32", "--checkpoint-dir", str(ckpt), "--save-every", "2")
+    first = launch(8, "--plan", str(before), "--steps", "2", *common)
+    rest = launch(4, "--plan", str(after), "--steps", "4", *common)
+    assert "resumed from step-000002" in rest.stderr
+    reference = launch(1, "--model", "tiny-llama", "--steps", "4", *TRAIN)
+    assert losses(first) + losses(rest) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
