@@ -26,8 +26,7 @@ def test_a_nan_gradient_stops_the_job_when_the_policy_says_stop():
 
 
 def test_a_loss_spike_is_named_and_skipped():
-    faulty = launch(2, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--layout", "pp=2,mbs=2",
-                    "--inject", "spike@10")
+    faulty = launch(1, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--inject", "spike@10")
     lines = health_lines(faulty)
     assert len(lines) == 1 and lines[0].startswith("health: step 10: loss spike") and "policy skip" in lines[0]
     skipped = launch(1, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--skip-steps", "10")
@@ -45,11 +44,13 @@ def test_a_flipped_bit_in_one_replica_names_the_rank():
     assert health_lines(clean) == []
 
 
-@pytest.mark.parametrize("fault", ["kill@5:1", "stop@5:1"])
-def test_a_dead_or_stopped_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
-    """torchrun --max-restarts 1: rank 1 dies (SIGKILL) or stops (SIGSTOP) before step 5; the live rank names
-    it (the watchdog), torchrun restarts the job, which resumes from the last complete checkpoint (step 4)
-    and trains steps 5 and 6 as the uninterrupted run does; nothing is trained twice."""
+# stop@5:1 takes the same path, and passes, but torchrun waits 30 s for a SIGSTOPped worker to take its
+# SIGTERM before it kills it: run by hand (docs/reliability.md), not in every `make test`
+@pytest.mark.parametrize("fault", ["kill@5:1"])
+def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
+    """torchrun --max-restarts 1: rank 1 dies (SIGKILL) before step 5; the live rank names it (the
+    watchdog), torchrun restarts the job, which resumes from the last complete checkpoint (step 4) and trains
+    steps 5 and 6 as the uninterrupted run does; nothing is trained twice."""
     import socket
     import subprocess
     import sys

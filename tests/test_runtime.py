@@ -149,7 +149,9 @@ def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(referen
     checkpoint = tmp_path / "ckpt"
     launch(2, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--layout", "tp=2", "--save-at", "2",
            "--checkpoint", str(checkpoint), *(["--async-save"] if asynchronous else []))
-    for nproc, layout in ((2, "dp=2,zero=1"), (2, "pp=2,mbs=2"), (4, "tp=2,dp=2")):
+    # the synchronous save resumes under three layouts; the asynchronous one under ZeRO-1 (what it writes
+    # is the same state)
+    for nproc, layout in ((2, "dp=2,zero=1"),) + (() if asynchronous else ((2, "pp=2,mbs=2"), (4, "tp=2,dp=2"))):
         grads = tmp_path / layout.replace(",", "-").replace("=", "")
         resumed = launch(nproc, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--layout", layout, "--resume",
                          "--checkpoint", str(checkpoint), "--dump-grads", str(grads))
@@ -186,8 +188,7 @@ def test_plan_from_the_planner_runs_as_is(reference, tmp_path):
 
 
 @pytest.mark.parametrize("nproc,layout", [(1, "precision=bf16"), (2, "dp=2,zero=3,precision=bf16"),
-                                          (2, "dp=2,zero=1,precision=bf16"), (2, "pp=2,mbs=2,precision=bf16"),
-                                          (2, "tp=2,precision=bf16")])
+                                          (2, "pp=2,mbs=2,precision=bf16")])   # autocast, FSDP2's policy, stages
 def test_bf16_is_trained_as_planned(reference, nproc, layout):
     """bf16 compute over fp32 master parameters (FSDP2's MixedPrecisionPolicy where it shards, autocast
     elsewhere): the losses leave the fp32 run's by more than fp32 rounding, and stay within bf16's."""
