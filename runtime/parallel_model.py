@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
@@ -62,6 +63,7 @@ class ParallelModel:
         self.stage_ties = StageTies(self.tied, self.mesh, graph.embedding_modules, graph.head_modules) \
             if self.tied and self.dims.pp > 1 else None
         self.params = [p for m in self.modules for p in m.parameters()]
+        self._check_forward(graph)
         self.optimizer = self._optimizer(optimizer, lr)
         self.max_grad_norm = max_grad_norm
         self.schedule = self._schedule() if self.dims.pp > 1 else None
@@ -112,6 +114,34 @@ class ParallelModel:
                               "ranks): the same training, with more sharding and other collectives than planned")
         self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
         return wrapped
+
+    def _check_forward(self, graph: ModelGraph) -> None:
+        """Under tensor parallelism, one forward of one sequence before the first step: a module whose code
+        assumes the full width (nanoGPT's `C // n_head` head width) fails here, on every rank alike, as a
+        refusal that names the cause instead of a view error in step 1. (Pipelined and context-parallel
+        layouts are not dry-run: their forward needs the schedule or the sequence shards.)"""
+        if self.dims.tp == 1 or self.dims.pp > 1 or self.dims.cp > 1:
+            return
+        tokens = torch.zeros((1, graph.seq_len), dtype=torch.long, device=self.device)
+        module, training = self.modules[0], self.modules[0].training
+        devices = [] if self.device.type == "cpu" else [self.device]
+        try:   # in eval mode, with the RNG put back: the dry run draws nothing training would
+            with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                module.eval()
+                module(tokens)
+        except RuntimeError as exc:
+            cause = str(exc).strip().splitlines()[0][:160]
+            raise PlanError(f"under tp={self.dims.tp} the model's forward fails before training ({cause}): its "
+                            "code assumes the full hidden width where column-parallel projections hand it "
+                            f"1/{self.dims.tp} of it (e.g. a head width computed as C // n_head); compute "
+                            "widths from the projection's output (reshape(b, s, heads, -1)) or run tp=1") from None
+        finally:
+            module.train(training)
+            # FSDP2 without resharding after forward (ZeRO-1/2) would keep the unsharded parameters
+            # registered until a backward: put the sharded ones back, as the optimizer and DCP know them
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
 
     def _dp_mesh(self):
         names = self.mesh.mesh_dim_names
