@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -119,7 +120,6 @@ LATEST = "latest"   # names the last checkpoint of a directory that every rank f
 def save_complete(parallel, directory: str, step: int) -> Path:
     """Save into `directory/step-NNNNNN` and only then, once every rank is done, point `latest` at it
     (an atomic rename): a job killed mid-save resumes from the previous complete checkpoint."""
-    import torch.distributed as dist
     target = Path(directory) / f"step-{step:06d}"
     parallel.save(str(target), step)
     dist.barrier()
