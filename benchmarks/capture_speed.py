@@ -1,17 +1,28 @@
-"""Capture and analysis time per model (whole capture: build on meta, trace, measure each layer kind).
+"""Capture time per model: built-in configs (the reference decoder) and transformers' own classes.
 
     .venv/bin/python benchmarks/capture_speed.py
+
+Whole capture: build on meta, trace or record, measure each distinct layer kind once. The transformers
+rows (needs the test extra) build the class from tests/models/hf/<name>.json with
+AutoModelForCausalLM.from_config on meta, then capture the module; build and capture are timed apart,
+wall and CPU seconds, at 4,096 tokens.
 """
+import json
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from planner.capture.model_capture import _capture_cached, capture  # noqa: E402
 from planner.capture.model_config import ModelConfig  # noqa: E402
 
 MODELS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3"]
+HF_MODELS = ["llama3.1-8b", "llama3.1-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3", "gemma3-12b"]
+HF_SEQ = 4096
 
 
 def width_series():
@@ -21,16 +32,41 @@ def width_series():
                           num_query_groups=8, ffn_hidden_size=4 * hidden, vocab_size=128256, seq_length=8192)
 
 
+def timed(function):
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = function()
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def hf_module(name: str):
+    import transformers
+    raw = json.loads((ROOT / "tests" / "models" / "hf" / f"{name}.json").read_text())
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "_name_or_path")}
+    config = transformers.AutoConfig.for_model(raw["model_type"], **fields)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
 def main() -> None:
     capture("tiny-llama")  # import and first-dispatch costs out of the measurements
-    print("| model | parameters | capture s |")
-    print("|---|---|---|")
+    print("| model | parameters | capture s (wall) | CPU s |")
+    print("|---|---|---|---|")
     for name in MODELS + list(width_series()):
         _capture_cached.cache_clear()
-        start = time.perf_counter()
-        graph = capture(name)
-        elapsed = time.perf_counter() - start
-        print(f"| {graph.name} | {graph.total_params / 1e9:.1f} B | {elapsed:.2f} |")
+        graph, wall, cpu = timed(lambda: capture(name))
+        print(f"| {graph.name} | {graph.total_params / 1e9:.1f} B | {wall:.2f} | {cpu:.2f} |")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("\ntransformers is not installed: no transformers rows (pip install -e '.[test]')")
+        return
+    print(f"\n| transformers class | parameters | build s | capture s (wall) | CPU s | front end |")
+    print("|---|---|---|---|---|---|")
+    for name in HF_MODELS:
+        module, build_s, _ = timed(lambda: hf_module(name))
+        graph, wall, cpu = timed(lambda: capture(module, seq_len=HF_SEQ))
+        print(f"| {type(module).__name__} ({name}) | {graph.total_params / 1e9:.1f} B | {build_s:.2f} | "
+              f"{wall:.2f} | {cpu:.2f} | {graph.front_end} |")
 
 
 if __name__ == "__main__":

@@ -109,11 +109,12 @@ def build(spec: str, seq_len: int, seed: int):
     source = resolve_model(spec)
     torch.manual_seed(seed)
     if isinstance(source, ModelConfig):
+        # this script trains the reference decoder (a config.json included): capture what it trains
+        source = source.model_copy(update={"hf_config": None})
         cfg = source if seq_len <= source.seq_length else source.model_copy(update={"seq_length": seq_len})
         model = build_model(cfg, "cpu", torch.float32)
-    else:
-        model = source.factory().float()
-    return model, capture(spec, seq_len)
+        return model, capture(source, seq_len)
+    return source.factory().float(), capture(spec, seq_len)
 
 
 def run_layout(args, graph) -> Layout:

@@ -46,6 +46,9 @@ class SoftwareStack(Strict):
 
     # what it fuses and overlaps (cost models)
     flash_attention: bool                    # fused attention: no s x s tensors stored, masked blocks skipped
+    fused_kernels: bool                      # each norm and activation function is one kernel: a norm keeps its
+    #                                          input and fp32 row statistics, an activation its input; false:
+    #                                          the model's own code for them runs op by op, as written
     tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
     moe_a2a_overlap: bool                    # MoE all-to-alls beside another micro-batch's compute
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction

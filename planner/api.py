@@ -92,7 +92,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
-        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:]))
+        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:]),
+        capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes))
 
 
 def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome: SearchOutcome,
@@ -141,7 +142,7 @@ def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int
 def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str | None = None,
          device: str | None = None, num_devices: int | None = None, devices_per_node: int | None = None,
          time_limit_s: float = 60.0, top_k: int = 3, stack=None, ep_imbalance: float = 1.0,
-         leaf_modules: tuple[str, ...] = (), progress=None, **fix) -> Plan:
+         leaf_modules: tuple[str, ...] = (), strict_capture: bool = False, progress=None, **fix) -> Plan:
     """Search the fastest layout that fits: `planner.plan("llama3-70b", "dgx-h100", global_batch=1024, tp=8)`.
 
     `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.
@@ -149,6 +150,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     `stack`: the software stack that will train it (a name such as "torchtitan", a YAML path or a
     `SoftwareStack`; Megatron-Core's defaults when omitted). The search stays inside what it can run.
     `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe).
+    `strict_capture`: refuse a model that capture could only bill in part (see Plan.capture_notes).
     """
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
@@ -157,7 +159,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
         raise UserInputError("stages= gives a whole pipeline split, which the search chooses", field="--fix",
                              expected="stages= in planner evaluate --layout, with every degree given")
     stack = resolve_stack(stack)
-    graph = capture_for(model, seq_len, leaf_modules, stack)
+    graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
@@ -189,9 +191,18 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     return result
 
 
-def capture_for(model, seq_len: int | None, leaf_modules: tuple[str, ...], stack: SoftwareStack) -> ModelGraph:
-    """Capture, with a config-built model's attention as the stack runs it (a module's own code decides)."""
-    return capture(model, seq_len, leaf_modules, attention_impl="flash" if stack.flash_attention else "math")
+def capture_for(model, seq_len: int | None, leaf_modules: tuple[str, ...], stack: SoftwareStack,
+                strict: bool = False) -> ModelGraph:
+    """Capture, with a config-built model's attention as the stack runs it (a module's own code decides)
+    and norms as the stack runs them (fused kernels, or the model's own code). `strict`: a capture that
+    had to bill any part inexactly (capture_notes) is an error instead of a note in the plan."""
+    graph = capture(model, seq_len, leaf_modules, attention_impl="flash" if stack.flash_attention else "math",
+                    fused_kernels=stack.fused_kernels)
+    if strict and graph.capture_notes:
+        raise UserInputError(f"capture of {graph.name} is not exact: " + "; ".join(graph.capture_notes),
+                             field="--strict-capture", expected="a model whose every part capture can read "
+                             "(drop --strict-capture to plan with these parts billed as the notes say)")
+    return graph
 
 
 def _stack_defaults(values: dict, stack: SoftwareStack) -> dict:
@@ -232,13 +243,13 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
              seq_len: int | None = None, precision: str | None = None, device: str | None = None,
              num_devices: int | None = None, devices_per_node: int | None = None,
              stack=None, ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
-             leaf_modules: tuple[str, ...] = ()) -> Plan:
+             leaf_modules: tuple[str, ...] = (), strict_capture: bool = False) -> Plan:
     """Predict a given layout under a software stack (`plan`'s `stack`). Fields left out are searched; a
     layout that does not divide, fit or run on the stack is explained."""
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
     stack = resolve_stack(stack)
-    graph = capture_for(model, seq_len, leaf_modules, stack)
+    graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
     if isinstance(layout, Layout):
         given = layout
@@ -255,7 +266,8 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         if not set(FULL_KEYS) <= set(values):  # search the rest with these pinned
             return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
                         precision=precision, time_limit_s=time_limit_s, stack=stack,
-                        ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, **values)
+                        ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
+                        **values)
         given = layout_from(_stack_defaults(values, stack), global_batch=global_batch, precision=precision)
     given = replace(given, global_batch=global_batch)
     refused = layout_stack_problems(given, stack, graph)

@@ -65,6 +65,8 @@ def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool):
     extra = {k: True for k, on in (("tp_comm_overlap", tp_comm_overlap), ("moe_a2a_overlap", moe_a2a_overlap)) if on}
     return stack.model_copy(update=extra) if extra else stack
 LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
+StrictOpt = typer.Option(False, "--strict-capture", help="refuse a model that capture can only bill in part "
+                         "(a leaf module, code that cannot run on meta) instead of noting it in the plan")
 
 
 def _leaves(text: str) -> tuple[str, ...]:
@@ -97,7 +99,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
-         leaf_modules: str = LeafOpt) -> None:
+         leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
         raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
@@ -111,7 +113,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
                           stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap),
-                          leaf_modules=_leaves(leaf_modules), **pins)
+                          leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, **pins)
     extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len) \
         if objective == "goodput" else None
     if out_path:
@@ -141,14 +143,14 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
              out_path: Optional[str] = typer.Option(None, "--out", help="write the prediction as a plan file "
                                                      "(.yaml or .json) that export and Plan.load read"),
              stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt,
-             moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
+             moe_a2a_overlap: bool = MoeOverlapOpt, strict_capture: bool = StrictOpt) -> None:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
     if out_path is not None:
         out_path = check_plan_file(out_path)
     result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
-                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
+                          strict_capture=strict_capture, stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
     if out_path:
         result.save(out_path)
     _emit(result, as_json)
@@ -274,9 +276,9 @@ def models_list() -> None:
 @models_app.command("show")
 def models_show(name: str = typer.Argument(..., help="built-in name, YAML, config.json or file.py:factory"),
                 seq_len: Optional[int] = SeqOpt, as_json: bool = typer.Option(False, "--json"),
-                leaf_modules: str = LeafOpt) -> None:
+                leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
     """Parameters, layers by kind and FLOPs per token, from the captured graph."""
-    graph = capture(name, seq_len, _leaves(leaf_modules))
+    graph = api.capture_for(name, seq_len, _leaves(leaf_modules), api.resolve_stack(None), strict_capture)
     summary = views.model_summary(graph)
     if as_json:
         out.print_json(json.dumps(summary))

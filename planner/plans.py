@@ -160,6 +160,8 @@ class Plan(_Frozen):
     search: SearchStats | None = None
     alternatives: list[Alternative] = []
     reasons: list[str] = []
+    capture_front_end: str = "torch.fx"   # how the model was read: symbolic fx trace, or recorded eager run on meta
+    capture_notes: list[str] = []         # what capture could not see or bill exactly, with the effect
 
     @model_validator(mode="after")
     def _layout_matches(self):

@@ -88,6 +88,8 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
         console.print(alt)
     for reason in result.reasons:
         console.print(f"- {reason}")
+    for note in result.capture_notes:
+        console.print(f"- capture: {note}")
     if result.search:
         console.print(search_line(result.search))
 
@@ -188,7 +190,9 @@ def model_summary(graph: ModelGraph) -> dict:
             "attention_heads": graph.attention_heads, "kv_groups": graph.kv_groups,
             "num_experts": graph.num_experts, "capture_seconds": round(graph.capture_seconds, 3),
             "tensor_parallel_pairs": {s.kind: [{"columns": list(p.columns), "row": p.row} for p in s.tp_pairs]
-                                      for s in graph.structures}}
+                                      for s in graph.structures},
+            "capture_front_end": graph.front_end, "model_class": graph.model_class,
+            "capture_notes": list(graph.capture_notes)}
 
 
 def show_model(console: Console, graph: ModelGraph, summary: dict) -> None:
@@ -201,4 +205,12 @@ def show_model(console: Console, graph: ModelGraph, summary: dict) -> None:
         table.add_row("experts", str(graph.num_experts))
     for kind, pairs in summary["tensor_parallel_pairs"].items():
         table.add_row(f"TP pairs ({kind})", "; ".join(f"{'+'.join(p['columns'])} -> {p['row']}" for p in pairs))
+    table.add_row("captured by", _front_end_text(graph.front_end, graph.model_class))
     console.print(table)
+    for note in graph.capture_notes:
+        console.print(f"- capture: {note}")
+
+
+def _front_end_text(front_end: str, model_class: str) -> str:
+    how = "torch.fx symbolic trace" if front_end == "torch.fx" else "recording one eager run on meta tensors"
+    return f"{how} of {model_class}" if model_class else how

@@ -12,13 +12,13 @@ import types
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from planner.capture.graph import ModelGraph
 from planner.capture.graph_analysis import routed_experts
+from planner.capture.reference_model import activate
 
 
 def expert_meshes(world: DeviceMesh, ep: int, etp: int = 1) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
@@ -74,14 +74,7 @@ def _ep_routed(self, tokens, weights, chosen):
 
 
 def _expert(activation: str, x, w_up, w_gate, w_down):
-    up = x @ w_up
-    if activation == "swiglu":
-        hidden = F.silu(x @ w_gate) * up
-    elif activation == "gelu":
-        hidden = F.gelu(up)
-    else:
-        hidden = F.relu(up).square()
-    return hidden @ w_down
+    return activate(activation, x @ w_up, x @ w_gate if w_gate is not None else None) @ w_down
 
 
 def _placements(name: str, etp: bool) -> list:

@@ -53,6 +53,9 @@ class ModelGraph:
     embedding_modules: tuple[str, ...]   # top-level modules before the blocks (first pipeline stage)
     head_modules: tuple[str, ...]        # top-level modules after the blocks (last pipeline stage)
     capture_seconds: float
+    front_end: str = "torch.fx"          # "torch.fx" (symbolic trace) or "recorded" (eager on meta, recording.py)
+    capture_notes: tuple[str, ...] = ()  # what capture could not see or bill exactly, with its effect
+    model_class: str = ""                # the nn.Module class captured (a transformers class, or Decoder)
 
     def kind(self, name: str) -> LayerKind:
         for kind in self.kinds:

@@ -11,13 +11,44 @@ from torch import fx, nn
 from .graph import TensorParallelPair
 
 VIEW_OPS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "contiguous",
-            "split", "chunk", "flatten", "size", "dim", "t", "unbind", "narrow", "type_as", "to", "float"}
+            "split", "chunk", "flatten", "size", "dim", "t", "unbind", "narrow", "type_as", "to", "float",
+            "view_as_complex", "view_as_real", "unflatten", "movedim", "as_strided"}
 VIEW_FUNCS = {operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.split, torch.chunk,
-              torch.unsqueeze, torch.squeeze, torch.flatten, torch.narrow, getattr}
+              torch.unsqueeze, torch.squeeze, torch.flatten, torch.narrow, getattr, torch.view_as_complex,
+              torch.view_as_real, torch.unbind, torch.movedim}
 REDUCTIONS = {"mean", "sum", "var", "std", "norm", "amax", "max"}
 ATTENTION_FUNCS = {F.scaled_dot_product_attention}
-MATMUL_FUNCS = {torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, torch.einsum}
+
+
+def is_varlen_attention(target) -> bool:
+    """torch.nn.attention.varlen's custom op (torchtitan's varlen backend): q, k, v packed [tokens, heads,
+    d], sequences given by cumulative lengths."""
+    return str(target).startswith("torch_attn._varlen_attn")
+MATMUL_FUNCS = {torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.addmm,
+                torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.mm, torch.mm}
+GROUPED_MM_FUNCS = {f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f}
 KV_REPEAT_OPS = {"repeat_interleave", "expand", "repeat", "contiguous"}
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """nn.Linear, or a childless module holding one 2-D weight and at most a 1-D bias (Hugging Face's
+    GPT-2 `Conv1D`, which stores the weight [in, out] and multiplies with addmm)."""
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, nn.Embedding) or list(module.children()):
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    return (weight is not None and weight.dim() == 2 and set(params) <= {"weight", "bias"}
+            and (params.get("bias") is None or params["bias"].dim() == 1))
+
+
+def linear_features(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(in, out) of a linear-like module, read against its input's last dimension."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    rows, cols = module.weight.shape
+    return (rows, cols) if x.shape[-1] == rows and x.shape[-1] != cols else (cols, rows)
 
 
 def is_norm_like(module: nn.Module) -> bool:
@@ -43,15 +74,28 @@ class RoutedExperts:
     module_list: nn.ModuleList | None
 
 
+def _router_sizes(module: nn.Module) -> set[int]:
+    """Output widths of the child modules that could be a router: a Linear, or a module holding a 2-D
+    `weight` [experts, hidden] it multiplies by itself (Hugging Face 5.x `*TopKRouter`)."""
+    sizes = set()
+    for child in module.children():
+        weight = getattr(child, "weight", None)
+        if isinstance(child, nn.Linear):
+            sizes.add(child.out_features)
+        elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and not isinstance(child, nn.Embedding):
+            sizes.add(weight.shape[0])
+    return sizes
+
+
 def routed_experts(module: nn.Module) -> RoutedExperts | None:
-    sizes = {m.out_features for m in module.children() if isinstance(m, nn.Linear)}
+    sizes = _router_sizes(module)
     if not sizes:
         return None
     for child in module.children():
         if isinstance(child, nn.ModuleList) and len(child) in sizes and len({signature(m) for m in child}) == 1:
             gemms = tuple((m.in_features, m.out_features) for m in child[0].modules() if isinstance(m, nn.Linear))
             return RoutedExperts(len(child), frozenset(id(p) for p in child.parameters()), gemms, child)
-    stacked = [p for p in module.parameters() if p.dim() == 3 and p.shape[0] in sizes]
+    stacked = [p for p in module.parameters() if p.dim() == 3 and p.shape[0] in sizes and p.shape[0] > 1]
     if stacked:
         return RoutedExperts(stacked[0].shape[0], frozenset(id(p) for p in stacked),
                              tuple((p.shape[1], p.shape[2]) for p in stacked), None)
@@ -63,19 +107,55 @@ def is_expert_container(module: nn.Module) -> bool:
 
 
 def router_topk(module: nn.Module) -> int:
-    for attr in ("top_k", "router_topk", "num_experts_per_tok", "topk", "k"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 1
+    """Experts per token, as the container or its router names it (0 when neither does)."""
+    for owner in [module, *module.children()]:
+        for attr in ("top_k", "router_topk", "num_experts_per_tok", "topk", "k"):
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
+def graph_topk(graph: fx.Graph, shapes: dict[str, tuple], num_experts: int) -> int:
+    """k of the top-k that picks experts: a topk over a last dimension of `num_experts` (group-limited
+    routers also take a top-k over groups first, which this skips)."""
+    for node in graph.nodes:
+        if function_name(node) != "topk" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        if shapes.get(node.args[0].name, ())[-1:] == (num_experts,):
+            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+            if isinstance(k, int):
+                return k
+    return 0
 
 
 def node_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | None:
     return modules.get(node.target) if node.op == "call_module" else None
 
 
+def function_name(node: fx.Node) -> str:
+    """What a call_method or call_function node calls, by name: `view` for both x.view and
+    torch.Tensor.view (the recording front end writes Tensor methods as functions)."""
+    if node.op == "call_method":
+        return node.target
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+
+
+def is_view_node(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in VIEW_OPS
+    if node.op != "call_function":
+        return False
+    if node.target in VIEW_FUNCS:
+        return True
+    is_tensor_method = getattr(node.target, "__objclass__", None) is torch._C.TensorBase or \
+        getattr(torch.Tensor, getattr(node.target, "__name__", ""), None) is node.target
+    return is_tensor_method and function_name(node) in VIEW_OPS | {"__getitem__", "view_as", "expand_as"}
+
+
 def is_linear_node(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    return isinstance(node_module(node, modules), nn.Linear) or (
+    module = node_module(node, modules)
+    return (module is not None and is_linear_like(module)) or (
         node.op == "call_function" and node.target is F.linear)
 
 
@@ -92,12 +172,87 @@ def is_barrier(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") in REDUCTIONS
 
 
+SPLITS = ("split", "chunk", "unbind", "split_with_sizes", "tensor_split")
+RESHAPES = ("view", "reshape", "transpose", "permute", "contiguous")
+
+
+def _is_split(column: fx.Node, modules: dict[str, nn.Module], shapes: dict[str, tuple]) -> bool:
+    """A Linear whose whole output is cut into parts ([q | k | v] or [gate | up] side by side: GPT-2,
+    Phi-3): splitting its rows among tp ranks would mix the parts. A split within each head after a
+    reshape to heads (GPT-NeoX's interleaved QKV, MLA's nope/rope parts, RoPE's halves) is not."""
+    module = node_module(column, modules)
+    width = (module.out_features if isinstance(module, nn.Linear) else max(module.weight.shape)) \
+        if module is not None else shapes.get(column.name, (0,))[-1]
+    frontier = list(column.users)
+    while frontier:
+        node = frontier.pop()
+        name = function_name(node)
+        if name in SPLITS or (name in ("__getitem__", "getitem") and len(node.args) > 1 and _slices(node.args[1])):
+            source = node.args[0]
+            shape = shapes.get(source.name, ()) if isinstance(source, fx.Node) else ()
+            on_last = _split_dim(node, name, len(shape)) in (-1, len(shape) - 1)
+            # the whole width cut side by side, or the heads axis cut into q / k / v head groups
+            if shape and (not on_last or shape[-1] == width) and not _rejoined(node):
+                return True
+            continue
+        if name in RESHAPES:
+            frontier.extend(node.users)
+    return False
+
+
+def _split_dim(node: fx.Node, name: str, rank: int) -> int:
+    """The axis a split, chunk or slice cuts (torch.split and chunk default to 0; unbind too)."""
+    if name in ("__getitem__", "getitem"):
+        items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if Ellipsis in items:  # x[..., a:b]: counted from the end
+            after = items[items.index(Ellipsis) + 1:]
+            cut = next((i for i, item in enumerate(after) if isinstance(item, slice)), 0)
+            return rank - len(after) + cut
+        return next((i for i, item in enumerate(items) if isinstance(item, slice)
+                     and (item.start is not None or item.stop is not None)), 0)
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    if name == "unbind":
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    return dim if isinstance(dim, int) else 0
+
+
+def _rejoined(part: fx.Node) -> bool:
+    """The slice (or a split's parts) goes straight back into a cat, possibly negated: RoPE's rotate_half."""
+    nodes = [part] + [u for u in part.users if function_name(u) in ("getitem", "__getitem__")]
+    for node in nodes:
+        for user in node.users:
+            name = function_name(user)
+            if name == "cat" or (name in ("neg", "__neg__") and any(function_name(u) == "cat" for u in user.users)):
+                return True
+    return False
+
+
+def _slices(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, slice) and (i.start is not None or i.stop is not None) for i in items)
+
+
+def _per_head_norm(module: nn.Module | None, column: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """A norm over one head's channels (Qwen3 / Gemma 3 q_norm and k_norm): it acts within each head, so
+    it stays inside a column-parallel region that splits the heads."""
+    if module is None or not is_norm_like(module) or getattr(module, "weight", None) is None:
+        return False
+    width = module.weight.numel()
+    column_module = node_module(column, modules)
+    if column_module is None:
+        return False
+    out_features = column_module.out_features if isinstance(column_module, nn.Linear) else max(column_module.weight.shape)
+    return 0 < width < out_features and out_features % width == 0
+
+
 def _linear_name(node: fx.Node) -> str:
     return node.target if node.op == "call_module" else node.name
 
 
-def find_tp_pairs(graph: fx.Graph, modules: dict[str, nn.Module]) -> tuple[tuple[TensorParallelPair, ...], set[str]]:
-    """Column -> row Linear pairs by dataflow, and the names of the nodes strictly between them."""
+def find_tp_pairs(graph: fx.Graph, modules: dict[str, nn.Module], shapes: dict[str, tuple] | None = None
+                  ) -> tuple[tuple[TensorParallelPair, ...], set[str]]:
+    """Column -> row Linear pairs by dataflow, and the names of the nodes strictly between them. With the
+    measured `shapes`, columns whose whole output is split into parts are marked fused."""
     columns_of: dict[str, list[str]] = {}
     fused: set[str] = set()
     region: set[str] = set()
@@ -114,13 +269,14 @@ def find_tp_pairs(graph: fx.Graph, modules: dict[str, nn.Module]) -> tuple[tuple
             seen.add(node.name)
             if is_linear_node(node, modules):
                 rows[node.name] = node
+            elif _per_head_norm(node_module(node, modules), start, modules):
+                stack.extend(node.users)
             elif is_barrier(node, modules):
                 clean = False
             else:
                 stack.extend(node.users)
         if clean and len(rows) == 1:
-            if any((u.op == "call_method" and u.target in ("split", "chunk", "unbind"))
-                   or u.target in (torch.split, torch.chunk) for u in start.users):
+            if shapes is not None and _is_split(start, modules, shapes):
                 fused.add(_linear_name(start))
             row_name, row = next(iter(rows.items()))
             columns_of.setdefault(_linear_name(row), []).append(_linear_name(start))
@@ -131,11 +287,12 @@ def find_tp_pairs(graph: fx.Graph, modules: dict[str, nn.Module]) -> tuple[tuple
 
 
 def _kv_parent(node: fx.Node) -> fx.Node | None:
-    """Step back over kv-head repeats and the last-two-dims transpose of K; None when done."""
+    """Step back over kv-head repeats (repeat_interleave, or Hugging Face's repeat_kv: index with None,
+    expand, reshape) and the last-two-dims transpose of K; None when done."""
     if node.op not in ("call_method", "call_function") or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if name in KV_REPEAT_OPS:
+    name = function_name(node)
+    if name in KV_REPEAT_OPS or name in ("reshape", "__getitem__", "getitem", "unsqueeze"):
         return node.args[0]
     if name == "transpose" and tuple(node.args[1:3]) in ((-1, -2), (-2, -1), (2, 3), (3, 2)):
         return node.args[0]
@@ -145,15 +302,27 @@ def _kv_parent(node: fx.Node) -> fx.Node | None:
 def attention_heads(graph: fx.Graph, shapes: dict[str, tuple]) -> tuple[int, int, int]:
     """(query heads, kv groups, head dim) from the first attention op's operands, [b, heads, s, d]."""
     for node in graph.nodes:
-        if node.op == "call_function" and (node.target in ATTENTION_FUNCS or node.target in MATMUL_FUNCS):
+        if node.op == "call_function" and is_varlen_attention(node.target):   # [tokens, heads, d]
+            q_shape, k_shape = shapes.get(node.args[0].name, ()), shapes.get(node.args[1].name, ())
+            if len(q_shape) == 3 and len(k_shape) == 3:
+                return q_shape[1], k_shape[1], q_shape[2]
+        if (node.op == "call_function" and (node.target in ATTENTION_FUNCS or node.target in MATMUL_FUNCS)) \
+                or node.meta.get("attention_core"):
             q, k = node.args[0], node.args[1]
             if not (isinstance(q, fx.Node) and isinstance(k, fx.Node)) or k.op == "get_attr":
                 continue
             q_shape = shapes.get(q.name)
             if q_shape is None or len(q_shape) != 4:
                 continue
+            if node.meta.get("attention_core") == "bshd":   # [b, s, heads, d]: an attention kernel module
+                return q_shape[2], shapes[k.name][2], q_shape[3]
             parent = _kv_parent(k)
-            while parent is not None and len(shapes.get(parent.name, ())) == 4:
-                k, parent = parent, _kv_parent(parent)
+            while parent is not None:  # the first [b, heads, s, d] before any repeat holds the kv heads
+                shape = shapes.get(parent.name, ())
+                if len(shape) == 4 and shape[2] == q_shape[2] and q_shape[1] % shape[1] == 0:
+                    k = parent
+                elif len(shape) == 4 or len(shape) < 3:
+                    break
+                parent = _kv_parent(parent)
             return q_shape[1], shapes[k.name][1], q_shape[3]
     return 0, 0, 0

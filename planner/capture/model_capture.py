@@ -4,13 +4,16 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from cost_models.records import LayerKind, OpCost, OpKind, ParamGroup, Sharding
 from hardware_profiles.errors import UserInputError
 
+from .recording import record
 from .tracing import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
 from .graph import BlockStructure, LayerSlot, ModelGraph
 from .graph_analysis import signature
@@ -18,15 +21,32 @@ from .model_config import MAX_SEQ, ModelConfig
 from .model_sources import UserModule, resolve_model
 from .op_costs import tensor_bytes
 from .reference_model import build_model
+from .transformers_models import build_transformers_model
 
 ACTIVATION_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class _Kind:
+    measured: Measured
+    structure: BlockStructure
+    block: nn.Module
+    input_bytes: float
+    front_end: str
+
+
+def _fresh(value):
+    """A repeated block's output: a new meta tensor shaped like the measured one (the block is not rerun)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.dtype.is_floating_point)
 
 
 class _TopAnalyzer(_Analyzer):
     """The whole model with blocks as leaves: measures each block kind once, skips repeats."""
 
     def __init__(self, gm, block_names: list[str], modules: dict[str, nn.Module], seq_len: int,
-                 leaf_names: tuple[str, ...]):
+                 leaf_names: tuple[str, ...], fused_kernels: bool):
         self.block_names = set(block_names)
         self.first_block, self.last_block = block_names[0], block_names[-1]
         self.passed_first = False
@@ -34,11 +54,11 @@ class _TopAnalyzer(_Analyzer):
         owners = dict(gm.named_modules())
         vocab_parallel = {n.name for n in gm.graph.nodes if n.op == "call_module"
                           and isinstance(owners.get(n.target), nn.Linear | nn.Embedding)}
-        super().__init__(gm, vocab_parallel, seq_len, part_of=self._part_of)
+        super().__init__(gm, vocab_parallel, seq_len, part_of=self._part_of, fused_kernels=fused_kernels)
         self.block_modules = modules
         self.leaf_names = leaf_names
         self.kind_of_signature: dict[tuple, str] = {}
-        self.kinds: dict[str, tuple[Measured, BlockStructure, nn.Module, float, tuple]] = {}
+        self.kinds: dict[str, _Kind] = {}
         self.slots: list[LayerSlot] = []
         self.part_modules: dict[str, list[str]] = {}
 
@@ -55,7 +75,7 @@ class _TopAnalyzer(_Analyzer):
 
     def run_node(self, node: fx.Node):
         if not (node.op == "call_module" and node.target in self.block_names):
-            if node.op in ("call_module", "get_attr"):
+            if node.op == "call_module" or (node.op == "get_attr" and not node.target.startswith("_constant")):
                 owner = node.target if node.op == "call_module" else node.target.rsplit(".", 1)[0]
                 modules = self.part_modules.setdefault("head" if self.passed_first else "embedding", [])
                 if owner not in modules:
@@ -63,20 +83,39 @@ class _TopAnalyzer(_Analyzer):
             return super().run_node(node)
         self.current = node
         self._part_of(node)
-        args, _ = self.fetch_args_kwargs_from_env(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
         block = self.block_modules[node.target]
         key = signature(block)
         if key not in self.kind_of_signature:
-            measured, structure, _ = measure_block(block, args[0], self.seq_len, node.target, self.leaf_names)
+            measured, structure, found = measure_block(block, args, kwargs, self.seq_len, node.target,
+                                                       self.leaf_names, self.fused_kernels)
             name = self._kind_name(measured, structure)
             structure = BlockStructure(**{**structure.__dict__, "kind": name})
             self.kind_of_signature[key] = name
-            out = measured.output
-            self.kinds[name] = (measured, structure, block, tensor_bytes(args[0]), tuple(out.shape), out.dtype)
+            self.kinds[name] = _Kind(measured, structure, block, tensor_bytes(args[0]), found.front_end)
         name = self.kind_of_signature[key]
         self.slots.append(LayerSlot(node.target, name))
-        _, _, _, _, shape, dtype = self.kinds[name]
-        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+        return tree_map(_fresh, self.kinds[name].measured.output)
+
+
+def _hidden_width(output) -> int:
+    """A block's output width: its first floating tensor's last dimension (blocks may return tuples)."""
+    first = next(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return int(first.shape[-1])
+
+
+def _top_graph(model: nn.Module, block_ids: set[int], tokens: torch.Tensor, leaf_names: tuple[str, ...],
+               name: str) -> tuple[fx.GraphModule, str]:
+    """The whole model with its blocks as leaves: symbolically traced where torch.fx can read the code,
+    else recorded from one eager run on meta (see recording.py); the token ids are real (cheap, and
+    model code may branch on them)."""
+    try:
+        return trace(model, leaf_ids=block_ids, leaf_names=leaf_names, label=name), "torch.fx"
+    except UserInputError:
+        leaf_ids = block_ids | {id(m) for n, m in model.named_modules()
+                                if n and any(n == leaf or n.endswith("." + leaf) for leaf in leaf_names)}
+        real_tokens = torch.zeros(tokens.shape, dtype=tokens.dtype)
+        return record(model, (real_tokens,), None, leaf_ids=leaf_ids, label=name).graph_module, "recorded"
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -90,8 +129,13 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 def _instantiate(source: ModelConfig | UserModule, seq_len: int) -> tuple[nn.Module, str]:
     if isinstance(source, ModelConfig):
+        if seq_len > source.seq_length and source.position_embedding == "learned":
+            raise UserInputError(f"sequence length {seq_len:,} exceeds {source.name}'s {source.seq_length:,} learned "
+                                 "position embeddings (there is no position past them to look up)",
+                                 field="seq_len", expected=f"at most {source.seq_length:,} (--seq-len)")
         cfg = source if seq_len <= source.seq_length else source.model_copy(update={"seq_length": seq_len})
-        return build_model(cfg, "meta", ACTIVATION_DTYPE), cfg.name
+        built = build_transformers_model(cfg) if cfg.hf_config else None
+        return (built or build_model(cfg, "meta", ACTIVATION_DTYPE)), cfg.name
     if source.module is not None:  # an existing module: leave the user's weights where they are
         return _meta_copy(source.module).to(dtype=ACTIVATION_DTYPE), source.name
     try:
@@ -137,33 +181,37 @@ def _vocab_of(model: nn.Module) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelGraph:
+def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_kernels: bool) -> ModelGraph:
     start = time.perf_counter()
     model, name = _instantiate(source, seq_len)
     model.train()
+    model_class = type(model).__name__
     stack_name, blocks = find_block_stack(model)
     if not blocks:
         raise UserInputError(f"no repeated blocks (an nn.ModuleList of layers) found in {name}",
                              expected="a model whose layers are held in an nn.ModuleList")
-    block_ids = {id(module) for _, module in blocks}
-    top = trace(model, leaf_ids=block_ids, leaf_names=leaf_names, label=name)
     vocab = _vocab_of(model)
     tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    analyzer = _TopAnalyzer(top, [n for n, _ in blocks], dict(blocks), seq_len, leaf_names)
+    top, front_end = _top_graph(model, {id(module) for _, module in blocks}, tokens, leaf_names, name)
+    analyzer = _TopAnalyzer(top, [n for n, _ in blocks], dict(blocks), seq_len, leaf_names, fused_kernels)
     parts = analyzer.measure(tokens)
 
     seen_params: set[int] = set()
+    hidden = None
     kinds: list[LayerKind] = []
     structures = []
     block_param_ids = set()
-    for kind_name, (measured, structure, block, input_bytes, _, _) in analyzer.kinds.items():
+    for kind_name, found in analyzer.kinds.items():
+        measured, structure, block, input_bytes = found.measured, found.structure, found.block, found.input_bytes
         counts = block_params(block, structure)
         kinds.append(LayerKind(kind_name, "block", tuple(measured.ops), tuple(measured.saved),
                                tuple(ParamGroup(c, s) for s, c in counts.items() if c), input_bytes, seq_len,
-                               int(measured.output.shape[-1]), structure.num_experts, structure.router_topk,
+                               _hidden_width(measured.output), structure.num_experts, structure.router_topk,
                                tp_pair_count=len(structure.tp_pairs),
                                kv_channels=structure.kv_groups * structure.head_dim))
         structures.append(structure)
+        if hidden is None:
+            hidden = _hidden_width(measured.output)
     for _, block in blocks:
         block_param_ids |= {id(p) for p in block.parameters()}
     outside = [m for m in model.modules() if not list(m.children())]
@@ -171,7 +219,6 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelG
     seen_params |= block_param_ids
     embed_params = _params_of(embeddings, seen_params)
     head_params = _params_of([m for m in outside if not isinstance(m, nn.Embedding)], seen_params)
-    hidden = kinds[0].hidden_size
     embed = parts.get("embedding", Measured())
     head = parts.get("head", Measured())
     kinds.insert(0, LayerKind("embedding", "embedding", tuple(embed.ops), tuple(embed.saved),
@@ -185,15 +232,31 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...]) -> ModelG
                       kinds=tuple(kinds), layers=slots, structures=tuple(structures),
                       embedding_modules=tuple(analyzer.part_modules.get("embedding", ())),
                       head_modules=tuple(analyzer.part_modules.get("head", ())),
-                      capture_seconds=time.perf_counter() - start)
+                      capture_seconds=time.perf_counter() - start,
+                      front_end=_front_end(front_end, analyzer.kinds.values()), model_class=model_class,
+                      capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())]))
+
+
+def _front_end(top: str, kinds) -> str:
+    used = {top, *(kind.front_end for kind in kinds)}
+    return "recorded" if "recorded" in used else "torch.fx"
+
+
+def _notes(parts: list[Measured]) -> tuple[str, ...]:
+    notes: list[str] = []
+    for part in parts:
+        notes += [n for n in part.warnings if n not in notes]
+    return tuple(notes)
 
 
 def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (),
-            attention_impl: str | None = None) -> ModelGraph:
+            attention_impl: str | None = None, fused_kernels: bool = False) -> ModelGraph:
     """Capture a model (built-in name, YAML, HF config, `file.py:factory`, ModelConfig or nn.Module).
 
     `attention_impl` ("flash" or "math"): how a model built from a config runs attention, as the software
-    stack does it, unless the config names its own; a user module's own attention code is what it captures."""
+    stack does it, unless the config names its own; a user module's own attention code is what it captures.
+    `fused_kernels`: the stack runs every norm as one fused kernel (it keeps its input and fp32 statistics);
+    else each norm's own code is measured op by op."""
     source = resolve_model(model)
     if attention_impl is not None and isinstance(source, ModelConfig) \
             and "attention_impl" not in source.model_fields_set:
@@ -205,4 +268,4 @@ def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (
         seq_len = source.seq_length
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= MAX_SEQ:
         raise UserInputError(f"{seq_len!r}", field="seq_len", expected=f"a positive integer sequence length up to {MAX_SEQ:,}")
-    return _capture_cached(source, int(seq_len), tuple(leaf_modules))
+    return _capture_cached(source, int(seq_len), tuple(leaf_modules), bool(fused_kernels))

@@ -37,6 +37,7 @@ class MoEConfig(_Strict):
     num_shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
     shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_WIDTH)
     first_k_dense_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    router_fp32: bool = False       # the router GEMM on fp32 copies of tokens and weight (DeepSeek-V2/V3)
     layer_frequency: int = Field(default=1, gt=0, le=MAX_LAYERS)
 
     @model_validator(mode="after")
@@ -56,16 +57,25 @@ class ModelConfig(_Strict):
     ffn_hidden_size: int = Field(gt=0, le=MAX_WIDTH)
     vocab_size: int = Field(gt=0, le=MAX_VOCAB)
     seq_length: int = Field(gt=0, le=MAX_SEQ)
-    activation: Literal["gelu", "swiglu", "relu2"] = "swiglu"
+    activation: Literal["gelu", "swiglu", "geglu", "relu2"] = "swiglu"
     normalization: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     position_embedding: Literal["rope", "learned"] = "rope"
     tied_embeddings: bool = False
     attention: Literal["mha", "gqa", "mla"] = "gqa"
     attention_impl: Literal["flash", "math"] = "flash"
     add_bias: bool = False
+    qkv_bias: bool = False          # biases on q, k and v only (Qwen2)
+    qk_norm: bool = False           # RMSNorm over each head's q and k (Qwen3, Gemma 3)
+    parallel_residual: bool = False # attention and MLP both read the layer input (GPT-NeoX)
+    sandwich_norm: bool = False     # a norm after attention and after the MLP too (Gemma 2/3)
+    attention_softcap: float | None = Field(default=None, gt=0, strict=False)  # cap*tanh(s/cap) on scores
+    logit_softcap: float | None = Field(default=None, gt=0, strict=False)      # the same on the logits
     dropout: float = Field(default=0.0, ge=0, lt=1, strict=False)
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    # the Hugging Face config.json this was read from (JSON text): capture builds the transformers class
+    # from it where transformers is installed, else this reference decoder (docs/models.md)
+    hf_config: str | None = None
 
     @property
     def query_groups(self) -> int:

@@ -60,14 +60,20 @@ def _first(config: dict, *keys, default=None):
 
 # model_type values whose config.json this reader maps (decoder families; docs/models.md)
 HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2",
-                  "deepseek_v3", "gpt2", "gpt_neox")
+                  "deepseek_v3", "gpt2", "gpt_neox", "phi3", "gemma", "gemma2", "gemma3_text")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")       # RMSNorm on each head's q and k
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")                      # q, k, v projections carry biases
+SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text")               # norms after attention and MLP as well
+FP32_ROUTER_TYPES = ("deepseek_v2", "deepseek_v3")            # the router GEMM in fp32
+TIED_BY_DEFAULT = ("gpt2", "gemma", "gemma2", "gemma3_text")  # their config classes default to tied embeddings
 HF_INT_KEYS = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer",
                "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size",
                "max_position_embeddings", "n_positions", "n_ctx", "num_local_experts", "n_routed_experts",
                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
                "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim")
-HF_BOOL_KEYS = ("tie_word_embeddings",)
+HF_BOOL_KEYS = ("tie_word_embeddings", "use_parallel_residual", "attention_bias")
+HF_FLOAT_KEYS = ("resid_pdrop", "hidden_dropout", "embd_pdrop", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def _check_hf_types(config: dict, source: str) -> None:
@@ -87,10 +93,15 @@ def _check_hf_types(config: dict, source: str) -> None:
         if value is not None and not isinstance(value, bool):
             raise UserInputError(f"{value!r} is not a boolean", source=source, field=key,
                                  expected="true or false (JSON booleans, not strings)")
+    for key in HF_FLOAT_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserInputError(f"{value!r} is not a number", source=source, field=key, expected="a number")
 
 
 def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
-    """Map Hugging Face key names (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3, GPT-2, NeoX)."""
+    """Map Hugging Face key names (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3, GPT-2, NeoX,
+    Phi-3, Gemma 1/2/3) onto the reference decoder; docs/models.md lists what it does not model."""
     _check_hf_types(config, source)
     model_type = config["model_type"]
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
@@ -102,6 +113,8 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         raise UserInputError(f"missing {', '.join(missing)}", source=source,
                              expected="a Hugging Face config.json of a decoder model")
     gpt_like = model_type in ("gpt2", "gpt_neox")
+    act = str(_first(config, "hidden_activation", "hidden_act", "activation_function", default="silu"))
+    softcap = config.get("attn_logit_softcapping")
     data = {
         "name": config.get("_name_or_path") or (Path(source).stem if source.endswith(".json") else model_type)
         or "hf-model",
@@ -111,13 +124,25 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         "ffn_hidden_size": _first(config, "intermediate_size", "n_inner", default=4 * hidden),
         "vocab_size": config.get("vocab_size"),
         "seq_length": _first(config, "max_position_embeddings", "n_positions", "n_ctx", default=4096),
-        "activation": "gelu" if gpt_like or "gelu" in str(config.get("hidden_act", "")) else "swiglu",
+        # GPT-2 and NeoX: a plain GELU MLP; the rest gate it (Gemma's gelu_pytorch_tanh: GeGLU)
+        "activation": "gelu" if gpt_like else "geglu" if "gelu" in act else "swiglu",
         "normalization": "layernorm" if gpt_like else "rmsnorm",
         "position_embedding": "learned" if model_type == "gpt2" else "rope",
-        "tied_embeddings": bool(config.get("tie_word_embeddings", model_type == "gpt2")),
+        "tied_embeddings": bool(config.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)),
         "attention": "gqa",
         "add_bias": gpt_like,
+        "qkv_bias": model_type in QKV_BIAS_TYPES or bool(config.get("attention_bias")),
+        "qk_norm": model_type in QK_NORM_TYPES,
+        "parallel_residual": model_type == "gpt_neox" and config.get("use_parallel_residual", True),
+        "sandwich_norm": model_type in SANDWICH_NORM_TYPES,
+        "dropout": float(_first(config, "resid_pdrop", "hidden_dropout", "embd_pdrop", default=0.0)),
+        # softcapped scores cannot run in a fused kernel: transformers runs such models' attention eagerly
+        "attention_softcap": softcap,
+        "logit_softcap": config.get("final_logit_softcapping"),
     }
+    if softcap:
+        data["attention_impl"] = "math"
+    data["hf_config"] = json.dumps(config, sort_keys=True)
     if data["num_query_groups"] == heads:
         data["attention"] = "mha"
     if config.get("kv_lora_rank"):
@@ -132,6 +157,7 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
             "moe_ffn_hidden_size": _first(config, "moe_intermediate_size", "intermediate_size"),
             "num_shared_experts": config.get("n_shared_experts") or 0,
             "first_k_dense_layers": config.get("first_k_dense_replace") or 0,
+            "router_fp32": model_type in FP32_ROUTER_TYPES,
         }
     return _validate(data, source)
 

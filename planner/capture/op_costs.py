@@ -9,7 +9,8 @@ from torch import fx, nn
 
 from cost_models.records import OpCost, OpKind, Sharding
 
-from .graph_analysis import ATTENTION_FUNCS, MATMUL_FUNCS, VIEW_FUNCS, VIEW_OPS, is_norm_like, routed_experts, router_topk
+from .graph_analysis import (ATTENTION_FUNCS, GROUPED_MM_FUNCS, MATMUL_FUNCS, is_linear_like, is_norm_like,
+                             is_varlen_attention, is_view_node, linear_features, routed_experts, router_topk)
 
 
 def tensor_bytes(value) -> float:
@@ -27,8 +28,9 @@ def _gemm(name, sharding, tokens, n_in, n_out, bytes_moved, weight_bytes, count=
                   (int(tokens), int(n_out), int(n_in)), count, float(weight_bytes))
 
 
-def linear_cost(name: str, x: torch.Tensor, weight: torch.Tensor, out, sharding: Sharding) -> OpCost:
-    n_out, n_in = weight.shape
+def linear_cost(name: str, x: torch.Tensor, weight: torch.Tensor, out, sharding: Sharding,
+                features: tuple[int, int] | None = None) -> OpCost:
+    n_in, n_out = features or (weight.shape[1], weight.shape[0])
     tokens = x.numel() // n_in
     return _gemm(name, sharding, tokens, n_in, n_out, tensor_bytes(x) + tensor_bytes(out) + tensor_bytes(weight),
                  tensor_bytes(weight))
@@ -52,6 +54,25 @@ def matmul_cost(name: str, a: torch.Tensor, b: torch.Tensor, out, sharding: Shar
     flops = 2.0 * batch * m * n * k
     moved = tensor_bytes(a) + tensor_bytes(b) + tensor_bytes(out)
     return OpCost(name, OpKind.attention_matmul, sharding, flops, 2 * flops, 0.0, moved, (m, n, k), batch)
+
+
+def varlen_attention_cost(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q, out) -> OpCost:
+    # packed sequences [tokens, heads, d]: 2 h (d + d_v) sum(len_i^2), each sequence attending to itself
+    # (non-causal count, as attention_cost); cu_seq_q holds the cumulative lengths, real-valued in capture
+    lengths = torch.diff(cu_seq_q.to("cpu")).to(torch.float64) if not cu_seq_q.is_meta else \
+        torch.tensor([float(q.shape[0])], dtype=torch.float64)
+    flops = 2.0 * q.shape[1] * (q.shape[-1] + v.shape[-1]) * float((lengths ** 2).sum())
+    moved = tensor_bytes(q) + tensor_bytes(k) + tensor_bytes(v) + tensor_bytes(out)
+    return OpCost(name, OpKind.attention, Sharding.tensor, flops, 2 * flops, 0.0, moved, None)
+
+
+def grouped_mm_cost(name: str, a: torch.Tensor, b: torch.Tensor, out, weight_bytes: float) -> OpCost:
+    """torch._grouped_mm of routed tokens [S, in] by stacked expert weights [E, in, out]: S rows in all,
+    however the router spread them (balanced: S/E per expert for the GEMM shape)."""
+    experts, n_in, n_out = b.shape
+    rows = a.numel() // n_in
+    moved = tensor_bytes(a) + tensor_bytes(b) + tensor_bytes(out)
+    return _gemm(name, Sharding.expert, rows / experts, n_in, n_out, moved, weight_bytes, experts)
 
 
 def elementwise_cost(name: str, args, out, sharding: Sharding, kind: OpKind = OpKind.elementwise) -> OpCost:
@@ -85,18 +106,21 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
     return costs
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
 def node_costs(node: fx.Node, module: nn.Module | None, args, out, sharding: Sharding,
-               params: set[int]) -> list[OpCost]:
-    """Costs of one executed node; views and shape queries cost nothing."""
+               storages: set[int]) -> list[OpCost]:
+    """Costs of one executed node; views and shape queries cost nothing. `storages` holds the
+    parameters' storages: a matmul by one (or a view of one: a transposed or indexed weight) is a GEMM."""
     name = node.name
     if node.op in ("placeholder", "output", "get_attr"):
         return []
-    if node.op == "call_method" and node.target in VIEW_OPS:
+    if is_view_node(node):
         return []
-    if node.op == "call_function" and node.target in VIEW_FUNCS:
-        return []
-    if isinstance(module, nn.Linear):
-        return [linear_cost(node.target, args[0], module.weight, out, sharding)]
+    if module is not None and is_linear_like(module):
+        return [linear_cost(node.target, args[0], module.weight, out, sharding, linear_features(module, args[0]))]
     if isinstance(module, nn.Embedding) or (node.op == "call_function" and node.target is F.embedding):
         return [elementwise_cost(name, [out], out, Sharding.tensor, OpKind.embedding)]
     if module is not None and routed_experts(module) is not None:
@@ -107,13 +131,20 @@ def node_costs(node: fx.Node, module: nn.Module | None, args, out, sharding: Sha
         return [linear_cost(name, args[0], args[1], out, sharding)]
     if node.op == "call_function" and node.target in ATTENTION_FUNCS:
         return [attention_cost(name, args[0], args[1], args[2], out)]
+    if node.op == "call_function" and is_varlen_attention(node.target):
+        return [varlen_attention_cost(name, args[0], args[1], args[2], args[3],
+                                      out[0] if isinstance(out, (tuple, list)) else out)]
     is_matmul = (node.op == "call_function" and node.target in MATMUL_FUNCS) or (
         node.op == "call_method" and node.target in ("matmul", "bmm"))
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if node.op == "call_function" and node.target in GROUPED_MM_FUNCS:
+        weight = tensors[1]
+        state = _storage(weight) in storages
+        return [grouped_mm_cost(name, tensors[0], weight, out, tensor_bytes(weight) if state else 0.0)]
     if is_matmul and len(tensors) >= 2:
         a, b = tensors[-2], tensors[-1]
-        if id(b) in params or id(a) in params:
-            weight = b if id(b) in params else a
+        if _storage(b) in storages or _storage(a) in storages:
+            weight = b if _storage(b) in storages else a
             return [_gemm(name, sharding, a.numel() // a.shape[-1], a.shape[-1], weight.shape[-1],
                           tensor_bytes(tensors) + tensor_bytes(out), tensor_bytes(weight))]
         return [matmul_cost(name, a, b, out, sharding)]

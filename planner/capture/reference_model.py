@@ -58,6 +58,7 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.impl = cfg.attention_impl
         self.dropout = cfg.dropout
+        self.softcap = cfg.attention_softcap
         self.kv_repeat = 1 if cfg.attention == "mla" else cfg.num_attention_heads // cfg.query_groups
         if self.impl == "math":
             causal = torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool).triu(1)
@@ -71,6 +72,8 @@ class CoreAttention(nn.Module):
             v = v.repeat_interleave(self.kv_repeat, dim=1)
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        if self.softcap:  # Gemma 2: cap * tanh(scores / cap)
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         probs = torch.softmax(scores.masked_fill(self.causal_mask[:s, :s], float("-inf")), dim=-1)
         if self.dropout:
             probs = F.dropout(probs, self.dropout, self.training)
@@ -82,17 +85,24 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.kv_channels
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.query_groups, d
-        self.q_proj = nn.Linear(h, self.heads * d, bias=cfg.add_bias)
-        self.k_proj = nn.Linear(h, self.groups * d, bias=cfg.add_bias)
-        self.v_proj = nn.Linear(h, self.groups * d, bias=cfg.add_bias)
+        qkv_bias = cfg.add_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(h, self.heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.groups * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.groups * d, bias=qkv_bias)
+        # Qwen3 / Gemma 3: an RMSNorm over each head's channels of q and k, before RoPE
+        self.q_norm = make_norm(cfg, d) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, d) if cfg.qk_norm else None
         self.core = CoreAttention(cfg)
         self.o_proj = nn.Linear(self.heads * d, h, bias=cfg.add_bias)
         self.rotary = Rotary(d, cfg.seq_length) if cfg.position_embedding == "rope" else None
 
     def forward(self, x):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
@@ -138,24 +148,34 @@ class MLAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
+GATED = ("swiglu", "geglu")
+
+
+def activate(activation: str, up, gate=None):
+    """The MLP's non-linearity: gated (SwiGLU: silu(gate) * up; GeGLU: tanh-GELU(gate) * up, Gemma's
+    `gelu_pytorch_tanh`) or not (GELU, squared ReLU)."""
+    if activation == "swiglu":
+        return F.silu(gate) * up
+    if activation == "geglu":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "gelu":
+        return F.gelu(up)
+    return F.relu(up).square()
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ffn: int):
         super().__init__()
         h = cfg.hidden_size
         self.activation = cfg.activation
-        if self.activation == "swiglu":
+        if self.activation in GATED:
             self.gate_proj = nn.Linear(h, ffn, bias=cfg.add_bias)
         self.up_proj = nn.Linear(h, ffn, bias=cfg.add_bias)
         self.down_proj = nn.Linear(ffn, h, bias=cfg.add_bias)
 
     def forward(self, x):
-        if self.activation == "swiglu":
-            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        elif self.activation == "gelu":
-            hidden = F.gelu(self.up_proj(x))
-        else:
-            hidden = F.relu(self.up_proj(x)).square()
-        return self.down_proj(hidden)
+        gate = self.gate_proj(x) if self.activation in GATED else None
+        return self.down_proj(activate(self.activation, self.up_proj(x), gate))
 
 
 class GroupedExperts(nn.Module):
@@ -167,7 +187,7 @@ class GroupedExperts(nn.Module):
         h = cfg.hidden_size
         self.activation = cfg.activation
         self.w_up = nn.Parameter(torch.empty(num_experts, h, ffn))
-        self.w_gate = nn.Parameter(torch.empty(num_experts, h, ffn)) if cfg.activation == "swiglu" else None
+        self.w_gate = nn.Parameter(torch.empty(num_experts, h, ffn)) if cfg.activation in GATED else None
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn, h))
         self.reset_parameters()
 
@@ -178,25 +198,13 @@ class GroupedExperts(nn.Module):
 
     def expert_forward(self, e: int, x):
         """One expert on its tokens [n, h] (e is the local expert index)."""
-        up = x @ self.w_up[e]
-        if self.activation == "swiglu":
-            hidden = F.silu(x @ self.w_gate[e]) * up
-        elif self.activation == "gelu":
-            hidden = F.gelu(up)
-        else:
-            hidden = F.relu(up).square()
-        return hidden @ self.w_down[e]
+        gate = x @ self.w_gate[e] if self.w_gate is not None else None
+        return activate(self.activation, x @ self.w_up[e], gate) @ self.w_down[e]
 
     def forward(self, x):
         """Every expert on an equal share of tokens, batched: x is [experts, n, h]."""
-        up = torch.bmm(x, self.w_up)
-        if self.activation == "swiglu":
-            hidden = F.silu(torch.bmm(x, self.w_gate)) * up
-        elif self.activation == "gelu":
-            hidden = F.gelu(up)
-        else:
-            hidden = F.relu(up).square()
-        return torch.bmm(hidden, self.w_down)
+        gate = torch.bmm(x, self.w_gate) if self.w_gate is not None else None
+        return torch.bmm(activate(self.activation, torch.bmm(x, self.w_up), gate), self.w_down)
 
 
 class MoE(nn.Module):
@@ -209,13 +217,15 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.router_topk
+        self.router_fp32 = moe.router_fp32
         self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = GroupedExperts(cfg, moe.num_experts, moe.moe_ffn_hidden_size)
         shared = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size or moe.moe_ffn_hidden_size)
         self.shared_experts = MLP(cfg, shared) if shared else None
 
     def route(self, tokens):
-        logits = self.router(tokens)
+        # DeepSeek-V2/V3 score experts in fp32: the tokens and router weight are cast up for the GEMM
+        logits = F.linear(tokens.float(), self.router.weight.float()) if self.router_fp32 else self.router(tokens)
         weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(tokens.dtype)
         return weights, chosen
@@ -252,14 +262,25 @@ class DecoderLayer(nn.Module):
         self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.post_attention_norm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg, cfg.ffn_hidden_size)
+        # Gemma 2/3: each sublayer's output is normalised again before its residual add
+        self.attention_out_norm = make_norm(cfg, cfg.hidden_size) if cfg.sandwich_norm else None
+        self.mlp_out_norm = make_norm(cfg, cfg.hidden_size) if cfg.sandwich_norm else None
+        self.parallel_residual = cfg.parallel_residual
         self.dropout = cfg.dropout
 
     def _drop(self, x):
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
+    @staticmethod
+    def _out(norm, x):
+        return norm(x) if norm is not None else x
+
     def forward(self, x):
-        x = x + self._drop(self.attention(self.input_norm(x)))
-        return x + self._drop(self.mlp(self.post_attention_norm(x)))
+        attention = self._drop(self._out(self.attention_out_norm, self.attention(self.input_norm(x))))
+        if self.parallel_residual:  # GPT-NeoX / GPT-J: attention and MLP both read the layer input
+            return x + attention + self._drop(self._out(self.mlp_out_norm, self.mlp(self.post_attention_norm(x))))
+        x = x + attention
+        return x + self._drop(self._out(self.mlp_out_norm, self.mlp(self.post_attention_norm(x))))
 
 
 class Decoder(nn.Module):
@@ -279,9 +300,14 @@ class Decoder(nn.Module):
         x = self.embed_tokens(tokens)
         if self.embed_positions is not None:
             x = x + self.embed_positions.weight[: tokens.shape[1]]
+        if self.config.dropout:  # embedding dropout (GPT-2's embd_pdrop, Megatron's hidden dropout)
+            x = F.dropout(x, self.config.dropout, self.training)
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.final_norm(x))
+        logits = self.lm_head(self.final_norm(x))
+        if self.config.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
+        return logits
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", dtype=torch.float32) -> Decoder:

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, is_expert_container, is_norm_like,
-                             routed_experts, router_topk)
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, graph_topk, is_expert_container,
+                             is_linear_like, is_norm_like, routed_experts, router_topk)
 from .graph import BlockStructure
+from .recording import on_one_device, record, with_value_width
 from .reference_model import CoreAttention
-from .op_costs import node_costs
+from .op_costs import attention_cost, node_costs
 
 
 class CaptureTracer(fx.Tracer):
@@ -123,6 +127,68 @@ class _FlashAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
+class _FusedNorm(torch.autograd.Function):
+    """A norm as one fused kernel (Apex / Transformer Engine / torch's fused rms_norm): keeps its input
+    and fp32 per-row statistics (mean and rstd for LayerNorm, rstd for RMSNorm), nothing in between."""
+
+    @staticmethod
+    def forward(ctx, x, statistics: int):
+        rows = x.shape[:-1]
+        ctx.save_for_backward(x, torch.empty(*rows, statistics, dtype=torch.float32, device=x.device))
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad), None
+
+
+class _FusedActivation(torch.autograd.Function):
+    """An activation function as one kernel: keeps its input only (as F.gelu or F.silu do)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+def _bhsd(layout: str, tensors):
+    return tuple(t.transpose(1, 2) for t in tensors) if layout == "bshd" else tuple(tensors)
+
+
+def _attention_core(layout: str, args):
+    """An attention kernel module recorded from its q, k, v: a fused kernel, in the module's layout."""
+    q, k, v = _bhsd(layout, args[:3])
+    out = _FlashAttention.apply(q, k, v)
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def _is_activation(module: nn.Module, args) -> bool:
+    return (not list(module.children()) and not list(module.parameters()) and not list(module.buffers())
+            and not isinstance(module, nn.Dropout | nn.Identity) and len(args) == 1
+            and isinstance(args[0], torch.Tensor) and args[0].is_floating_point())
+
+
+def _norm_statistics(module: nn.Module) -> int:
+    """LayerNorm-type norms (with a bias, or torch's LayerNorm) keep mean and rstd; RMSNorm keeps rstd."""
+    return 2 if isinstance(module, nn.LayerNorm) or getattr(module, "bias", None) is not None else 1
+
+
+def _is_opaque_leaf(module: nn.Module) -> bool:
+    """A leaf whose cost no rule reads from the module itself (a user's leaf_modules entry)."""
+    return not (is_linear_like(module) or is_norm_like(module) or isinstance(module, nn.Embedding | nn.LayerNorm)
+                or is_expert_container(module) or not list(module.parameters()) and not list(module.children()))
+
+
+def _opaque_op(name: str, forward_flops: float, ops: list[OpCost]) -> OpCost:
+    """A leaf's counted FLOPs as GEMM work, with backward twice the forward (input and weight gradients)."""
+    moved = sum(op.bytes_accessed for op in ops)
+    return OpCost(name, OpKind.gemm, Sharding.sequence, forward_flops, forward_flops, forward_flops, moved, None)
+
+
 @dataclass
 class _Savers:
     """Who keeps one saved storage: FP8 training casts a weight GEMM's input to a 1-byte copy and keeps
@@ -153,14 +219,19 @@ class Measured:
 class _Analyzer(fx.Interpreter):
     """Runs a graph on meta tensors; records node costs and attributes saved tensors to producers."""
 
-    def __init__(self, gm: fx.GraphModule, tensor_region: set[str], seq_len: int, part_of=None):
+    def __init__(self, gm: fx.GraphModule, tensor_region: set[str], seq_len: int, part_of=None,
+                 shared_inputs: tuple[torch.Tensor, ...] = (), fused_kernels: bool = False):
         super().__init__(gm)
+        self.fused_kernels = fused_kernels
+        self.opaque_flops: dict[str, float] = {}   # leaf modules measured as one op: their counted FLOPs
         self.modules = dict(gm.named_modules())
         self.tensor_region = tensor_region
         self.seq_len = seq_len
         self.part_of = part_of or (lambda node: "all")
-        self.state_keys = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
-        self.param_ids = {id(p) for p in gm.parameters()}
+        # parameters, buffers and the inputs every block is given alike (RoPE tables, masks) are made once,
+        # outside the block: what the block saves of them is not the block's activation memory
+        self.state_keys = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers()) + list(shared_inputs)}
+        self.param_storages = {_storage_key(p) for p in gm.parameters()}
         self.producer: dict[int, str] = {}
         self.seen: set[int] = set()
         self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
@@ -207,26 +278,51 @@ class _Analyzer(fx.Interpreter):
         return scores or any(n.name in self.attention_nodes for n in node.all_input_nodes)
 
     def call_function(self, target, args, kwargs):
+        args, kwargs = on_one_device(args, kwargs)
         if target is F.scaled_dot_product_attention:
             return _FlashAttention.apply(args[0], args[1], args[2])
-        return super().call_function(target, args, kwargs)
+        return with_value_width(target, args, super().call_function(target, args, kwargs))
+
+    def call_method(self, target, args, kwargs):
+        args, kwargs = on_one_device(args, kwargs)
+        return super().call_method(target, args, kwargs)
 
     def call_module(self, target, args, kwargs):
+        module = self.modules.get(target)
+        args, kwargs = on_one_device(args, kwargs, module)
+        if self.fused_kernels and module is not None and is_norm_like(module) and args and \
+                isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            return _FusedNorm.apply(args[0], _norm_statistics(module))
+        if self.current is not None and self.current.meta.get("attention_core"):
+            return _attention_core(self.current.meta["attention_core"], args)
+        if self.fused_kernels and module is not None and _is_activation(module, args) and not kwargs:
+            return _FusedActivation.apply(args[0])
+        opaque = module is not None and _is_opaque_leaf(module)
+        counter = FlopCounterMode(display=False) if opaque else contextlib.nullcontext()
+        notes = self.results.setdefault(self.part_of(self.current), Measured()).warnings
         try:
-            return super().call_module(target, args, kwargs)
+            with counter:
+                out = super().call_module(target, args, kwargs)
         except Exception as exc:  # a leaf that cannot run on meta (data-dependent): shape-preserving op
             first = args[0] if args else None
             if not isinstance(first, torch.Tensor):
                 raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
                                      f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-            self.results.setdefault(self.part_of(self.current), Measured()).warnings.append(
-                f"leaf '{target}' cannot run on meta tensors; measured as a shape-preserving op")
+            notes.append(f"module '{target}' cannot run on meta tensors and is billed as a shape-preserving op: "
+                         "its FLOPs, bytes and saved tensors are not counted")
             return first * 1.0
+        if opaque:
+            self.opaque_flops[self.current.name] = float(counter.get_total_flops())
+            notes.append(f"module '{target}' is measured as one op (a leaf): its {counter.get_total_flops():.3g} "
+                         "forward FLOPs are counted by torch's FlopCounterMode and billed as GEMM work, but its "
+                         "inside is not seen (no tensor-parallel pairs, attention or experts: replicated under tp)")
+        return out
 
     def run_node(self, node: fx.Node):
         self.current = node
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        out = super().run_node(node)
+        with torch.set_grad_enabled(node.meta.get("grad_enabled", True)):  # as recorded (torch.no_grad code)
+            out = super().run_node(node)
         if self._is_attention_matrix(node, out):
             self.attention_nodes.add(node.name)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
@@ -237,7 +333,13 @@ class _Analyzer(fx.Interpreter):
         if isinstance(out, torch.Tensor):
             measured.shapes[node.name] = tuple(out.shape)
         module = self.modules.get(node.target) if node.op == "call_module" else None
-        ops = node_costs(node, module, list(args) + list(kwargs.values()), out, self._sharding(node), self.param_ids)
+        ops = node_costs(node, module, list(args) + list(kwargs.values()), out, self._sharding(node),
+                         self.param_storages)
+        if self.opaque_flops.get(node.name):
+            ops = [_opaque_op(node.name, self.opaque_flops[node.name], ops)]
+        if node.meta.get("attention_core"):
+            q, k, v, o = _bhsd(node.meta["attention_core"], (*args[:3], out))
+            ops = [attention_cost(node.name, q, k, v, o)]
         if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
             ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
                    for op in ops]
@@ -256,35 +358,77 @@ class _Analyzer(fx.Interpreter):
 
 
 def find_block_stack(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """The largest ModuleList of modules outside any expert container: the repeated blocks."""
+    """The largest ModuleList (or ModuleDict: torchtitan keys its layers "0", "1"...) outside any
+    expert container: the repeated blocks."""
     best_name, best = "", []
     expert_lists = {id(routed_experts(m).module_list) for m in model.modules() if is_expert_container(m)}
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and id(module) not in expert_lists and len(module) > len(best):
-            best_name, best = name, [(f"{name}.{i}", child) for i, child in enumerate(module)]
+        if id(module) in expert_lists or not isinstance(module, nn.ModuleList | nn.ModuleDict):
+            continue
+        children = list(module.named_children())
+        if len(children) > len(best):
+            best_name, best = name, [(f"{name}.{key}" if name else key, child) for key, child in children]
     return best_name, best
 
 
-def measure_block(block: nn.Module, example: torch.Tensor, seq_len: int, label: str,
-                  leaf_names: tuple[str, ...] = ()) -> tuple[Measured, BlockStructure, fx.GraphModule]:
-    gm = trace(block, leaf_names=leaf_names, label=label)
+@dataclass(frozen=True)
+class BlockGraph:
+    """One block kind as an fx graph, with the meta tensors that feed its placeholders."""
+    graph_module: fx.GraphModule
+    inputs: tuple[torch.Tensor, ...]     # the hidden state first (it carries the gradient)
+    front_end: str                       # "torch.fx" (symbolic) or "recorded" (run eagerly on meta, recording.py)
+
+
+def block_graph(block: nn.Module, args: tuple, kwargs: dict, label: str,
+                leaf_names: tuple[str, ...] = ()) -> BlockGraph:
+    """A block called with one tensor is traced symbolically when torch.fx can; otherwise (keyword
+    inputs such as RoPE tables and masks, or code fx cannot read) its forward is recorded."""
+    hidden = args[0].detach().requires_grad_(True)
+    others = [a.detach() if isinstance(a, torch.Tensor) else a for a in args[1:]]
+    kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    if not others and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        try:
+            return BlockGraph(trace(block, leaf_names=leaf_names, label=label), (hidden,), "torch.fx")
+        except UserInputError:
+            pass  # recorded below; a failure there is reported from the recording
+    leaf_ids = {id(m) for n, m in block.named_modules() if n and _named(n, leaf_names)}
+    recording = record(block, (hidden, *others), kwargs, leaf_ids=leaf_ids, label=label,
+                       seq_len=hidden.shape[1] if hidden.dim() >= 2 else None)
+    return BlockGraph(recording.graph_module, recording.inputs, "recorded")
+
+
+def _named(qualname: str, leaf_names: tuple[str, ...]) -> bool:
+    return any(qualname == n or qualname.endswith("." + n) for n in leaf_names)
+
+
+def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, label: str,
+                  leaf_names: tuple[str, ...] = (), fused_kernels: bool = False
+                  ) -> tuple[Measured, BlockStructure, BlockGraph]:
+    found = block_graph(block, args, kwargs, label, leaf_names)
+    gm = found.graph_module
     modules = dict(gm.named_modules())
     pairs, region = find_tp_pairs(gm.graph, modules)
     pair_linears = {name for pair in pairs for name in pair.columns + (pair.row,)}
     region |= {n.name for n in gm.graph.nodes if n.op == "call_module" and n.target in pair_linears}
-    x = example.detach().requires_grad_(True)
-    measured = _Analyzer(gm, region, seq_len).measure(x)["all"]
+    analyzer = _Analyzer(gm, region, seq_len, shared_inputs=found.inputs[1:], fused_kernels=fused_kernels)
+    measured = analyzer.measure(*found.inputs)["all"]
+    pairs, _ = find_tp_pairs(gm.graph, modules, measured.shapes)   # fused columns need the shapes
     heads, groups, head_dim = attention_heads(gm.graph, measured.shapes)
     experts = next(((n, m) for n, m in block.named_modules() if is_expert_container(m)), None)
+    num_experts = routed_experts(experts[1]).count if experts else 0
+    topk = (graph_topk(gm.graph, measured.shapes, num_experts) or router_topk(experts[1])) if experts else 0
+    if experts and not topk:
+        raise UserInputError(f"{label}: routed experts in '{experts[0]}' but no top-k over {num_experts} experts "
+                             "in its graph and no top_k / num_experts_per_tok attribute",
+                             expected="a router that picks experts with torch.topk, or a top_k attribute")
     structure = BlockStructure(
-        kind=label, tp_pairs=tuple(pairs), attention_heads=heads, kv_groups=groups, head_dim=head_dim,
+        kind=label, tp_pairs=tuple(pairs), attention_heads=heads,
+        kv_groups=groups, head_dim=head_dim,
         norms=tuple(n for n, m in block.named_modules() if is_norm_like(m) or isinstance(m, nn.LayerNorm)),
-        expert_container=experts[0] if experts else None,
-        num_experts=routed_experts(experts[1]).count if experts else 0,
-        router_topk=router_topk(experts[1]) if experts else 0,
+        expert_container=experts[0] if experts else None, num_experts=num_experts, router_topk=topk,
         reference_attention=any(isinstance(m, CoreAttention) for m in block.modules()),
         stacked_experts=bool(experts) and _stacked(experts[1]))
-    return measured, structure, gm
+    return measured, structure, found
 
 
 def _stacked(container: nn.Module) -> bool:
@@ -315,4 +459,4 @@ def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, 
     return counts
 
 
-__all__ = ["CaptureTracer", "trace", "Measured", "find_block_stack", "measure_block", "block_params"]
+__all__ = ["CaptureTracer", "trace", "Measured", "find_block_stack", "BlockGraph", "block_graph", "measure_block", "block_params"]

@@ -1,0 +1,393 @@
+"""Capture by recording: run a module once, eagerly on meta tensors, and write every torch call it makes
+into an fx.Graph.
+
+torch.fx's symbolic tracer cannot read most real model code (Hugging Face 5.x decoders fail on their
+`**kwargs` signatures, mask builders and routing loops branch on tensor values). Running the code
+for real resolves all of its Python: branches, loops, config lookups. Parameters stay on meta (no
+memory, no arithmetic); the few small tensors no parameter feeds (positions, packing ids) get real
+values, so code that branches on them takes the branch it takes on a device (`_run`), and nothing
+pretends to be a tracer, so libraries take their eager paths (transformers then skips the causal
+mask and calls SDPA with is_causal, as on a GPU). What is written down is
+the sequence of torch functions (`F.linear`, `torch.Tensor.view`, `F.scaled_dot_product_attention`,
+`torch._grouped_mm`...), with parameters as `get_attr` nodes and chosen modules (Linear, Embedding,
+norms, repeated blocks) as `call_module` leaves. The graph is then measured by the same interpreter
+as a symbolically traced one, on plain meta tensors, so both front ends bill work identically.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.fx.graph_module import _assign_attr
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hardware_profiles.errors import UserInputError
+
+from .graph_analysis import is_linear_like, is_norm_like, is_varlen_attention
+
+
+def is_recorded_leaf(module: nn.Module) -> bool:
+    """Modules written down as one call: their cost rules read the module, not its insides."""
+    return isinstance(module, nn.Embedding) or is_linear_like(module) or is_norm_like(module)
+
+
+def may_be_activation(module: nn.Module) -> bool:
+    """A stateless childless module (transformers' ACT2FN classes, nn.GELU): an activation function if it
+    turns one tensor into one of the same shape, which the recording checks after the call."""
+    return (not list(module.children()) and not list(module.parameters()) and not list(module.buffers())
+            and not isinstance(module, nn.Dropout | nn.Identity))
+
+
+@dataclass
+class Recording:
+    graph_module: "RecordedModule"
+    inputs: tuple[torch.Tensor, ...]      # the meta tensors that feed the graph's placeholders, in order
+    output: object                        # the recorded output (fake tensors; shapes and dtypes only)
+
+
+@dataclass
+class _Names:
+    """Qualified names of the root's parameters, buffers and modules, by object identity."""
+    tensors: dict[int, str] = field(default_factory=dict)
+    modules: dict[int, str] = field(default_factory=dict)
+
+    @staticmethod
+    def of(root: nn.Module) -> "_Names":
+        names = _Names()
+        for name, tensor in list(root.named_parameters(remove_duplicate=False)) + \
+                list(root.named_buffers(remove_duplicate=False)):
+            names.tensors.setdefault(id(tensor), name)
+        for name, module in root.named_modules(remove_duplicate=False):
+            names.modules.setdefault(id(module), name)
+        return names
+
+
+class _Recorder(TorchFunctionMode):
+    """Writes each top-level torch call into `graph`; calls made inside a leaf module are not written."""
+
+    def __init__(self, root: nn.Module, leaf_ids: set[int], seq_len: int | None):
+        super().__init__()
+        self.seq_len = seq_len   # tells an attention kernel's sequence axis from its heads axis
+        self.root = root
+        self.names = _Names.of(root)
+        self.leaf_ids = leaf_ids
+        self.named_leaves = leaf_ids   # the user's leaf_modules (blocks too, at the top level)
+        self.graph = fx.Graph()
+        self.node_of: dict[int, fx.Node] = {}
+        self.keep_alive: list[object] = []     # ids key node_of: the tensors must outlive the recording
+        self.attrs: dict[str, object] = {}     # get_attr targets: parameters, buffers, leaf modules, constants
+        self.inside_leaf = 0
+        self.module_path: list[str] = []
+
+    # arguments: tensors become the nodes that made them
+    def _arg(self, value):
+        if isinstance(value, torch.device) and value.type == "cpu":
+            return torch.device("meta")  # read off a real-valued index tensor; the graph runs on meta
+        if not isinstance(value, torch.Tensor):
+            return value
+        node = self.node_of.get(id(value))
+        if node is not None:
+            return node
+        name = self.names.tensors.get(id(value))
+        if name is None:  # computed for real (small: REAL_VALUE_MAX_ELEMENTS), or made outside any torch call
+            name = f"_constant{len(self.attrs)}"
+            keep = not value.is_meta and value.numel() <= REAL_VALUE_MAX_ELEMENTS
+            self.attrs[name] = value.detach() if keep else torch.empty(value.shape, dtype=value.dtype, device="meta")
+        else:
+            self.attrs[name] = value
+        node = self.graph.get_attr(name)
+        self._remember(value, node)
+        return node
+
+    def _remember(self, value, node: fx.Node) -> None:
+        self.node_of[id(value)] = node
+        self.keep_alive.append(value)
+
+    def _bind_outputs(self, out, node: fx.Node) -> None:
+        if isinstance(out, torch.Tensor):
+            self._remember(out, node)
+        elif isinstance(out, (tuple, list)):
+            for index, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    self._remember(item, self.graph.call_function(operator.getitem, (node, index)))
+
+    def _annotate(self, node: fx.Node) -> None:
+        node.meta["grad_enabled"] = torch.is_grad_enabled()
+        node.meta["module_path"] = self.module_path[-1] if self.module_path else ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = _run(func, args, kwargs)
+        if self.inside_leaf:
+            return out
+        name = getattr(func, "__name__", "")
+        mutates = (name.endswith("_") and not name.startswith("__")) or func is torch.Tensor.__setitem__
+        if not mutates and not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+            return out  # shape queries, dtype and device reads: their values are baked into the graph
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if outputs and not any(t.is_meta for t in outputs):
+            return out  # computed for real (positions, masks): a constant of the graph where it is used
+        node = self.graph.call_function(func, tree_map(self._arg, args), tree_map(self._arg, kwargs))
+        self._annotate(node)
+        self._bind_outputs(out, node)
+        return out
+
+    def stateless_forward(self, module: nn.Module, original):
+        """Record the call of a stateless module. An activation (one tensor in, one alike out) is folded
+        into one call_module node, so that a stack's fused kernel can stand in for its ops. An attention
+        kernel module that cannot run on meta (torchtitan's FlexAttention checks the device) but is
+        called with q, k, v shaped [b, heads, s, d] becomes one attention-core node (billed as a fused
+        attention kernel, which is what flex, flash and cuDNN attention are)."""
+        def forward(*args, **kwargs):
+            before = len(self.graph.nodes)
+            try:
+                out = original(*args, **kwargs)
+            except Exception:
+                qkv = _query_key_value(args)
+                layout = _attention_layout(qkv, self.seq_len) if qkv else None
+                if self.inside_leaf or layout is None:
+                    raise
+                q, _, v = qkv
+                out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device="meta")
+                return self._fold(module, before, qkv, out, attention_layout=layout)
+            tensors_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            single = len(tensors_in) == 1 and len(args) == 1 and isinstance(out, torch.Tensor)
+            if self.inside_leaf or not single or out.shape != args[0].shape or not out.is_floating_point():
+                return out
+            return self._fold(module, before, (args[0],), out)
+        return forward
+
+    def _fold(self, module: nn.Module, before: int, inputs: tuple, out, attention_layout: str = ""):
+        for node in reversed(list(self.graph.nodes)[before:]):
+            self.graph.erase_node(node)
+        target = self.names.modules[id(module)]
+        self.attrs[target] = module
+        node = self.graph.call_module(target, tuple(self._arg(t) for t in inputs))
+        self._annotate(node)
+        node.meta["attention_core"] = attention_layout   # "bhsd" or "bshd"; "" for an activation
+        self._remember(out, node)
+        return out
+
+    # leaves: patched forwards that run the module unrecorded and write one call_module node
+    def leaf_forward(self, module: nn.Module, original):
+        def forward(*args, **kwargs):
+            if self.inside_leaf:
+                return original(*args, **kwargs)
+            self.inside_leaf += 1
+            try:
+                out = original(*args, **kwargs)
+            except Exception:
+                if id(module) not in self.named_leaves:
+                    raise
+                # a leaf the user named because its code reads tensor values: it stands in as a
+                # shape-preserving op here, and measuring it says so (tracing._Analyzer.call_module)
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if first is None:
+                    raise
+                out = torch.empty_like(first, device="meta")
+            finally:
+                self.inside_leaf -= 1
+            target = self.names.modules[id(module)]
+            self.attrs[target] = module
+            node = self.graph.call_module(target, tree_map(self._arg, args), tree_map(self._arg, kwargs))
+            self._annotate(node)
+            self._bind_outputs(out, node)
+            return out
+        return forward
+
+
+# Tensors that no parameter feeds (token positions, packed-sequence ids, small index tables) are computed
+# for real on the CPU, as a device would: model code branches on them ("is this batch packed?") and
+# would read a meta tensor's value otherwise. Above this size a tensor is a mask or table nobody branches
+# on (an s x s mask at long context would cost gigabytes), and it stays on meta.
+REAL_VALUE_MAX_ELEMENTS = 1 << 22
+
+
+class TableOverrun(Exception):
+    """An embedding looked up past its table: on a device, an index-out-of-range assert."""
+
+
+def _check_lookup(func, args) -> None:
+    if func not in (F.embedding, torch.embedding) or len(args) < 2:
+        return
+    indices, weight = (args[0], args[1]) if func is F.embedding else (args[1], args[0])
+    if isinstance(indices, torch.Tensor) and not indices.is_meta and indices.numel() \
+            and int(indices.max()) >= weight.shape[0]:
+        raise TableOverrun(f"index {int(indices.max()):,} looked up in an embedding table of {weight.shape[0]:,} "
+                           "rows (a sequence longer than the learned position embeddings?)")
+
+
+def on_one_device(args, kwargs, module: nn.Module | None = None):
+    """Real-valued tensors moved to meta where they meet a meta tensor (or a module with meta weights):
+    what a parameter's data touches is shapes only."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    weights_on_meta = module is not None and any(p.is_meta for p in module.parameters(recurse=False))
+    if (weights_on_meta or any(t.is_meta for t in tensors)) and not all(t.is_meta for t in tensors):
+        return tree_map(_to_meta, (args, kwargs))
+    return args, kwargs
+
+
+def with_value_width(func, args, out):
+    """torch 2.13's meta kernel for varlen attention shapes its output like q; the kernel's output has v's
+    head size (they differ in MLA: 192 against 128). Output and log-sum-exp as the device makes them."""
+    if not is_varlen_attention(func) or not isinstance(out, tuple) or len(args) < 3:
+        return out
+    q, v = args[0], args[2]
+    if out[0].shape[-1] == v.shape[-1]:
+        return out
+    # autograd must see the op: keep its output's graph edge and give it v's width
+    fixed = out[0][..., :v.shape[-1]] if out[0].shape[-1] > v.shape[-1] else out[0]
+    return (fixed, *out[1:])
+
+
+def _run(func, args, kwargs):
+    """Call func with meta tensors wherever a parameter's data flows, real CPU values elsewhere."""
+    _check_lookup(func, args)
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if any(t.is_meta for t in tensors):
+        args, kwargs = on_one_device(args, kwargs)
+        return with_value_width(func, args, func(*args, **kwargs))
+    device = kwargs.get("device")
+    if tensors:
+        try:  # the output's size, learnt without computing it
+            on_meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        except (RuntimeError, NotImplementedError):  # reads a value (bool(), .item(), nonzero): read it
+            return func(*args, **kwargs)
+    elif device is not None and torch.device(device).type == "meta":   # a factory: arange, zeros, full...
+        on_meta = func(*args, **kwargs)
+        kwargs = {**kwargs, "device": "cpu"}
+    else:
+        return func(*args, **kwargs)
+    shapes = [t for t in tree_flatten(on_meta)[0] if isinstance(t, torch.Tensor)]
+    if sum(t.numel() for t in shapes) > REAL_VALUE_MAX_ELEMENTS or any(t.is_floating_point() and t.requires_grad
+                                                                         for t in shapes):
+        return on_meta
+    return func(*args, **kwargs)
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor) and not value.is_meta:
+        return value.to("meta")
+    return value
+
+
+def _query_key_value(args) -> tuple | None:
+    """The first three arguments, if they are attention's q, k, v: 4-D [b, heads, s, d] floating tensors
+    with one batch, q and k of one head size, k and v of one length, q's heads a multiple of k's."""
+    if len(args) < 3 or not all(isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point()
+                                for a in args[:3]):
+        return None
+    q, k, v = args[:3]
+    same = q.shape[0] == k.shape[0] == v.shape[0] and q.shape[-1] == k.shape[-1]
+    return (q, k, v) if same else None
+
+
+def _attention_layout(qkv: tuple, seq_len: int | None) -> str | None:
+    """Where the sequence sits in q, k, v: [b, heads, s, d] ("bhsd", SDPA's) or [b, s, heads, d]."""
+    q, k, v = qkv
+    if seq_len is None:
+        return None
+    if q.shape[2] == k.shape[2] == seq_len and q.shape[1] % k.shape[1] == 0:
+        return "bhsd"
+    if q.shape[1] == k.shape[1] == v.shape[1] == seq_len and q.shape[2] % k.shape[2] == 0:
+        return "bshd"
+    return None
+
+
+def _forward_kwargs(root: nn.Module) -> dict:
+    """A model that keeps a generation cache would record its updates: ask it not to (training has none)."""
+    try:
+        parameters = inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def record(root: nn.Module, args: tuple, kwargs: dict | None = None, leaf_ids: set[int] = frozenset(),
+           label: str = "model", seq_len: int | None = None) -> Recording:
+    """Run `root(*args, **kwargs)` once and return the graph of what it called.
+
+    `args`/`kwargs` hold meta tensors; every tensor among them becomes a placeholder, in order. Without
+    kwargs a whole model is called as for training (no generation cache)."""
+    kwargs = _forward_kwargs(root) if kwargs is None else dict(kwargs)
+    recorder = _Recorder(root, set(leaf_ids), seq_len)
+    flat, _ = tree_flatten((args, kwargs))
+    inputs = tuple(t for t in flat if isinstance(t, torch.Tensor))
+    for index, tensor in enumerate(inputs):
+        recorder._remember(tensor, recorder.graph.placeholder(f"input{index}"))
+    patched = [m for m in root.modules() if m is not root and (id(m) in leaf_ids or is_recorded_leaf(m))]
+    activations = [m for m in root.modules() if m is not root and m not in patched and may_be_activation(m)]
+    paths = _module_path_hooks(recorder)
+    for module in patched:
+        module.forward = recorder.leaf_forward(module, module.forward)
+    for module in activations:
+        module.forward = recorder.stateless_forward(module, module.forward)
+    patched += activations
+    try:
+        with recorder:
+            out = root(*args, **kwargs)
+    except UserInputError:
+        raise
+    except TableOverrun as exc:
+        where = recorder.module_path[-1] if recorder.module_path else type(root).__name__
+        raise UserInputError(f"cannot capture {label}: module '{where}': {exc}", field="seq_len",
+                             expected="a sequence length the model's position table holds") from None
+    except Exception as exc:
+        where = recorder.module_path[-1] if recorder.module_path else type(root).__name__
+        raise UserInputError(
+            f"cannot capture {label}: running its forward on meta tensors failed in module '{where}' with "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+            expected=f"a module whose forward runs without reading tensor values (no .item(), nonzero() or "
+                     f"branches on data; transformers MoE models: experts_implementation='grouped_mm'), or "
+                     f"leaf_modules=['{where}'] (--leaf-modules {where}) to bill that module as one "
+                     "shape-preserving op, reported in the plan (--strict-capture refuses it)"
+        ) from None
+    finally:
+        for module in patched:
+            del module.forward
+        for handle in paths:
+            handle.remove()
+    recorder.graph.output(tree_map(recorder._arg, _plain(out)))
+    return Recording(RecordedModule(recorder.attrs, recorder.graph), inputs, out)
+
+
+class RecordedModule(nn.Module):
+    """The recorded graph with the modules and tensors it names installed at their qualified paths: what
+    an fx.Interpreter runs. Not an fx.GraphModule, because some recorded targets (Tensor slot wrappers
+    such as `__rsub__`) have no importable name for fx to generate Python code from."""
+
+    def __init__(self, attrs: dict[str, object], graph: fx.Graph):
+        super().__init__()
+        modules_first = sorted(attrs.items(), key=lambda item: (not isinstance(item[1], nn.Module), item[0]))
+        for target, value in modules_first:
+            _assign_attr(value, self, target)  # plain tensors become buffers: state, never activations
+        self.graph = graph
+
+
+def _plain(out):
+    """Model outputs as plain containers (transformers returns dict-like ModelOutput classes)."""
+    if isinstance(out, dict):
+        return {key: _plain(value) for key, value in out.items()}
+    if isinstance(out, (tuple, list)) and type(out) not in (tuple, list):
+        return tuple(_plain(v) for v in out)
+    return out
+
+
+def _module_path_hooks(recorder: _Recorder) -> list:
+    """Keep the path of the module whose code is running (nn_module_stack, for messages and node meta)."""
+    def push(module, _args):
+        recorder.module_path.append(recorder.names.modules.get(id(module), type(module).__name__))
+
+    def pop(module, _args, _out):
+        if recorder.module_path:
+            recorder.module_path.pop()
+    return [nn.modules.module.register_module_forward_pre_hook(push),
+            nn.modules.module.register_module_forward_hook(pop)]
+
+
+__all__ = ["Recording", "record", "is_recorded_leaf"]
