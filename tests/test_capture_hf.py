@@ -57,7 +57,7 @@ def saved_bytes(graph) -> float:
     return sum(t.bytes for slot in graph.layers for t in graph.kind(slot.kind).saved)
 
 
-def closed_form_forward_flops_per_token(module, raw: dict) -> float:
+def closed_form_forward_flops_per_token(module, raw: dict, seq: int = SEQ) -> float:
     """2 x the weights a token multiplies by (Linears, routers, the output layer; routed experts: k of E),
     plus the attention core,
     2 heads s (d_qk + d_v) per layer (non-causal: the model-FLOPs convention); from the module's
@@ -77,7 +77,7 @@ def closed_form_forward_flops_per_token(module, raw: dict) -> float:
         d_qk, d_v = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"], raw["v_head_dim"]
     else:
         d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * weights + cfg.num_hidden_layers * 2 * heads * SEQ * (d_qk + d_v)
+    return 2 * weights + cfg.num_hidden_layers * 2 * heads * seq * (d_qk + d_v)
 
 
 def test_parameters_are_the_modules_own(family):
@@ -253,3 +253,12 @@ def test_a_module_capture_cannot_run_exits_2_with_advice_that_works(capsys, monk
     assert "capture: module 'gate' cannot run on meta tensors" in out
     code, _, err = show("--leaf-modules", "gate", "--strict-capture")
     assert code == 2 and "Traceback" not in err and "not exact" in err
+
+
+def test_sliding_window_layers_past_their_window_are_captured():
+    """Gemma 3 at 2,048 tokens, twice its 1,024-token window: transformers builds the sliding masks
+    (too large to compute for real, they stay on meta) and the FLOPs still match the closed form."""
+    module, seq = hf_module("gemma3-12b"), 2048
+    graph = capture(module, seq_len=seq, fused_kernels=True)
+    want = closed_form_forward_flops_per_token(module, raw_config("gemma3-12b"), seq)
+    assert forward_matmul_flops(graph) / seq == pytest.approx(want, rel=0.02)

@@ -251,6 +251,9 @@ def _run(func, args, kwargs):
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     if any(t.is_meta for t in tensors):
         args, kwargs = on_one_device(args, kwargs)
+        args, kwargs = tree_map(_cpu_to_meta, (args, kwargs))   # a large mask moved .to(a real tensor's device)
+        if isinstance(kwargs.get("device"), str) and kwargs["device"] == "cpu":
+            kwargs = {**kwargs, "device": "meta"}
         return with_value_width(func, args, func(*args, **kwargs))
     device = kwargs.get("device")
     if tensors:
@@ -268,6 +271,10 @@ def _run(func, args, kwargs):
                                                                          for t in shapes):
         return on_meta
     return func(*args, **kwargs)
+
+
+def _cpu_to_meta(value):
+    return torch.device("meta") if isinstance(value, torch.device) and value.type == "cpu" else value
 
 
 def _to_meta(value):
