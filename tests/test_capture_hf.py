@@ -160,16 +160,6 @@ def test_torchtitan_llama3_is_captured_as_transformers_llama_is():
     """torchtitan's own Llama3Model (fused QKV, complex RoPE, varlen attention, layers in a ModuleDict),
     called as its trainer calls it: the same parameters, FLOPs and structure as transformers' Llama 3.1."""
     llama3 = pytest.importorskip("torchtitan.models.llama3")
-
-    class TrainerCall(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, tokens):  # torchtitan's trainer: positions, then the attention metadata
-            positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
-            return self.model(tokens, positions, self.model.get_attention_masks(positions))
-
     with torch.device("meta"):
         titan = llama3.llama3_configs["8B"](attn_backend="varlen").build()
     graph = capture(TrainerCall(titan.to(torch.bfloat16)), seq_len=SEQ, fused_kernels=True)
@@ -180,6 +170,109 @@ def test_torchtitan_llama3_is_captured_as_transformers_llama_is():
     pairs = graph.structures[0].tp_pairs
     assert [p.row for p in pairs] == ["attention.wo", "feed_forward.w2"]
     assert pairs[0].fused_columns == ("attention.qkv_linear.wqkv",)   # [q | k | v] head groups: not tp-splittable as is
+
+
+class TrainerCall(torch.nn.Module):
+    """A torchtitan model called as torchtitan's trainer calls it: positions, then the attention metadata."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+        return self.model(tokens, positions, self.model.get_attention_masks(positions))
+
+
+def test_torchtitan_deepseek_v3_is_captured_with_its_experts():
+    """torchtitan's own DeepSeekV3Model (MLA, a router module around its gate Linear, grouped experts,
+    shared experts): its parameters, FLOPs within 1e-6 of the reference decoder's from DeepSeek-V3's
+    config.json, 256 experts with top-8 from the graph; the router's fp32 autocast is named as not applied."""
+    deepseek = pytest.importorskip("torchtitan.models.deepseek_v3")
+    with torch.device("meta"):
+        titan = deepseek.deepseekv3_configs["671B"](attn_backend="varlen", moe_comm_backend="standard").build()
+    graph = capture(TrainerCall(titan.to(torch.bfloat16)), seq_len=SEQ, fused_kernels=True)
+    reference = capture(config_from_hf(raw_config("deepseek-v3"), "deepseek-v3").model_copy(update={"hf_config": None}),
+                        seq_len=SEQ, fused_kernels=True)
+    assert graph.total_params == sum(p.numel() for p in titan.parameters())
+    assert graph.total_params == pytest.approx(reference.total_params, rel=1e-6)
+    assert forward_matmul_flops(graph) == pytest.approx(forward_matmul_flops(reference), rel=1e-6)
+    assert graph.layer_counts() == {"embedding": 1, "dense": 3, "moe": 58, "head": 1}
+    moe = graph.structure("moe")
+    assert (moe.num_experts, moe.router_topk, moe.expert_container) == (256, 8, "moe")
+    assert any("autocast" in note and "moe.router" in note for note in graph.capture_notes)
+
+
+def test_experts_routed_by_a_loop_over_the_chosen_ones_are_measured_balanced():
+    """Mixtral as transformers 4.x wrote it: a ModuleList of experts and a loop that reads which tokens
+    each one got (torch.where on the router's top-k), which meta cannot run: measured with balanced
+    routing, FLOPs exact against the closed form, and the plan's capture notes say so."""
+    h, seq, experts, k, layers, vocab = 256, 128, 8, 2, 2, 1000
+    model = LoopMoEModel(h, layers, vocab, experts, k)
+    graph = capture(model, seq_len=seq)
+    per_token = 2 * (layers * (4 * h * h + h * experts + k * 3 * h * 2 * h) + vocab * h) + layers * 4 * seq * h
+    assert forward_matmul_flops(graph) / seq == pytest.approx(per_token, rel=1e-9)
+    assert graph.total_params == sum(p.numel() for p in model.parameters())
+    assert (graph.num_experts, graph.structures[0].router_topk) == (experts, k)
+    assert any("balanced routing" in note for note in graph.capture_notes)
+
+
+class LoopExpert(torch.nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(h, f, bias=False), torch.nn.Linear(h, f, bias=False)
+        self.w2 = torch.nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class LoopMoE(torch.nn.Module):
+    def __init__(self, h, experts, k):
+        super().__init__()
+        self.gate, self.top_k = torch.nn.Linear(h, experts, bias=False), k
+        self.experts = torch.nn.ModuleList(LoopExpert(h, 2 * h) for _ in range(experts))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        x = x.view(-1, h)
+        weights, chosen = torch.topk(torch.softmax(self.gate(x), -1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out.view(b, t, h)
+
+
+class LoopMoEBlock(torch.nn.Module):
+    def __init__(self, h, experts, k, heads=8):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv, self.o = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+        self.moe = LoopMoE(h, experts, k)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.n1(x)).split(h, -1))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(b, t, h))
+        return x + self.moe(self.n2(x))
+
+
+class LoopMoEModel(torch.nn.Module):
+    def __init__(self, h, layers, vocab, experts, k):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, h)
+        self.layers = torch.nn.ModuleList(LoopMoEBlock(h, experts, k) for _ in range(layers))
+        self.head = torch.nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
 
 
 class NanoGPT(torch.nn.Module):

@@ -75,8 +75,9 @@ class RoutedExperts:
 
 
 def _router_sizes(module: nn.Module) -> set[int]:
-    """Output widths of the child modules that could be a router: a Linear, or a module holding a 2-D
-    `weight` [experts, hidden] it multiplies by itself (Hugging Face 5.x `*TopKRouter`)."""
+    """Output widths of the child modules that could be a router: a Linear, a module holding a 2-D
+    `weight` [experts, hidden] it multiplies by itself (Hugging Face 5.x `*TopKRouter`), or a module
+    around a gate Linear (torchtitan's `TokenChoiceTopKRouter.gate`)."""
     sizes = set()
     for child in module.children():
         weight = getattr(child, "weight", None)
@@ -84,6 +85,8 @@ def _router_sizes(module: nn.Module) -> set[int]:
             sizes.add(child.out_features)
         elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and not isinstance(child, nn.Embedding):
             sizes.add(weight.shape[0])
+        elif not isinstance(child, nn.ModuleList):   # a router module around its gate Linear (torchtitan)
+            sizes |= {g.out_features for g in child.children() if isinstance(g, nn.Linear)}
     return sizes
 
 

@@ -15,6 +15,7 @@ as a symbolically traced one, on plain meta tensors, so both front ends bill wor
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import is_linear_like, is_norm_like, is_varlen_attention
+from .graph_analysis import is_expert_container, is_linear_like, is_norm_like, is_varlen_attention
 
 
 def is_recorded_leaf(module: nn.Module) -> bool:
@@ -47,7 +48,8 @@ def may_be_activation(module: nn.Module) -> bool:
 class Recording:
     graph_module: "RecordedModule"
     inputs: tuple[torch.Tensor, ...]      # the meta tensors that feed the graph's placeholders, in order
-    output: object                        # the recorded output (fake tensors; shapes and dtypes only)
+    output: object                        # the recorded output (meta tensors: shapes and dtypes only)
+    notes: tuple[str, ...] = ()           # capture notes: what ran otherwise than the code asks
 
 
 @dataclass
@@ -83,6 +85,7 @@ class _Recorder(TorchFunctionMode):
         self.attrs: dict[str, object] = {}     # get_attr targets: parameters, buffers, leaf modules, constants
         self.inside_leaf = 0
         self.module_path: list[str] = []
+        self.notes: set[str] = set()   # what the recording could not do as the code asks (Recording.notes)
 
     # arguments: tensors become the nodes that made them
     def _arg(self, value):
@@ -160,6 +163,24 @@ class _Recorder(TorchFunctionMode):
             if self.inside_leaf or not single or out.shape != args[0].shape or not out.is_floating_point():
                 return out
             return self._fold(module, before, (args[0],), out)
+        return forward
+
+    def experts_forward(self, module: nn.Module, original):
+        """Record a MoE container's call; one whose code reads the routing (a loop over the experts the
+        router chose: `nonzero`, `torch.where(mask)`) cannot run on meta, and becomes one call_module
+        node that the measurement runs with balanced routing (tracing._balanced_experts)."""
+        def forward(*args, **kwargs):
+            before = len(self.graph.nodes)
+            try:
+                return original(*args, **kwargs)
+            except Exception:
+                first = args[0] if args else None
+                if self.inside_leaf or not isinstance(first, torch.Tensor):
+                    raise
+                self.notes.add(f"'{self.names.modules[id(module)]}' routes tokens by reading the router's choice "
+                               "(not possible on meta): its experts are measured with balanced routing, "
+                               "tokens x k / E each")
+                return self._fold(module, before, (first,), torch.empty_like(first, device="meta"))
         return forward
 
     def _fold(self, module: nn.Module, before: int, inputs: tuple, out, attention_layout: str = ""):
@@ -329,14 +350,17 @@ def record(root: nn.Module, args: tuple, kwargs: dict | None = None, leaf_ids: s
         recorder._remember(tensor, recorder.graph.placeholder(f"input{index}"))
     patched = [m for m in root.modules() if m is not root and (id(m) in leaf_ids or is_recorded_leaf(m))]
     activations = [m for m in root.modules() if m is not root and m not in patched and may_be_activation(m)]
+    experts = [m for m in root.modules() if m is not root and m not in patched and is_expert_container(m)]
     paths = _module_path_hooks(recorder)
     for module in patched:
         module.forward = recorder.leaf_forward(module, module.forward)
     for module in activations:
         module.forward = recorder.stateless_forward(module, module.forward)
-    patched += activations
+    for module in experts:
+        module.forward = recorder.experts_forward(module, module.forward)
+    patched += activations + experts
     try:
-        with recorder:
+        with recorder, _autocast_on_meta(recorder):
             out = root(*args, **kwargs)
     except UserInputError:
         raise
@@ -360,7 +384,7 @@ def record(root: nn.Module, args: tuple, kwargs: dict | None = None, leaf_ids: s
         for handle in paths:
             handle.remove()
     recorder.graph.output(tree_map(recorder._arg, _plain(out)))
-    return Recording(RecordedModule(recorder.attrs, recorder.graph), inputs, out)
+    return Recording(RecordedModule(recorder.attrs, recorder.graph), inputs, out, tuple(sorted(recorder.notes)))
 
 
 class RecordedModule(nn.Module):
@@ -383,6 +407,27 @@ def _plain(out):
     if isinstance(out, (tuple, list)) and type(out) not in (tuple, list):
         return tuple(_plain(v) for v in out)
     return out
+
+
+@contextlib.contextmanager
+def _autocast_on_meta(recorder: _Recorder):
+    """torch.autocast refuses the meta device, and model code opens it on its input's device
+    (torchtitan's MoE router computes its gate under fp32 autocast). While recording, such a region runs
+    without autocast, and the recording says so: its casts (an fp32 gate GEMM) are not applied."""
+    real = torch.autocast
+
+    class MetaAwareAutocast(real):
+        def __init__(self, device_type, *args, **kwargs):
+            if device_type == "meta":
+                recorder.notes.add(f"an autocast region in '{recorder.module_path[-1] if recorder.module_path else 'model'}'"
+                                   " ran without autocast (torch has none on meta): its dtype casts are not applied")
+                device_type, kwargs = "cpu", {**kwargs, "enabled": False}
+            super().__init__(device_type, *args, **kwargs)
+    torch.autocast = MetaAwareAutocast
+    try:
+        yield
+    finally:
+        torch.autocast = real
 
 
 def _module_path_hooks(recorder: _Recorder) -> list:

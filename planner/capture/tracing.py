@@ -155,6 +155,25 @@ class _FusedActivation(torch.autograd.Function):
         return torch.zeros_like(grad)
 
 
+def _balanced_experts(container: nn.Module, found, x: torch.Tensor) -> torch.Tensor:
+    """A MoE whose code routes by the router's values, run as balanced routing would run it: the router
+    on every token, each expert module on its tokens x k / E dispatched copies (what it keeps for
+    backward is measured), the combine, and any other child (shared experts) on every token."""
+    tokens = x.reshape(-1, x.shape[-1])
+    topk = router_topk(container) or 1
+    per_expert = max(1, tokens.shape[0] * topk // found.count)
+    out = torch.zeros_like(tokens)
+    for child in container.children():
+        if child is found.module_list:
+            for expert in child:
+                out = out + expert(tokens[:per_expert].clone()).sum() * 0
+        elif isinstance(child, nn.Linear):
+            out = out + child(tokens)[:, :1] * 0
+        elif list(child.parameters()):
+            out = out + child(tokens)
+    return out.reshape(x.shape)
+
+
 def _bhsd(layout: str, tensors):
     return tuple(t.transpose(1, 2) for t in tensors) if layout == "bshd" else tuple(tensors)
 
@@ -305,6 +324,9 @@ class _Analyzer(fx.Interpreter):
                 out = super().call_module(target, args, kwargs)
         except Exception as exc:  # a leaf that cannot run on meta (data-dependent): shape-preserving op
             first = args[0] if args else None
+            found = routed_experts(module) if module is not None else None
+            if found is not None and found.module_list is not None and isinstance(first, torch.Tensor):
+                return _balanced_experts(module, found, first)
             if not isinstance(first, torch.Tensor):
                 raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
                                      f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
@@ -377,6 +399,7 @@ class BlockGraph:
     graph_module: fx.GraphModule
     inputs: tuple[torch.Tensor, ...]     # the hidden state first (it carries the gradient)
     front_end: str                       # "torch.fx" (symbolic) or "recorded" (run eagerly on meta, recording.py)
+    notes: tuple[str, ...] = ()          # what the recording ran otherwise than the code asks
 
 
 def block_graph(block: nn.Module, args: tuple, kwargs: dict, label: str,
@@ -394,7 +417,7 @@ def block_graph(block: nn.Module, args: tuple, kwargs: dict, label: str,
     leaf_ids = {id(m) for n, m in block.named_modules() if n and _named(n, leaf_names)}
     recording = record(block, (hidden, *others), kwargs, leaf_ids=leaf_ids, label=label,
                        seq_len=hidden.shape[1] if hidden.dim() >= 2 else None)
-    return BlockGraph(recording.graph_module, recording.inputs, "recorded")
+    return BlockGraph(recording.graph_module, recording.inputs, "recorded", recording.notes)
 
 
 def _named(qualname: str, leaf_names: tuple[str, ...]) -> bool:
@@ -412,6 +435,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
     region |= {n.name for n in gm.graph.nodes if n.op == "call_module" and n.target in pair_linears}
     analyzer = _Analyzer(gm, region, seq_len, shared_inputs=found.inputs[1:], fused_kernels=fused_kernels)
     measured = analyzer.measure(*found.inputs)["all"]
+    measured.warnings.extend(n for n in found.notes if n not in measured.warnings)
     pairs, _ = find_tp_pairs(gm.graph, modules, measured.shapes)   # fused columns need the shapes
     heads, groups, head_dim = attention_heads(gm.graph, measured.shapes)
     experts = next(((n, m) for n, m in block.named_modules() if is_expert_container(m)), None)
