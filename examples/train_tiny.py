@@ -50,7 +50,10 @@ def parse_args(argv=None):
                              "default: the plan's, or fp32 for a --layout that names none)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip by the global gradient norm")
-    parser.add_argument("--dump-grads", default=None, help="directory: first-step gradients per rank")
+    parser.add_argument("--dump-grads", default=None, help="directory: every step's gradients per rank")
+    parser.add_argument("--cases", default=None, help="a JSON file of [{name, model, layout}]: train each in turn in "
+                        "this one launch (one process group), its lines prefixed 'case NAME', its gradients "
+                        "under --dump-grads/NAME (the runtime tests run many layouts per launch)")
     parser.add_argument("--save-at", type=int, default=None, help="save a DCP checkpoint after this step")
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
     parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue after the step it "
@@ -162,7 +165,6 @@ def main(argv=None) -> int:
         args.device_type = device_type_of(Plan.load(args.plan)) if args.plan else "cpu"
     init_distributed(args.device_type, args.collective_timeout)
     rank = dist.get_rank()
-    watchdog = Watchdog(args.collective_timeout)
     try:
         injection = faults.parse_injection(args.inject)
         skip_steps = {int(s) for s in args.skip_steps.split(",") if s.strip()}
@@ -170,6 +172,31 @@ def main(argv=None) -> int:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
+    code = 0
+    for case, case_args in cases_of(args):
+        code = train(case_args, rank, injection, skip_steps, prefix=f"case {case} " if case else "")
+        gc.collect()
+        dist.barrier()  # no rank tears its group down (or starts the next case) while a peer still talks to it
+        if code:
+            break
+    dist.destroy_process_group()
+    return code
+
+
+def cases_of(args):
+    """(name, arguments) per training run: the one the flags describe, or each entry of --cases."""
+    if not args.cases:
+        yield "", args
+        return
+    import json
+    for entry in json.loads(Path(args.cases).read_text()):
+        dump = str(Path(args.dump_grads) / entry["name"]) if args.dump_grads else None
+        yield entry["name"], argparse.Namespace(**{**vars(args), "model": entry.get("model", args.model),
+                                                   "layout": entry.get("layout", ""), "dump_grads": dump})
+
+
+def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") -> int:
+    watchdog = Watchdog(args.collective_timeout)
     health = None if args.no_health else HealthPolicy(on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
                                                        sdc_every=args.sdc_every)
     try:
@@ -187,8 +214,7 @@ def main(argv=None) -> int:
         parallel = apply_plan(model, graph, layout, args.device_type, optimizer=args.optimizer, lr=args.lr,
                               max_grad_norm=args.max_grad_norm, precision=precision, health=health)
     except (PlanError, UserInputError, ValueError) as exc:  # a plan this model cannot run: say so on every rank
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
+        print(f"error (rank {rank}): {prefix}{exc}", file=sys.stderr, flush=True)
         return 2
     if rank == 0:
         for note in parallel.notes:
@@ -234,7 +260,7 @@ def main(argv=None) -> int:
             print(watchdog.report(step, exc), file=sys.stderr, flush=True)
             os._exit(3)   # the process group cannot be torn down cleanly with a peer gone
         if rank == 0:
-            print(f"step {step} loss {loss:.10f}", flush=True)
+            print(f"{prefix}step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:
             pending = parallel.save(args.checkpoint, step, asynchronous=args.async_save)
         if args.checkpoint_dir and args.save_every and step % args.save_every == 0:
@@ -245,10 +271,9 @@ def main(argv=None) -> int:
     # exist: a group freed at interpreter exit with gloo threads alive aborts the process (seen twice in
     # the runtime tests as 'terminate called without an active exception' after a clean run)
     del parallel, model
-    gc.collect()
-    dist.barrier()  # no rank tears its group down while a peer still talks to it
-    dist.destroy_process_group()
     return 0
+
+
 
 
 if __name__ == "__main__":

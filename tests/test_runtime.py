@@ -5,6 +5,7 @@ first within 1e-5 (the layouts differ only in summation order), later ones withi
 each update by the gradient's own running size, which lifts rounding differences of near-zero entries
 to the learning rate's scale; a wrong reduction is off by tens of percent).
 """
+import json
 import os
 import socket
 import subprocess
@@ -61,14 +62,29 @@ def gradients(directory: Path, step: int) -> dict[str, torch.Tensor]:
     return merged
 
 
+def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple[list[float], Path]]:
+    """One launch trains every case in turn (examples/train_tiny.py --cases): per case, its losses and the
+    directory of its per-step gradients. Starting ranks costs seconds on 2 cores; a case, a fraction."""
+    spec = directory / "cases.json"
+    spec.write_text(json.dumps(cases))
+    proc = launch(nproc, "--steps", str(STEPS), *TRAIN, "--cases", str(spec), "--dump-grads", str(directory))
+    by_case: dict[str, list[float]] = {case["name"]: [] for case in cases}
+    for line in proc.stdout.splitlines():
+        if line.startswith("case "):
+            _, name, _, _, _, value = line.split()
+            by_case[name].append(float(value))
+    return {name: (values, directory / name) for name, values in by_case.items()}
+
+
+REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = {}
-    for model in ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS):
-        grads = tmp_path_factory.mktemp("ref-" + model.replace("/", "-").replace(":", "-"))
-        proc = launch(1, "--model", model, "--steps", str(STEPS), *TRAIN, "--dump-grads", str(grads))
-        out[model] = (losses(proc), grads)
-    return out
+    """Every model's single-process run, all in one process."""
+    cases = [{"name": f"ref{i}", "model": model} for i, model in enumerate(REFERENCE_MODELS)]
+    runs = run_cases(1, cases, tmp_path_factory.mktemp("reference"))
+    return {model: runs[f"ref{i}"] for i, model in enumerate(REFERENCE_MODELS)}
 
 
 def assert_gradients_match(got_dir: Path, ref_dir: Path, steps) -> None:
@@ -122,15 +138,26 @@ CASES = [
 ]
 
 
+def case_model(case) -> str:
+    return case[3] if len(case) > 3 else "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """One launch per world size runs all of that size's layouts (issue 14: runtime tests in minutes)."""
+    runs = {}
+    for nproc in sorted({case[1] for case in CASES}):
+        cases = [{"name": c[0], "model": case_model(c), "layout": c[2]} for c in CASES if c[1] == nproc]
+        runs.update(run_cases(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}")))
+    return runs
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_layout_matches_single_process(reference, tmp_path, case):
-    name, nproc, layout = case[:3]
-    model = case[3] if len(case) > 3 else "tiny-llama"
-    ref_losses, ref_grads = reference[model]
-    proc = launch(nproc, "--model", model, "--steps", str(STEPS), *TRAIN, "--layout", layout,
-                  "--dump-grads", str(tmp_path))
-    assert losses(proc) == pytest.approx(ref_losses, rel=LOSS_TOLERANCE)
-    assert_gradients_match(tmp_path, ref_grads, range(1, STEPS + 1))
+def test_layout_matches_single_process(reference, layout_runs, case):
+    ref_losses, ref_grads = reference[case_model(case)]
+    got_losses, got_grads = layout_runs[case[0]]
+    assert got_losses == pytest.approx(ref_losses, rel=LOSS_TOLERANCE)
+    assert_gradients_match(got_grads, ref_grads, range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("nproc,layout", [(2, "pp=2,mbs=2"), (4, "dp=2,tp=2,zero=3")])

@@ -85,9 +85,15 @@ def _router_sizes(module: nn.Module) -> set[int]:
             sizes.add(child.out_features)
         elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and not isinstance(child, nn.Embedding):
             sizes.add(weight.shape[0])
-        elif not isinstance(child, nn.ModuleList):   # a router module around its gate Linear (torchtitan)
-            sizes |= {g.out_features for g in child.children() if isinstance(g, nn.Linear)}
+        elif _wraps_one_linear(child):   # a router module around its gate Linear (torchtitan)
+            sizes.add(next(g for g in child.children() if isinstance(g, nn.Linear)).out_features)
     return sizes
+
+
+def _wraps_one_linear(module: nn.Module) -> bool:
+    """A module whose only parameters are one Linear child's (torchtitan's TokenChoiceTopKRouter.gate)."""
+    holders = [m for m in module.modules() if list(m.parameters(recurse=False))]
+    return len(holders) == 1 and isinstance(holders[0], nn.Linear) and holders[0] is not module
 
 
 def routed_experts(module: nn.Module) -> RoutedExperts | None:
