@@ -5,7 +5,7 @@ torch.fx's symbolic tracer cannot read most real model code (Hugging Face 5.x de
 `**kwargs` signatures, mask builders and routing loops branch on tensor values). Running the code
 for real resolves all of its Python: branches, loops, config lookups. Parameters stay on meta (no
 memory, no arithmetic); the few small tensors no parameter feeds (positions, packing ids) get real
-values, so code that branches on them takes the branch it takes on a device (`_run`), and nothing
+values, so code that branches on them takes the branch it takes on a device (`run_call`), and nothing
 pretends to be a tracer, so libraries take their eager paths (transformers then skips the causal
 mask and calls SDPA with is_causal, as on a GPU). What is written down is
 the sequence of torch functions (`F.linear`, `torch.Tensor.view`, `F.scaled_dot_product_attention`,
@@ -21,7 +21,6 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.fx.graph_module import _assign_attr
@@ -29,7 +28,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import is_expert_container, is_linear_like, is_norm_like, is_varlen_attention
+from .graph_analysis import is_expert_container, is_linear_like, is_norm_like
+from .values import REAL_VALUE_MAX_ELEMENTS, TableOverrun, attention_layout, query_key_value, run_call
 
 
 def is_recorded_leaf(module: nn.Module) -> bool:
@@ -125,7 +125,7 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = _run(func, args, kwargs)
+        out = run_call(func, args, kwargs)
         if self.inside_leaf:
             return out
         name = getattr(func, "__name__", "")
@@ -151,8 +151,8 @@ class _Recorder(TorchFunctionMode):
             try:
                 out = original(*args, **kwargs)
             except Exception:
-                qkv = _query_key_value(args)
-                layout = _attention_layout(qkv, self.seq_len) if qkv else None
+                qkv = query_key_value(args)
+                layout = attention_layout(qkv, self.seq_len) if qkv else None
                 if self.inside_leaf or layout is None:
                     raise
                 q, _, v = qkv
@@ -220,111 +220,6 @@ class _Recorder(TorchFunctionMode):
             self._bind_outputs(out, node)
             return out
         return forward
-
-
-# Tensors that no parameter feeds (token positions, packed-sequence ids, small index tables) are computed
-# for real on the CPU, as a device would: model code branches on them ("is this batch packed?") and
-# would read a meta tensor's value otherwise. Above this size a tensor is a mask or table nobody branches
-# on (an s x s mask at long context would cost gigabytes), and it stays on meta.
-REAL_VALUE_MAX_ELEMENTS = 1 << 22
-
-
-class TableOverrun(Exception):
-    """An embedding looked up past its table: on a device, an index-out-of-range assert."""
-
-
-def _check_lookup(func, args) -> None:
-    if func not in (F.embedding, torch.embedding) or len(args) < 2:
-        return
-    indices, weight = (args[0], args[1]) if func is F.embedding else (args[1], args[0])
-    if isinstance(indices, torch.Tensor) and not indices.is_meta and indices.numel() \
-            and int(indices.max()) >= weight.shape[0]:
-        raise TableOverrun(f"index {int(indices.max()):,} looked up in an embedding table of {weight.shape[0]:,} "
-                           "rows (a sequence longer than the learned position embeddings?)")
-
-
-def on_one_device(args, kwargs, module: nn.Module | None = None):
-    """Real-valued tensors moved to meta where they meet a meta tensor (or a module with meta weights):
-    what a parameter's data touches is shapes only."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    weights_on_meta = module is not None and any(p.is_meta for p in module.parameters(recurse=False))
-    if (weights_on_meta or any(t.is_meta for t in tensors)) and not all(t.is_meta for t in tensors):
-        return tree_map(_to_meta, (args, kwargs))
-    return args, kwargs
-
-
-def with_value_width(func, args, out):
-    """torch 2.13's meta kernel for varlen attention shapes its output like q; the kernel's output has v's
-    head size (they differ in MLA: 192 against 128). Output and log-sum-exp as the device makes them."""
-    if not is_varlen_attention(func) or not isinstance(out, tuple) or len(args) < 3:
-        return out
-    q, v = args[0], args[2]
-    if out[0].shape[-1] == v.shape[-1]:
-        return out
-    # autograd must see the op: keep its output's graph edge and give it v's width
-    fixed = out[0][..., :v.shape[-1]] if out[0].shape[-1] > v.shape[-1] else out[0]
-    return (fixed, *out[1:])
-
-
-def _run(func, args, kwargs):
-    """Call func with meta tensors wherever a parameter's data flows, real CPU values elsewhere."""
-    _check_lookup(func, args)
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if any(t.is_meta for t in tensors):
-        args, kwargs = on_one_device(args, kwargs)
-        args, kwargs = tree_map(_cpu_to_meta, (args, kwargs))   # a large mask moved .to(a real tensor's device)
-        if isinstance(kwargs.get("device"), str) and kwargs["device"] == "cpu":
-            kwargs = {**kwargs, "device": "meta"}
-        return with_value_width(func, args, func(*args, **kwargs))
-    device = kwargs.get("device")
-    if tensors:
-        try:  # the output's size, learnt without computing it
-            on_meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        except (RuntimeError, NotImplementedError):  # reads a value (bool(), .item(), nonzero): read it
-            return func(*args, **kwargs)
-    elif device is not None and torch.device(device).type == "meta":   # a factory: arange, zeros, full...
-        on_meta = func(*args, **kwargs)
-        kwargs = {**kwargs, "device": "cpu"}
-    else:
-        return func(*args, **kwargs)
-    shapes = [t for t in tree_flatten(on_meta)[0] if isinstance(t, torch.Tensor)]
-    if sum(t.numel() for t in shapes) > REAL_VALUE_MAX_ELEMENTS or any(t.is_floating_point() and t.requires_grad
-                                                                         for t in shapes):
-        return on_meta
-    return func(*args, **kwargs)
-
-
-def _cpu_to_meta(value):
-    return torch.device("meta") if isinstance(value, torch.device) and value.type == "cpu" else value
-
-
-def _to_meta(value):
-    if isinstance(value, torch.Tensor) and not value.is_meta:
-        return value.to("meta")
-    return value
-
-
-def _query_key_value(args) -> tuple | None:
-    """The first three arguments, if they are attention's q, k, v: 4-D [b, heads, s, d] floating tensors
-    with one batch, q and k of one head size, k and v of one length, q's heads a multiple of k's."""
-    if len(args) < 3 or not all(isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point()
-                                for a in args[:3]):
-        return None
-    q, k, v = args[:3]
-    same = q.shape[0] == k.shape[0] == v.shape[0] and q.shape[-1] == k.shape[-1]
-    return (q, k, v) if same else None
-
-
-def _attention_layout(qkv: tuple, seq_len: int | None) -> str | None:
-    """Where the sequence sits in q, k, v: [b, heads, s, d] ("bhsd", SDPA's) or [b, s, heads, d]."""
-    q, k, v = qkv
-    if seq_len is None:
-        return None
-    if q.shape[2] == k.shape[2] == seq_len and q.shape[1] % k.shape[1] == 0:
-        return "bhsd"
-    if q.shape[1] == k.shape[1] == v.shape[1] == seq_len and q.shape[2] % k.shape[2] == 0:
-        return "bshd"
-    return None
 
 
 def _forward_kwargs(root: nn.Module) -> dict:

@@ -24,8 +24,11 @@ from hardware_profiles.errors import UserInputError
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, graph_topk, is_expert_container,
                              is_linear_like, is_norm_like, routed_experts, router_topk)
 from .graph import BlockStructure
-from .recording import on_one_device, record, with_value_width
+from .recording import record
+from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
+from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
+                      is_activation, norm_statistics)
 from .op_costs import attention_cost, node_costs
 
 
@@ -104,96 +107,6 @@ def _has_state(args, state_keys: set[int]) -> bool:
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
-
-
-class _FlashAttention(torch.autograd.Function):
-    """SDPA measured as a fused flash kernel: saves q, k, v, the output and the fp32 log-sum-exp,
-    never the s x s matrix (on meta SDPA would take the math path and save it). The output is laid
-    out [b, s, heads, d] and returned transposed, as CUDA's flash kernel returns it, so the usual
-    transpose-and-reshape into the output projection is a view that shares its storage (measured on
-    an H200: one h-wide tensor per layer less than a [b, heads, s, d] output; docs/gpu-validation.md)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        b, heads, s = q.shape[:-1]
-        out = q.new_empty(b, s, heads, v.shape[-1]).transpose(1, 2)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
-class _FusedNorm(torch.autograd.Function):
-    """A norm as one fused kernel (Apex / Transformer Engine / torch's fused rms_norm): keeps its input
-    and fp32 per-row statistics (mean and rstd for LayerNorm, rstd for RMSNorm), nothing in between."""
-
-    @staticmethod
-    def forward(ctx, x, statistics: int):
-        rows = x.shape[:-1]
-        ctx.save_for_backward(x, torch.empty(*rows, statistics, dtype=torch.float32, device=x.device))
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.zeros_like(grad), None
-
-
-class _FusedActivation(torch.autograd.Function):
-    """An activation function as one kernel: keeps its input only (as F.gelu or F.silu do)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.zeros_like(grad)
-
-
-def _balanced_experts(container: nn.Module, found, x: torch.Tensor) -> torch.Tensor:
-    """A MoE whose code routes by the router's values, run as balanced routing would run it: the router
-    on every token, each expert module on its tokens x k / E dispatched copies (what it keeps for
-    backward is measured), the combine, and any other child (shared experts) on every token."""
-    tokens = x.reshape(-1, x.shape[-1])
-    topk = router_topk(container) or 1
-    per_expert = max(1, tokens.shape[0] * topk // found.count)
-    out = torch.zeros_like(tokens)
-    for child in container.children():
-        if child is found.module_list:
-            for expert in child:
-                out = out + expert(tokens[:per_expert].clone()).sum() * 0
-        elif isinstance(child, nn.Linear):
-            out = out + child(tokens)[:, :1] * 0
-        elif list(child.parameters()):
-            out = out + child(tokens)
-    return out.reshape(x.shape)
-
-
-def _bhsd(layout: str, tensors):
-    return tuple(t.transpose(1, 2) for t in tensors) if layout == "bshd" else tuple(tensors)
-
-
-def _attention_core(layout: str, args):
-    """An attention kernel module recorded from its q, k, v: a fused kernel, in the module's layout."""
-    q, k, v = _bhsd(layout, args[:3])
-    out = _FlashAttention.apply(q, k, v)
-    return out.transpose(1, 2) if layout == "bshd" else out
-
-
-def _is_activation(module: nn.Module, args) -> bool:
-    return (not list(module.children()) and not list(module.parameters()) and not list(module.buffers())
-            and not isinstance(module, nn.Dropout | nn.Identity) and len(args) == 1
-            and isinstance(args[0], torch.Tensor) and args[0].is_floating_point())
-
-
-def _norm_statistics(module: nn.Module) -> int:
-    """LayerNorm-type norms (with a bias, or torch's LayerNorm) keep mean and rstd; RMSNorm keeps rstd."""
-    return 2 if isinstance(module, nn.LayerNorm) or getattr(module, "bias", None) is not None else 1
 
 
 def _is_opaque_leaf(module: nn.Module) -> bool:
@@ -299,7 +212,7 @@ class _Analyzer(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         args, kwargs = on_one_device(args, kwargs)
         if target is F.scaled_dot_product_attention:
-            return _FlashAttention.apply(args[0], args[1], args[2])
+            return FlashAttention.apply(args[0], args[1], args[2])
         return with_value_width(target, args, super().call_function(target, args, kwargs))
 
     def call_method(self, target, args, kwargs):
@@ -311,11 +224,11 @@ class _Analyzer(fx.Interpreter):
         args, kwargs = on_one_device(args, kwargs, module)
         if self.fused_kernels and module is not None and is_norm_like(module) and args and \
                 isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-            return _FusedNorm.apply(args[0], _norm_statistics(module))
+            return FusedNorm.apply(args[0], norm_statistics(module))
         if self.current is not None and self.current.meta.get("attention_core"):
-            return _attention_core(self.current.meta["attention_core"], args)
-        if self.fused_kernels and module is not None and _is_activation(module, args) and not kwargs:
-            return _FusedActivation.apply(args[0])
+            return attention_core(self.current.meta["attention_core"], args)
+        if self.fused_kernels and module is not None and is_activation(module, args) and not kwargs:
+            return FusedActivation.apply(args[0])
         opaque = module is not None and _is_opaque_leaf(module)
         counter = FlopCounterMode(display=False) if opaque else contextlib.nullcontext()
         notes = self.results.setdefault(self.part_of(self.current), Measured()).warnings
@@ -326,7 +239,7 @@ class _Analyzer(fx.Interpreter):
             first = args[0] if args else None
             found = routed_experts(module) if module is not None else None
             if found is not None and found.module_list is not None and isinstance(first, torch.Tensor):
-                return _balanced_experts(module, found, first)
+                return balanced_experts(module, found, first)
             if not isinstance(first, torch.Tensor):
                 raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
                                      f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
@@ -360,7 +273,7 @@ class _Analyzer(fx.Interpreter):
         if self.opaque_flops.get(node.name):
             ops = [_opaque_op(node.name, self.opaque_flops[node.name], ops)]
         if node.meta.get("attention_core"):
-            q, k, v, o = _bhsd(node.meta["attention_core"], (*args[:3], out))
+            q, k, v, o = bhsd(node.meta["attention_core"], (*args[:3], out))
             ops = [attention_cost(node.name, q, k, v, o)]
         if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
             ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
