@@ -20,8 +20,8 @@ $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	# torchtitan's model classes, which capture is tested on, without its trainer's stack (datasets,
 	# wandb, tensorboard); its models import triton and spmd_types, its config system tyro
-	$(PIP) install -q --no-deps -c constraints.txt torchtitan spmd_types triton
 	$(PIP) install -q -c constraints.txt tyro
+	$(PIP) install -q --no-deps -c constraints.txt torchtitan spmd_types triton
 	touch $@
 
 install: $(STAMP)
