@@ -43,6 +43,8 @@ class SoftwareStack(Strict):
     #                                        the reference decoder's CoreAttention (this project's runtime)
     expert_parallel_experts: Literal["any", "stacked"]        # experts it can spread: any, or stacked weights
     #                                        with the reference MoE's route/routed protocol
+    tensor_parallel_projections: Literal["any", "separate"]   # projections it can column-split: fused ones
+    #                                        cut into parts by the model ([q | k | v]) too, or separate only
 
     # what it fuses and overlaps (cost models)
     flash_attention: bool                    # fused attention: no s x s tensors stored, masked blocks skipped

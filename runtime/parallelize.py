@@ -39,6 +39,11 @@ def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
             for column in pair.columns:
                 plan[f"{slot.module_name}.{column}"] = ColwiseParallel(input_layouts=seq if sp else Replicate())
             plan[f"{slot.module_name}.{pair.row}"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        for norm, heads_axis in structure.head_norms:
+            # each rank normalises its own heads with the whole (replicated) weight; as torchtitan shards
+            # Qwen3's q/k norms, the input is the shard of the heads axis and the weight's gradient, a
+            # partial sum per rank, is summed over tp by DTensor
+            plan[f"{slot.module_name}.{norm}"] = SequenceParallel(sequence_dim=heads_axis, use_local_output=True)
         if sp:
             for norm in structure.norms:
                 if norm.count(".") == 0:  # norms on the residual stream; inner ones see replicated inputs

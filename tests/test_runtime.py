@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_tiny.py")
 USER_MODEL = "examples/user_gpt.py:build_separate_qkv"
 SQUARE_HEADS = "tests/models/tiny-square-heads.yaml"   # head width 8 = head count 8
+# transformers' own classes, tiny configs (tests/models/hf_tiny.py), captured by recording
+HF_LLAMA, HF_QWEN3, HF_GPT2 = (f"tests/models/hf_tiny.py:{name}" for name in ("llama_logits", "qwen3_logits",
+                                                                             "gpt2_logits"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -76,7 +79,7 @@ def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple
     return {name: (values, directory / name) for name, values in by_case.items()}
 
 
-REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS)
+REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS, HF_LLAMA, HF_QWEN3, HF_GPT2)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,13 @@ CASES = [
     # the head-count rewrite divided head_dim too where it equals the head count
     ("head-dim-equals-heads-tp2", 2, "tp=2", SQUARE_HEADS),
     ("user-pp2", 2, "pp=2,mbs=2", USER_MODEL),
+    # transformers classes as they are: Llama, Qwen3 (its per-head q/k norms inside the attention pair
+    # had a gradient per rank of its own heads only: they are sharded as torchtitan does), GPT-2 (Conv1D,
+    # tied, learned positions)
+    ("hf-llama-dp2", 2, "dp=2", HF_LLAMA),
+    ("hf-llama-tp2", 2, "tp=2,sp=false", HF_LLAMA),
+    ("hf-qwen3-tp2", 2, "tp=2,sp=false", HF_QWEN3),
+    ("hf-gpt2-dp2", 2, "dp=2,zero=3", HF_GPT2),
 ]
 
 
@@ -233,7 +243,9 @@ def test_bf16_is_trained_as_planned(reference, nproc, layout):
     # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set
     ("cp=2", "splits the sequence only for the reference decoder's attention", USER_MODEL),
     # nanoGPT's C // n_head under column-parallel projections: refused before step 1, not a view error in it
-    ("tp=2,sp=false", "its code assumes the full hidden width", "tests/models/nanogpt_width.py:build")])
+    ("tp=2,sp=false", "its code assumes the full hidden width", "tests/models/nanogpt_width.py:build"),
+    # GPT-2's fused c_attn, split into q | k | v by the model: column-sharding it would mix them
+    ("tp=2,sp=false", "fused projection split into parts", HF_GPT2)])
 def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle, model):
     proc = launch(2, "--model", model, "--steps", "1", "--layout", layout, check=False)
     assert proc.returncode != 0

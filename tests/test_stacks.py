@@ -144,3 +144,21 @@ def test_the_runtime_stack_never_plans_what_the_runtime_refuses():
     # the reference decoder's attention can be split: cp stays in the space
     api.evaluate("tiny-llama", device="cpu", num_devices=8, global_batch=16, stack="parallel-planner",
                  layout="tp=1,pp=1,dp=4,cp=2,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
+
+
+def test_the_runtime_stack_never_column_splits_a_fused_projection():
+    """GPT-2's c_attn is cut into q | k | v by the model: the runtime refuses it under tp
+    (tests/test_runtime.py, bad plans), so the planner on the runtime's stack never plans tp for it, and
+    a pinned tp=2 names the rule; Megatron's stack shards fused QKV in its own layers and may plan it."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    from hf_tiny import gpt2_logits
+    from hardware_profiles.errors import UserInputError
+    import planner
+    common = dict(device="cpu", num_devices=2, devices_per_node=2, global_batch=8, seq_len=32)
+    assert planner.plan(gpt2_logits(), stack="parallel-planner", **common).layout.tp == 1
+    with pytest.raises(UserInputError, match="column-splits only separate projections"):
+        planner.plan(gpt2_logits(), stack="parallel-planner", tp=2, **common)
+    assert planner.evaluate(gpt2_logits(), layout="tp=2", stack="megatron-core", **common).layout.tp == 2

@@ -37,6 +37,10 @@ class BlockStructure:
     # core is the reference decoder's `CoreAttention`; the experts are stacked with its route/routed protocol
     reference_attention: bool = False
     stacked_experts: bool = False
+    # norms over one head's channels inside a column-parallel region (Qwen3 / Gemma 3 q_norm, k_norm), with
+    # the axis of their input that holds the heads: under tp each rank normalises its own heads, and the
+    # weight's gradient is the sum over the ranks
+    head_norms: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

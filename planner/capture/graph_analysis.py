@@ -254,6 +254,38 @@ def _per_head_norm(module: nn.Module | None, column: fx.Node, modules: dict[str,
     return 0 < width < out_features and out_features % width == 0
 
 
+def head_norms(graph: fx.Graph, modules: dict[str, nn.Module], shapes: dict[str, tuple]
+               ) -> tuple[tuple[str, int], ...]:
+    """Per-head norms that sit between a column and its row (module path, heads axis of the input)."""
+    found = []
+    for node in graph.nodes:
+        module = node_module(node, modules)
+        if module is None or not is_norm_like(module) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        column = _nearest_linear(node.args[0], modules)
+        if column is None or not _per_head_norm(module, column, modules):
+            continue
+        shape = shapes.get(node.args[0].name, ())
+        width = module.weight.numel()
+        out_features = node_module(column, modules).weight.shape[0]
+        heads = out_features // width
+        axes = [i for i in range(len(shape) - 1) if shape[i] == heads]
+        if axes and node.target not in {name for name, _ in found}:
+            found.append((node.target, axes[-1]))
+    return tuple(found)
+
+
+def _nearest_linear(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The Linear a tensor comes from through views (q_proj(x).view(b, s, heads, d))."""
+    while node is not None:
+        if is_linear_node(node, modules):
+            return node
+        if not is_view_node(node) or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return None
+
+
 def _linear_name(node: fx.Node) -> str:
     return node.target if node.op == "call_module" else node.name
 

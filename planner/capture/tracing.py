@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, graph_topk, is_expert_container,
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, graph_topk, head_norms, is_expert_container,
                              is_linear_like, is_norm_like, routed_experts, router_topk)
 from .graph import BlockStructure
 from .recording import record
@@ -364,7 +364,8 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         norms=tuple(n for n, m in block.named_modules() if is_norm_like(m) or isinstance(m, nn.LayerNorm)),
         expert_container=experts[0] if experts else None, num_experts=num_experts, router_topk=topk,
         reference_attention=any(isinstance(m, CoreAttention) for m in block.modules()),
-        stacked_experts=bool(experts) and _stacked(experts[1]))
+        stacked_experts=bool(experts) and _stacked(experts[1]),
+        head_norms=head_norms(gm.graph, modules, measured.shapes))
     return measured, structure, found
 
 

@@ -31,6 +31,11 @@ def model_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
             and not all(b.stacked_experts for b in blocks if b.expert_container):
         problems.append(f"ep={pins.ep}: the {name} stack spreads only stacked expert weights (the reference "
                         f"MoE), which {graph.name}'s experts are not")
+    if pins.tp and pins.tp > 1 and stack.tensor_parallel_projections == "separate":
+        fused = next((p.fused_columns[0] for b in blocks for p in b.tp_pairs if p.fused_columns), None)
+        if fused:
+            problems.append(f"tp={pins.tp}: the {name} stack column-splits only separate projections, and "
+                            f"{graph.name}'s {fused} is one the model cuts into parts")
     return problems
 
 

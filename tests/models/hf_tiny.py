@@ -1,0 +1,39 @@
+"""Tiny transformers models for the runtime tests: real classes, small configs, fp32 on CPU."""
+import torch
+import transformers
+
+
+def llama():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+class Logits(torch.nn.Module):
+    """transformers returns a ModelOutput; the runtime's loss wants the logits tensor."""
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+def llama_logits():
+    return Logits(llama())
+
+
+def gpt2_logits():
+    """GPT-2: Conv1D projections, a fused c_attn, learned positions, tied embeddings."""
+    config = transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, n_positions=64, vocab_size=256,
+                                     attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+def qwen3_logits():
+    """Qwen3: per-head q/k norms inside the attention's tensor-parallel pair."""
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
