@@ -12,13 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.capture.model_capture import _capture_cached, capture  # noqa: E402
 from planner.capture.model_config import ModelConfig  # noqa: E402
+from planner.capture.transformers_models import transformers_model  # noqa: E402
 
 MODELS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3"]
 HF_MODELS = ["llama3.1-8b", "llama3.1-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3", "gemma3-12b"]
@@ -39,12 +38,8 @@ def timed(function):
 
 
 def hf_module(name: str):
-    import transformers
     raw = json.loads((ROOT / "tests" / "models" / "hf" / f"{name}.json").read_text())
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "_name_or_path")}
-    config = transformers.AutoConfig.for_model(raw["model_type"], **fields)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return transformers_model(raw, name=name)
 
 
 def main() -> None:

@@ -11,26 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import planner  # noqa: E402
 from planner.capture.model_sources import config_from_hf  # noqa: E402
+from planner.capture.transformers_models import transformers_model  # noqa: E402
 
 SEQ = 4096
 # devices sized to the model so that each plan has a real choice to make
 DEVICES = {"llama3.1-405b": 1024, "deepseek-v3": 1024, "qwen3-235b-a22b": 512, "mixtral-8x22b": 256,
            "llama3.1-70b": 256, "gpt-neox-20b": 64, "gemma3-12b": 64, "gemma2-9b": 64}
-
-
-def transformers_module(raw: dict):
-    import transformers
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "_name_or_path")}
-    config = transformers.AutoConfig.for_model(raw["model_type"], **fields)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
 def main() -> None:
@@ -42,7 +33,7 @@ def main() -> None:
         seq = min(SEQ, raw.get("n_positions") or SEQ)
         kwargs = dict(device="h100-sxm", num_devices=devices, global_batch=4 * devices, seq_len=seq)
         start = time.perf_counter()
-        module = planner.plan(transformers_module(raw), **kwargs)
+        module = planner.plan(transformers_model(raw, name=path.stem), **kwargs)
         config = planner.plan(config_from_hf(raw, path.stem).model_copy(update={"hf_config": None}), **kwargs)
         same = module.to_layout() == config.to_layout()
         lay = module.layout

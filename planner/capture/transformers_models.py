@@ -28,13 +28,19 @@ def build_transformers_model(cfg: ModelConfig) -> nn.Module | None:
     does not know the model type (the reference decoder stands in)."""
     if not cfg.hf_config or not transformers_available():
         return None
+    # the stack runs no fused attention (or the model cannot: softcapping): transformers' eager attention
+    return transformers_model(json.loads(cfg.hf_config), "eager" if cfg.attention_impl == "math" else None, cfg.name)
+
+
+def transformers_model(raw: dict, attn_implementation: str | None = None, name: str = "the model") -> nn.Module | None:
+    """`AutoModelForCausalLM.from_config` on meta for a config.json's contents (bf16); None for a model type
+    transformers does not know. What transformers refuses is one UserInputError naming config.json."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-    raw = json.loads(cfg.hf_config)
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "_name_or_path")}
     try:
         config_class = CONFIG_MAPPING[raw["model_type"]]
     except KeyError:
-        return None   # a model type transformers does not know: the reference decoder stands in
+        return None
     try:
         config = config_class(**fields)
     except Exception as exc:   # transformers validates its config fields (huggingface_hub strict dataclasses)
@@ -43,8 +49,8 @@ def build_transformers_model(cfg: ModelConfig) -> nn.Module | None:
                              expected="the fields and types transformers' config class for this model_type takes"
                              ) from None
     kwargs = {"dtype": ACTIVATION_DTYPE}
-    if cfg.attention_impl == "math":  # the stack runs no fused attention (or the model cannot: softcapping)
-        kwargs["attn_implementation"] = "eager"
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)   # config sanity warnings (token ids outside a resized vocabulary) are not ours
@@ -52,7 +58,7 @@ def build_transformers_model(cfg: ModelConfig) -> nn.Module | None:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, **kwargs)
     except Exception as exc:
-        raise UserInputError(f"transformers could not build {cfg.name} from its config: {type(exc).__name__}: "
+        raise UserInputError(f"transformers could not build {name} from its config: {type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}", field="config.json",
                              expected="a config.json that transformers' AutoModelForCausalLM.from_config accepts"
                              ) from None
