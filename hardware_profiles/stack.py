@@ -45,6 +45,8 @@ class SoftwareStack(Strict):
     #                                        with the reference MoE's route/routed protocol
     tensor_parallel_projections: Literal["any", "separate"]   # projections it can column-split: fused ones
     #                                        cut into parts by the model ([q | k | v]) too, or separate only
+    pipeline_models: Literal["any", "traceable"]              # models it cuts into pipeline stages: any (its
+    #                                        own layers), or those torch.fx traces (the runtime cuts the fx graph)
 
     # what it fuses and overlaps (cost models)
     flash_attention: bool                    # fused attention: no s x s tensors stored, masked blocks skipped

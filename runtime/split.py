@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import fx, nn
 
+from hardware_profiles.errors import UserInputError
 from planner.capture.tracing import trace
 
 
@@ -21,7 +22,11 @@ def split_stage(model: nn.Module, block_names: list[str], blocks: range, is_firs
     """Module running the blocks in `blocks`, with the embedding and/or the head when it holds them; the
     first chunk may hold only the embedding and the last only the head (an empty `blocks`)."""
     modules = {name: model.get_submodule(name) for name in block_names}
-    top = trace(model, leaf_ids={id(m) for m in modules.values()}, label=type(model).__name__)
+    try:
+        top = trace(model, leaf_ids={id(m) for m in modules.values()}, label=type(model).__name__)
+    except UserInputError as exc:
+        raise ValueError(f"pipeline stages are cut from a torch.fx trace of the model, and torch.fx cannot trace "
+                         f"{type(model).__name__} ({str(exc).split('. Expected')[0]}): run it with pp=1") from None
     calls = _block_calls(top.graph, set(block_names))
     if [c.target for c in calls] != block_names:
         raise ValueError("blocks are not called once each, in order: the model cannot be split into stages")

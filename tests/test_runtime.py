@@ -245,7 +245,10 @@ def test_bf16_is_trained_as_planned(reference, nproc, layout):
     # nanoGPT's C // n_head under column-parallel projections: refused before step 1, not a view error in it
     ("tp=2,sp=false", "its code assumes the full hidden width", "tests/models/nanogpt_width.py:build"),
     # GPT-2's fused c_attn, split into q | k | v by the model: column-sharding it would mix them
-    ("tp=2,sp=false", "fused projection split into parts", HF_GPT2)])
+    # (the stack's rule: the planner never plans it either, tests/test_stacks.py)
+    ("tp=2,sp=false", "column-splits only separate projections", HF_GPT2),
+    # stages are cut from the fx graph, which transformers' code does not give (planned neither: test_stacks)
+    ("pp=2,mbs=2", "cuts pipeline stages from a torch.fx trace", HF_LLAMA)])
 def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle, model):
     proc = launch(2, "--model", model, "--steps", "1", "--layout", layout, check=False)
     assert proc.returncode != 0

@@ -162,3 +162,7 @@ def test_the_runtime_stack_never_column_splits_a_fused_projection():
     with pytest.raises(UserInputError, match="column-splits only separate projections"):
         planner.plan(gpt2_logits(), stack="parallel-planner", tp=2, **common)
     assert planner.evaluate(gpt2_logits(), layout="tp=2", stack="megatron-core", **common).layout.tp == 2
+    # stages are cut from a torch.fx trace, which transformers' code does not give: no pp on this stack
+    assert planner.plan(gpt2_logits(), stack="parallel-planner", **common).layout.pp == 1
+    with pytest.raises(UserInputError, match="cuts pipeline stages from a torch.fx trace"):
+        planner.plan(gpt2_logits(), stack="parallel-planner", pp=2, **common)

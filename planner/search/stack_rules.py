@@ -31,6 +31,9 @@ def model_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
             and not all(b.stacked_experts for b in blocks if b.expert_container):
         problems.append(f"ep={pins.ep}: the {name} stack spreads only stacked expert weights (the reference "
                         f"MoE), which {graph.name}'s experts are not")
+    if pins.pp and pins.pp > 1 and stack.pipeline_models == "traceable" and graph.front_end != "torch.fx":
+        problems.append(f"pp={pins.pp}: the {name} stack cuts pipeline stages from a torch.fx trace of the model, "
+                        f"and torch.fx cannot trace {graph.name} (capture recorded it instead)")
     if pins.tp and pins.tp > 1 and stack.tensor_parallel_projections == "separate":
         fused = next((p.fused_columns[0] for b in blocks for p in b.tp_pairs if p.fused_columns), None)
         if fused:
