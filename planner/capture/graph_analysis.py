@@ -51,6 +51,13 @@ def linear_features(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     return (rows, cols) if x.shape[-1] == rows and x.shape[-1] != cols else (cols, rows)
 
 
+def may_be_activation(module: nn.Module) -> bool:
+    """A stateless childless module (transformers' ACT2FN classes, nn.GELU): an activation function if it
+    turns one tensor into one of the same shape, which the recording checks after the call."""
+    return (not list(module.children()) and not list(module.parameters()) and not list(module.buffers())
+            and not isinstance(module, nn.Dropout | nn.Identity))
+
+
 def is_norm_like(module: nn.Module) -> bool:
     """A parameterised module with no children and only 1-D parameters: a normalisation."""
     params = list(module.parameters(recurse=False))

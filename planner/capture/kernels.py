@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .graph_analysis import router_topk
+from .graph_analysis import may_be_activation, router_topk
 
 
 class FlashAttention(torch.autograd.Function):
@@ -93,9 +93,9 @@ def attention_core(layout: str, args):
 
 
 def is_activation(module: nn.Module, args) -> bool:
-    return (not list(module.children()) and not list(module.parameters()) and not list(module.buffers())
-            and not isinstance(module, nn.Dropout | nn.Identity) and len(args) == 1
-            and isinstance(args[0], torch.Tensor) and args[0].is_floating_point())
+    """An activation module called on one floating tensor (what the recording folded into one node)."""
+    return may_be_activation(module) and len(args) == 1 and isinstance(args[0], torch.Tensor) \
+        and args[0].is_floating_point()
 
 
 def norm_statistics(module: nn.Module) -> int:

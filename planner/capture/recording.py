@@ -28,20 +28,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import is_expert_container, is_linear_like, is_norm_like
+from .graph_analysis import is_expert_container, is_linear_like, is_norm_like, may_be_activation
 from .values import REAL_VALUE_MAX_ELEMENTS, TableOverrun, attention_layout, query_key_value, run_call
 
 
 def is_recorded_leaf(module: nn.Module) -> bool:
     """Modules written down as one call: their cost rules read the module, not its insides."""
     return isinstance(module, nn.Embedding) or is_linear_like(module) or is_norm_like(module)
-
-
-def may_be_activation(module: nn.Module) -> bool:
-    """A stateless childless module (transformers' ACT2FN classes, nn.GELU): an activation function if it
-    turns one tensor into one of the same shape, which the recording checks after the call."""
-    return (not list(module.children()) and not list(module.parameters()) and not list(module.buffers())
-            and not isinstance(module, nn.Dropout | nn.Identity))
 
 
 @dataclass
