@@ -68,9 +68,7 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, root: nn.Module, leaf_ids: set[int], seq_len: int | None):
         super().__init__()
         self.seq_len = seq_len   # tells an attention kernel's sequence axis from its heads axis
-        self.root = root
         self.names = _Names.of(root)
-        self.leaf_ids = leaf_ids
         self.named_leaves = leaf_ids   # the user's leaf_modules (blocks too, at the top level)
         self.graph = fx.Graph()
         self.node_of: dict[int, fx.Node] = {}
