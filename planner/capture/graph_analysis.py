@@ -58,6 +58,12 @@ def may_be_activation(module: nn.Module) -> bool:
             and not isinstance(module, nn.Dropout | nn.Identity))
 
 
+def output_width(module: nn.Module) -> int:
+    """A linear-like module's output features: nn.Linear's; for another 2-D weight (Conv1D stores it
+    [in, out]) the larger side, as without an input there is no telling them apart."""
+    return module.out_features if isinstance(module, nn.Linear) else max(module.weight.shape)
+
+
 def is_norm_like(module: nn.Module) -> bool:
     """A parameterised module with no children and only 1-D parameters: a normalisation."""
     params = list(module.parameters(recurse=False))
@@ -197,8 +203,7 @@ def _is_split(column: fx.Node, modules: dict[str, nn.Module], shapes: dict[str, 
     Phi-3): splitting its rows among tp ranks would mix the parts. A split within each head after a
     reshape to heads (GPT-NeoX's interleaved QKV, MLA's nope/rope parts, RoPE's halves) is not."""
     module = node_module(column, modules)
-    width = (module.out_features if isinstance(module, nn.Linear) else max(module.weight.shape)) \
-        if module is not None else shapes.get(column.name, (0,))[-1]
+    width = output_width(module) if module is not None else shapes.get(column.name, (0,))[-1]
     frontier = list(column.users)
     while frontier:
         node = frontier.pop()
@@ -257,7 +262,7 @@ def _per_head_norm(module: nn.Module | None, column: fx.Node, modules: dict[str,
     column_module = node_module(column, modules)
     if column_module is None:
         return False
-    out_features = column_module.out_features if isinstance(column_module, nn.Linear) else max(column_module.weight.shape)
+    out_features = output_width(column_module)
     return 0 < width < out_features and out_features % width == 0
 
 
@@ -274,8 +279,7 @@ def head_norms(graph: fx.Graph, modules: dict[str, nn.Module], shapes: dict[str,
             continue
         shape = shapes.get(node.args[0].name, ())
         width = module.weight.numel()
-        out_features = node_module(column, modules).weight.shape[0]
-        heads = out_features // width
+        heads = output_width(node_module(column, modules)) // width
         axes = [i for i in range(len(shape) - 1) if shape[i] == heads]
         if axes and node.target not in {name for name, _ in found}:
             found.append((node.target, axes[-1]))

@@ -106,7 +106,8 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
     return costs
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage: views of one weight (transposed, indexed) share it."""
     return t.untyped_storage()._cdata
 
 
@@ -139,12 +140,12 @@ def node_costs(node: fx.Node, module: nn.Module | None, args, out, sharding: Sha
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if node.op == "call_function" and node.target in GROUPED_MM_FUNCS:
         weight = tensors[1]
-        state = _storage(weight) in storages
+        state = storage_key(weight) in storages
         return [grouped_mm_cost(name, tensors[0], weight, out, tensor_bytes(weight) if state else 0.0)]
     if is_matmul and len(tensors) >= 2:
         a, b = tensors[-2], tensors[-1]
-        if _storage(b) in storages or _storage(a) in storages:
-            weight = b if _storage(b) in storages else a
+        if storage_key(b) in storages or storage_key(a) in storages:
+            weight = b if storage_key(b) in storages else a
             return [_gemm(name, sharding, a.numel() // a.shape[-1], a.shape[-1], weight.shape[-1],
                           tensor_bytes(tensors) + tensor_bytes(out), tensor_bytes(weight))]
         return [matmul_cost(name, a, b, out, sharding)]

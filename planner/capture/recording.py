@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hardware_profiles.errors import UserInputError
 
 from .graph_analysis import is_expert_container, is_linear_like, is_norm_like, may_be_activation
-from .values import REAL_VALUE_MAX_ELEMENTS, TableOverrun, attention_layout, query_key_value, run_call
+from .values import REAL_VALUE_MAX_ELEMENTS, TableOverrun, attention_layout, cpu_to_meta, query_key_value, run_call
 
 
 def is_recorded_leaf(module: nn.Module) -> bool:
@@ -80,10 +80,8 @@ class _Recorder(TorchFunctionMode):
 
     # arguments: tensors become the nodes that made them
     def _arg(self, value):
-        if isinstance(value, torch.device) and value.type == "cpu":
-            return torch.device("meta")  # read off a real-valued index tensor; the graph runs on meta
         if not isinstance(value, torch.Tensor):
-            return value
+            return cpu_to_meta(value)  # a device read off a real-valued index tensor: the graph runs on meta
         node = self.node_of.get(id(value))
         if node is not None:
             return node

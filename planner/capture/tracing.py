@@ -29,7 +29,7 @@ from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
 from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
                       is_activation, norm_statistics)
-from .op_costs import attention_cost, node_costs
+from .op_costs import attention_cost, node_costs, storage_key
 
 
 class CaptureTracer(fx.Tracer):
@@ -102,11 +102,7 @@ class _GemmTracker(TorchFunctionMode):
 
 
 def _has_state(args, state_keys: set[int]) -> bool:
-    return any(isinstance(a, torch.Tensor) and _storage_key(a) in state_keys for a in args)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return any(isinstance(a, torch.Tensor) and storage_key(a) in state_keys for a in args)
 
 
 def _is_opaque_leaf(module: nn.Module) -> bool:
@@ -162,8 +158,8 @@ class _Analyzer(fx.Interpreter):
         self.part_of = part_of or (lambda node: "all")
         # parameters, buffers and the inputs every block is given alike (RoPE tables, masks) are made once,
         # outside the block: what the block saves of them is not the block's activation memory
-        self.state_keys = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers()) + list(shared_inputs)}
-        self.param_storages = {_storage_key(p) for p in gm.parameters()}
+        self.state_keys = {storage_key(t) for t in list(gm.parameters()) + list(gm.buffers()) + list(shared_inputs)}
+        self.param_storages = {storage_key(p) for p in gm.parameters()}
         self.producer: dict[int, str] = {}
         self.seen: set[int] = set()
         self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
@@ -177,7 +173,7 @@ class _Analyzer(fx.Interpreter):
         return Sharding.tensor if node.name in self.tensor_region else Sharding.sequence
 
     def pack(self, t: torch.Tensor):
-        key = _storage_key(t)
+        key = storage_key(t)
         if key in self.savers and self.current is not None:
             self.savers[key].add(self.gemms.depth_in_weight_gemm > 0)
         if key in self.state_keys or key in self.seen or self.current is None:
@@ -262,7 +258,7 @@ class _Analyzer(fx.Interpreter):
             self.attention_nodes.add(node.name)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor):
-                self.producer.setdefault(_storage_key(t), node.name)
+                self.producer.setdefault(storage_key(t), node.name)
                 self.alive.append(t)
         measured = self.results.setdefault(self.part_of(node), Measured())
         if isinstance(out, torch.Tensor):
