@@ -1,16 +1,22 @@
 """Failures, checkpoints and goodput: how much of the wall clock is useful training.
 
-Failures are exponential with the job's rate (per-node rate x nodes). The optimal checkpoint interval
-follows Young (1974) and Daly (2006); expected wall time per segment of tau useful seconds plus a
-blocking checkpoint delta, with restart R, is M e^{R/M} (e^{(tau+delta)/M} - 1) (Daly 2006, exponential
-failures, failures also during checkpoint and restart). ETTR = tau / that; goodput = MFU x ETTR.
+Interruptions are exponential with the job's rate (per-node rate x nodes), split by what reveals them
+(a dead process, a hang found at the collective timeout, corruption found at a replica check) plus loss
+spikes the job rolls back from. The optimal checkpoint interval follows Young (1974) and Daly (2006).
+Wall time per segment of tau useful seconds and a blocking checkpoint delta, with a total rate Lambda of
+interruptions, each costing its detection delay D_k and recovery C_k:
+
+    E[T] = (e^{Lambda (tau + delta)} - 1) (1/Lambda + sum_k p_k (D_k + C_k))
+
+(a renewal argument; with one kind, D = 0 and C = M (e^{R/M} - 1), a restart that failures restart, it is
+Daly's M e^{R/M} (e^{(tau+delta)/M} - 1)). The downtime factors out, so Daly's tau stays optimal for any
+D and C. ETTR = tau / E[T] x (1 - the replica checks' share of a step); goodput = MFU x ETTR.
+`cost_models/goodput_simulation.py` simulates the same process event by event.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from hardware_profiles.schema import Cluster
 
@@ -41,28 +47,43 @@ def ettr(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float
     return interval_s / expected_segment_s(interval_s, checkpoint_s, restart_s, mtbf_s)
 
 
-def simulate_ettr(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float,
-                  useful_s: float, seed: int = 0) -> float:
-    """Monte Carlo of the same process: work in segments, lose the segment on failure, restart (which
-    can fail too), until `useful_s` of training is done."""
-    rng = np.random.default_rng(seed)
-    segment = interval_s + checkpoint_s
-    segments = max(1, int(useful_s // interval_s))
-    wall = 0.0
-    for _ in range(segments):
-        while True:
-            failure = rng.exponential(mtbf_s)
-            if failure >= segment:
-                wall += segment
-                break
-            wall += failure
-            while True:  # restart until one attempt survives R seconds
-                again = rng.exponential(mtbf_s)
-                if again >= restart_s:
-                    wall += restart_s
-                    break
-                wall += again
-    return segments * interval_s / wall
+@dataclass(frozen=True)
+class Recovery:
+    """How the job watches and recovers itself: the runtime's settings (runtime/health.py, runtime/watchdog.py,
+    examples/train_tiny.py), which the goodput model charges for."""
+    collective_timeout_s: float = 300.0   # a hang costs this before the watchdog names it (torch's own: 1800 s)
+    spare_nodes: bool = True              # a failed node is swapped at once; else its repair is waited for
+    elastic: bool = False                 # without spares: continue re-planned on the nodes left until the repair
+    sdc_check_every_steps: int = 10       # replica fingerprints (0: none; sharded parameters have no replicas)
+    loss_spikes_per_day: float = 0.0      # spikes rolled back from (the model's and data's, not the hardware's)
+
+    def assumptions(self) -> str:
+        spares = "spare nodes kept" if self.spare_nodes else (
+            "no spare nodes, continue on the nodes left" if self.elastic else "no spare nodes, wait for the repair")
+        checks = f"replica check every {self.sdc_check_every_steps} steps" if self.sdc_check_every_steps else \
+            "no replica checks (corruption goes unseen)"
+        return (f"collective timeout {self.collective_timeout_s:g} s, {spares}, {checks}, "
+                f"{self.loss_spikes_per_day:g} loss spikes/day")
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """One kind of interruption: how often, how long until the job sees it, and what recovering costs."""
+    name: str
+    per_s: float
+    detection_s: float
+    restart_s: float        # one restart: failures during it restart it
+    restarts: float = 1.0   # restarts per interruption (an elastic job shrinks, then grows back)
+    waiting_s: float = 0.0  # the job down or slowed with nothing to fail (a repair waited for, a slower run)
+    waiting_part: str = "repair wait"
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the replica checks cost and how often they run: from the plan."""
+    step_s: float
+    check_s: float          # one fingerprint: the rank's parameters read once
+    replicated: bool        # parameters replicated over data-parallel ranks (ZeRO-0/1/2), so checkable
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,10 @@ class Goodput:
     restart_s: float
     ettr: float
     mfu: float
+    recovery: Recovery = field(default_factory=Recovery)
+    kinds: tuple[Interruption, ...] = ()
+    lost_s_per_day: dict = field(default_factory=dict)   # wall seconds a day lost to each named part
+    notes: tuple[str, ...] = ()
 
     @property
     def goodput(self) -> float:
@@ -102,16 +127,104 @@ def checkpoint_load_s(cluster: Cluster, nbytes: float, readers: int) -> float:
     return nbytes / bandwidth
 
 
-def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float,
-            asynchronous: bool = True) -> Goodput:
+def inflated_restart_s(restart_s: float, failures_per_s: float) -> float:
+    # Daly (2006): a restart that a failure (rate 1/M) restarts takes M (e^{R/M} - 1) on average
+    return math.expm1(restart_s * failures_per_s) / failures_per_s if failures_per_s > 0 else restart_s
+
+
+def interruption_kinds(cluster: Cluster, num_devices: int, restart_s: float, load_s: float, blocking_s: float,
+                       recovery: Recovery, context: StepContext | None) -> tuple[Interruption, ...]:
+    """Crashes, hangs and silent corruption (each costs a node), and loss spikes (a rollback in place)."""
+    reliability = cluster.reliability
+    hardware_per_s = 1 / job_mtbf_s(cluster, num_devices)
+    nodes = math.ceil(num_devices / cluster.devices_per_node)
+    restarts, waiting, waiting_part = 1.0, 0.0, "repair wait"
+    if not recovery.spare_nodes and recovery.elastic:
+        # shrink, run at (nodes-1)/nodes of the speed until the repair (first order: per-device speed unchanged,
+        # global batch kept), checkpoint and regrow. A failure within the repair time of the last one extends the
+        # short-handed time instead: regrowing follows with probability e^{-lambda r}, and the short time a
+        # failure adds is E[min(r, next failure)] = (1 - e^{-lambda r}) / lambda (Poisson failures)
+        repair = reliability.node_repair_s
+        regrow = math.exp(-hardware_per_s * repair)
+        short_s = -math.expm1(-hardware_per_s * repair) / hardware_per_s if hardware_per_s else repair
+        restarts, waiting, waiting_part = 1 + regrow, regrow * blocking_s + short_s / max(nodes, 1), "fewer nodes"
+    elif not recovery.spare_nodes:
+        waiting = reliability.node_repair_s
+
+    def losing_a_node(name: str, share: float, detection_s: float) -> Interruption:
+        return Interruption(name, hardware_per_s * share, detection_s, restart_s, restarts, waiting, waiting_part)
+
+    kinds = [losing_a_node("crash", 1 - reliability.hang_fraction - reliability.sdc_fraction,
+                           reliability.crash_detection_s),
+             losing_a_node("hang", reliability.hang_fraction, recovery.collective_timeout_s)]
+    if context is None:   # no plan to say how often checks run: corruption counted as found at once
+        kinds.append(losing_a_node("silent corruption", reliability.sdc_fraction, 0.0))
+    elif context.replicated and recovery.sdc_check_every_steps:   # found at the next check, half an interval on
+        kinds.append(losing_a_node("silent corruption", reliability.sdc_fraction,
+                                   recovery.sdc_check_every_steps * context.step_s / 2))
+    if recovery.loss_spikes_per_day:
+        kinds.append(Interruption("loss spike", recovery.loss_spikes_per_day / SECONDS_PER_DAY, 0.0, load_s))
+    return tuple(kind for kind in kinds if kind.per_s > 0)
+
+
+def segment_parts_s(interval_s: float, blocking_s: float, kinds: tuple[Interruption, ...],
+                    hardware_per_s: float) -> dict[str, float]:
+    """Expected wall seconds of one segment (tau useful + delta blocking), as named parts that add up to E[T]."""
+    total_per_s = sum(kind.per_s for kind in kinds)
+    segment = interval_s + blocking_s
+    if total_per_s == 0:
+        return {"training": interval_s, "checkpoint blocking": blocking_s}
+    count = math.expm1(total_per_s * segment)          # expected interruptions per segment
+    parts = {"training": interval_s, "checkpoint blocking": blocking_s,
+             "lost work": count / total_per_s - segment}   # attempts last count/Lambda in all, segment of it kept
+    for kind in kinds:
+        share = count * kind.per_s / total_per_s
+        parts[f"detection ({kind.name})"] = share * kind.detection_s
+        parts[f"restart ({kind.name})"] = share * kind.restarts * inflated_restart_s(kind.restart_s, hardware_per_s)
+        if kind.waiting_s:
+            parts[f"{kind.waiting_part} ({kind.name})"] = share * kind.waiting_s
+    return parts
+
+
+def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float, asynchronous: bool = True,
+            recovery: Recovery | None = None, context: StepContext | None = None) -> Goodput:
+    recovery = recovery or Recovery()
     mtbf = job_mtbf_s(cluster, num_devices)
     nbytes = total_params * CHECKPOINT_BYTES_PER_PARAM
     save = checkpoint_save_s(cluster, nbytes, num_devices)
     blocking = save * cluster.storage.async_blocking_fraction if asynchronous else save
-    restart = cluster.reliability.restart_s + cluster.reliability.rewarm_s + checkpoint_load_s(cluster, nbytes,
-                                                                                              num_devices)
-    if math.isinf(mtbf):
-        return Goodput(mtbf, 0.0, nbytes, save, blocking, float("inf"), restart, 1.0, mfu)
-    interval = max(daly_interval_s(blocking, mtbf), save)  # an async save must finish before the next
-    return Goodput(mtbf, SECONDS_PER_DAY / mtbf, nbytes, save, blocking, interval, restart,
-                   ettr(interval, blocking, restart, mtbf), mfu)
+    load = checkpoint_load_s(cluster, nbytes, num_devices)
+    restart = cluster.reliability.restart_s + cluster.reliability.rewarm_s + load
+    kinds = interruption_kinds(cluster, num_devices, restart, load, blocking, recovery, context)
+    check_share = check_overhead_share(recovery, context)
+    notes = _notes(recovery, context)
+    total_per_s = sum(kind.per_s for kind in kinds)
+    if total_per_s == 0:
+        return Goodput(mtbf, 0.0, nbytes, save, blocking, float("inf"), restart, 1 - check_share, mfu, recovery,
+                       kinds, {}, notes)
+    interval = max(daly_interval_s(blocking, 1 / total_per_s), save)  # an async save must finish before the next
+    parts = segment_parts_s(interval, blocking, kinds, 1 / mtbf if math.isfinite(mtbf) else 0.0)
+    wall = sum(parts.values())
+    lost = {name: seconds / wall * SECONDS_PER_DAY for name, seconds in parts.items() if name != "training"}
+    if check_share:
+        lost["replica checks"] = check_share * interval / wall * SECONDS_PER_DAY
+    return Goodput(mtbf, total_per_s * SECONDS_PER_DAY, nbytes, save, blocking, interval, restart,
+                   interval / wall * (1 - check_share), mfu, recovery, kinds, lost, notes)
+
+
+def check_overhead_share(recovery: Recovery, context: StepContext | None) -> float:
+    """The replica fingerprints' share of training time: one read of the parameters every N steps."""
+    if not context or not context.replicated or not recovery.sdc_check_every_steps:
+        return 0.0
+    return context.check_s / (recovery.sdc_check_every_steps * context.step_s + context.check_s)
+
+
+def _notes(recovery: Recovery, context: StepContext | None) -> tuple[str, ...]:
+    notes = [f"recovery assumed: {recovery.assumptions()}"]
+    if context is None:
+        notes.append("no plan given: replica checks not charged, silent corruption counted as found at once")
+    elif not context.replicated or not recovery.sdc_check_every_steps:
+        why = "parameters are sharded (ZeRO-3), no replicas to compare" if not context.replicated else \
+            "replica checks are off"
+        notes.append(f"{why}: silent corruption goes unseen (trains on, not counted as an interruption)")
+    return tuple(notes)

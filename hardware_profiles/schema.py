@@ -120,7 +120,18 @@ class Reliability(Strict):
     node_failures_per_1000_node_days: float = Field(ge=0)
     restart_s: float = Field(ge=0)
     rewarm_s: float = Field(ge=0)
+    hang_fraction: float = Field(ge=0, le=1)      # of interruptions: no process dies, seen at the collective timeout
+    sdc_fraction: float = Field(ge=0, le=1)       # of interruptions: silent data corruption, seen at a replica check
+    crash_detection_s: float = Field(ge=0)        # a dead process to every rank of the attempt stopped
+    node_repair_s: float = Field(ge=0)            # a failed node back in service (waited for when no spare is kept)
     source: str
+
+    @model_validator(mode="after")
+    def _fractions_add_up(self):
+        if self.hang_fraction + self.sdc_fraction > 1:
+            raise ValueError(f"hang_fraction + sdc_fraction = {self.hang_fraction + self.sdc_fraction:g} > 1: "
+                             "both are shares of the same interruptions")
+        return self
 
 
 class Cluster(Strict):

@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from cost_models.layout_codec import parse_text
-from cost_models.reliability import goodput
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_stacks, load_stack, resolve_stack
 from hardware_profiles.stack import DEFAULT_STACK
 
 from . import api, exports, views
 from .capture.model_capture import capture
+from .goodput_report import goodput_summary, parse_recovery, plan_goodput
 from .output_paths import check_plan_file, check_report_dir
 from .plans import Plan
 from .whatif import whatif, write_report
@@ -96,6 +96,8 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          top: int = typer.Option(3, "--top", help="alternatives to report"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="search time limit in seconds"),
          objective: str = typer.Option("step-time", "--objective", help="step-time or goodput"),
+         recovery: str = typer.Option("", "--recovery", help="with --objective goodput: how the job recovers, e.g. "
+                                      "timeout=300,spares=no,elastic=yes,sdc_every=10,spikes_per_day=1"),
          out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
@@ -106,6 +108,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
     if out_path is not None:
         out_path = check_plan_file(out_path)
     pins = parse_text(fix, "--fix")
+    recovery_settings = parse_recovery(recovery)
     precision = api.resolve_precision(precision, pins)
     progress, report = _progress()
     with progress:
@@ -114,8 +117,8 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
                           stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap),
                           leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, **pins)
-    extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len) \
-        if objective == "goodput" else None
+    extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len,
+                             recovery_settings) if objective == "goodput" else None
     if out_path:
         result.save(out_path)
     _emit(result, as_json, extra)
@@ -123,12 +126,9 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         out.print(f"plan written to {out_path}")
 
 
-def _goodput_summary(result: Plan, model, cluster, device, num_devices, per_node, seq_len) -> dict:
+def _goodput_summary(result: Plan, model, cluster, device, num_devices, per_node, seq_len, recovery) -> dict:
     resolved = api.resolve_cluster(cluster, device, num_devices, per_node)
-    g = goodput(resolved, resolved.num_devices, capture(model, seq_len).total_params, result.mfu)
-    return {"ettr": g.ettr, "goodput": g.goodput, "mtbf_h": g.mtbf_s / 3600,
-            "interruptions_per_day": g.interruptions_per_day, "checkpoint_interval_min": g.interval_s / 60,
-            "checkpoint_bytes": g.checkpoint_bytes, "checkpoint_save_s": g.checkpoint_save_s}
+    return goodput_summary(plan_goodput(result, resolved, capture(model, seq_len).total_params, recovery))
 
 
 @app.command()

@@ -56,7 +56,12 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     if goodput:
         head.add_row("goodput", f"ETTR {goodput['ettr']:.1%} -> goodput {goodput['goodput']:.1%}; "
                      f"{goodput['interruptions_per_day']:.2f} interruptions/day; checkpoint every "
-                     f"{goodput['checkpoint_interval_min']:.0f} min")
+                     f"{goodput['checkpoint_interval_min']:.1f} min")
+        lost = sorted(goodput["lost_s_per_day"].items(), key=lambda item: -item[1])
+        head.add_row("lost per day", ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in lost
+                                               if seconds >= 0.5))
+        for note in goodput["notes"]:
+            head.add_row("note", note)
     console.print(head)
     breakdown = Table(title="Step time breakdown")
     breakdown.add_column("part")

@@ -5,11 +5,11 @@ import html
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cost_models.reliability import goodput
 from hardware_profiles.errors import UserInputError, clip
 
 from .api import InfeasibleError, plan, resolve_cluster
 from .capture.model_capture import capture
+from .goodput_report import plan_goodput
 
 SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -172,7 +172,7 @@ def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, 
                             note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}", **where))
             continue
         graph = capture(model, seq)
-        good = goodput(point_cluster, point_cluster.num_devices, graph.total_params, result.mfu)
+        good = plan_goodput(result, point_cluster, graph.total_params)
         days = budget / result.tokens_per_s / good.ettr / 86400
         rows.append(Row(value, _short(result.layout), point_cluster.num_devices, point_cluster.device.name,
                         result.step_time_s, result.mfu, result.tokens_per_s, days,

@@ -66,6 +66,16 @@ def test_plan_json_schema():
 def test_plan_table_and_goodput():
     proc = run("plan --model llama3-8b --device h100-sxm --num-devices 64 --global-batch 256 --objective goodput")
     assert "Step time breakdown" in proc.stdout and "ETTR" in proc.stdout and "Next best" in proc.stdout
+    assert "recovery assumed: collective timeout 300 s, spare nodes kept" in proc.stdout   # said, not silent
+
+
+def test_goodput_json_names_what_recovery_costs(capsys, monkeypatch):
+    text = run_here("plan --model llama3-8b --device h100-sxm --num-devices 4096 --global-batch 4096 "
+                    "--objective goodput --json --recovery spares=no,elastic=yes,timeout=1800", capsys, monkeypatch)
+    good = json.loads(text)["goodput"]
+    assert {"fewer nodes (crash)", "detection (hang)", "restart (crash)", "lost work"} <= set(good["lost_s_per_day"])
+    assert "no spare nodes, continue on the nodes left" in good["notes"][0]
+    assert good["ettr"] * 86400 + sum(good["lost_s_per_day"].values()) == pytest.approx(86400, rel=1e-9)
 
 
 def test_next_best_names_what_differs_from_the_plan():

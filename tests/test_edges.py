@@ -154,6 +154,9 @@ def test_a_module_that_calls_sys_exit_does_not_end_the_planner(tmp_path, capsys,
     ("--fix tp=2,pp=2,dp=4,cp=4", "the degrees multiply to 64"),
     ("--time-limit nan", "time-limit"),
     ("--time-limit -5", "time-limit"),
+    ("--objective goodput --recovery spares=maybe", "spares: yes or no"),
+    ("--objective goodput --recovery timeout=-1", "--recovery"),
+    ("--objective goodput --recovery spare=no", "keys timeout"),
 ])
 def test_plan_refuses_what_it_used_to_default_or_accept(args, named, capsys, monkeypatch):
     assert named in refused(f"plan {TINY} {args}", capsys, monkeypatch)

@@ -1,8 +1,12 @@
-"""Goodput model: Daly's published examples, agreement with a Monte Carlo, Llama 3's reliability."""
+"""Goodput model: Daly's published examples, agreement with a Monte Carlo of the same process (one kind of
+failure, then every kind of interruption and recovery over a grid), Llama 3's reliability."""
+import math
+
 import pytest
 
-from cost_models.reliability import (daly_interval_s, ettr, goodput, job_mtbf_s, simulate_ettr,
-                                     young_interval_s)
+from cost_models.goodput_simulation import Process, simulate_ettr
+from cost_models.reliability import (Interruption, Recovery, StepContext, daly_interval_s, ettr, goodput,
+                                     job_mtbf_s, young_interval_s)
 from hardware_profiles import cluster_from_device
 
 MIN, HOUR = 60.0, 3600.0
@@ -26,8 +30,77 @@ def test_ettr_matches_monte_carlo_within_one_point(mtbf_h, delta_min, restart_mi
     mtbf, delta, restart = mtbf_h * HOUR, delta_min * MIN, restart_min * MIN
     tau = daly_interval_s(delta, mtbf)
     analytic = ettr(tau, delta, restart, mtbf)
-    simulated = simulate_ettr(tau, delta, restart, mtbf, useful_s=2000 * mtbf, seed=7)
+    process = Process(tau, delta, (Interruption("failure", 1 / mtbf, 0.0, restart),), 1 / mtbf)
+    simulated = simulate_ettr(process, useful_s=2000 * mtbf, seed=7)
     assert abs(analytic - simulated) < 0.01
+
+
+def _cluster(nodes: int, hang_fraction: float, repair_h: float):
+    cluster = cluster_from_device("h100-sxm", nodes * 8)
+    reliability = cluster.reliability.model_copy(update={"hang_fraction": hang_fraction,
+                                                         "node_repair_s": repair_h * HOUR})
+    return cluster.model_copy(update={"reliability": reliability})
+
+
+# nodes, share of hangs, repair hours, recovery: spares / waiting for the repair / elastic, timeouts, spikes
+GRID = [
+    (256, 0.10, 4, Recovery()),
+    (2048, 0.10, 4, Recovery()),
+    (2048, 0.30, 4, Recovery(collective_timeout_s=1800)),
+    (2048, 0.02, 4, Recovery(loss_spikes_per_day=6)),
+    (256, 0.10, 4, Recovery(spare_nodes=False)),
+    (2048, 0.10, 1, Recovery(spare_nodes=False)),
+    (256, 0.10, 4, Recovery(spare_nodes=False, elastic=True)),
+    (2048, 0.10, 4, Recovery(spare_nodes=False, elastic=True)),
+    (2048, 0.10, 12, Recovery(spare_nodes=False, elastic=True, collective_timeout_s=1800, loss_spikes_per_day=3)),
+]
+
+
+@pytest.mark.parametrize("nodes,hangs,repair_h,recovery", GRID)
+def test_goodput_matches_monte_carlo_within_one_point(nodes, hangs, repair_h, recovery):
+    """The closed form against an event-by-event simulation of the same process: detection delays (a crash,
+    a hang at the collective timeout, corruption at the next replica check), restarts that failures restart,
+    repairs waited for, elastic runs on fewer nodes with regrowing, rollbacks from loss spikes."""
+    cluster = _cluster(nodes, hangs, repair_h)
+    context = StepContext(step_s=8.0, check_s=0.02, replicated=True)
+    model = goodput(cluster, nodes * 8, 405e9, mfu=0.4, recovery=recovery, context=context)
+    process = Process.of(model, cluster.reliability.node_repair_s, nodes)
+    simulated = simulate_ettr(process, useful_s=10000 * model.mtbf_s, seed=3)
+    checks = model.lost_s_per_day.get("replica checks", 0.0)
+    without_checks = model.ettr / (1 - checks / (checks + model.ettr * 86400)) if checks else model.ettr
+    assert abs(without_checks - simulated) < 0.01
+
+
+def test_lost_time_parts_add_up_to_the_wall_clock():
+    cluster = _cluster(2048, 0.1, 4)
+    model = goodput(cluster, 16384, 405e9, mfu=0.4, recovery=Recovery(loss_spikes_per_day=2),
+                    context=StepContext(step_s=8.0, check_s=0.02, replicated=True))
+    assert model.ettr * 86400 + sum(model.lost_s_per_day.values()) == pytest.approx(86400, rel=1e-9)
+    # a hang costs the collective timeout before anything restarts: hangs arrive while the job runs (between
+    # the useful share and all of the day), each costing the 300 s timeout
+    hangs_per_day = 86400 / model.mtbf_s * 0.1
+    assert hangs_per_day * 300 * model.ettr < model.lost_s_per_day["detection (hang)"] < hangs_per_day * 300
+
+
+def test_what_recovery_choices_cost():
+    """Orderings a reader can check without the model: a longer timeout, no spares, and sharded parameters
+    (corruption unseen) each move ETTR the way they must."""
+    cluster = _cluster(2048, 0.1, 4)
+    context = StepContext(step_s=8.0, check_s=0.02, replicated=True)
+    base = goodput(cluster, 16384, 405e9, 0.4, recovery=Recovery(), context=context)
+    slow_timeout = goodput(cluster, 16384, 405e9, 0.4, recovery=Recovery(collective_timeout_s=1800), context=context)
+    waiting = goodput(cluster, 16384, 405e9, 0.4, recovery=Recovery(spare_nodes=False), context=context)
+    elastic = goodput(cluster, 16384, 405e9, 0.4, recovery=Recovery(spare_nodes=False, elastic=True),
+                      context=context)
+    assert slow_timeout.ettr < base.ettr and waiting.ettr < elastic.ettr < base.ettr
+    sharded = goodput(cluster, 16384, 405e9, 0.4, context=StepContext(8.0, 0.02, replicated=False))
+    assert "replica checks" not in sharded.lost_s_per_day
+    assert any("goes unseen" in note for note in sharded.notes)
+    # a check every step costs its read over the step time
+    every = goodput(cluster, 16384, 405e9, 0.4, recovery=Recovery(sdc_check_every_steps=1), context=context)
+    assert every.lost_s_per_day["replica checks"] / 86400 == pytest.approx(
+        0.02 / 8.02 * every.ettr / (1 - 0.02 / 8.02), rel=1e-6)
+    assert math.isfinite(every.interval_s)
 
 
 def test_llama3_reliability():

@@ -1,0 +1,65 @@
+"""Goodput of a plan: the reliability model (cost_models/reliability.py) fed with what the plan says about a
+step (its time, each rank's parameter bytes, whether replicas exist to compare) and the recovery settings the
+user runs with (`--recovery timeout=300,spares=yes,elastic=no,sdc_every=10,spikes_per_day=0`)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cost_models.reliability import Goodput, Recovery, StepContext, goodput
+from hardware_profiles.errors import UserInputError
+from hardware_profiles.schema import Cluster
+
+from .plans import Plan
+
+RECOVERY_FIELDS = {"timeout": "collective_timeout_s", "spares": "spare_nodes", "elastic": "elastic",
+                   "sdc_every": "sdc_check_every_steps", "spikes_per_day": "loss_spikes_per_day"}
+EXPECTED = "comma-separated key=value with keys timeout (s), spares (yes/no), elastic (yes/no), sdc_every " \
+           "(steps, 0 for none), spikes_per_day"
+
+
+def parse_recovery(text: str | None, field: str = "--recovery") -> Recovery:
+    recovery = Recovery()
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in RECOVERY_FIELDS:
+            raise UserInputError(f"'{item}'", field=field, expected=EXPECTED)
+        name = RECOVERY_FIELDS[key]
+        recovery = replace(recovery, **{name: _value(key, value, item, field)})
+    return recovery
+
+
+def _value(key: str, text: str, item: str, field: str):
+    if key in ("spares", "elastic"):
+        if text not in ("yes", "no"):
+            raise UserInputError(f"'{item}'", field=field, expected=f"{key}: yes or no")
+        return text == "yes"
+    try:
+        number = int(text) if key == "sdc_every" else float(text)
+    except ValueError:
+        raise UserInputError(f"'{item}'", field=field, expected=EXPECTED) from None
+    if number < 0:
+        raise UserInputError(f"'{item}'", field=field, expected="a value of 0 or more")
+    return number
+
+
+def step_context(plan: Plan, cluster: Cluster) -> StepContext:
+    """One replica check reads the rank's parameters once at the device's sustained memory bandwidth."""
+    device = cluster.device
+    weights = max(record.parts.get("weights", 0.0) for record in plan.memory) if plan.memory else 0.0
+    bandwidth = device.hbm_bandwidth_gbytes_per_s * device.hbm_bandwidth_fraction * 1e9
+    return StepContext(step_s=plan.step_time_s, check_s=weights / bandwidth, replicated=plan.layout.zero < 3)
+
+
+def plan_goodput(plan: Plan, cluster: Cluster, total_params: float, recovery: Recovery | None = None) -> Goodput:
+    return goodput(cluster, plan.num_devices, total_params, plan.mfu, recovery=recovery,
+                   context=step_context(plan, cluster))
+
+
+def goodput_summary(result: Goodput) -> dict:
+    """What `planner plan --objective goodput` reports (JSON and table)."""
+    return {"ettr": result.ettr, "goodput": result.goodput, "mtbf_h": result.mtbf_s / 3600,
+            "interruptions_per_day": result.interruptions_per_day,
+            "checkpoint_interval_min": result.interval_s / 60, "checkpoint_bytes": result.checkpoint_bytes,
+            "checkpoint_save_s": result.checkpoint_save_s, "checkpoint_blocking_s": result.checkpoint_blocking_s,
+            "restart_s": result.restart_s, "lost_s_per_day": dict(result.lost_s_per_day),
+            "notes": list(result.notes)}
