@@ -13,6 +13,7 @@ import gc
 import os
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,8 +31,9 @@ from planner.plans import Plan  # noqa: E402
 from planner.capture.reference_model import build_model  # noqa: E402
 from runtime import PlanError, apply_plan  # noqa: E402
 from runtime.parallel_model import device_type_of  # noqa: E402
-from runtime import checkpoint as checkpoints, faults  # noqa: E402
-from runtime.health import HealthPolicy, HealthStop  # noqa: E402
+from runtime import faults  # noqa: E402
+from runtime.checkpointing import Cadence, Checkpointer  # noqa: E402
+from runtime.health import HealthPolicy, HealthStop, Rollback  # noqa: E402
 from runtime.watchdog import Watchdog  # noqa: E402
 
 
@@ -58,10 +60,15 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint directory (save or resume)")
     parser.add_argument("--resume", action="store_true", help="load --checkpoint and continue after the step it "
                         "was saved at (model, optimizer, step, learning rate, RNG)")
-    parser.add_argument("--async-save", action="store_true", help="write the checkpoint with dcp.async_save")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints with dcp.async_save (on a "
+                        "gloo group of their own); training waits only for the staging")
     parser.add_argument("--checkpoint-dir", default=None, help="save every --save-every steps into this directory "
                         "and, on start (as after a torchrun restart), resume from its last complete checkpoint")
-    parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints in --checkpoint-dir")
+    parser.add_argument("--save-every", default="0", help="steps between checkpoints in --checkpoint-dir, or auto: "
+                        "Daly's interval from the measured blocking time and the job's MTBF (--mtbf-s, else the "
+                        "plan's cluster profile)")
+    parser.add_argument("--mtbf-s", type=float, default=None, help="the job's mean time between failures, for "
+                        "--save-every auto (default: the plan's cluster profile at this many devices)")
     parser.add_argument("--last-step", type=int, default=None, help="train up to this step (default: --steps with "
                         "--checkpoint-dir, whose job spans its restarts; else the first step + --steps - 1)")
     parser.add_argument("--drop-optimizer-state", action="store_true", help="with --resume: forget the "
@@ -74,7 +81,11 @@ def parse_args(argv=None):
     parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
     parser.add_argument("--sdc-every", type=int, default=10, help="steps between replica fingerprints")
     parser.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"])
-    parser.add_argument("--on-spike", default="skip", choices=["skip", "ignore"])
+    parser.add_argument("--on-spike", default="skip", choices=["skip", "rollback", "ignore"],
+                        help="rollback: reload the last complete checkpoint of --checkpoint-dir and skip the "
+                             "--rollback-skip batches that end at the spike")
+    parser.add_argument("--rollback-skip", type=int, default=1, help="batches skipped after a rollback, ending at "
+                        "the spike's (PaLM skipped 200-500 around each spike)")
     parser.add_argument("--skip-steps", default="", help="comma-separated steps whose batches are not trained "
                         "(the reference a skipped batch is compared with)")
     parser.add_argument("--device-type", default=None, choices=sorted(BACKENDS),
@@ -203,6 +214,7 @@ def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") ->
         if args.plan:  # the plan fixes the batch and sequence it was made for
             saved = Plan.load(args.plan)
             args.global_batch, args.seq_len = saved.layout.gbs, saved.seq_len
+        cadence = checkpoint_cadence(args)
         model, graph = build(args.model, args.seq_len, args.seed)
         layout = run_layout(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
@@ -219,17 +231,8 @@ def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") ->
     if rank == 0:
         for note in parallel.notes:
             print(f"note: {note}", file=sys.stderr, flush=True)
-    start = 1
-    latest = checkpoints.latest(args.checkpoint_dir) if args.checkpoint_dir else None
-    if latest is not None:   # a restarted job picks up where its last complete checkpoint ends
-        start = parallel.load(str(latest)).step + 1
-        if rank == 0:
-            print(f"resumed from {latest.name} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})",
-                  file=sys.stderr, flush=True)
-    if args.resume:
-        start = parallel.load(args.checkpoint).step + 1
-        if args.drop_optimizer_state:
-            parallel.forget_optimizer_state()
+    saver = Checkpointer(parallel, args.checkpoint_dir, cadence, args.async_save) if args.checkpoint_dir else None
+    start = resume(args, parallel, saver, rank)
     if args.dump_grads:
         Path(args.dump_grads).mkdir(parents=True, exist_ok=True)
 
@@ -237,43 +240,113 @@ def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") ->
             torch.save(pm.gradients(), Path(args.dump_grads) / f"step{pm.step}-rank{rank}.pt")
         parallel.on_gradients = dump
     faults.install(injection, parallel, rank)
-    pending = None
     # a job that checkpoints into a directory trains steps 1..--steps as a whole, across its restarts
     last = args.last_step if args.last_step is not None else (
         args.steps if args.checkpoint_dir else start + args.steps - 1)
-    for step in range(start, last + 1):
+    code = run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, range(start, last + 1), prefix)
+    # drop the optimizer, FSDP and mesh state (and any collective work they hold) while the groups still
+    # exist: a group freed at interpreter exit with gloo threads alive aborts the process (seen twice in
+    # the runtime tests as 'terminate called without an active exception' after a clean run)
+    del parallel, model, saver
+    return code
+
+
+def checkpoint_cadence(args) -> Cadence:
+    """--save-every N, or auto (Daly's interval from the job's MTBF); refused before step 1 where it cannot run."""
+    if args.on_spike == "rollback" and not (args.checkpoint_dir and args.save_every != "0"):
+        raise ValueError("--on-spike rollback needs checkpoints to roll back to: --checkpoint-dir and --save-every")
+    if args.save_every != "auto":
+        if not args.save_every.isdigit():
+            raise ValueError(f"--save-every {args.save_every}: expected a whole number of steps or auto")
+        return Cadence(int(args.save_every))
+    if args.mtbf_s is not None:
+        return Cadence(None, args.mtbf_s)
+    if not args.plan:
+        raise ValueError("--save-every auto needs the job's MTBF: --mtbf-s, or a --plan whose cluster profile "
+                         "gives the failure rate")
+    from cost_models.reliability import job_mtbf_s
+    from planner.api import resolve_cluster
+    plan = Plan.load(args.plan)
+    cluster = resolve_cluster(plan.cluster) if "-x" not in plan.cluster else resolve_cluster(
+        None, plan.cluster.rsplit("-x", 1)[0], plan.num_devices)
+    return Cadence(None, job_mtbf_s(cluster, dist.get_world_size()))
+
+
+def resume(args, parallel, saver, rank: int) -> int:
+    """The first step to train: after the directory's last complete checkpoint (as after a torchrun restart),
+    or after --checkpoint with --resume, else 1."""
+    start = 1
+    restored = saver.restore() if saver else None
+    if restored is not None:
+        start = restored + 1
+        if rank == 0:
+            print(f"resumed from {saver.latest().name} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})",
+                  file=sys.stderr, flush=True)
+    if args.resume:
+        start = parallel.load(args.checkpoint).step + 1
+        if args.drop_optimizer_state:
+            parallel.forget_optimizer_state()
+    return start
+
+
+def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, steps: range, prefix: str) -> int:
+    rank = dist.get_rank()
+    pending = None
+    step = steps.start
+    while step < steps.stop:
         faults.stop_here(injection, step, rank)
         watchdog.reached(step)
         if step in skip_steps:   # this batch is not trained at all
             parallel.step += 1
+            step += 1
             continue
         tokens, targets = batch(step, args, graph.vocab_size)
         scale = faults.spike_scale(injection, step)
+        started = time.perf_counter()
         try:
             scale_output_layer(parallel, graph, scale)
-            loss = parallel.train_step(tokens, targets)
-            scale_output_layer(parallel, graph, 1 / scale)
+            try:
+                loss = parallel.train_step(tokens, targets)
+            finally:
+                scale_output_layer(parallel, graph, 1 / scale)
+        except Rollback as spike:
+            step = roll_back(args, parallel, saver, spike.step, skip_steps)
+            continue
         except HealthStop as exc:
             print(f"error (rank {rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
             os._exit(4)
         except (RuntimeError, dist.DistError) as exc:   # a peer stopped or died mid-collective
             print(watchdog.report(step, exc), file=sys.stderr, flush=True)
             os._exit(3)   # the process group cannot be torn down cleanly with a peer gone
+        step_s = time.perf_counter() - started
         if rank == 0:
             print(f"{prefix}step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:
             pending = parallel.save(args.checkpoint, step, asynchronous=args.async_save)
-        if args.checkpoint_dir and args.save_every and step % args.save_every == 0:
-            checkpoints.save_complete(parallel, args.checkpoint_dir, step)
+        if saver:
+            saver.after_step(step, step_s)
+        step += 1
     if pending is not None:
         pending.result()   # the asynchronous write finishes before the job ends
-    # drop the optimizer, FSDP and mesh state (and any collective work they hold) while the groups still
-    # exist: a group freed at interpreter exit with gloo threads alive aborts the process (seen twice in
-    # the runtime tests as 'terminate called without an active exception' after a clean run)
-    del parallel, model
+    if saver:
+        saver.finish()
     return 0
 
 
+def roll_back(args, parallel, saver, spike_step: int, skip_steps: set[int]) -> int:
+    """Reload the last complete checkpoint, skip the batches that end at the spike; the step to go on from."""
+    back = saver.restore()
+    if back is None:   # nothing to roll back to yet: the batch is skipped instead, and that is said
+        parallel.health.say(f"health: step {spike_step}: no complete checkpoint to roll back to; batch "
+                            f"{spike_step} skipped instead")
+        skip_steps.add(spike_step)
+        return spike_step + 1
+    skipped = list(range(max(back + 1, spike_step - args.rollback_skip + 1), spike_step + 1))
+    skip_steps.update(skipped)
+    parallel.health.forget_after(back)
+    parallel.health.say(f"health: step {spike_step}: rolled back to step {back} (its checkpoint); batch"
+                        f"{'es' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))} skipped")
+    return back + 1
 
 
 if __name__ == "__main__":

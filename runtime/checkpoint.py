@@ -9,12 +9,10 @@ reshards DTensors on load and deduplicates replicated tensors on save; under ZeR
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -81,12 +79,13 @@ def training_state(modules, optimizer, canonical, train: TrainState) -> dict[str
             "train/rng": torch.get_rng_state()}
 
 
-def save(path: str, modules, optimizer, canonical, train: TrainState, asynchronous: bool = False):
+def save(path: str, modules, optimizer, canonical, train: TrainState, asynchronous: bool = False,
+         process_group=None):
     """Write the checkpoint; with `asynchronous`, return the future `dcp.async_save` gives (wait on it
-    before the next save or the end of the job)."""
+    before the next save or the end of the job), its collectives on `process_group` (a gloo group)."""
     state = training_state(modules, optimizer, canonical, train)
     if asynchronous:
-        return dcp.async_save(state, checkpoint_id=path)
+        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
     dcp.save(state, checkpoint_id=path)
     return None
 
@@ -114,21 +113,7 @@ def load(path: str, modules, optimizer, canonical) -> TrainState:
     return TrainState(step=int(state["train/step"]), lr=lr)
 
 
-LATEST = "latest"   # names the last checkpoint of a directory that every rank finished writing
-
-
-def save_complete(parallel, directory: str, step: int) -> Path:
-    """Save into `directory/step-NNNNNN` and only then, once every rank is done, point `latest` at it
-    (an atomic rename): a job killed mid-save resumes from the previous complete checkpoint."""
-    target = Path(directory) / f"step-{step:06d}"
-    parallel.save(str(target), step)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        marker = Path(directory) / f".{LATEST}.tmp"
-        marker.write_text(target.name)
-        os.replace(marker, Path(directory) / LATEST)
-    dist.barrier()
-    return target
+LATEST = "latest"   # names the last checkpoint of a directory that every rank finished writing (runtime/checkpointing.py)
 
 
 def latest(directory: str) -> Path | None:

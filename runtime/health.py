@@ -4,7 +4,9 @@ on every rank, and the step's policy (skip the batch, or stop) is applied on eve
 * non-finite loss or gradients: each rank tests its own gradients after backward; one all-gather of a flag
   per rank names the ranks that produced them, before any optimizer step uses them;
 * loss spikes: a robust z-score of the step's loss (mean over ranks, the same number everywhere) against
-  the median and median absolute deviation of the last accepted steps;
+  the median and median absolute deviation of the last accepted steps; the policy skips the batch, or
+  rolls back to the last complete checkpoint and skips the batches from the spike back (`Rollback`,
+  raised on every rank alike: the caller reloads and retrains), or only reports;
 * silent data corruption: where parameters are replicated over the data-parallel ranks (ZeRO-0/1), a
   bit-exact fingerprint of each rank's parameters (the sum of their bit patterns as integers) is compared
   over the replicas every `sdc_every` steps after the optimizer step; a rank that disagrees with the
@@ -28,7 +30,7 @@ INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.f
 @dataclass(frozen=True)
 class HealthPolicy:
     on_nonfinite: str = "skip"      # skip the batch (no optimizer step), or stop the job
-    on_spike: str = "skip"          # skip the batch, or ignore (report only)
+    on_spike: str = "skip"          # skip the batch, roll back to the last checkpoint, or ignore (report only)
     spike_z: float = 6.0            # robust z-score that makes a loss a spike
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
@@ -39,14 +41,23 @@ class HealthStop(RuntimeError):
     """The policy says stop: raised on every rank at the same step."""
 
 
+class Rollback(RuntimeError):
+    """The spike policy says roll back: raised on every rank at the same step, which is in `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"loss spike at step {step}: roll back")
+        self.step = step
+
+
 class HealthMonitor:
     def __init__(self, policy: HealthPolicy, replica_group, replicated: bool, device: torch.device):
         self.policy, self.device = policy, device
-        self.losses: deque[float] = deque(maxlen=policy.spike_window)
+        self.losses: deque[tuple[int, float]] = deque(maxlen=policy.spike_window)   # (step, loss) accepted
         self.replica_group = replica_group      # the data-parallel group replicas live in
         self.replicated = replicated            # parameters replicated over it (ZeRO-0/1)
         self.rank = dist.get_rank()
         self.reports: list[str] = []            # every `health:` line, in order
+        self.checked: tuple[int, bool] | None = None   # the last replica check: its step and verdict
 
     def _say(self, line: str) -> None:
         self.reports.append(line)
@@ -65,13 +76,25 @@ class HealthMonitor:
             return False
         z = self._spike_z(loss)
         if z is not None and z > self.policy.spike_z:
-            median = statistics.median(self.losses)
+            median = statistics.median(value for _, value in self.losses)
             self._say(f"health: step {step}: loss spike, {loss:.4f} against a median of {median:.4f} "
                       f"(robust z {z:.1f} > {self.policy.spike_z:g}); policy {self.policy.on_spike}")
+            if self.policy.on_spike == "rollback":
+                raise Rollback(step)
             if self.policy.on_spike == "skip":
                 return False
-        self.losses.append(loss)
+        self.losses.append((step, loss))
         return True
+
+    def forget_after(self, step: int) -> None:
+        """A rollback to the checkpoint of `step`: the losses of the steps after it are trained again."""
+        kept = [(s, value) for s, value in self.losses if s <= step]
+        self.losses.clear()
+        self.losses.extend(kept)
+
+    def say(self, line: str) -> None:
+        """A `health:` line the caller's policy produced (a rollback's outcome)."""
+        self._say(line)
 
     def _nonfinite_ranks(self, loss: float, gradients: list[torch.Tensor]) -> list[int]:
         """One norm per gradient (a NaN or Inf anywhere makes it non-finite) and one all-reduce of a flag;
@@ -89,23 +112,39 @@ class HealthMonitor:
     def _spike_z(self, loss: float) -> float | None:
         if len(self.losses) < self.policy.spike_min_history or not math.isfinite(loss):
             return None
-        median = statistics.median(self.losses)
-        spread = MAD_TO_SIGMA * statistics.median(abs(x - median) for x in self.losses)
+        values = [value for _, value in self.losses]
+        median = statistics.median(values)
+        spread = MAD_TO_SIGMA * statistics.median(abs(x - median) for x in values)
         return (loss - median) / max(spread, 1e-6 * abs(median) + 1e-12)
 
     # -- after the optimizer step ----------------------------------------------------------------
-    def check_replicas(self, step: int, parameters: list[torch.Tensor]) -> None:
-        """Every `sdc_every` steps: the replicas' parameter fingerprints agree, or the odd ranks are named."""
+    def check_replicas(self, step: int, parameters: list[torch.Tensor], before_save: bool = False) -> bool:
+        """Every `sdc_every` steps, and before every checkpoint (so that none holds corruption a check could
+        see): the replicas' parameter fingerprints agree, or the odd ranks are named. False when they differ."""
         every = self.policy.sdc_every
-        if not every or step % every or not self.replicated or dist.get_world_size(self.replica_group) < 2:
-            return
+        due = before_save or (every and not step % every)
+        if not every or not due or not self.replicated or dist.get_world_size(self.replica_group) < 2:
+            return True
+        if self.checked and self.checked[0] == step:   # checked after this step's update already
+            return self.checked[1]
+        self.checked = (step, self._replicas_agree(step, parameters))
+        return self.checked[1]
+
+    def clean_for_saving(self, step: int, parameters: list[torch.Tensor]) -> bool:
+        """Before a checkpoint: every replica group agrees (one flag all-reduced over the job, since each
+        group knows only its own verdict)."""
+        agree = torch.tensor([float(self.check_replicas(step, parameters, before_save=True))], device=self.device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+        return bool(agree.item())
+
+    def _replicas_agree(self, step: int, parameters: list[torch.Tensor]) -> bool:
         mine = torch.tensor([fingerprint(parameters)], dtype=torch.int64, device=self.device)
         size = dist.get_world_size(self.replica_group)
         gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
         dist.all_gather(gathered, mine, group=self.replica_group)
         values = [int(t.item()) for t in gathered]
         if len(set(values)) == 1:
-            return
+            return True
         ranks = dist.get_process_group_ranks(self.replica_group)
         common = max(set(values), key=values.count)
         if values.count(common) * 2 > size:   # a majority agrees: the others are the corrupt ones
@@ -118,6 +157,7 @@ class HealthMonitor:
                     "hold different parameters (silent data corruption); no majority tells which")
         self.reports.append(line)
         print(line, flush=True)   # every rank of the group says it: the odd one may be rank 0
+        return False
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -295,12 +295,12 @@ class ParallelModel:
             state.update(get_model_state_dict(_inner(module)))
         return state
 
-    def save(self, path: str, step: int, asynchronous: bool = False):
+    def save(self, path: str, step: int, asynchronous: bool = False, process_group=None):
         """The whole training state after `step` (model, optimizer, step, learning rate, RNG) as one DCP
         checkpoint any other layout can load; `asynchronous` returns `dcp.async_save`'s future."""
         lr = self.optimizer.param_groups[0]["lr"]
         return checkpoint.save(path, [_inner(m) for m in self.modules], self.optimizer, self.canonical_names,
-                               checkpoint.TrainState(step=step, lr=lr), asynchronous)
+                               checkpoint.TrainState(step=step, lr=lr), asynchronous, process_group)
 
     def forget_optimizer_state(self) -> None:
         """Drop the optimizer's moments and step counts (what a model-only checkpoint resumes with)."""

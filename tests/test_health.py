@@ -36,6 +36,69 @@ def test_a_loss_spike_is_named_and_skipped():
     assert losses(faulty)[10:] == pytest.approx(losses(skipped)[9:], rel=LOSS_TOLERANCE)
 
 
+def last_losses(proc) -> dict[int, float]:
+    """Each step's loss as finally trained (a rollback trains some steps twice: the later line counts)."""
+    return {int(line.split()[1]): float(line.split()[-1]) for line in proc.stdout.splitlines()
+            if line.startswith("step ")}
+
+
+def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(tmp_path):
+    """dp=2, checkpoints every 4 steps written asynchronously; the spike at step 10 rolls back to step 8,
+    skips batches 9 and 10, retrains none of them: the run ends where a run that never saw them does."""
+    faulty = launch(2, "--model", "tiny-llama", "--steps", "13", *TRAIN, "--layout", "dp=2", "--inject", "spike@10",
+                    "--on-spike", "rollback", "--rollback-skip", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                    "--save-every", "4", "--async-save")
+    lines = health_lines(faulty)
+    assert lines[0].startswith("health: step 10: loss spike") and "policy rollback" in lines[0]
+    assert lines[1] == "health: step 10: rolled back to step 8 (its checkpoint); batches 9, 10 skipped"
+    skipped = launch(1, "--model", "tiny-llama", "--steps", "13", *TRAIN, "--skip-steps", "9,10")
+    trained, reference = last_losses(faulty), last_losses(skipped)
+    assert sorted(trained) == [*range(1, 10), 11, 12, 13]   # 9 was trained once, then rolled back
+    assert sorted(reference) == [*range(1, 9), 11, 12, 13]
+    assert [trained[s] for s in reference] == pytest.approx(list(reference.values()), rel=LOSS_TOLERANCE)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000012"
+
+
+def test_a_rollback_without_checkpoints_is_refused_before_step_one():
+    proc = launch(1, "--model", "tiny-llama", "--steps", "2", "--on-spike", "rollback", check=False)
+    assert proc.returncode == 2 and "needs checkpoints to roll back to" in proc.stderr and "step 1" not in proc.stdout
+
+
+def test_no_checkpoint_is_written_while_replicas_disagree(tmp_path):
+    """A flipped bit after step 3 with no periodic check due: the check before step 4's save finds it, and
+    the clean checkpoint of step 2 stays the one a restart would load."""
+    proc = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0",
+                  "--inject", "bitflip@3:1", "--sdc-every", "100", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                  "--save-every", "2")
+    lines = health_lines(proc)
+    assert lines[0].startswith("health: step 4: no checkpoint written while replicas disagree")
+    assert lines[1].startswith("health: step 4: parameters of rank 1 differ from their data-parallel replicas")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002"
+
+
+def test_checkpoints_follow_dalys_interval_from_the_measured_blocking(tmp_path):
+    """--save-every auto: the first save measures its blocking time; the next is due after Daly's interval
+    for it and the job's MTBF (Daly 2006: sqrt(2 d M) [1 + sqrt(d/2M)/3 + d/(18M)] - d), in steps of the
+    measured step time."""
+    import re
+    mtbf = 3.0
+    proc = launch(1, "--model", "tiny-llama", "--steps", "40", *TRAIN, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                  "--save-every", "auto", "--mtbf-s", str(mtbf))
+    pattern = re.compile(r"checkpoint: step (\d+) blocked ([\d.]+) s; next every (\d+) steps \(Daly: MTBF [\d.]+ s, "
+                         r"step ([\d.]+) s")
+    found = [pattern.search(line) for line in proc.stderr.splitlines() if line.startswith("checkpoint:")]
+    assert found and all(found)
+    saved = sorted(int(path.name.split("-")[1]) for path in (tmp_path / "ckpt").glob("step-*"))
+    assert [int(match.group(1)) for match in found] == saved and saved[0] == 1
+    for match, following in zip(found, saved[1:]):
+        step, blocking, every, step_s = int(match.group(1)), float(match.group(2)), int(match.group(3)), \
+            float(match.group(4))
+        interval = (2 * blocking * mtbf) ** 0.5 * (1 + (blocking / (2 * mtbf)) ** 0.5 / 3 + blocking / (18 * mtbf)) \
+            - blocking
+        assert abs(every - interval / step_s) <= 0.5 + 1e-3 * every   # whole steps, from the printed figures
+        assert following == step + every
+
+
 def test_a_flipped_bit_in_one_replica_names_the_rank():
     proc = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0",
                   "--inject", "bitflip@3:1", "--sdc-every", "1")
