@@ -73,6 +73,9 @@ def parse_args(argv=None):
                         "--checkpoint-dir, whose job spans its restarts; else the first step + --steps - 1)")
     parser.add_argument("--drop-optimizer-state", action="store_true", help="with --resume: forget the "
                         "optimizer's state after loading, as a model-only checkpoint would (shows what it costs)")
+    parser.add_argument("--elastic", action="store_true", help="with --plan: when the job has another number of "
+                        "ranks than the plan's devices (torchrun restarted it on the nodes left), plan again for "
+                        "the ranks there are (planner.api.replan) and train that, resuming the checkpoint")
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a collective may wait for a peer before the job fails naming the ranks "
                              "that stopped (torch's default is 30 minutes)")
@@ -133,7 +136,7 @@ def build(spec: str, seq_len: int, seed: int):
 
 def run_layout(args, graph) -> Layout:
     if args.plan:
-        return Plan.load(args.plan).to_layout()
+        return args.job_plan.to_layout()
     values = parse_text(args.layout, "--layout")
     if "dp" not in values:   # the data-parallel degree fills the ranks the other degrees leave
         others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
@@ -212,8 +215,8 @@ def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") ->
                                                        sdc_every=args.sdc_every)
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for
-            saved = Plan.load(args.plan)
-            args.global_batch, args.seq_len = saved.layout.gbs, saved.seq_len
+            args.job_plan = plan_for_this_job(args)
+            args.global_batch, args.seq_len = args.job_plan.layout.gbs, args.job_plan.seq_len
         cadence = checkpoint_cadence(args)
         model, graph = build(args.model, args.seq_len, args.seed)
         layout = run_layout(args, graph)
@@ -251,6 +254,33 @@ def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") ->
     return code
 
 
+def plan_for_this_job(args) -> Plan:
+    """The plan file's plan, or, --elastic and on another number of ranks, that plan again for the ranks there
+    are: rank 0 plans, every rank trains what it planned (one search, one answer)."""
+    plan = Plan.load(args.plan)
+    ranks = dist.get_world_size()
+    if plan.num_devices == ranks:
+        return plan
+    if not args.elastic:
+        raise PlanError(f"the plan is for {plan.num_devices} devices but the job has {ranks} ranks (--elastic "
+                        f"plans again for the ranks there are)")
+    import json
+    from planner.api import replan
+    answer = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [{"plan": replan(plan, ranks, model=args.model).model_dump(mode="json")}]
+        except (UserInputError, ValueError) as exc:   # every rank is told, none waits for a plan that never comes
+            answer = [{"error": f"--elastic: no plan for {ranks} ranks: {exc}"}]
+    dist.broadcast_object_list(answer, src=0)
+    if "error" in answer[0]:
+        raise PlanError(answer[0]["error"])
+    new = Plan.model_validate(json.loads(json.dumps(answer[0]["plan"])))
+    if dist.get_rank() == 0:
+        print(f"note: {new.reasons[0]}", file=sys.stderr, flush=True)
+    return new
+
+
 def checkpoint_cadence(args) -> Cadence:
     """--save-every N, or auto (Daly's interval from the job's MTBF); refused before step 1 where it cannot run."""
     if args.on_spike == "rollback" and not (args.checkpoint_dir and args.save_every != "0"):
@@ -266,7 +296,7 @@ def checkpoint_cadence(args) -> Cadence:
                          "gives the failure rate")
     from cost_models.reliability import job_mtbf_s
     from planner.api import resolve_cluster
-    plan = Plan.load(args.plan)
+    plan = args.job_plan
     cluster = resolve_cluster(plan.cluster) if "-x" not in plan.cluster else resolve_cluster(
         None, plan.cluster.rsplit("-x", 1)[0], plan.num_devices)
     return Cadence(None, job_mtbf_s(cluster, dist.get_world_size()))

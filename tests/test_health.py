@@ -141,8 +141,9 @@ def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
 
 def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path):
     """Two nodes of 4 CPUs train two steps; one node is lost: `planner replan --num-devices 4` plans the same
-    global batch for the devices left, and the runtime resumes the 8-rank checkpoint under the new layout,
-    with steps 3 and 4 those of the uninterrupted run."""
+    global batch for the devices left; the job started on 4 ranks with the 8-device plan and --elastic plans
+    the same by itself, resumes the 8-rank checkpoint under the new layout, and steps 3 and 4 are those of
+    the uninterrupted run."""
     import subprocess
     import sys
     from pathlib import Path
@@ -160,7 +161,11 @@ def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path):
     assert Plan.load(after).num_devices == 4 and Plan.load(after).layout.gbs == 8
     common = ("--model", "tiny-llama", *TRAIN, "--precision", "fp32", "--checkpoint-dir", str(ckpt), "--save-every", "2")
     first = launch(8, "--plan", str(before), "--steps", "2", *common)
-    rest = launch(4, "--plan", str(after), "--steps", "4", *common)
+    refused = launch(4, "--plan", str(before), "--steps", "4", *common, check=False)   # not without --elastic
+    assert refused.returncode != 0 and "the plan is for 8 devices but the job has 4 ranks (--elastic" in refused.stderr
+    # the job itself re-plans when it comes back on fewer ranks (as torchrun restarts it on the nodes left)
+    rest = launch(4, "--plan", str(before), "--elastic", "--steps", "4", *common)
+    assert "note: replanned from 8 to 4 devices, global batch 8 kept" in rest.stderr
     assert "resumed from step-000002" in rest.stderr
     reference = launch(1, "--model", "tiny-llama", "--steps", "4", *TRAIN)
     assert losses(first) + losses(rest) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
