@@ -79,10 +79,11 @@ def parse_args(argv=None):
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a collective may wait for a peer before the job fails naming the ranks "
                              "that stopped (torch's default is 30 minutes)")
-    parser.add_argument("--inject", default=None, help="KIND@STEP[:RANK], KIND one of stop, nan, spike, bitflip "
+    parser.add_argument("--inject", default=None, help="KIND@STEP[:RANK], KIND one of stop, kill, nan, spike, bitflip, slow "
                         "(runtime/faults.py): a fault the health checks or the watchdog must name")
     parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
     parser.add_argument("--sdc-every", type=int, default=10, help="steps between replica fingerprints")
+    parser.add_argument("--straggler-every", type=int, default=10, help="steps per straggler comparison (0: off)")
     parser.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"])
     parser.add_argument("--on-spike", default="skip", choices=["skip", "rollback", "ignore"],
                         help="rollback: reload the last complete checkpoint of --checkpoint-dir and skip the "
@@ -212,7 +213,8 @@ def cases_of(args):
 def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") -> int:
     watchdog = Watchdog(args.collective_timeout)
     health = None if args.no_health else HealthPolicy(on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
-                                                       sdc_every=args.sdc_every)
+                                                       sdc_every=args.sdc_every,
+                                                       straggler_every=args.straggler_every)
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for
             args.job_plan = plan_for_this_job(args)

@@ -9,19 +9,25 @@
 * `spike@S`    step S's output layer runs with its weights x 64 (restored exactly after the step, 64 being
                a power of two): the loss jumps, and the spike policy skips the batch;
 * `bitflip@S:R` after step S's optimizer step one bit of one parameter of rank R flips: its replicas'
-               fingerprints disagree at the next check.
+               fingerprints disagree at the next check;
+* `slow@S:R`   rank R's compute is slow in step S (its first leaf module's forward takes SLOW_S longer, as
+               a throttled device's kernels would): the straggler check names it at the window's end.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
 
-KINDS = ("stop", "kill", "nan", "spike", "bitflip")
+from .stragglers import compute_leaves
+
+KINDS = ("stop", "kill", "nan", "spike", "bitflip", "slow")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
+SLOW_S = 0.5            # well above the straggler check's 50 ms of allowed jitter
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,11 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
                 bits = local.view(-1)[:1].view(torch.int32)
                 bits.bitwise_xor_(FLIPPED_BIT)
         parallel.after_step = flip
+    elif injection.kind == "slow":
+        def throttle(module, args):
+            if parallel.step + 1 == injection.step:   # the step in progress (counted once it is done)
+                time.sleep(SLOW_S)
+        compute_leaves(parallel.modules)[0].register_forward_pre_hook(throttle)   # after the compute timer's own hook: inside what it times
 
 
 def stop_here(injection: Injection | None, step: int, rank: int) -> None:

@@ -35,6 +35,9 @@ class HealthPolicy:
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
     sdc_every: int = 10             # steps between replica fingerprints (0: never)
+    straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
+    straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
+    straggler_min_excess_s: float = 0.05   # ...and this many seconds over it in the window: not host jitter
 
 
 class HealthStop(RuntimeError):
@@ -93,8 +96,13 @@ class HealthMonitor:
         self.losses.extend(kept)
 
     def say(self, line: str) -> None:
-        """A `health:` line the caller's policy produced (a rollback's outcome)."""
+        """A `health:` line the caller's policy produced (a rollback's outcome), from rank 0."""
         self._say(line)
+
+    def report(self, line: str) -> None:
+        """A `health:` line only this rank knows (its group's verdict): printed here, whatever the rank."""
+        self.reports.append(line)
+        print(line, flush=True)
 
     def _nonfinite_ranks(self, loss: float, gradients: list[torch.Tensor]) -> list[int]:
         """One norm per gradient (a NaN or Inf anywhere makes it non-finite) and one all-reduce of a flag;
@@ -155,8 +163,7 @@ class HealthMonitor:
         else:
             line = (f"health: step {step}: the data-parallel replicas on ranks {', '.join(map(str, ranks))} "
                     "hold different parameters (silent data corruption); no majority tells which")
-        self.reports.append(line)
-        print(line, flush=True)   # every rank of the group says it: the odd one may be rank 0
+        self.report(line)   # every rank of the group says it: the odd one may be rank 0
         return False
 
 

@@ -24,6 +24,7 @@ from planner.search.stack_rules import layout_stack_problems
 from . import checkpoint
 from .dims import ParallelDims, PlanError, world
 from .health import HealthMonitor, HealthPolicy
+from .stragglers import ComputeTimer, StragglerMonitor
 from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
 from . import mixed_precision
@@ -74,6 +75,9 @@ class ParallelModel:
         self.after_step = None     # callback(ParallelModel) after the optimizer step (fault injection)
         self.health = None if health is None else HealthMonitor(health, self._dp_mesh().get_group(),
                                                                 self.replicated, self.device)
+        self.stragglers = None if health is None or not health.straggler_every else StragglerMonitor(
+            health.straggler_every, health.straggler_ratio, health.straggler_min_excess_s,
+            ComputeTimer(self.modules, self.device), self._dp_mesh().get_group(), self.device, self.health.report)
         if self.health and not self.replicated and self._dp_mesh().size() > 1:
             self.notes.append("the replica fingerprint (silent data corruption) is off: FSDP2 shards the "
                               "parameters, so no rank holds a replica to compare")
@@ -212,6 +216,8 @@ class ParallelModel:
             self.after_step(self)
         if self.health:
             self.health.check_replicas(self.step, self.params)
+        if self.stragglers:
+            self.stragglers.after_step(self.step)
         return mean
 
     def _accumulate(self, tokens, targets) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""Stragglers: the rank whose own compute is slow, named from per-rank timings.
+
+In synchronous training a slow rank makes every peer wait inside the collectives, so step time is the same
+everywhere and says nothing about who is slow. What differs is the time each rank spends computing: the
+forward of its leaf modules that hold parameters (Linear, Embedding, norms, experts), timed from after the
+parallel wrappers' input hooks (TP's redistribution, registered first) to before their output hooks (ours is
+prepended), so collectives stay outside. FSDP2 gathers at the block boundary, outside the leaves. On a CPU
+the host clock times it; on an accelerator, device events recorded on the compute stream (read once a step,
+after the loss has synchronised it).
+
+Every `every` steps the window's compute seconds are all-gathered over the ranks that do the same work (the
+data-parallel replicas of one stage and tensor shard); a rank above `ratio` x their median, by at least
+`min_excess_s`, is named in one `health:` line.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def compute_leaves(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules that compute on parameters of their own: no children, parameters held directly."""
+    return [leaf for module in modules for leaf in module.modules()
+            if not any(True for _ in leaf.children()) and any(True for _ in leaf.parameters(recurse=False))]
+
+
+class ComputeTimer:
+    """Seconds this rank spends in its leaf modules' forward, summed until read."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device):
+        self.device = device
+        self.events = device.type != "cpu"
+        self.total_s = 0.0
+        self.open: dict[int, object] = {}
+        self.spans: list[tuple[object, object]] = []
+        self.handles = []
+        for leaf in compute_leaves(modules):
+            self.handles.append(leaf.register_forward_pre_hook(self._start))
+            self.handles.append(leaf.register_forward_hook(self._stop, prepend=True))
+
+    def _start(self, module, args) -> None:
+        if self.events:
+            event = getattr(torch, self.device.type).Event(enable_timing=True)
+            event.record()
+            self.open[id(module)] = event
+        else:
+            self.open[id(module)] = time.perf_counter()
+
+    def _stop(self, module, args, output) -> None:
+        began = self.open.pop(id(module), None)
+        if began is None:
+            return
+        if self.events:
+            ended = getattr(torch, self.device.type).Event(enable_timing=True)
+            ended.record()
+            self.spans.append((began, ended))
+        else:
+            self.total_s += time.perf_counter() - began
+
+    def read(self) -> float:
+        """The seconds since the last read (device events are resolved here, after the step synchronised)."""
+        if self.spans:
+            self.spans[-1][1].synchronize()
+            self.total_s += sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+            self.spans.clear()
+        seconds, self.total_s = self.total_s, 0.0
+        return seconds
+
+
+class StragglerMonitor:
+    """Compares the window's compute seconds over `peers` (a process group of ranks doing the same work)."""
+
+    def __init__(self, every: int, ratio: float, min_excess_s: float, timer: ComputeTimer, peers, device, say):
+        self.every, self.ratio, self.min_excess_s = every, ratio, min_excess_s
+        self.timer, self.peers, self.device, self.say = timer, peers, device, say
+        self.window_s = 0.0
+        self.first_step: int | None = None
+
+    def after_step(self, step: int) -> None:
+        self.window_s += self.timer.read()
+        self.first_step = step if self.first_step is None else self.first_step
+        if not self.every or step % self.every or dist.get_world_size(self.peers) < 2:
+            return
+        size = dist.get_world_size(self.peers)
+        gathered = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(size)]
+        dist.all_gather(gathered, torch.tensor([self.window_s], dtype=torch.float64, device=self.device),
+                        group=self.peers)
+        seconds = [float(t.item()) for t in gathered]
+        ranks = dist.get_process_group_ranks(self.peers)
+        median = statistics.median(seconds)
+        slow = [(rank, s) for rank, s in zip(ranks, seconds)
+                if s > self.ratio * median and s - median >= self.min_excess_s]
+        if slow and dist.get_rank() == ranks[0]:   # one line per group of peers
+            named = ", ".join(f"rank {rank} {s:.3f} s (x{s / max(median, 1e-12):.1f})" for rank, s in slow)
+            self.say(f"health: steps {self.first_step}-{step}: straggler{'s' if len(slow) > 1 else ''}: {named} "
+                     f"in forward compute against a median of {median:.3f} s over ranks "
+                     f"{', '.join(map(str, ranks))}")
+        self.window_s, self.first_step = 0.0, None
