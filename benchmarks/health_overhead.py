@@ -1,6 +1,7 @@
-"""What the in-step health checks cost (runtime/health.py): steps of the tiny model on one CPU process with
-the checks on (non-finite test, spike statistics, a replica fingerprint every step) and off, alternating
-runs; the median step time of each and the ratio. Results and the command: docs/benchmarks.md.
+"""What the in-step health checks cost (runtime/health.py, runtime/stragglers.py): steps of the tiny model on
+one CPU process with the checks off, at their defaults (non-finite test, spike statistics, a replica
+fingerprint every 10 steps, the straggler timer on every leaf module), without the straggler timer, and with
+a fingerprint every step, alternating runs; the median step time of each and the ratio. Results and the command: docs/benchmarks.md.
 
     .venv/bin/python benchmarks/health_overhead.py [--steps 40] [--repeats 5]
 """
@@ -53,7 +54,9 @@ def main(argv=None) -> int:
     store = tempfile.mktemp(prefix="health-bench-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     step_seconds(None, args.steps, args.batch)   # warm-up: first-call costs belong to neither
-    variants = {"without the checks": None, "at their defaults (fingerprint every 10 steps)": HealthPolicy(),
+    variants = {"without the checks": None,
+                "at their defaults (fingerprint every 10 steps, straggler timer)": HealthPolicy(),
+                "at their defaults less the straggler timer": HealthPolicy(straggler_every=0),
                 "with a fingerprint every step": HealthPolicy(sdc_every=1)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(args.repeats):   # rotating which goes first

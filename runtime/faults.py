@@ -10,8 +10,8 @@
                a power of two): the loss jumps, and the spike policy skips the batch;
 * `bitflip@S:R` after step S's optimizer step one bit of one parameter of rank R flips: its replicas'
                fingerprints disagree at the next check;
-* `slow@S:R`   rank R's compute is slow in step S (its first leaf module's forward takes SLOW_S longer, as
-               a throttled device's kernels would): the straggler check names it at the window's end.
+* `slow@S:R`   rank R's compute is slow from step S on (its first leaf module's forward takes SLOW_S longer,
+               as a throttled device's kernels would): the next straggler check names it.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from .stragglers import compute_leaves
 KINDS = ("stop", "kill", "nan", "spike", "bitflip", "slow")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
-SLOW_S = 0.5            # well above the straggler check's 50 ms of allowed jitter
+SLOW_S = 0.2            # well above the straggler check's 50 ms of allowed jitter
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,14 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
                 bits.bitwise_xor_(FLIPPED_BIT)
         parallel.after_step = flip
     elif injection.kind == "slow":
-        def throttle(module, args):
-            if parallel.step + 1 == injection.step:   # the step in progress (counted once it is done)
+        leaf = compute_leaves(parallel.modules)[0]
+        compute = leaf.forward
+
+        def throttled(*args, **kwargs):   # the module's own compute, inside every hook around it
+            if parallel.step + 1 >= injection.step:   # the step in progress (counted once it is done)
                 time.sleep(SLOW_S)
-        compute_leaves(parallel.modules)[0].register_forward_pre_hook(throttle)   # after the compute timer's own hook: inside what it times
+            return compute(*args, **kwargs)
+        leaf.forward = throttled
 
 
 def stop_here(injection: Injection | None, step: int, rank: int) -> None:

@@ -190,6 +190,8 @@ class ParallelModel:
         """One optimizer step on the global batch (every rank passes the same global tokens)."""
         tokens, targets = self.batch_slice(tokens).to(self.device), self.batch_slice(targets).to(self.device)
         self.optimizer.zero_grad()
+        if self.stragglers:
+            self.stragglers.before_step(self.step + 1)
         with self.autocast:   # bf16 compute over fp32 parameters where FSDP2's policy does not cast
             if self.schedule is None:
                 loss = self._accumulate(tokens, targets)

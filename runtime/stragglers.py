@@ -8,9 +8,10 @@ prepended), so collectives stay outside. FSDP2 gathers at the block boundary, ou
 the host clock times it; on an accelerator, device events recorded on the compute stream (read once a step,
 after the loss has synchronised it).
 
-Every `every` steps the window's compute seconds are all-gathered over the ranks that do the same work (the
-data-parallel replicas of one stage and tensor shard); a rank above `ratio` x their median, by at least
-`min_excess_s`, is named in one `health:` line.
+One step in every `every` is timed (the hooks cost a few percent of a toy step, so they are attached for
+that step only; a throttled or failing device is slow step after step) and its compute seconds are
+all-gathered over the ranks that do the same work (the data-parallel replicas of one stage and tensor
+shard); a rank above `ratio` x their median, by at least `min_excess_s`, is named in one `health:` line.
 """
 from __future__ import annotations
 
@@ -32,15 +33,24 @@ class ComputeTimer:
     """Seconds this rank spends in its leaf modules' forward, summed until read."""
 
     def __init__(self, modules: list[nn.Module], device: torch.device):
-        self.device = device
+        self.device, self.leaves = device, compute_leaves(modules)
         self.events = device.type != "cpu"
         self.total_s = 0.0
         self.open: dict[int, object] = {}
         self.spans: list[tuple[object, object]] = []
         self.handles = []
-        for leaf in compute_leaves(modules):
-            self.handles.append(leaf.register_forward_pre_hook(self._start))
+
+    def arm(self) -> None:
+        """Time the leaves from now on: starting after the hooks already there (TP's input redistribution),
+        stopping before theirs (TP's output redistribution)."""
+        for leaf in self.leaves:
+            self.handles.append(leaf.register_forward_pre_hook(self._start))   # after TP's input redistribution
             self.handles.append(leaf.register_forward_hook(self._stop, prepend=True))
+
+    def disarm(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     def _start(self, module, args) -> None:
         if self.events:
@@ -72,22 +82,27 @@ class ComputeTimer:
 
 
 class StragglerMonitor:
-    """Compares the window's compute seconds over `peers` (a process group of ranks doing the same work)."""
+    """Compares one step's compute seconds in every `every` over `peers` (ranks doing the same work)."""
 
     def __init__(self, every: int, ratio: float, min_excess_s: float, timer: ComputeTimer, peers, device, say):
         self.every, self.ratio, self.min_excess_s = every, ratio, min_excess_s
         self.timer, self.peers, self.device, self.say = timer, peers, device, say
-        self.window_s = 0.0
-        self.first_step: int | None = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and dist.get_world_size(self.peers) > 1
+
+    def before_step(self, step: int) -> None:
+        if self.due(step):
+            self.timer.arm()
 
     def after_step(self, step: int) -> None:
-        self.window_s += self.timer.read()
-        self.first_step = step if self.first_step is None else self.first_step
-        if not self.every or step % self.every or dist.get_world_size(self.peers) < 2:
+        if not self.due(step):
             return
+        self.timer.disarm()
+        seconds_here = self.timer.read()
         size = dist.get_world_size(self.peers)
         gathered = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(size)]
-        dist.all_gather(gathered, torch.tensor([self.window_s], dtype=torch.float64, device=self.device),
+        dist.all_gather(gathered, torch.tensor([seconds_here], dtype=torch.float64, device=self.device),
                         group=self.peers)
         seconds = [float(t.item()) for t in gathered]
         ranks = dist.get_process_group_ranks(self.peers)
@@ -96,7 +111,6 @@ class StragglerMonitor:
                 if s > self.ratio * median and s - median >= self.min_excess_s]
         if slow and dist.get_rank() == ranks[0]:   # one line per group of peers
             named = ", ".join(f"rank {rank} {s:.3f} s (x{s / max(median, 1e-12):.1f})" for rank, s in slow)
-            self.say(f"health: steps {self.first_step}-{step}: straggler{'s' if len(slow) > 1 else ''}: {named} "
+            self.say(f"health: step {step}: straggler{'s' if len(slow) > 1 else ''}: {named} "
                      f"in forward compute against a median of {median:.3f} s over ranks "
                      f"{', '.join(map(str, ranks))}")
-        self.window_s, self.first_step = 0.0, None
