@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cost_models.layout import Layout, Recompute  # noqa: E402
-from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
+from cost_models.layout_codec import layout_from, parse_text, text_of  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from planner.capture.model_capture import capture  # noqa: E402
 from planner.capture.model_sources import ModelConfig, resolve_model  # noqa: E402
@@ -33,6 +33,7 @@ from runtime import PlanError, apply_plan  # noqa: E402
 from runtime.parallel_model import device_type_of  # noqa: E402
 from runtime import faults  # noqa: E402
 from runtime.checkpointing import Cadence, Checkpointer  # noqa: E402
+from runtime.telemetry import TelemetryHeader, TelemetryWriter  # noqa: E402
 from runtime.health import HealthPolicy, HealthStop, Rollback  # noqa: E402
 from runtime.watchdog import Watchdog  # noqa: E402
 
@@ -92,6 +93,8 @@ def parse_args(argv=None):
                         "the spike's (PaLM skipped 200-500 around each spike)")
     parser.add_argument("--skip-steps", default="", help="comma-separated steps whose batches are not trained "
                         "(the reference a skipped batch is compared with)")
+    parser.add_argument("--telemetry", default=None, help="directory: each rank writes rank-R.jsonl, every step's "
+                        "measured parts beside the plan's predicted ones (read by 'planner calibrate --telemetry')")
     parser.add_argument("--device-type", default=None, choices=sorted(BACKENDS),
                         help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu); "
                              "default: what the plan's cluster profile names, else cpu")
@@ -248,7 +251,11 @@ def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") ->
     # a job that checkpoints into a directory trains steps 1..--steps as a whole, across its restarts
     last = args.last_step if args.last_step is not None else (
         args.steps if args.checkpoint_dir else start + args.steps - 1)
-    code = run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, range(start, last + 1), prefix)
+    telemetry = TelemetryWriter(args.telemetry, rank, telemetry_header(args, layout)) if args.telemetry else None
+    code = run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, range(start, last + 1), prefix,
+                     telemetry)
+    if telemetry:
+        telemetry.close()
     # drop the optimizer, FSDP and mesh state (and any collective work they hold) while the groups still
     # exist: a group freed at interpreter exit with gloo threads alive aborts the process (seen twice in
     # the runtime tests as 'terminate called without an active exception' after a clean run)
@@ -321,7 +328,18 @@ def resume(args, parallel, saver, rank: int) -> int:
     return start
 
 
-def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, steps: range, prefix: str) -> int:
+def telemetry_header(args, layout) -> TelemetryHeader:
+    """What the job runs and what its plan predicted (nothing predicted for a bare --layout)."""
+    if not args.plan:
+        return TelemetryHeader(args.model, "", "", dist.get_world_size(), text_of(layout), None, {})
+    from planner.api import plan_device
+    plan = args.job_plan
+    return TelemetryHeader(plan.model, plan.cluster, plan_device(plan), plan.num_devices, text_of(layout),
+                           plan.step_time_s, dict(plan.breakdown))
+
+
+def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, steps: range, prefix: str,
+              telemetry=None) -> int:
     rank = dist.get_rank()
     pending = None
     step = steps.start
@@ -355,8 +373,9 @@ def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, ste
             print(f"{prefix}step {step} loss {loss:.10f}", flush=True)
         if args.save_at == step and args.checkpoint:
             pending = parallel.save(args.checkpoint, step, asynchronous=args.async_save)
-        if saver:
-            saver.after_step(step, step_s)
+        blocking = saver.after_step(step, step_s) if saver else 0.0
+        if telemetry:
+            telemetry.write(step, parallel.timing, blocking)
         step += 1
     if pending is not None:
         pending.result()   # the asynchronous write finishes before the job ends

@@ -167,7 +167,9 @@ def cluster_from_device(device_name: str, num_devices: int, devices_per_node: in
     # smaller than a rack still sits inside its NVLink domain (Cluster.placement_domain_devices)
     node_is_domain = template.fast_domain_devices == template.devices_per_node
     fast = per_node if node_is_domain else template.fast_domain_devices
-    update = {"name": f"{device_name}-x{num_devices}", "num_nodes": num_devices // per_node,
+    # a device file is named by its stem: 'cpu-fit.yaml' makes 'cpu-fit-x2', never the built-in's name
+    label = Path(device_name).stem if device_name not in list_devices() else device_name
+    update = {"name": f"{label}-x{num_devices}", "num_nodes": num_devices // per_node,
               "devices_per_node": per_node, "fast_domain_devices": fast}
     data = template.model_dump()
     data.update(update)

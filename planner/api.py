@@ -305,7 +305,7 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
             raise UserInputError(f"the plan's model '{plan_.model}' is not a built-in name", field="--model",
                                  expected="the model the plan was made for (--model NAME|FILE)")
         model = plan_.model
-    device = _plan_device(plan_)
+    device = plan_device(plan_)
     new = plan(model, device=device, num_devices=num_devices, devices_per_node=plan_.devices_per_node,
                global_batch=plan_.layout.gbs, seq_len=plan_.seq_len, precision=str(plan_.layout.precision),
                stack=plan_.stack, time_limit_s=time_limit_s)
@@ -318,7 +318,7 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
     return new.model_copy(update={"reasons": [summary] + new.reasons})
 
 
-def _plan_device(plan_: Plan) -> str:
+def plan_device(plan_: Plan) -> str:
     """The device a plan's cluster is made of (a built-in cluster, or '<device>-x<count>')."""
     from hardware_profiles.loader import list_clusters, list_devices
     if plan_.cluster in list_clusters():

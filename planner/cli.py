@@ -213,6 +213,30 @@ def replan(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
 
 
 @app.command()
+def calibrate(telemetry: str = typer.Option(..., "--telemetry", help="a directory written by "
+                                            "'train_tiny.py --telemetry DIR' (rank-R.jsonl files)"),
+              out_path: Optional[str] = typer.Option(None, "--out", help="write the device profile with the "
+                                                     "refitted efficiencies to this YAML file"),
+              warmup_steps: int = typer.Option(2, "--warmup-steps", help="first steps left out of the medians"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Measured step parts against the plan's prediction, and the device's efficiencies refitted from them."""
+    from .calibration import calibrate as calibrate_telemetry, write_device_profile
+    if warmup_steps < 0:
+        raise UserInputError(f"{warmup_steps}", field="--warmup-steps", expected="0 or more")
+    result = calibrate_telemetry(telemetry, warmup_steps)
+    if as_json:
+        out.print_json(json.dumps({"parts": [vars(p) for p in result.parts], "refits": [vars(r) for r in result.refits],
+                                   "steps_used": list(result.steps_used), "ranks": result.ranks,
+                                   "notes": list(result.notes)}))
+    else:
+        views.show_calibration(out, result)
+    if out_path:
+        written = write_device_profile(result, out_path)
+        if not as_json:
+            out.print(f"device profile written to {written}")
+
+
+@app.command()
 def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
            to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun")) -> None:
     """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a torchrun line for our runtime."""

@@ -219,3 +219,21 @@ def show_model(console: Console, graph: ModelGraph, summary: dict) -> None:
 def _front_end_text(front_end: str, model_class: str) -> str:
     how = "torch.fx symbolic trace" if front_end == "torch.fx" else "recording one eager run on meta tensors"
     return f"{how} of {model_class}" if model_class else how
+
+
+def show_calibration(console: Console, result) -> None:
+    """Predicted against measured per part, and what was refitted (planner/calibration.py)."""
+    head = result.header
+    table = Table(title=f"Telemetry: {head['model']} on {head['num_devices']} x {head['cluster'] or '(no plan)'}, "
+                        f"{result.ranks} ranks, median of steps {result.steps_used[0]}-{result.steps_used[-1]}")
+    for column in ("part", "predicted s", "measured s", "measured / predicted"):
+        table.add_column(column)
+    for part in result.parts:
+        predicted = "-" if part.predicted_s is None else f"{part.predicted_s:.4f}"
+        ratio = f"{part.measured_s / part.predicted_s:.2f}" if part.predicted_s else "-"
+        table.add_row(part.name, predicted, f"{part.measured_s:.4f}", ratio)
+    console.print(table)
+    for refit in result.refits:
+        console.print(f"refit {head['device']} {refit.field}: {refit.old:.4g} -> {refit.new:.4g}")
+    for note in result.notes:
+        console.print(f"note: {note}")

@@ -63,18 +63,20 @@ class Checkpointer:
             return self.cadence.every_steps > 0 and step % self.cadence.every_steps == 0
         return self.next_step is None or step >= self.next_step   # Daly: the first save measures the blocking
 
-    def after_step(self, step: int, step_s: float) -> None:
+    def after_step(self, step: int, step_s: float) -> float:
+        """Save if due; the seconds training was blocked by it (0 when nothing was due)."""
         if not self.due(step):
-            return
+            return 0.0
         health = self.parallel.health
         if health and not health.clean_for_saving(step, self.parallel.params):
             health.say(f"health: step {step}: no checkpoint written while replicas disagree; "
                        f"the last clean one stays latest")
-            return
+            return 0.0
         blocking = self._save(step)
         self.blocking_s.append(blocking)
         if self.cadence.every_steps is None:
             self._schedule(step, step_s, blocking)
+        return blocking
 
     def _save(self, step: int) -> float:
         """Write `step`; returns the seconds training waited for it (the previous async write included)."""

@@ -25,6 +25,7 @@ from . import checkpoint
 from .dims import ParallelDims, PlanError, world
 from .health import HealthMonitor, HealthPolicy
 from .stragglers import ComputeTimer, StragglerMonitor
+from .telemetry import Stopwatch
 from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
 from . import mixed_precision
@@ -70,6 +71,7 @@ class ParallelModel:
         self.schedule = self._schedule() if self.dims.pp > 1 else None
         self.rank = rank
         self.step = 0              # steps taken (a resumed run starts at the checkpoint's)
+        self.timing = None         # the last step's parts (runtime/telemetry.StepTiming)
         self.on_gradients = None   # callback(ParallelModel) between backward and the optimizer step
         self.after_backward = None  # callback(ParallelModel) once gradients are complete (fault injection)
         self.after_step = None     # callback(ParallelModel) after the optimizer step (fault injection)
@@ -187,7 +189,9 @@ class ParallelModel:
         return mine
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the global batch (every rank passes the same global tokens)."""
+        """One optimizer step on the global batch (every rank passes the same global tokens); what its parts
+        took is in `self.timing` afterwards (runtime/telemetry.py)."""
+        clock = Stopwatch(self.device)
         tokens, targets = self.batch_slice(tokens).to(self.device), self.batch_slice(targets).to(self.device)
         self.optimizer.zero_grad()
         if self.stragglers:
@@ -205,10 +209,23 @@ class ParallelModel:
         if self.after_backward:
             self.after_backward(self)
         mean = self._mean_over_ranks(loss)
-        if self.health and not self.health.accept(self.step, mean, [p.grad for p in self.params
-                                                                    if p.grad is not None]):
+        clock.mark("forward_backward_s")
+        accepted = not self.health or self.health.accept(self.step, mean, [p.grad for p in self.params
+                                                                          if p.grad is not None])
+        clock.mark("checks_s")
+        if accepted:
+            self._update()
+            clock.mark("optimizer_s")
+            if self.health:
+                self.health.check_replicas(self.step, self.params)
+        else:
             self.optimizer.zero_grad()   # the batch is skipped on every rank: no update, no optimizer step
-            return mean
+        computed = self.stragglers.after_step(self.step) if self.stragglers else None
+        clock.mark("checks_s")
+        self.timing = clock.timing(computed)
+        return mean
+
+    def _update(self) -> None:
         if self.max_grad_norm:
             self.clip_gradients(self.max_grad_norm)
         if self.on_gradients:
@@ -216,11 +233,6 @@ class ParallelModel:
         self.optimizer.step()
         if self.after_step:
             self.after_step(self)
-        if self.health:
-            self.health.check_replicas(self.step, self.params)
-        if self.stragglers:
-            self.stragglers.after_step(self.step)
-        return mean
 
     def _accumulate(self, tokens, targets) -> torch.Tensor:
         micro = self.layout.num_micro_batches

@@ -95,9 +95,10 @@ class StragglerMonitor:
         if self.due(step):
             self.timer.arm()
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> float | None:
+        """On a timed step: compare over the peers, name the slow ones; this rank's compute seconds."""
         if not self.due(step):
-            return
+            return None
         self.timer.disarm()
         seconds_here = self.timer.read()
         size = dist.get_world_size(self.peers)
@@ -114,3 +115,4 @@ class StragglerMonitor:
             self.say(f"health: step {step}: straggler{'s' if len(slow) > 1 else ''}: {named} "
                      f"in forward compute against a median of {median:.3f} s over ranks "
                      f"{', '.join(map(str, ranks))}")
+        return seconds_here

@@ -1,0 +1,180 @@
+"""Close the loop: a job's telemetry (runtime/telemetry.py, `train_tiny.py --telemetry DIR`) against its
+plan's prediction, part by part, and the device profile's efficiencies refitted from it.
+
+A step waits for its slowest rank, so each part is the maximum over ranks of one step, then the median
+over the steps after the first few (allocations, first-call costs). Two figures are refitted:
+
+* `gemm.sustained_fraction`, scaled by predicted over measured compute, where measured compute is the
+  measured forward+backward less the communication and bubble the plan predicts exposed inside it (GEMM
+  time scales as 1 / sustained_fraction; memory-bound ops, a smaller share, are scaled with them); a
+  fraction cannot pass 1, so a device faster than its profile's peak gets its peak_tflops raised instead;
+* `hbm_bandwidth_fraction` (or the bandwidth past 1), scaled by predicted over measured optimizer step
+  (AdamW is memory-bound), from ZeRO-0 runs only: a sharded optimizer's step includes an all-gather.
+
+The refit profile is written to a file of the user's (`--out`): the shipped profiles are fitted on the
+published runs only (benchmarks/calibrate.py), never on a job's own telemetry.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from hardware_profiles.errors import UserInputError
+from hardware_profiles.loader import DEVICE_DIR, list_devices, load_device, read_yaml_mapping
+
+MEASURED_PARTS = ("step_s", "forward_backward_s", "checks_s", "optimizer_s", "checkpoint_blocking_s")
+COMPUTE_PARTS = ("compute_s", "recompute_s")
+OPTIMIZER_PART = "optimizer_s"
+
+
+@dataclass(frozen=True)
+class PartComparison:
+    name: str
+    predicted_s: float | None   # None: the plan does not predict it
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class Refit:
+    field: str      # a profile field, or 'peak_tflops x' / 'hbm_bandwidth_gbytes_per_s x': a scale on it
+    old: float
+    new: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    directory: str
+    header: dict
+    ranks: int
+    steps_used: tuple[int, ...]
+    parts: tuple[PartComparison, ...]
+    refits: tuple[Refit, ...]
+    notes: tuple[str, ...]
+
+
+def read_telemetry(directory: str) -> tuple[dict, dict[int, dict[int, dict]]]:
+    """The header every rank wrote and the records: step -> rank -> record."""
+    files = sorted(Path(directory).glob("rank-*.jsonl")) if Path(directory).is_dir() else []
+    if not files:
+        raise UserInputError("no rank-R.jsonl files", source=directory,
+                             expected="a directory written by 'train_tiny.py --telemetry DIR'")
+    header, steps = None, {}
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            record = _parse_line(path, number, line)
+            if "header" in record:
+                if header is not None and record["header"] != header:
+                    raise UserInputError("its header differs from another rank's", source=f"{path}:{number}",
+                                         expected="the telemetry of one job")
+                header = record["header"]
+                continue
+            steps.setdefault(record["step"], {})[record["rank"]] = record
+    if header is None:
+        raise UserInputError("no header line", source=directory, expected="a telemetry directory of one job")
+    return header, steps
+
+
+def _parse_line(path: Path, number: int, line: str) -> dict:
+    where = f"{path}:{number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UserInputError(f"not JSON ({exc.msg})", source=where, expected="one JSON object per line") from None
+    if not isinstance(record, dict):
+        raise UserInputError("not an object", source=where, expected="one JSON object per line")
+    if "header" in record:
+        if not isinstance(record["header"], dict) or not isinstance(record["header"].get("predicted"), dict):
+            raise UserInputError("a header without 'predicted'", source=where, field="header")
+        return record
+    for key in ("step", "rank"):
+        if not isinstance(record.get(key), int):
+            raise UserInputError(f"'{key}' missing or not a whole number", source=where, field=key)
+    for key in MEASURED_PARTS:
+        value = record.get(key)
+        if not isinstance(value, (int, float)) or value < 0 or value != value:
+            raise UserInputError(f"'{key}' missing or not seconds >= 0", source=where, field=key)
+    return record
+
+
+def calibrate(directory: str, warmup_steps: int = 2) -> Calibration:
+    header, steps = read_telemetry(directory)
+    ranks = max(len(by_rank) for by_rank in steps.values())
+    complete = sorted(step for step, by_rank in steps.items() if len(by_rank) == ranks)
+    used = tuple(complete[warmup_steps:])
+    if not used:
+        raise UserInputError(f"{len(complete)} complete steps, {warmup_steps} of them warm-up", source=directory,
+                             expected="more steps than --warmup-steps")
+    measured = {part: statistics.median(max(r[part] for r in steps[s].values()) for s in used)
+                for part in MEASURED_PARTS}
+    predicted = header["predicted"]
+    parts = tuple(PartComparison(name, _predicted(name, header), measured[name]) for name in MEASURED_PARTS)
+    notes = [] if predicted else ["the job ran a --layout, not a plan: nothing predicted, nothing refitted"]
+    refits = _refits(header, predicted, measured, notes) if predicted else ()
+    return Calibration(directory, header, ranks, used, parts, refits, tuple(notes))
+
+
+def _predicted(part: str, header: dict) -> float | None:
+    predicted, step = header["predicted"], header.get("predicted_step_s")
+    if not predicted or step is None:
+        return None
+    return {"step_s": step, "forward_backward_s": step - predicted.get(OPTIMIZER_PART, 0.0),
+            "optimizer_s": predicted.get(OPTIMIZER_PART, 0.0)}.get(part)
+
+
+def _refits(header: dict, predicted: dict, measured: dict, notes: list[str]) -> tuple[Refit, ...]:
+    device = load_device(header["device"])
+    compute = sum(predicted.get(part, 0.0) for part in COMPUTE_PARTS)
+    exposed = sum(seconds for part, seconds in predicted.items() if part not in (*COMPUTE_PARTS, OPTIMIZER_PART))
+    measured_compute = measured["forward_backward_s"] - exposed
+    refits: list[Refit] = []
+    if measured_compute > 0 and compute > 0:
+        refits += _fraction_then_peak("gemm.sustained_fraction", device.gemm.sustained_fraction, "peak_tflops",
+                                      compute / measured_compute)
+    else:
+        notes.append(f"compute not refitted: the measured forward+backward ({measured['forward_backward_s']:.4f} s) "
+                     f"is not above the exposed communication predicted inside it ({exposed:.4f} s)")
+    sharded_optimizer = not re.search(r"(^|,)zero=0(,|$)", header.get("layout", ""))
+    if sharded_optimizer:   # ZeRO-1/2/3: the optimizer step carries the parameter all-gather after it
+        notes.append("optimizer not refitted: under ZeRO-1/2/3 the measured optimizer step includes the "
+                     "parameters' all-gather (refit on a zero=0 run)")
+    elif predicted.get(OPTIMIZER_PART) and measured["optimizer_s"] > 0:
+        refits += _fraction_then_peak("hbm_bandwidth_fraction", device.hbm_bandwidth_fraction,
+                                      "hbm_bandwidth_gbytes_per_s", predicted[OPTIMIZER_PART] / measured["optimizer_s"])
+    return tuple(refits)
+
+
+def _fraction_then_peak(fraction: str, old: float, peak: str, speedup: float) -> list[Refit]:
+    """Scale a fraction of peak by the measured speed-up; what a fraction cannot exceed (1) raises the peak."""
+    wanted = old * speedup
+    if wanted <= 1.0:
+        return [Refit(fraction, old, wanted)]
+    return [Refit(fraction, old, 1.0), Refit(f"{peak} x", 1.0, wanted)]   # the device is faster than its peak
+
+
+def write_device_profile(calibration: Calibration, out_path: str) -> Path:
+    """The job's device profile with the refitted figures, checked by loading it back."""
+    device = calibration.header["device"]
+    if device not in list_devices():
+        raise UserInputError(f"'{device}' is not a built-in device", field="device",
+                             expected="telemetry of a plan made on a built-in device profile")
+    data = read_yaml_mapping(DEVICE_DIR / f"{device}.yaml")
+    for refit in calibration.refits:
+        if refit.field == "peak_tflops x":
+            data["peak_tflops"] = {dtype: value * refit.new for dtype, value in data["peak_tflops"].items()
+                                   if value is not None}
+        elif refit.field == "hbm_bandwidth_gbytes_per_s x":
+            data["hbm_bandwidth_gbytes_per_s"] *= refit.new
+        elif refit.field.startswith("gemm."):
+            data["gemm"][refit.field.split(".", 1)[1]] = refit.new
+        else:
+            data[refit.field] = refit.new
+    path = Path(out_path)
+    path.write_text(f"# {device} refitted by 'planner calibrate --telemetry {calibration.directory}'\n"
+                    + yaml.safe_dump(data, sort_keys=False))
+    load_device(str(path))   # a refit that breaks the schema is said here, naming the file
+    return path

@@ -1,0 +1,86 @@
+"""What each step measurably cost, per rank, beside what the plan predicted: JSON lines that
+`planner calibrate --telemetry DIR` reads (planner/calibration.py).
+
+Each rank writes `DIR/rank-R.jsonl`. The first line is the header: the plan's model, cluster, device,
+layout and predicted parts (its `breakdown`, seconds); then one line per trained step:
+
+    {"step": 7, "rank": 0, "step_s": ..., "forward_backward_s": ..., "checks_s": ..., "optimizer_s": ...,
+     "checkpoint_blocking_s": ..., "forward_compute_s": ... (on the steps the straggler timer ran)}
+
+forward_backward_s runs from the step's start to its loss being known on every rank (the forward, the
+backward, the exposed collectives inside them, the pipeline's bubble); checks_s is the health checks'
+time; optimizer_s the optimizer step (and clipping). On an accelerator the stopwatch synchronises the
+device at each mark, so the parts are device time, not launch time. Exposed communication is not split
+by kind yet (it is inside forward_backward_s).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    forward_backward_s: float
+    checks_s: float
+    optimizer_s: float
+    forward_compute_s: float | None = None   # leaf modules' forward, on steps the straggler timer ran
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_backward_s + self.checks_s + self.optimizer_s
+
+
+class Stopwatch:
+    """Seconds between marks of one step, summed per part."""
+
+    def __init__(self, device: torch.device):
+        self.sync = getattr(torch, device.type).synchronize if device.type != "cpu" else None
+        self.last = time.perf_counter()
+        self.parts: dict[str, float] = {"forward_backward_s": 0.0, "checks_s": 0.0, "optimizer_s": 0.0}
+
+    def mark(self, part: str) -> None:
+        if self.sync:
+            self.sync()
+        now = time.perf_counter()
+        self.parts[part] += now - self.last
+        self.last = now
+
+    def timing(self, forward_compute_s: float | None) -> StepTiming:
+        return StepTiming(forward_compute_s=forward_compute_s, **self.parts)
+
+
+@dataclass(frozen=True)
+class TelemetryHeader:
+    model: str
+    cluster: str
+    device: str
+    num_devices: int
+    layout: str
+    predicted_step_s: float | None
+    predicted: dict            # the plan's breakdown: part name -> seconds (empty without a plan)
+
+
+class TelemetryWriter:
+    def __init__(self, directory: str, rank: int, header: TelemetryHeader):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory) / f"rank-{rank}.jsonl"
+        self.rank = rank
+        self.file = self.path.open("w")
+        self.file.write(json.dumps({"header": asdict(header)}) + "\n")
+
+    def write(self, step: int, timing: StepTiming, checkpoint_blocking_s: float) -> None:
+        record = {"step": step, "rank": self.rank, "step_s": timing.step_s + checkpoint_blocking_s,
+                  "forward_backward_s": timing.forward_backward_s, "checks_s": timing.checks_s,
+                  "optimizer_s": timing.optimizer_s, "checkpoint_blocking_s": checkpoint_blocking_s}
+        if timing.forward_compute_s is not None:
+            record["forward_compute_s"] = timing.forward_compute_s
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
