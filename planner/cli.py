@@ -238,20 +238,22 @@ def calibrate(telemetry: str = typer.Option(..., "--telemetry", help="a director
 
 @app.command()
 def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
-           to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun")) -> None:
+           to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun, optionally "
+                                  "@RELEASE (megatron-core 0.16, torchtitan 0.3, deepspeed 0.18, torch 2.13)")) -> None:
     """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a torchrun line for our runtime."""
+    target, release = exports.export_target(to)
     result = Plan.load(plan_file)
-    if to == "megatron":
+    if target == "megatron":
         args, notes = exports.megatron_args(result)
         text = " \\\n  ".join(args)
-    elif to == "torchtitan":
-        text, notes = exports.torchtitan_toml(result)
-    elif to == "deepspeed":
+    elif target == "torchtitan":
+        args, notes = exports.torchtitan_args(result)
+        text = "python -m torchtitan.train --module MODULE --config CONFIG \\\n  " + " \\\n  ".join(args)
+    elif target == "deepspeed":
         text, notes = exports.deepspeed_json(result)
-    elif to == "torchrun":
-        text, notes = exports.torchrun_command(result, str(plan_file))
     else:
-        raise UserInputError(f"'{to}'", field="--to", expected="megatron, torchtitan, deepspeed or torchrun")
+        text, notes = exports.torchrun_command(result, str(plan_file))
+    err.print(f"note: written for {exports.RELEASE_OF[target]} {release}")
     sys.stdout.write(text.rstrip("\n") + "\n")
     for note in notes:
         err.print(f"note: {note}")

@@ -5,9 +5,27 @@ import json
 import shlex
 from pathlib import Path
 
+from hardware_profiles.errors import UserInputError
 from hardware_profiles.stack import RUNTIME_STACK
 
 from .plans import Plan
+
+# the release of each tool whose own code reads the export back in the tests (constraints.txt pins them)
+CHECKED_RELEASES = {"megatron": "0.16", "torchtitan": "0.3", "deepspeed": "0.18", "torchrun": "2.13"}
+RELEASE_OF = {"megatron": "megatron-core", "torchtitan": "torchtitan", "deepspeed": "deepspeed", "torchrun": "torch"}
+
+
+def export_target(text: str) -> tuple[str, str]:
+    """`NAME` or `NAME@RELEASE` -> (name, release); a release other than the checked one is refused."""
+    name, _, release = text.partition("@")
+    if name not in CHECKED_RELEASES:
+        raise UserInputError(f"'{text}'", field="--to", expected="megatron, torchtitan, deepspeed or torchrun, "
+                             "optionally @RELEASE")
+    checked = CHECKED_RELEASES[name]
+    if release and not (checked == release or checked.startswith(release + ".") or release.startswith(checked + ".")):
+        raise UserInputError(f"'{text}'", field="--to", expected=f"{name}@{checked}: the {RELEASE_OF[name]} release "
+                             "this export is written for and checked against (no other release is)")
+    return name, checked
 
 
 def _full_recompute_layers(plan: Plan) -> int:
@@ -94,32 +112,60 @@ def megatron_pipeline_layout(plan: Plan) -> str:
     return text + chunks[last]
 
 
-def torchtitan_toml(plan: Plan) -> tuple[str, list[str]]:
+def torchtitan_args(plan: Plan) -> tuple[list[str], list[str]]:
+    """torchtitan 0.3 command-line overrides (`python -m torchtitan.train --module M --config C ...`): 0.3
+    reads no TOML; every section is a dataclass that tyro fills from `--section.field value`, activation
+    checkpointing a subcommand after them."""
     lay = plan.layout
     recompute = {r for stage in plan.stages for r in stage.recompute}
     mode = "none" if recompute == {"none"} else ("selective" if recompute == {"selective"} else "full")
-    split_points = [s.modules[0] for s in plan.stages[1:]]
-    lines = ["[parallelism]",
-             f"data_parallel_shard_degree = {lay.dp if lay.zero >= 1 else 1}",
-             f"data_parallel_replicate_degree = {1 if lay.zero >= 1 else lay.dp}",
-             f"tensor_parallel_degree = {lay.tp}",
-             f"enable_async_tensor_parallel = false",
-             f"pipeline_parallel_degree = {lay.pp}",
-             f"pipeline_parallel_schedule = \"{'Interleaved1F1B' if lay.vp > 1 else '1F1B'}\"",
-             f"pipeline_parallel_microbatch_size = {lay.mbs}",
-             f"pipeline_parallel_split_points = {json.dumps(split_points)}",
-             # module names per virtual stage (torchtitan's own split; any chunk sizes, embedding and
-             # output placed by name): what the plan's stages hold, in chunk order
-             f"module_fqns_per_model_part = {json.dumps([s.modules for s in plan.stages])}",
-             f"context_parallel_degree = {lay.cp}",
-             f"expert_parallel_degree = {lay.ep}",
-             f"expert_tensor_parallel_degree = {lay.etp}",
-             "", "[training]", f"global_batch_size = {lay.gbs}", f"local_batch_size = {lay.gbs // lay.dp}",
-             f"seq_len = {plan.seq_len}", "", "[activation_checkpoint]", f"mode = \"{mode}\""]
-    notes = _notes_for_recompute(plan, "torchtitan")
+    sharded = lay.zero >= 1   # torchtitan's FSDP2 shards parameters, gradients and optimizer state alike
+    # local_batch_size is what one data-parallel rank feeds per optimizer step's forward: the micro-batch
+    # without a pipeline (global / (local x dp) steps are accumulated), all micro-batches with one (the
+    # schedule splits them into pipeline_parallel_microbatch_size)
+    local = lay.mbs if lay.pp == 1 else lay.gbs // lay.dp
+    args = [f"--parallelism.data_parallel_replicate_degree {1 if sharded else lay.dp}",
+            f"--parallelism.data_parallel_shard_degree {lay.dp if sharded else 1}",
+            f"--parallelism.tensor_parallel_degree {lay.tp}",
+            # booleans are tyro flags: --field sets, --no-field clears
+            "--parallelism.enable_sequence_parallel" if lay.sp and lay.tp > 1
+            else "--parallelism.no-enable-sequence-parallel",
+            f"--parallelism.context_parallel_degree {lay.cp}",
+            f"--parallelism.expert_parallel_degree {lay.ep}",
+            f"--parallelism.pipeline_parallel_degree {lay.pp}",
+            f"--training.local_batch_size {local}", f"--training.global_batch_size {lay.gbs}",
+            f"--training.seq_len {plan.seq_len}"]
+    if lay.pp > 1:
+        args += [f"--parallelism.pipeline_parallel_schedule {'Interleaved1F1B' if lay.vp > 1 else '1F1B'}",
+                 f"--parallelism.pipeline_parallel_microbatch_size {lay.mbs}",
+                 # the modules of each virtual stage in chunk order: any chunk sizes, embedding and output by name
+                 "--parallelism.module_fqns_per_model_part "
+                 + " ".join(shlex.quote(",".join(stage.modules)) for stage in plan.stages),
+                 "--training.disable_cuda_graphs"]   # torchtitan captures no graphs under a pipeline
+    args.append(f"activation-checkpoint:{mode}")
+    return args, _torchtitan_notes(plan, mode)
+
+
+def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
+    lay = plan.layout
+    notes = [*_notes_for_recompute(plan, "torchtitan")]
+    if lay.pp > 1:
+        notes.append("module_fqns_per_model_part names the modules of the model the plan was made for; plan the "
+                     "torchtitan model itself (--model file.py:factory) where its names differ")
+    if mode == "selective":
+        notes.append("torchtitan 0.3's selective checkpointing is op-level (saves matmul outputs, recomputes the "
+                     "rest), not Megatron's attention-core recomputation the plan costs")
     if lay.zero in (1, 2):
         notes.append(f"torchtitan shards with FSDP2 (ZeRO-3 style); ZeRO-{lay.zero} has no exact equivalent")
-    return "\n".join(lines) + "\n", notes
+    if lay.etp > 1:
+        notes.append(f"torchtitan 0.3 has no expert tensor-parallel degree: etp={lay.etp} cannot be expressed")
+    if lay.tp_comm_overlap:
+        notes.append("the plan assumes TP communication overlap; torchtitan 0.3 overlaps TP only through "
+                     "torch.compile's async TP (--compile.enable), which this export does not turn on")
+    if lay.precision == "fp8":
+        notes.append("the plan trains in FP8: add torchtitan's Float8LinearConverter to your config's model "
+                     "converters; this export does not")
+    return notes
 
 
 def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:

@@ -3,7 +3,6 @@ import json
 import shlex
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -226,12 +225,16 @@ def test_megatron_export(plan_file):
 
 
 def test_torchtitan_export(plan_file):
-    data = tomllib.loads(run(f"export {plan_file} --to torchtitan").stdout)
+    """The command line torchtitan 0.3 takes (tests/test_exports_torchtitan.py reads it with torchtitan's
+    own parser); another release is refused, naming the one checked."""
+    proc = run(f"export {plan_file} --to torchtitan@0.3")
     plan = Plan.load(plan_file)
-    assert data["parallelism"]["tensor_parallel_degree"] == plan.layout.tp
-    assert data["parallelism"]["pipeline_parallel_degree"] == plan.layout.pp
-    assert len(data["parallelism"]["pipeline_parallel_split_points"]) == len(plan.stages) - 1
-    assert data["activation_checkpoint"]["mode"] in ("none", "selective", "full")
+    assert proc.stdout.startswith("python -m torchtitan.train --module MODULE --config CONFIG")
+    assert f"--parallelism.tensor_parallel_degree {plan.layout.tp}" in proc.stdout
+    assert f"--parallelism.pipeline_parallel_degree {plan.layout.pp}" in proc.stdout
+    assert "note: written for torchtitan 0.3" in proc.stderr
+    refused = run(f"export {plan_file} --to torchtitan@0.2", check=False)
+    assert refused.returncode == 2 and "torchtitan@0.3" in refused.stderr
 
 
 def test_deepspeed_export(plan_file):

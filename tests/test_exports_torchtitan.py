@@ -1,0 +1,69 @@
+"""torchtitan exports read back by torchtitan 0.3's own code (a test extra): the exported overrides parsed by
+tyro with torchtitan's registry into torchtitan's own config sections (`TrainingConfig`, `ParallelismConfig`,
+the activation-checkpoint subcommands), then `ParallelDims.from_config`, which checks the degrees against the
+world size; each degree, batch, schedule, stage, recomputation and sequence-parallel field must read back as
+the plan says (issue 18). The Trainer itself needs torchdata, which the test extras do not install."""
+import shlex
+from dataclasses import dataclass, field
+
+import pytest
+
+tyro = pytest.importorskip("tyro")
+configs = pytest.importorskip("torchtitan.config.configs")
+from torchtitan.config.manager import ConfigManager, custom_registry  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import (ActivationCheckpointingConfig, FullAC,  # noqa: E402
+                                                           SelectiveAC)
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+
+from planner.api import evaluate  # noqa: E402
+from planner.exports import torchtitan_args  # noqa: E402
+from test_exports_megatron import PLANS  # noqa: E402
+
+ConfigManager.register_tyro_rules(custom_registry)   # what ConfigManager() does: comma-separated lists
+
+
+@dataclass(kw_only=True)
+class TrainerSections:
+    """The sections of torchtitan 0.3's Trainer.Config the export writes, with the Trainer's own defaults."""
+    training: configs.TrainingConfig = field(default_factory=configs.TrainingConfig)
+    parallelism: configs.ParallelismConfig = field(default_factory=configs.ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointingConfig = field(default_factory=SelectiveAC.Config)
+    compile: configs.CompileConfig = field(default_factory=configs.CompileConfig)
+
+
+AC_KIND = {"none": type(None), "full": FullAC.Config, "selective": SelectiveAC.Config}
+
+
+@pytest.mark.parametrize("case", PLANS, ids=[c[0] for c in PLANS])
+def test_torchtitan_reads_the_export_as_the_plan(case):
+    name, model, device, count, batch, layout, precision, stack = case
+    per_node = 4 if count % 8 else None
+    plan = evaluate(model, device=device, num_devices=count, devices_per_node=per_node, global_batch=batch,
+                    layout=layout, precision=precision, stack=stack)
+    args, notes = torchtitan_args(plan)
+    parsed = tyro.cli(TrainerSections, args=shlex.split(" ".join(args)), default=TrainerSections(),
+                      registry=custom_registry)
+    dims = ParallelDims.from_config(parsed.parallelism, count)   # torchtitan's own check of the degrees
+    lay, par, training = plan.layout, parsed.parallelism, parsed.training
+    assert dims.dp_replicate * dims.dp_shard == lay.dp
+    assert (dims.dp_shard > 1 or lay.dp == 1) == (lay.zero >= 1)   # FSDP2 for ZeRO >= 1, replicas for ZeRO-0
+    assert (dims.tp, dims.cp, dims.pp, dims.ep) == (lay.tp, lay.cp, lay.pp, lay.ep)
+    assert par.enable_sequence_parallel == (lay.sp and lay.tp > 1)
+    assert training.seq_len == plan.seq_len and training.global_batch_size == lay.gbs
+    # the Trainer accumulates global / (local x batch degree) steps; the pipeline splits local into micro-batches
+    accumulation = training.global_batch_size // (training.local_batch_size * dims.dp_replicate * dims.dp_shard)
+    micro_batches = lay.gbs // (lay.dp * lay.mbs)
+    if lay.pp == 1:
+        assert training.local_batch_size == lay.mbs and accumulation == micro_batches
+    else:
+        assert accumulation == 1 and par.pipeline_parallel_microbatch_size == lay.mbs
+        assert training.local_batch_size // par.pipeline_parallel_microbatch_size == micro_batches
+        assert par.pipeline_parallel_schedule == ("Interleaved1F1B" if lay.vp > 1 else "1F1B")
+        assert par.module_fqns_per_model_part == [stage.modules for stage in plan.stages]
+    kinds = {r for stage in plan.stages for r in stage.recompute}
+    expected = "none" if kinds == {"none"} else ("selective" if kinds == {"selective"} else "full")
+    assert isinstance(parsed.activation_checkpoint, AC_KIND[expected])
+    # what torchtitan cannot say is said
+    assert (lay.etp > 1) == any("expert tensor-parallel" in note for note in notes)
+    assert (lay.precision == "fp8") == any("Float8LinearConverter" in note for note in notes)
+    assert lay.tp_comm_overlap == any("TP communication overlap" in note for note in notes)
