@@ -271,7 +271,8 @@ def plan_for_this_job(args) -> Plan:
     if plan.num_devices == ranks:
         return plan
     if not args.elastic:
-        raise PlanError(f"the plan is for {plan.num_devices} devices but the job has {ranks} ranks (--elastic "
+        raise PlanError(f"the plan is for {plan.num_devices} devices but the job has {ranks} "
+                        f"rank{'s' if ranks != 1 else ''} (--elastic "
                         f"plans again for the ranks there are)")
     import json
     from planner.api import replan

@@ -27,13 +27,13 @@ def test_a_refitted_profile_predicts_a_held_out_run_better(tmp_path):
     for batch in (8, 16):
         plan = api.evaluate("tiny-llama", device="cpu", global_batch=batch, layout=LAYOUT, **CPU_PAIR)
         plan.save(tmp_path / f"plan{batch}.yaml")
-        launch(2, "--plan", str(tmp_path / f"plan{batch}.yaml"), "--steps", "12", *TRAIN, "--precision", "fp32",
+        launch(2, "--plan", str(tmp_path / f"plan{batch}.yaml"), "--steps", "8", *TRAIN, "--precision", "fp32",
                "--telemetry", str(tmp_path / f"tel{batch}"))
         runs[batch] = plan
     lines = (tmp_path / "tel8" / "rank-1.jsonl").read_text().splitlines()
     header, records = json.loads(lines[0])["header"], [json.loads(line) for line in lines[1:]]
     assert header["predicted"]["compute_s"] == pytest.approx(runs[8].breakdown["compute_s"])
-    assert [r["step"] for r in records] == list(range(1, 13)) and "forward_compute_s" in records[9]
+    assert [r["step"] for r in records] == list(range(1, 9))
     for r in records:   # the parts add up to the step
         assert r["step_s"] == pytest.approx(r["forward_backward_s"] + r["checks_s"] + r["optimizer_s"]
                                             + r["checkpoint_blocking_s"], rel=1e-9)
