@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cost_models.layout import Layout, Recompute  # noqa: E402
+from cost_models.reliability import Recovery  # noqa: E402
 from cost_models.layout_codec import layout_from, parse_text, text_of  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from planner.capture.model_capture import capture  # noqa: E402
@@ -77,14 +78,16 @@ def parse_args(argv=None):
     parser.add_argument("--elastic", action="store_true", help="with --plan: when the job has another number of "
                         "ranks than the plan's devices (torchrun restarted it on the nodes left), plan again for "
                         "the ranks there are (planner.api.replan) and train that, resuming the checkpoint")
-    parser.add_argument("--collective-timeout", type=float, default=300.0,
+    parser.add_argument("--collective-timeout", type=float, default=Recovery.collective_timeout_s,
                         help="seconds a collective may wait for a peer before the job fails naming the ranks "
                              "that stopped (torch's default is 30 minutes)")
     parser.add_argument("--inject", default=None, help="KIND@STEP[:RANK], KIND one of stop, kill, nan, spike, bitflip, slow "
                         "(runtime/faults.py): a fault the health checks or the watchdog must name")
     parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
-    parser.add_argument("--sdc-every", type=int, default=10, help="steps between replica fingerprints")
-    parser.add_argument("--straggler-every", type=int, default=10, help="steps per straggler comparison (0: off)")
+    parser.add_argument("--sdc-every", type=int, default=HealthPolicy.sdc_every, help="steps between replica "
+                        "fingerprints")
+    parser.add_argument("--straggler-every", type=int, default=HealthPolicy.straggler_every,
+                        help="steps per straggler comparison (0: off)")
     parser.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"])
     parser.add_argument("--on-spike", default="skip", choices=["skip", "rollback", "ignore"],
                         help="rollback: reload the last complete checkpoint of --checkpoint-dir and skip the "

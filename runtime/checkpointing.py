@@ -44,7 +44,6 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.pending: _Pending | None = None
         self.next_step: int | None = None    # Daly: when the next save is due
-        self.blocking_s: list[float] = []    # each save's blocking part, measured
         self.rank = dist.get_rank()
 
     # -- the directory ---------------------------------------------------------------------------
@@ -73,7 +72,6 @@ class Checkpointer:
                        f"the last clean one stays latest")
             return 0.0
         blocking = self._save(step)
-        self.blocking_s.append(blocking)
         if self.cadence.every_steps is None:
             self._schedule(step, step_s, blocking)
         return blocking

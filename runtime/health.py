@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cost_models.reliability import Recovery   # the settings the goodput model charges for
+
 MAD_TO_SIGMA = 1.4826   # median absolute deviation of a normal distribution, as a standard deviation
 INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
                 torch.float64: torch.int64}
@@ -34,7 +36,7 @@ class HealthPolicy:
     spike_z: float = 6.0            # robust z-score that makes a loss a spike
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
-    sdc_every: int = 10             # steps between replica fingerprints (0: never)
+    sdc_every: int = Recovery.sdc_check_every_steps   # steps between replica fingerprints (0: never)
     straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
     straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
     straggler_min_excess_s: float = 0.05   # ...and this many seconds over it in the window: not host jitter
