@@ -308,11 +308,8 @@ def checkpoint_cadence(args) -> Cadence:
         raise ValueError("--save-every auto needs the job's MTBF: --mtbf-s, or a --plan whose cluster profile "
                          "gives the failure rate")
     from cost_models.reliability import job_mtbf_s
-    from planner.api import resolve_cluster
-    plan = args.job_plan
-    cluster = resolve_cluster(plan.cluster) if "-x" not in plan.cluster else resolve_cluster(
-        None, plan.cluster.rsplit("-x", 1)[0], plan.num_devices)
-    return Cadence(None, job_mtbf_s(cluster, dist.get_world_size()))
+    from planner.api import plan_cluster
+    return Cadence(None, job_mtbf_s(plan_cluster(args.job_plan), dist.get_world_size()))
 
 
 def resume(args, parallel, saver, rank: int) -> int:

@@ -328,3 +328,12 @@ def plan_device(plan_: Plan) -> str:
         raise UserInputError(f"cannot tell the device of cluster '{plan_.cluster}'", field="cluster",
                              expected="a plan made on a built-in cluster or with --device")
     return device
+
+
+def plan_cluster(plan_: Plan) -> Cluster:
+    """The cluster a plan was made for: its built-in profile, or its device's at the plan's size."""
+    from hardware_profiles.loader import list_clusters
+    if plan_.cluster in list_clusters():
+        return load_cluster(plan_.cluster)
+    return resolve_cluster(None, plan_device(plan_), plan_.num_devices, plan_.devices_per_node)
+

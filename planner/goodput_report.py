@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cost_models.compute import memory_seconds
 from cost_models.reliability import Goodput, Recovery, StepContext, goodput
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.schema import Cluster
@@ -44,10 +45,9 @@ def _value(key: str, text: str, item: str, field: str):
 
 def step_context(plan: Plan, cluster: Cluster) -> StepContext:
     """One replica check reads the rank's parameters once at the device's sustained memory bandwidth."""
-    device = cluster.device
     weights = max(record.parts.get("weights", 0.0) for record in plan.memory) if plan.memory else 0.0
-    bandwidth = device.hbm_bandwidth_gbytes_per_s * device.hbm_bandwidth_fraction * 1e9
-    return StepContext(step_s=plan.step_time_s, check_s=weights / bandwidth, replicated=plan.layout.zero < 3)
+    return StepContext(step_s=plan.step_time_s, check_s=memory_seconds(cluster.device, weights),
+                       replicated=plan.layout.zero < 3)
 
 
 def plan_goodput(plan: Plan, cluster: Cluster, total_params: float, recovery: Recovery | None = None) -> Goodput:
