@@ -193,9 +193,11 @@ def main(argv=None) -> int:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
+    watchdog = Watchdog(args.collective_timeout)
+    watchdog.report_on_termination()
     code = 0
     for case, case_args in cases_of(args):
-        code = train(case_args, rank, injection, skip_steps, prefix=f"case {case} " if case else "")
+        code = train(case_args, rank, watchdog, injection, skip_steps, prefix=f"case {case} " if case else "")
         gc.collect()
         dist.barrier()  # no rank tears its group down (or starts the next case) while a peer still talks to it
         if code:
@@ -216,8 +218,7 @@ def cases_of(args):
                                                    "layout": entry.get("layout", ""), "dump_grads": dump})
 
 
-def train(args, rank: int, injection, skip_steps: set[int], prefix: str = "") -> int:
-    watchdog = Watchdog(args.collective_timeout)
+def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], prefix: str = "") -> int:
     health = None if args.no_health else HealthPolicy(on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
                                                        sdc_every=args.sdc_every,
                                                        straggler_every=args.straggler_every)
@@ -367,8 +368,7 @@ def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, ste
             print(f"error (rank {rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
             os._exit(4)
         except (RuntimeError, dist.DistError) as exc:   # a peer stopped or died mid-collective
-            print(watchdog.report(step, exc), file=sys.stderr, flush=True)
-            os._exit(3)   # the process group cannot be torn down cleanly with a peer gone
+            watchdog.fail(step, exc)
         step_s = time.perf_counter() - started
         if rank == 0:
             print(f"{prefix}step {step} loss {loss:.10f}", flush=True)

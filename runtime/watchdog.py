@@ -1,48 +1,109 @@
 """A stopped or dead rank turns into a named failure instead of a hang.
 
 Collectives get the launch's timeout (`init_process_group(timeout=...)`, torch's default is 30 minutes);
-each rank records the step it has reached in the job's c10d store. When a collective fails or times out,
-the ranks that are still alive read the store and name the ranks that never reached the failing step:
-those stopped or died. One line, starting with `health:`.
+each rank records the step it has reached in the job's c10d store. Two ways reveal a lost peer, and both
+end in one line starting with `health:` that names the ranks behind:
+
+* a collective fails or times out on a live rank (gloo sees a dead peer's socket close at once; a stopped
+  peer at the collective timeout): the live rank reads the store and names the ranks that never reached
+  the failing step;
+* the launcher ends the live ranks because a peer died (torchrun notices a dead worker within its 0.1 s
+  monitor interval and sends SIGTERM to the others, killing them 30 s later): the SIGTERM is caught, the
+  ranks still alive run on into the collective that waits for the dead one, and after `SETTLE_S` the ranks
+  behind the most advanced one are named. Without this the launcher usually wins the race against the
+  failing collective and the job ends saying nothing of who was lost.
+
+A rank that dies inside a step (after recording it) is behind no one; the survivors then say that no rank
+was behind, and torchrun's own error report names the worker and its exit signal.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 PROGRESS = "planner/progress/{rank}"
 STORE_READ = timedelta(seconds=2)   # reading a dead peer's progress may not wait for the peer
+SETTLE_S = 1.0                      # live ranks run on this long after a SIGTERM, into the blocked collective
+TERMINATED_EXIT = 128 + signal.SIGTERM
 
 
 class Watchdog:
-    """Step progress of every rank in the default group's store."""
+    """Step progress of every rank in the default group's store, and one report when the job is lost."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store()
+        self.step = 0
+        self._reporting = threading.Lock()   # one report per process, whichever path comes first
 
     def reached(self, step: int) -> None:
+        self.step = step
         self.store.set(PROGRESS.format(rank=self.rank), str(step))
 
-    def behind(self, step: int) -> list[int]:
-        """Ranks whose last recorded step is before `step` (or that recorded none)."""
+    def progress(self) -> dict[int, int]:
+        """Each rank's last recorded step (0: none recorded, or the store went with the dead rank)."""
         self.store.set_timeout(STORE_READ)
-        late = []
+        done = {}
         for rank in range(self.world):
             key = PROGRESS.format(rank=rank)
             try:
-                done = int(self.store.get(key)) if self.store.check([key]) else 0
-            except RuntimeError:   # the store itself went with the dead rank
-                done = 0
-            if done < step:
-                late.append(rank)
-        return late
+                done[rank] = int(self.store.get(key)) if self.store.check([key]) else 0
+            except RuntimeError:
+                done[rank] = 0
+        return done
 
     def report(self, step: int, error: BaseException) -> str:
-        late = [r for r in self.behind(step) if r != self.rank]
-        who = f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}" if late else "no rank"
+        """The line for a collective of `step` that failed on this rank."""
+        late = [rank for rank, done in self.progress().items() if done < step and rank != self.rank]
         cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         return (f"health: rank {self.rank}: a collective of step {step} failed within the {self.timeout_s:g} s "
-                f"collective timeout; {who} did not reach step {step} (stopped or dead): {cause}")
+                f"collective timeout; {_behind(late, step)}: {cause}")
+
+    def fail(self, step: int, error: BaseException) -> None:
+        """Say which ranks were lost and end this process (a group with a peer gone cannot be torn down)."""
+        with self._reporting:
+            print(self.report(step, error), file=sys.stderr, flush=True)
+            os._exit(3)
+
+    # -- the launcher's SIGTERM ---------------------------------------------------------------------
+    def report_termination(self) -> str:
+        """The line for a SIGTERM: the ranks behind the most advanced one."""
+        done = self.progress()
+        ahead = max(done.values())
+        late = [rank for rank, step in done.items() if step < ahead]
+        return (f"health: rank {self.rank}: terminated by the launcher (SIGTERM) at step {self.step}; "
+                f"{_behind(late, ahead)}")
+
+    def report_on_termination(self) -> None:
+        """From now on a SIGTERM prints `report_termination()` and ends the process (exit 143).
+
+        Python runs signal handlers only between bytecodes of the main thread, which is blocked inside the
+        collective; the wakeup fd is written by the C-level handler at once, and a thread reads it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        readable, writable = os.pipe()
+        os.set_blocking(writable, False)
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the thread below does the work
+        signal.set_wakeup_fd(writable)
+
+        def on_signal():
+            while os.read(readable, 1) != bytes([signal.SIGTERM]):
+                pass
+            time.sleep(SETTLE_S)
+            with self._reporting:
+                print(self.report_termination(), file=sys.stderr, flush=True)
+                os._exit(TERMINATED_EXIT)
+        threading.Thread(target=on_signal, name="planner-sigterm", daemon=True).start()
+
+
+def _behind(late: list[int], step: int) -> str:
+    if not late:
+        return f"no rank was behind step {step}"
+    return f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not reach step {step} (stopped or dead)"

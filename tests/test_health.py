@@ -1,6 +1,8 @@
 """Health checks inside the step (runtime/health.py), each fault injected on CPU/gloo (runtime/faults.py):
 detected at the step it happens, named in one line that starts with `health:`, and the policy applied on
 every rank; a skipped batch leaves the run where a run that never trained on it would be."""
+import os
+
 import pytest
 
 from test_runtime import LOSS_TOLERANCE, TRAIN, launch, losses
@@ -148,6 +150,49 @@ def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
     reference = launch(1, "--model", "tiny-llama", "--steps", "6", *TRAIN)
     assert losses(proc) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
+
+
+def test_the_launchers_sigterm_names_the_rank_that_stopped():
+    """torchrun ends the live ranks with SIGTERM when a worker dies, usually before their collective has
+    failed: rank 1 stops itself before step 2 (the collective timeout is far away, 120 s) and the launcher is
+    told to end the job; rank 0, blocked in step 2's collective, still names rank 1 within seconds."""
+    import selectors
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_runtime import ENV, ROOT, SCRIPT, descendants, free_port
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
+               "dp=2", "--collective-timeout", "120", "--inject", "stop@2:1"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            start_new_session=True)
+    watch = selectors.DefaultSelector()
+    watch.register(proc.stdout, selectors.EVENT_READ, "out")
+    watch.register(proc.stderr, selectors.EVENT_READ, "err")
+    health, terminated_at, started = None, None, time.time()
+    try:
+        while health is None and time.time() - started < 120:
+            for key, _ in watch.select(timeout=1):
+                line = key.fileobj.readline()
+                if key.data == "out" and line.startswith("step 1 ") and terminated_at is None:
+                    time.sleep(1.0)   # rank 0 is now inside step 2, waiting for rank 1
+                    terminated_at = time.time()
+                    proc.send_signal(signal.SIGTERM)   # the agent passes it on to its workers
+                elif key.data == "err" and line.startswith("health:"):
+                    health = line
+    finally:   # the stopped rank cannot end by itself
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+    assert health is not None and terminated_at is not None, "no health: line within 120 s"
+    assert "terminated by the launcher (SIGTERM) at step 2" in health
+    assert "rank 1 did not reach step 2 (stopped or dead)" in health
+    assert time.time() - terminated_at < 20   # not the 120 s timeout, nor torchrun's 30 s grace
 
 
 def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path):
