@@ -186,36 +186,43 @@ def main(argv=None) -> int:
         args.device_type = device_type_of(Plan.load(args.plan)) if args.plan else "cpu"
     init_distributed(args.device_type, args.collective_timeout)
     rank = dist.get_rank()
-    try:
-        injection = faults.parse_injection(args.inject)
-        skip_steps = {int(s) for s in args.skip_steps.split(",") if s.strip()}
-    except ValueError as exc:
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        return 2
     watchdog = Watchdog(args.collective_timeout)
     watchdog.report_on_termination()
-    code = 0
+    worst = 0
     for case, case_args in cases_of(args):
-        code = train(case_args, rank, watchdog, injection, skip_steps, prefix=f"case {case} " if case else "")
+        prefix = f"case {case} " if case else ""
+        try:
+            injection = faults.parse_injection(case_args.inject)
+            skip_steps = {int(s) for s in str(case_args.skip_steps).split(",") if s.strip()}
+        except ValueError as exc:
+            print(f"error (rank {rank}): {prefix}{exc}", file=sys.stderr, flush=True)
+            worst = 2
+            continue
+        # a case refused before its first step (exit 2 on every rank alike) leaves the group usable: the
+        # next case runs, and the launch ends with the worst status
+        worst = max(worst, train(case_args, rank, watchdog, injection, skip_steps, prefix=prefix))
         gc.collect()
         dist.barrier()  # no rank tears its group down (or starts the next case) while a peer still talks to it
-        if code:
-            break
     dist.destroy_process_group()
-    return code
+    return worst
 
 
 def cases_of(args):
-    """(name, arguments) per training run: the one the flags describe, or each entry of --cases."""
+    """(name, arguments) per training run: the one the flags describe, or each entry of --cases, whose keys
+    (other than name) set the flags of that run by their argparse names (model, layout, steps, inject...)."""
     if not args.cases:
         yield "", args
         return
     import json
     for entry in json.loads(Path(args.cases).read_text()):
+        unknown = sorted(set(entry) - set(vars(args)) - {"name"})
+        if unknown:
+            print(f"error: --cases {args.cases}: case {entry.get('name')!r} sets unknown flags "
+                  f"{', '.join(unknown)} (expected the argparse names of this script's flags)", file=sys.stderr)
+            raise SystemExit(2)
         dump = str(Path(args.dump_grads) / entry["name"]) if args.dump_grads else None
-        yield entry["name"], argparse.Namespace(**{**vars(args), "model": entry.get("model", args.model),
-                                                   "layout": entry.get("layout", ""), "dump_grads": dump})
+        settings = {key: value for key, value in entry.items() if key != "name"}
+        yield entry["name"], argparse.Namespace(**{**vars(args), "layout": "", **settings, "dump_grads": dump})
 
 
 def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], prefix: str = "") -> int:

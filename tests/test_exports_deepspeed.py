@@ -1,6 +1,7 @@
 """DeepSpeed exports read by DeepSpeed's own `DeepSpeedConfig` (deepspeed, a test extra), with an mpu that
 gives the plan's data-parallel size as Megatron-DeepSpeed's does: accepted, and the batch, accumulation,
 ZeRO stage and precision read back as the plan's; what DeepSpeed cannot express is a note (issue 18)."""
+import importlib
 import json
 import warnings
 
@@ -31,7 +32,12 @@ def one_rank_group():
     import socket
 
     import deepspeed.comm as ds_comm
+    ds_torch_backend = importlib.import_module("deepspeed.comm.torch")   # (deepspeed.comm.torch is torch)
     import torch.distributed as dist
+    # the shared-memory all-reduce kernel DeepSpeed compiles for CPU ranks (about 50 s of g++ on a fresh
+    # machine) plays no part in reading a config: the backend is built without it
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(ds_torch_backend, "build_shm_op", lambda: None)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -39,6 +45,7 @@ def one_rank_group():
     ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     yield
     dist.destroy_process_group()
+    monkeypatch.undo()
 
 
 CASES = [("tp=1,pp=1,vp=1,dp=8,cp=1,ep=1,etp=1,mbs=2,zero=1,recompute=none", "bf16", 8, []),

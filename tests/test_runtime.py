@@ -82,12 +82,16 @@ def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple
 REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS, HF_LLAMA, HF_QWEN3, HF_GPT2)
 
 
+CLIPPED = {"max_grad_norm": 0.05, "steps": 3}   # a norm the gradients exceed: every step is clipped
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Every model's single-process run, all in one process."""
+    """Every model's single-process run, all in one process (and tiny-llama clipped, as `clip`)."""
     cases = [{"name": f"ref{i}", "model": model} for i, model in enumerate(REFERENCE_MODELS)]
+    cases.append({"name": "ref-clip", "model": "tiny-llama", **CLIPPED})
     runs = run_cases(1, cases, tmp_path_factory.mktemp("reference"))
-    return {model: runs[f"ref{i}"] for i, model in enumerate(REFERENCE_MODELS)}
+    return {**{model: runs[f"ref{i}"] for i, model in enumerate(REFERENCE_MODELS)}, "clip": runs["ref-clip"]}
 
 
 def assert_gradients_match(got_dir: Path, ref_dir: Path, steps) -> None:
@@ -103,20 +107,23 @@ def assert_gradients_match(got_dir: Path, ref_dir: Path, steps) -> None:
                 f"step {step} {param}: difference {diff:.2e} of norm {ref.norm():.2e}"
 
 
+# Each rank accumulates two micro-batches of the global batch of 8 where the layout allows (four under
+# 1F1B and interleaving): the no-sync accumulation is exercised, and a launch spends its time on layouts
+# rather than on DTensor's per-op overhead of many tiny micro-batches.
 CASES = [
-    ("dp2", 2, "dp=2"),
-    ("tp2-sp", 2, "tp=2"),
-    ("tp2-no-sp", 2, "tp=2,sp=false"),
+    ("dp2", 2, "dp=2,mbs=2"),
+    ("tp2-sp", 2, "tp=2,mbs=4"),
+    ("tp2-no-sp", 2, "tp=2,sp=false,mbs=4"),
     ("pp2-1f1b", 2, "pp=2,mbs=2"),
-    ("pp2-vp2-interleaved", 2, "pp=2,vp=2,mbs=1"),
+    ("pp2-vp2-interleaved", 2, "pp=2,vp=2,mbs=2"),
     # uneven chunks: the first holds only the embedding, the last only the head (Megatron-Core's layout)
-    ("pp2-vp2-embedding-and-loss-chunks", 2, "pp=2,vp=2,mbs=1,stages=0-2-2-0"),
+    ("pp2-vp2-embedding-and-loss-chunks", 2, "pp=2,vp=2,mbs=2,stages=0-2-2-0"),
     ("pp2-uneven", 2, "pp=2,mbs=2,stages=3-1"),
-    ("zero1", 2, "dp=2,zero=1"),
-    ("zero2", 2, "dp=2,zero=2"),
-    ("zero3", 2, "dp=2,zero=3"),
-    ("full-recompute", 2, "dp=2,recompute=full"),
-    ("selective-recompute", 2, "tp=2,recompute=selective"),
+    ("zero1", 2, "dp=2,zero=1,mbs=2"),
+    ("zero2", 2, "dp=2,zero=2,mbs=2"),
+    ("zero3", 2, "dp=2,zero=3,mbs=2"),
+    ("full-recompute", 2, "dp=2,recompute=full,mbs=2"),
+    ("selective-recompute", 2, "tp=2,recompute=selective,mbs=4"),
     # pp x dp with every ZeRO stage: with ZeRO-0/1 the DDP-based replicate reduced wrong gradients under
     # 1F1B (83% off on layers.0.input_norm.weight) while the losses still agreed to 1e-5
     ("pp2-dp2-zero0", 4, "pp=2,dp=2,zero=0,mbs=2"),
@@ -124,32 +131,35 @@ CASES = [
     ("pp2-dp2-zero2", 4, "pp=2,dp=2,zero=2,mbs=2"),
     ("pp2-dp2-zero3", 4, "pp=2,dp=2,zero=3,mbs=2"),
     ("dp2-tp2-pp2", 8, "dp=2,tp=2,pp=2,zero=3"),
-    ("dp-from-world-tp2", 4, "tp=2"),   # dp unstated: the ranks tp leaves (2)
-    ("cp2", 2, "cp=2"),
-    ("cp2-tp2", 4, "cp=2,tp=2"),
-    ("ep2", 2, "dp=2,ep=2", "tiny-moe"),
-    ("ep2-tp2", 4, "dp=2,ep=2,tp=2", "tiny-moe"),
-    ("ep2-tp2-etp2", 4, "dp=2,ep=2,tp=2,etp=2", "tiny-moe"),
+    ("dp-from-world-tp2", 4, "tp=2,mbs=2"),   # dp unstated: the ranks tp leaves (2)
+    ("cp2", 2, "cp=2,mbs=4"),
+    ("cp2-tp2", 4, "cp=2,tp=2,mbs=4"),
+    ("ep2", 2, "dp=2,ep=2,mbs=2", "tiny-moe"),
+    ("ep2-tp2", 4, "dp=2,ep=2,tp=2,mbs=2", "tiny-moe"),
+    ("ep2-tp2-etp2", 4, "dp=2,ep=2,tp=2,etp=2,mbs=2", "tiny-moe"),
     # tied embeddings: tensor parallelism made two parameters of one, pipeline stages two copies whose
     # gradients were never summed (losses off by 7e-5 relative at step 2)
-    ("tied-tp2", 2, "tp=2", "tiny-tied"),
+    ("tied-tp2", 2, "tp=2,mbs=4", "tiny-tied"),
     ("tied-pp2-dp2", 4, "pp=2,dp=2,zero=1,mbs=2", "tiny-tied"),
-    ("user-tp2", 2, "tp=2,sp=false", USER_MODEL),
+    ("user-tp2", 2, "tp=2,sp=false,mbs=4", USER_MODEL),
     # the head-count rewrite divided head_dim too where it equals the head count
-    ("head-dim-equals-heads-tp2", 2, "tp=2", SQUARE_HEADS),
+    ("head-dim-equals-heads-tp2", 2, "tp=2,mbs=4", SQUARE_HEADS),
     ("user-pp2", 2, "pp=2,mbs=2", USER_MODEL),
     # transformers classes as they are: Llama, Qwen3 (its per-head q/k norms inside the attention pair
     # had a gradient per rank of its own heads only: they are sharded as torchtitan does), GPT-2 (Conv1D,
     # tied, learned positions)
-    ("hf-llama-dp2", 2, "dp=2", HF_LLAMA),
-    ("hf-llama-tp2", 2, "tp=2,sp=false", HF_LLAMA),
-    ("hf-qwen3-tp2", 2, "tp=2,sp=false", HF_QWEN3),
-    ("hf-gpt2-dp2", 2, "dp=2,zero=3", HF_GPT2),
+    ("hf-llama-dp2", 2, "dp=2,mbs=2", HF_LLAMA),
+    ("hf-llama-tp2", 2, "tp=2,sp=false,mbs=4", HF_LLAMA),
+    ("hf-qwen3-tp2", 2, "tp=2,sp=false,mbs=4", HF_QWEN3),
+    ("hf-gpt2-dp2", 2, "dp=2,zero=3,mbs=2", HF_GPT2),
 ]
 
 
 def case_model(case) -> str:
     return case[3] if len(case) > 3 else "tiny-llama"
+
+
+CLIPPED_CASES = [("clip-pp2", 2, "pp=2,mbs=2"), ("clip-dp2-tp2-zero3", 4, "dp=2,tp=2,zero=3")]
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +168,7 @@ def layout_runs(tmp_path_factory):
     runs = {}
     for nproc in sorted({case[1] for case in CASES}):
         cases = [{"name": c[0], "model": case_model(c), "layout": c[2]} for c in CASES if c[1] == nproc]
+        cases += [{"name": c[0], "layout": c[2], **CLIPPED} for c in CLIPPED_CASES if c[1] == nproc]
         runs.update(run_cases(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}")))
     return runs
 
@@ -170,11 +181,11 @@ def test_layout_matches_single_process(reference, layout_runs, case):
     assert_gradients_match(got_grads, ref_grads, range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("nproc,layout", [(2, "pp=2,mbs=2"), (4, "dp=2,tp=2,zero=3")])
-def test_gradient_clipping_uses_the_global_norm(nproc, layout):
-    clip = ("--max-grad-norm", "0.05", "--steps", "3")
-    reference = losses(launch(1, "--model", "tiny-llama", *clip))
-    assert losses(launch(nproc, "--model", "tiny-llama", "--layout", layout, *clip)) == pytest.approx(reference, rel=1e-5)
+@pytest.mark.parametrize("case", CLIPPED_CASES, ids=[c[0] for c in CLIPPED_CASES])
+def test_gradient_clipping_uses_the_global_norm(reference, layout_runs, case):
+    """Clipping by the norm over every shard and stage: a per-rank norm would clip differently."""
+    assert layout_runs[case[0]][0] == pytest.approx(reference["clip"][0], rel=1e-5)
+    assert len(reference["clip"][0]) == CLIPPED["steps"]
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async-save"])
@@ -235,7 +246,7 @@ def test_bf16_is_trained_as_planned(reference, nproc, layout):
     assert max(abs(g / r - 1) for g, r in zip(got, ref)) > 1e-6   # bf16 was applied, not fp32 kept
 
 
-@pytest.mark.parametrize("layout,needle,model", [
+REFUSALS = [
     ("tp=4", "cannot run here", "tiny-llama"), ("pp=2,vp=4", "do not split", "tiny-llama"),
     ("pp=2,vp=2,stages=1-0-2-1", "hold nothing", "tiny-llama"),
     ("dp=2,precision=fp8", "does not apply FP8", "tiny-llama"),
@@ -248,11 +259,31 @@ def test_bf16_is_trained_as_planned(reference, nproc, layout):
     # (the stack's rule: the planner never plans it either, tests/test_stacks.py)
     ("tp=2,sp=false", "column-splits only separate projections", HF_GPT2),
     # stages are cut from the fx graph, which transformers' code does not give (planned neither: test_stacks)
-    ("pp=2,mbs=2", "cuts pipeline stages from a torch.fx trace", HF_LLAMA)])
-def test_bad_plans_fail_on_every_rank_before_collectives(layout, needle, model):
-    proc = launch(2, "--model", model, "--steps", "1", "--layout", layout, check=False)
-    assert proc.returncode != 0
-    assert proc.stderr.count(needle) == 2, proc.stderr[-2000:]
+    ("pp=2,mbs=2", "cuts pipeline stages from a torch.fx trace", HF_LLAMA)]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Every bad plan in one launch: each is refused before its first step on every rank, which leaves the
+    group usable for the next (examples/train_tiny.py --cases); the last case trains, as a witness."""
+    spec = tmp_path_factory.mktemp("refused") / "cases.json"
+    cases = [{"name": f"bad{i}", "model": model, "layout": layout} for i, (layout, _, model) in enumerate(REFUSALS)]
+    spec.write_text(json.dumps([*cases, {"name": "witness", "layout": "dp=2,mbs=2"}]))
+    return launch(2, "--steps", "1", "--cases", str(spec), check=False)
+
+
+@pytest.mark.parametrize("index", range(len(REFUSALS)), ids=[f"{r[2]}-{r[0]}" for r in REFUSALS])
+def test_bad_plans_fail_on_every_rank_before_collectives(refused, index):
+    _, needle, _ = REFUSALS[index]
+    assert refused.returncode != 0
+    text = refused.stderr.replace("error (rank ", "\nerror (rank ")   # ranks write concurrently: one line may hold two
+    lines = [line for line in text.splitlines() if f"case bad{index} " in line and needle in line]
+    assert len(lines) == 2 and {line.split("(rank ")[1][0] for line in lines} == {"0", "1"}, refused.stderr[-2000:]
+    assert not any(line.startswith(f"case bad{index} step") for line in refused.stdout.splitlines())
+
+
+def test_a_refused_case_leaves_the_next_one_running(refused):
+    assert {line.split()[1] for line in refused.stdout.splitlines() if line.startswith("case ")} == {"witness"}
 
 
 def descendants(pid: int) -> list[int]:
