@@ -344,7 +344,14 @@ def telemetry_header(args, layout) -> TelemetryHeader:
     from planner.api import plan_device
     plan = args.job_plan
     return TelemetryHeader(plan.model, plan.cluster, plan_device(plan), plan.num_devices, text_of(layout),
-                           plan.step_time_s, dict(plan.breakdown))
+                           plan.step_time_s, dict(plan.breakdown), plan.model_dump(mode="json"),
+                           model_source(args.model))
+
+
+def model_source(spec: str) -> str:
+    """The model as another process can find it again: a file (or file.py:factory) by its absolute path."""
+    path, colon, factory = spec.partition(":")
+    return str(Path(path).resolve()) + colon + factory if Path(path).is_file() else spec
 
 
 def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, steps: range, prefix: str,

@@ -2,14 +2,17 @@
 plan's prediction, part by part, and the device profile's efficiencies refitted from it.
 
 A step waits for its slowest rank, so each part is the maximum over ranks of one step, then the median
-over the steps after the first few (allocations, first-call costs). Two figures are refitted:
+over the steps after the first few (allocations, first-call costs). Two figures are refitted, in order:
 
-* `gemm.sustained_fraction`, scaled by predicted over measured compute, where measured compute is the
-  measured forward+backward less the communication and bubble the plan predicts exposed inside it (GEMM
-  time scales as 1 / sustained_fraction; memory-bound ops, a smaller share, are scaled with them); a
-  fraction cannot pass 1, so a device faster than its profile's peak gets its peak_tflops raised instead;
 * `hbm_bandwidth_fraction` (or the bandwidth past 1), scaled by predicted over measured optimizer step
-  (AdamW is memory-bound), from ZeRO-0 runs only: a sharded optimizer's step includes an all-gather.
+  (AdamW is memory-bound), from ZeRO-0 runs only: a sharded optimizer's step includes an all-gather;
+* `gemm.sustained_fraction` (or the peak past a fraction of 1), so that the job's own plan, predicted
+  again under the profile with the bandwidth refit, takes the measured compute: the measured
+  forward+backward less the communication and bubble the plan predicts exposed inside it. The plan is
+  re-predicted until it agrees, because compute also holds memory-bound ops (norms, activations) that the
+  GEMM rate does not scale and the bandwidth refit does: one ratio on the GEMM rate would undo neither.
+  Telemetry without its plan (an older header, or a model that is not built in) gets the one-ratio refit,
+  and a note that says so.
 
 The refit profile is written to a file of the user's (`--out`): the shipped profiles are fitted on the
 published runs only (benchmarks/calibrate.py), never on a job's own telemetry.
@@ -30,6 +33,8 @@ from hardware_profiles.loader import DEVICE_DIR, list_devices, load_device, read
 MEASURED_PARTS = ("step_s", "forward_backward_s", "checks_s", "optimizer_s", "checkpoint_blocking_s")
 COMPUTE_PARTS = ("compute_s", "recompute_s")
 OPTIMIZER_PART = "optimizer_s"
+REFIT_ROUNDS = 8          # re-predictions of the plan; each multiplies the error by the memory-bound share
+REFIT_TOLERANCE = 1e-3    # re-predicted compute within 0.1% of the measured
 
 
 @dataclass(frozen=True)
@@ -128,16 +133,7 @@ def _predicted(part: str, header: dict) -> float | None:
 
 def _refits(header: dict, predicted: dict, measured: dict, notes: list[str]) -> tuple[Refit, ...]:
     device = load_device(header["device"])
-    compute = sum(predicted.get(part, 0.0) for part in COMPUTE_PARTS)
-    exposed = sum(seconds for part, seconds in predicted.items() if part not in (*COMPUTE_PARTS, OPTIMIZER_PART))
-    measured_compute = measured["forward_backward_s"] - exposed
     refits: list[Refit] = []
-    if measured_compute > 0 and compute > 0:
-        refits += _fraction_then_peak("gemm.sustained_fraction", device.gemm.sustained_fraction, "peak_tflops",
-                                      compute / measured_compute)
-    else:
-        notes.append(f"compute not refitted: the measured forward+backward ({measured['forward_backward_s']:.4f} s) "
-                     f"is not above the exposed communication predicted inside it ({exposed:.4f} s)")
     sharded_optimizer = not re.search(r"(^|,)zero=0(,|$)", header.get("layout", ""))
     if sharded_optimizer:   # ZeRO-1/2/3: the optimizer step carries the parameter all-gather after it
         notes.append("optimizer not refitted: under ZeRO-1/2/3 the measured optimizer step includes the "
@@ -145,7 +141,69 @@ def _refits(header: dict, predicted: dict, measured: dict, notes: list[str]) -> 
     elif predicted.get(OPTIMIZER_PART) and measured["optimizer_s"] > 0:
         refits += _fraction_then_peak("hbm_bandwidth_fraction", device.hbm_bandwidth_fraction,
                                       "hbm_bandwidth_gbytes_per_s", predicted[OPTIMIZER_PART] / measured["optimizer_s"])
-    return tuple(refits)
+    compute = sum(predicted.get(part, 0.0) for part in COMPUTE_PARTS)
+    exposed = sum(seconds for part, seconds in predicted.items() if part not in (*COMPUTE_PARTS, OPTIMIZER_PART))
+    measured_compute = measured["forward_backward_s"] - exposed
+    if not (measured_compute > 0 and compute > 0):
+        notes.append(f"compute not refitted: the measured forward+backward ({measured['forward_backward_s']:.4f} s) "
+                     f"is not above the exposed communication predicted inside it ({exposed:.4f} s)")
+        return tuple(refits)
+    return tuple(refits) + _compute_refit(header, device, refits, compute / measured_compute, measured_compute, notes)
+
+
+def _compute_refit(header: dict, device, earlier: list[Refit], speedup: float, measured_compute: float,
+                   notes: list[str]) -> tuple[Refit, ...]:
+    """The GEMM rate at which the job's plan, re-predicted with the earlier refits, takes the measured compute."""
+    def at(scale: float) -> list[Refit]:
+        return _fraction_then_peak("gemm.sustained_fraction", device.gemm.sustained_fraction, "peak_tflops", scale)
+    plan = _plan_of(header) if header["device"] in list_devices() else None
+    try:
+        if plan is not None:
+            for _ in range(REFIT_ROUNDS):
+                again = _predicted_compute(plan, header, [*earlier, *at(speedup)])
+                ratio = again / measured_compute
+                if abs(ratio - 1) <= REFIT_TOLERANCE:
+                    return tuple(at(speedup))
+                speedup *= ratio
+            notes.append(f"compute refit did not settle within {REFIT_ROUNDS} rounds (the plan's memory-bound ops "
+                         "alone take about the measured compute): the last round is written")
+            return tuple(at(speedup))
+        why = "the telemetry carries no plan on a built-in device"
+    except UserInputError as exc:   # the model cannot be captured here (moved, or not importable)
+        why = f"the plan could not be predicted again: {str(exc).splitlines()[0]}"
+    notes.append(f"compute refitted by one ratio ({why}): the memory-bound share of compute is scaled with "
+                 "the GEMM rate")
+    return tuple(at(speedup))
+
+
+def _plan_of(header: dict):
+    """The job's plan from the telemetry header (None for telemetry written without one)."""
+    from pydantic import ValidationError
+
+    from .plans import Plan
+    if not isinstance(header.get("plan"), dict):
+        return None
+    try:
+        return Plan.model_validate(header["plan"])
+    except ValidationError as exc:
+        raise UserInputError(f"not a plan ({exc.error_count()} problems, the first: {exc.errors()[0]['msg']})",
+                             field="header.plan", expected="the plan the job ran, as the runtime writes it") from None
+
+
+def _predicted_compute(plan, header: dict, refits: list[Refit]) -> float:
+    """Compute and recomputation of the job's plan predicted through the public API under the refitted profile."""
+    import tempfile
+
+    from .api import evaluate
+    device = header["device"]
+    with tempfile.TemporaryDirectory() as scratch:
+        profile = Path(scratch) / f"{device}.yaml"
+        profile.write_text(yaml.safe_dump(_refitted_profile(device, refits), sort_keys=False))
+        again = evaluate(header.get("model_source") or plan.model, device=str(profile), num_devices=plan.num_devices,
+                         devices_per_node=plan.devices_per_node, layout=plan.to_layout(),
+                         global_batch=plan.layout.gbs, seq_len=plan.seq_len, precision=str(plan.layout.precision),
+                         stack=plan.stack)
+    return sum(again.breakdown.get(part, 0.0) for part in COMPUTE_PARTS)
 
 
 def _fraction_then_peak(fraction: str, old: float, peak: str, speedup: float) -> list[Refit]:
@@ -156,14 +214,10 @@ def _fraction_then_peak(fraction: str, old: float, peak: str, speedup: float) ->
     return [Refit(fraction, old, 1.0), Refit(f"{peak} x", 1.0, wanted)]   # the device is faster than its peak
 
 
-def write_device_profile(calibration: Calibration, out_path: str) -> Path:
-    """The job's device profile with the refitted figures, checked by loading it back."""
-    device = calibration.header["device"]
-    if device not in list_devices():
-        raise UserInputError(f"'{device}' is not a built-in device", field="device",
-                             expected="telemetry of a plan made on a built-in device profile")
+def _refitted_profile(device: str, refits) -> dict:
+    """The built-in device profile's YAML data with the refits applied."""
     data = read_yaml_mapping(DEVICE_DIR / f"{device}.yaml")
-    for refit in calibration.refits:
+    for refit in refits:
         if refit.field == "peak_tflops x":
             data["peak_tflops"] = {dtype: value * refit.new for dtype, value in data["peak_tflops"].items()
                                    if value is not None}
@@ -173,8 +227,17 @@ def write_device_profile(calibration: Calibration, out_path: str) -> Path:
             data["gemm"][refit.field.split(".", 1)[1]] = refit.new
         else:
             data[refit.field] = refit.new
+    return data
+
+
+def write_device_profile(calibration: Calibration, out_path: str) -> Path:
+    """The job's device profile with the refitted figures, checked by loading it back."""
+    device = calibration.header["device"]
+    if device not in list_devices():
+        raise UserInputError(f"'{device}' is not a built-in device", field="device",
+                             expected="telemetry of a plan made on a built-in device profile")
     path = Path(out_path)
     path.write_text(f"# {device} refitted by 'planner calibrate --telemetry {calibration.directory}'\n"
-                    + yaml.safe_dump(data, sort_keys=False))
+                    + yaml.safe_dump(_refitted_profile(device, calibration.refits), sort_keys=False))
     load_device(str(path))   # a refit that breaks the schema is said here, naming the file
     return path

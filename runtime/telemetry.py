@@ -63,6 +63,8 @@ class TelemetryHeader:
     layout: str
     predicted_step_s: float | None
     predicted: dict            # the plan's breakdown: part name -> seconds (empty without a plan)
+    plan: dict | None = None   # the plan itself (its JSON), so that a refit can predict the same job again
+    model_source: str = ""     # the model as the job was given it (a built-in name or a file): captured again
 
 
 class TelemetryWriter:

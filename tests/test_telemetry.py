@@ -14,8 +14,10 @@ from planner.calibration import calibrate
 from test_runtime import ROOT, TRAIN, launch
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
-LAYOUT = "tp=1,pp=1,dp=2,cp=1,mbs=4,zero=0,recompute=none"
+MODEL = "tests/models/matmul-bound.yaml"
+LAYOUT = "tp=1,pp=1,dp=2,cp=1,zero=0,recompute=none"   # one micro-batch per rank: mbs = batch / 2
 CPU_PAIR = dict(num_devices=2, devices_per_node=2, stack="parallel-planner")
+SEQ = 256
 
 
 def forward_backward(plan) -> float:
@@ -23,17 +25,23 @@ def forward_backward(plan) -> float:
 
 
 def test_a_refitted_profile_predicts_a_held_out_run_better(tmp_path):
-    runs = {}
+    """A model whose CPU step is matrix work (a tiny one's is mostly per-op host time, which no FLOP rate
+    describes), one micro-batch per rank in both runs (the held-out one twice as large), both runs in one
+    launch, under the same load."""
+    runs, cases = {}, []
     for batch in (8, 16):
-        plan = api.evaluate("tiny-llama", device="cpu", global_batch=batch, layout=LAYOUT, **CPU_PAIR)
+        plan = api.evaluate(MODEL, device="cpu", global_batch=batch, seq_len=SEQ, layout=f"{LAYOUT},mbs={batch // 2}",
+                            **CPU_PAIR)
         plan.save(tmp_path / f"plan{batch}.yaml")
-        launch(2, "--plan", str(tmp_path / f"plan{batch}.yaml"), "--steps", "8", *TRAIN, "--precision", "fp32",
-               "--telemetry", str(tmp_path / f"tel{batch}"))
+        cases.append({"name": f"batch{batch}", "model": MODEL, "plan": str(tmp_path / f"plan{batch}.yaml"),
+                      "telemetry": str(tmp_path / f"tel{batch}")})
         runs[batch] = plan
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    launch(2, "--cases", str(tmp_path / "cases.json"), "--steps", "10", *TRAIN, "--precision", "fp32")
     lines = (tmp_path / "tel8" / "rank-1.jsonl").read_text().splitlines()
     header, records = json.loads(lines[0])["header"], [json.loads(line) for line in lines[1:]]
     assert header["predicted"]["compute_s"] == pytest.approx(runs[8].breakdown["compute_s"])
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:   # the parts add up to the step
         assert r["step_s"] == pytest.approx(r["forward_backward_s"] + r["checks_s"] + r["optimizer_s"]
                                             + r["checkpoint_blocking_s"], rel=1e-9)
@@ -43,8 +51,11 @@ def test_a_refitted_profile_predicts_a_held_out_run_better(tmp_path):
     assert "forward_backward_s" in shown and "refit cpu" in shown
     held_out = calibrate(str(tmp_path / "tel16"))
     measured = next(p.measured_s for p in held_out.parts if p.name == "forward_backward_s")
-    refitted = api.evaluate("tiny-llama", device=str(fitted), global_batch=16, layout=LAYOUT, **CPU_PAIR)
+    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=16, seq_len=SEQ, layout=f"{LAYOUT},mbs=8",
+                            **CPU_PAIR)
     before, after = abs(forward_backward(runs[16]) - measured), abs(forward_backward(refitted) - measured)
+    print(f"held-out forward+backward: shipped {forward_backward(runs[16]):.4f} s, refitted "
+          f"{forward_backward(refitted):.4f} s, measured {measured:.4f} s")
     assert after < 0.7 * before, (forward_backward(runs[16]), forward_backward(refitted), measured)
 
 
@@ -66,3 +77,16 @@ def test_bad_telemetry_names_the_file_and_line(tmp_path, line, named):
 def test_an_empty_directory_is_refused(tmp_path):
     with pytest.raises(UserInputError, match="no rank-R.jsonl files"):
         calibrate(str(tmp_path))
+
+
+def test_telemetry_without_its_plan_is_refitted_by_one_ratio_and_says_so(tmp_path):
+    """An older header (no plan to predict again): the compute refit is the plain ratio, and a note says so."""
+    header = {"header": {"model": "tiny-llama", "cluster": "cpu-x2", "device": "cpu", "num_devices": 2,
+                         "layout": "dp=2,zero=1", "predicted_step_s": 0.2, "predicted": {"compute_s": 0.2}}}
+    steps = [{"step": s, "rank": 0, "step_s": 0.1, "forward_backward_s": 0.1, "checks_s": 0.0, "optimizer_s": 0.0,
+              "checkpoint_blocking_s": 0.0} for s in range(1, 6)]
+    (tmp_path / "rank-0.jsonl").write_text("\n".join(json.dumps(line) for line in [header, *steps]) + "\n")
+    result = calibrate(str(tmp_path))
+    assert any("refitted by one ratio" in note for note in result.notes)
+    # twice as fast as predicted: the fraction of 1 cannot double, so the peak does
+    assert [(r.field, r.new) for r in result.refits] == [("gemm.sustained_fraction", 1.0), ("peak_tflops x", 2.0)]
