@@ -32,6 +32,14 @@ def _full_recompute_layers(plan: Plan) -> int:
     return sum(r == "full" for stage in plan.stages for r in stage.recompute)
 
 
+def _full_layers_on_a_rank(plan: Plan) -> int:
+    """The most fully recomputed layers any pipeline rank holds (over its virtual stages)."""
+    per_rank: dict[int, int] = {}
+    for stage in plan.stages:
+        per_rank[stage.pipeline_rank] = per_rank.get(stage.pipeline_rank, 0) + stage.recompute.count("full")
+    return max(per_rank.values(), default=0)
+
+
 def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
     kinds = {r for stage in plan.stages for r in stage.recompute}
     if len(kinds) > 1:
@@ -176,10 +184,12 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
         "gradient_accumulation_steps": lay.gbs // (lay.dp * lay.mbs),
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": lay.zero, "overlap_comm": True, "contiguous_gradients": True},
+        "communication_data_type": str(lay.grad_reduce),   # the gradient reduction's dtype the plan billed
         "gradient_clipping": 1.0,
         "activation_checkpointing": {"partition_activations": lay.tp > 1,
                                      "contiguous_memory_optimization": False,
-                                     "number_checkpoints": _full_recompute_layers(plan) or None},
+                                     # per rank: the checkpoints one pipeline rank's layers hold
+                                     "number_checkpoints": _full_layers_on_a_rank(plan) or None},
     }
     notes = ["DeepSpeed's tensor and pipeline degrees are set by the model code (Megatron-DeepSpeed "
              f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}), not this file; "
@@ -197,6 +207,9 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     if lay.vp > 1:
         notes.append(f"DeepSpeed's PipelineModule has no interleaved schedule: vp={lay.vp} has no equivalent "
                      "(plan with --stack deepspeed)")
+    if lay.tp_comm_overlap or lay.moe_a2a_overlap:
+        notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "
+                     "has no such overlap (plan with --stack deepspeed to predict without it)")
     return json.dumps(config, indent=2) + "\n", notes
 
 

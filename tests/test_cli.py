@@ -29,7 +29,7 @@ MEGATRON_ARGS = {
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
-                  "zero_optimization", "gradient_clipping", "activation_checkpointing"}
+                  "zero_optimization", "gradient_clipping", "activation_checkpointing", "communication_data_type"}
 
 
 def run(args, check=True):
