@@ -3,8 +3,11 @@
 
 * `stop@S:R`   rank R stops itself (SIGSTOP) before step S: the watchdog names it;
 * `kill@S:R`   rank R dies (SIGKILL) before step S;
-               both only in the job's first attempt: torchrun restarts the job (`--max-restarts`) and it
-               resumes from the last complete checkpoint (`--checkpoint-dir`);
+* `node@S:R`   rank R's node is lost before step S: its launcher agent and every worker it started are
+               killed (SIGKILL), as a machine that goes away;
+               all three only in the job's first attempt: torchrun restarts the job (`--max-restarts`) and it
+               resumes from the last complete checkpoint (`--checkpoint-dir`), on the nodes left with
+               `--nnodes MIN:MAX` (and `--elastic` to plan for them);
 * `nan@S:R`    one gradient element of rank R turns NaN after step S's backward: skipped on every rank;
 * `spike@S`    step S's output layer runs with its weights x 64 (restored exactly after the step, 64 being
                a power of two): the loss jumps, and the spike policy skips the batch;
@@ -24,7 +27,7 @@ import torch
 
 from .stragglers import compute_leaves
 
-KINDS = ("stop", "kill", "nan", "spike", "bitflip", "slow")
+KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
 SLOW_S = 0.2            # well above the straggler check's 50 ms of allowed jitter
@@ -88,6 +91,32 @@ def stop_here(injection: Injection | None, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif injection.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif injection.kind == "node":
+        lose_this_node()
+
+
+def lose_this_node() -> None:
+    """SIGKILL this worker's launcher agent first (so that it restarts nothing), then the workers it started."""
+    agent = os.getppid()
+    workers = [pid for pid in children_of(agent) if pid != os.getpid()]
+    os.kill(agent, signal.SIGKILL)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def children_of(parent: int) -> list[int]:
+    """Processes whose parent is `parent` (Linux /proc: the fourth field of /proc/PID/stat)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
 
 def spike_scale(injection: Injection | None, step: int) -> float:

@@ -1,11 +1,33 @@
 """Health checks inside the step (runtime/health.py), each fault injected on CPU/gloo (runtime/faults.py):
 detected at the step it happens, named in one line that starts with `health:`, and the policy applied on
 every rank; a skipped batch leaves the run where a run that never trained on it would be."""
+import json
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from test_runtime import LOSS_TOLERANCE, TRAIN, launch, losses
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The single-process runs the faulty ones are compared with, in one launch: the uninterrupted run, and
+    runs that never trained on the batches a policy skips."""
+    spec = tmp_path_factory.mktemp("references") / "cases.json"
+    cases = [{"name": "plain", "steps": 6}, {"name": "skip2", "steps": 4, "skip_steps": "2"},
+             {"name": "skip10", "steps": 12, "skip_steps": "10"}, {"name": "skip9-10", "steps": 13, "skip_steps": "9,10"}]
+    spec.write_text(json.dumps([{**case, "model": "tiny-llama"} for case in cases]))
+    proc = launch(1, "--cases", str(spec), *TRAIN)
+    runs = {case["name"]: {} for case in cases}
+    for line in proc.stdout.splitlines():
+        if line.startswith("case "):
+            _, name, _, step, _, loss = line.split()
+            runs[name][int(step)] = float(loss)
+    return {name: [steps[s] for s in sorted(steps)] for name, steps in runs.items()} | {"by step": runs}
 
 
 def health_lines(proc) -> list[str]:
@@ -14,11 +36,10 @@ def health_lines(proc) -> list[str]:
     return sorted({line for line in text.splitlines() if line.startswith("health:")})
 
 
-def test_a_nan_gradient_is_named_and_its_batch_skipped_on_every_rank():
+def test_a_nan_gradient_is_named_and_its_batch_skipped_on_every_rank(references):
     faulty = launch(2, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=2", "--inject", "nan@2:1")
     assert health_lines(faulty) == ["health: step 2: non-finite loss or gradients on rank 1; policy skip"]
-    skipped = launch(1, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--skip-steps", "2")
-    assert losses(faulty)[2:] == pytest.approx(losses(skipped)[1:], rel=LOSS_TOLERANCE)
+    assert losses(faulty)[2:] == pytest.approx(references["skip2"][1:], rel=LOSS_TOLERANCE)
 
 
 def test_a_nan_gradient_stops_the_job_when_the_policy_says_stop():
@@ -29,13 +50,13 @@ def test_a_nan_gradient_stops_the_job_when_the_policy_says_stop():
     assert proc.stderr.count("stopped by the health policy") == 2   # every rank, at the same step
 
 
-def test_a_loss_spike_is_named_and_skipped():
+def test_a_loss_spike_is_named_and_skipped(references):
     faulty = launch(1, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--inject", "spike@10")
     lines = health_lines(faulty)
     assert len(lines) == 1 and lines[0].startswith("health: step 10: loss spike") and "policy skip" in lines[0]
-    skipped = launch(1, "--model", "tiny-llama", "--steps", "12", *TRAIN, "--skip-steps", "10")
-    assert losses(faulty)[:9] == pytest.approx(losses(skipped)[:9], rel=LOSS_TOLERANCE)   # no false alarm before
-    assert losses(faulty)[10:] == pytest.approx(losses(skipped)[9:], rel=LOSS_TOLERANCE)
+    skipped = references["skip10"]
+    assert losses(faulty)[:9] == pytest.approx(skipped[:9], rel=LOSS_TOLERANCE)   # no false alarm before
+    assert losses(faulty)[10:] == pytest.approx(skipped[9:], rel=LOSS_TOLERANCE)
 
 
 def last_losses(proc) -> dict[int, float]:
@@ -44,7 +65,7 @@ def last_losses(proc) -> dict[int, float]:
             if line.startswith("step ")}
 
 
-def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(tmp_path):
+def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(tmp_path, references):
     """dp=2, checkpoints every 4 steps written asynchronously; the spike at step 10 rolls back to step 8,
     skips batches 9 and 10, retrains none of them: the run ends where a run that never saw them does."""
     faulty = launch(2, "--model", "tiny-llama", "--steps", "13", *TRAIN, "--layout", "dp=2", "--inject", "spike@10",
@@ -53,8 +74,7 @@ def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(tm
     lines = health_lines(faulty)
     assert lines[0].startswith("health: step 10: loss spike") and "policy rollback" in lines[0]
     assert lines[1] == "health: step 10: rolled back to step 8 (its checkpoint); batches 9, 10 skipped"
-    skipped = launch(1, "--model", "tiny-llama", "--steps", "13", *TRAIN, "--skip-steps", "9,10")
-    trained, reference = last_losses(faulty), last_losses(skipped)
+    trained, reference = last_losses(faulty), references["by step"]["skip9-10"]
     assert sorted(trained) == [*range(1, 10), 11, 12, 13]   # 9 was trained once, then rolled back
     assert sorted(reference) == [*range(1, 9), 11, 12, 13]
     assert [trained[s] for s in reference] == pytest.approx(list(reference.values()), rel=LOSS_TOLERANCE)
@@ -125,13 +145,11 @@ def test_a_flipped_bit_in_one_replica_names_the_rank():
 # stop@5:1 takes the same path, and passes, but torchrun waits 30 s for a SIGSTOPped worker to take its
 # SIGTERM before it kills it: run by hand (docs/reliability.md), not in every `make test`
 @pytest.mark.parametrize("fault", ["kill@5:1"])
-def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
+def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path, references):
     """torchrun --max-restarts 1: rank 1 dies (SIGKILL) before step 5; the live rank names it (the
     watchdog), torchrun restarts the job, which resumes from the last complete checkpoint (step 4) and trains
     steps 5 and 6 as the uninterrupted run does; nothing is trained twice."""
     import socket
-    import subprocess
-    import sys
 
     from test_runtime import ENV, ROOT, SCRIPT
     with socket.socket() as probe:
@@ -148,8 +166,7 @@ def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path):
                for line in proc.stderr.splitlines())
     steps = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps == [1, 2, 3, 4, 5, 6]
-    reference = launch(1, "--model", "tiny-llama", "--steps", "6", *TRAIN)
-    assert losses(proc) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
+    assert losses(proc) == pytest.approx(references["plain"], rel=LOSS_TOLERANCE)
 
 
 def test_the_launchers_sigterm_names_the_rank_that_stopped():
@@ -157,9 +174,6 @@ def test_the_launchers_sigterm_names_the_rank_that_stopped():
     failed: rank 1 stops itself before step 2 (the collective timeout is far away, 120 s) and the launcher is
     told to end the job; rank 0, blocked in step 2's collective, still names rank 1 within seconds."""
     import selectors
-    import signal
-    import subprocess
-    import sys
     import time
 
     from test_runtime import ENV, ROOT, SCRIPT, descendants, free_port
@@ -195,33 +209,62 @@ def test_the_launchers_sigterm_names_the_rank_that_stopped():
     assert time.time() - terminated_at < 20   # not the 120 s timeout, nor torchrun's 30 s grace
 
 
-def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path):
-    """Two nodes of 2 CPUs train two steps; one node is lost: `planner replan --num-devices 2` plans the same
-    global batch for the devices left; the job started on 2 ranks with the 4-device plan and --elastic plans
-    the same by itself, resumes the 4-rank checkpoint under the new layout, and steps 3 and 4 are those of
-    the uninterrupted run."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def agent(port: int, args: list[str], log: Path) -> subprocess.Popen:
+    """One torchrun agent: a node of 2 ranks in a c10d rendezvous of 1 to 2 nodes on `port`."""
+    from test_runtime import ENV, ROOT, SCRIPT
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "lost-node", "--rdzv-conf", "last_call_timeout=3", SCRIPT, *args]
+    return subprocess.Popen(command, stdout=log.with_suffix(".out").open("w"), stderr=log.with_suffix(".err").open("w"),
+                            env=ENV, cwd=ROOT, start_new_session=True)
 
+
+def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
+    """Two torchrun agents on this machine are two nodes of 2 CPUs, training a 4-device plan. Before step 4
+    rank 2's node is lost (its agent and both its workers SIGKILLed). The agent left restarts its workers
+    (--max-restarts 1), the rendezvous closes with the one node, and --elastic plans the same global batch
+    for 2 ranks, as `planner replan` does; the checkpoint of step 2 written by 4 ranks is resumed under the
+    new layout, and every step trained ends where the uninterrupted run's does."""
+    import socket
+    import time
+
+    from planner import api
     from planner.plans import Plan
-    from test_runtime import ROOT
+    from test_runtime import ROOT, free_port
     planner = str(Path(sys.executable).with_name("planner"))
     before, after, ckpt = tmp_path / "p4.yaml", tmp_path / "p2.yaml", tmp_path / "ckpt"
-    from planner import api
     api.plan("tiny-llama", device="cpu", num_devices=4, devices_per_node=2, global_batch=8,
              stack="parallel-planner").save(before)
     replanned = subprocess.run([planner, "replan", str(before), "--num-devices", "2", "--out", str(after)],
                                check=True, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "replanned from 4 to 2 devices, global batch 8 kept" in replanned.stdout
     assert Plan.load(after).num_devices == 2 and Plan.load(after).layout.gbs == 8
-    common = ("--model", "tiny-llama", *TRAIN, "--precision", "fp32", "--checkpoint-dir", str(ckpt), "--save-every", "2")
-    first = launch(4, "--plan", str(before), "--steps", "2", *common)
-    refused = launch(1, "--plan", str(before), "--steps", "4", *common, check=False)   # not without --elastic
+    common = ["--model", "tiny-llama", "--plan", str(before), "--steps", "6", *TRAIN, "--precision", "fp32",
+              "--checkpoint-dir", str(ckpt), "--save-every", "2"]
+    refused = launch(1, *common, check=False)   # another number of ranks, not without --elastic
     assert refused.returncode == 2 and "the plan is for 4 devices but the job has 1 rank (--elastic" in refused.stderr
-    # the job itself re-plans when it comes back on fewer ranks (as torchrun restarts it on the nodes left)
-    rest = launch(2, "--plan", str(before), "--elastic", "--steps", "4", *common)
-    assert "note: replanned from 4 to 2 devices, global batch 8 kept" in rest.stderr
-    assert "resumed from step-000002" in rest.stderr
-    reference = launch(1, "--model", "tiny-llama", "--steps", "4", *TRAIN)
-    assert losses(first) + losses(rest) == pytest.approx(losses(reference), rel=LOSS_TOLERANCE)
+    port, args = free_port(), [*common, "--elastic", "--inject", "node@4:2", "--collective-timeout", "10"]
+    first = agent(port, args, tmp_path / "node0")   # it hosts the rendezvous store, and so stays
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    second = agent(port, args, tmp_path / "node1")   # ranks 2 and 3 (the later agent, the larger pid)
+    try:
+        assert first.wait(timeout=240) == 0, (tmp_path / "node0.err").read_text()[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert second.returncode == -signal.SIGKILL   # the lost node's agent
+    out, err = (tmp_path / "node0.out").read_text(), (tmp_path / "node0.err").read_text()
+    assert any(line.startswith("health:") and "rank 2 did not reach step 4" in line
+               for line in err.replace("health: ", "\nhealth: ").splitlines())
+    assert "note: replanned from 4 to 2 devices, global batch 8 kept" in err
+    assert "resumed from step-000002 (restart 1)" in err
+    trained = {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")}
+    assert sorted(trained) == [1, 2, 3, 4, 5, 6]   # step 3 trained twice: after the loss, from step 2's checkpoint
+    assert [trained[step] for step in range(1, 7)] == pytest.approx(references["plain"], rel=LOSS_TOLERANCE)
