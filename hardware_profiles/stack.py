@@ -81,8 +81,10 @@ class SoftwareStack(Strict):
         return self
 
     def hides_moe_a2a(self, layout) -> bool:
-        """MoE A2A overlap applies: the stack has it, experts spread, and a schedule Megatron can pair."""
-        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches
+        """MoE A2A overlap applies: the stack has it, experts spread, a schedule Megatron can pair, and no layer
+        recomputed fully (Megatron-Core's TransformerConfig refuses the overlap beside full recomputation)."""
+        fully = layout.recompute == "full" or "full" in (layout.layer_recompute or ())
+        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches and not fully
 
     def summary(self) -> str:
         """One line for plan output: the stack and what it changes in the prediction."""

@@ -95,8 +95,6 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         if "selective" in recompute or len({sum(r == 'full' for r in s.recompute) for s in plan.stages}) > 1:
             notes.append(f"Megatron recomputes the same number of layers in every stage: {per_stage} per "
                          f"stage here, where the plan asks for {full} in all, unevenly")
-    if lay.moe_a2a_overlap and "full" in recompute:
-        notes.append("Megatron refuses --overlap-moe-expert-parallel-comm with full recomputation: drop one")
     return args, notes
 
 

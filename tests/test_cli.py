@@ -169,10 +169,10 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
     the all-to-alls, only the first forward's and the last backward's stay exposed, 1/m of them (m = 4
     micro-batches here); with a pipeline but no virtual stages Megatron cannot pair, nothing changes."""
     args = ("evaluate --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --json "
-            "--layout tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=full")
+            "--layout tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute={rc}")
 
-    def evaluate(pp, dp, flag=""):
-        return json.loads(run_here(args.format(pp=pp, dp=dp) + flag, capsys, monkeypatch))
+    def evaluate(pp, dp, flag="", rc="selective"):
+        return json.loads(run_here(args.format(pp=pp, dp=dp, rc=rc) + flag, capsys, monkeypatch))
 
     plain, overlapped = evaluate(1, 16), evaluate(1, 16, " --moe-a2a-overlap")
     assert plain["breakdown"]["ep_comm_s"] > 0 and overlapped["layout"]["moe_a2a_overlap"] is True
@@ -183,9 +183,14 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
     piped = evaluate(2, 8, " --moe-a2a-overlap")
     assert piped["layout"]["moe_a2a_overlap"] is False
     assert piped["breakdown"]["ep_comm_s"] == evaluate(2, 8)["breakdown"]["ep_comm_s"]
+    # Megatron-Core refuses the overlap beside full recomputation: predicted without it
+    full = evaluate(1, 16, " --moe-a2a-overlap", rc="full")
+    assert full["layout"]["moe_a2a_overlap"] is False
+    assert full["breakdown"]["ep_comm_s"] == evaluate(1, 16, rc="full")["breakdown"]["ep_comm_s"]
     path = tmp_path / "plan.yaml"
     run_here(f"plan --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --fix pp=1,ep=8 "
              f"--moe-a2a-overlap --out {path}", capsys, monkeypatch)
+    assert all(r != "full" for stage in Plan.load(path).stages for r in stage.recompute)   # the search keeps the pair
     exported = run(f"export {path} --to megatron").stdout
     assert "--overlap-moe-expert-parallel-comm" in exported and "--delay-wgrad-compute" in exported
     assert {token for token in exported.split() if token.startswith("--")} <= MEGATRON_ARGS

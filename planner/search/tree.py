@@ -246,12 +246,17 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         layout = node.layout(problem)
         # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
         cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
-        key = model_key(costs, allowed)
+        # where the stack hides MoE all-to-alls for this layout, no layer may recompute fully (Megatron-Core
+        # refuses the pair), so the partition does not choose it and the costs' overlap stays true
+        methods = tuple(r for r in allowed if r is not Recompute.full) if stack.hides_moe_a2a(layout) else allowed
+        if not methods:
+            continue
+        key = model_key(costs, methods)
         result = solved_models.answer(key, cutoff)
         if result is None:
             # the leaf's work limit (not the wall clock) decides when it stops unproven, so that a complete
             # search gives the same plan on a busy machine; the wall limit only guards the whole search
-            result = solve_partition(costs, allowed, time_limit_s=remaining, cutoff_s=cutoff,
+            result = solve_partition(costs, methods, time_limit_s=remaining, cutoff_s=cutoff,
                                      work_limit=leaf_work_limit)
             solved_models.record(key, cutoff, result)
             solved += 1
