@@ -26,6 +26,8 @@ from cost_models.layout import Layout, Recompute  # noqa: E402
 from cost_models.reliability import Recovery  # noqa: E402
 from cost_models.layout_codec import layout_from, parse_text, text_of  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
+from hardware_profiles.loader import load_stack  # noqa: E402
+from hardware_profiles.stack import RUNTIME_STACK  # noqa: E402
 from planner.capture.model_capture import capture  # noqa: E402
 from planner.capture.model_sources import ModelConfig, resolve_model  # noqa: E402
 from planner.plans import Plan  # noqa: E402
@@ -148,6 +150,13 @@ def run_layout(args, graph) -> Layout:
     if "dp" not in values:   # the data-parallel degree fills the ranks the other degrees leave
         others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
         values["dp"] = max(1, dist.get_world_size() // others)
+    if "zero" not in values:   # the layout's default stage where this runtime runs it, else the lowest it runs
+        stages = load_stack(RUNTIME_STACK).zero_stages_for(values["dp"], values.get("tp", 1), values.get("ep", 1))
+        if Layout.zero not in stages:
+            values["zero"] = min(stages)
+            if dist.get_rank() == 0:
+                print(f"note: --layout states no zero: ZeRO-{values['zero']}, the lowest this runtime runs with "
+                      f"dp={values['dp']} beside tensor or expert parallelism", file=sys.stderr, flush=True)
     return layout_from(values, global_batch=args.global_batch)
 
 

@@ -33,6 +33,9 @@ class SoftwareStack(Strict):
     parallelism: tuple[Axis, ...] = Field(strict=False)   # model-parallel axes beside data parallelism
     # ZeRO stages: 0 = replicated, 1 = optimizer sharded, 2 = also gradients, 3 = also weights
     zero_stages: tuple[int, ...] = Field(min_length=1, strict=False)
+    # the stages it runs where data-parallel ranks also hold tensor- or expert-parallel shards (none: every
+    # one of zero_stages); this project's runtime shards them with FSDP2 there, ZeRO-2/3 only
+    zero_stages_beside_model_parallel: tuple[int, ...] | None = Field(default=None, min_length=1, strict=False)
     interleaved_schedule: bool               # virtual pipeline stages (interleaved 1F1B)
     sequence_parallel: bool                  # Megatron sequence parallelism beside TP
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
@@ -74,11 +77,20 @@ class SoftwareStack(Strict):
             raise ValueError(f"zero_stages {list(self.zero_stages)}: stages are 0 to 3")
         if len(set(self.zero_stages)) != len(self.zero_stages) or len(set(self.parallelism)) != len(self.parallelism):
             raise ValueError("zero_stages and parallelism list each entry once")
+        if not set(self.zero_stages_beside_model_parallel or ()) <= set(self.zero_stages):
+            raise ValueError(f"zero_stages_beside_model_parallel {list(self.zero_stages_beside_model_parallel)}: "
+                             f"each must be one of zero_stages {list(self.zero_stages)}")
         if self.sequence_parallel and "tp" not in self.parallelism:
             raise ValueError("sequence_parallel needs tp in parallelism")
         if self.interleaved_schedule and "pp" not in self.parallelism:
             raise ValueError("interleaved_schedule needs pp in parallelism")
         return self
+
+    def zero_stages_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
+        """The ZeRO stages it runs for these degrees."""
+        if dp > 1 and (tp > 1 or ep > 1) and self.zero_stages_beside_model_parallel is not None:
+            return tuple(z for z in self.zero_stages if z in self.zero_stages_beside_model_parallel)
+        return self.zero_stages
 
     def hides_moe_a2a(self, layout) -> bool:
         """MoE A2A overlap applies: the stack has it, experts spread, a schedule Megatron can pair, and no layer

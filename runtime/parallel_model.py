@@ -112,12 +112,10 @@ class ParallelModel:
             wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts),
                                     pipelined=dims.pp > 1,
                                     mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))
+        # ZeRO-0/1 beside tp or ep with dp > 1 never gets here: the stack's zero_stages_beside_model_parallel
+        # refuses it before step 1 (the composable replicate takes no DTensor), and the planner never plans it
         sharded = uses_fsdp(self._dp_mesh().size(), dims.zero, dims.tp > 1, bool(self.expert_params))
         self.replicated = not sharded   # every data-parallel rank holds the same parameters
-        if sharded and dims.zero < 2:   # said, never silent: the composable replicate takes no DTensors here
-            self.notes.append(f"ZeRO-{dims.zero} beside {'tensor' if dims.tp > 1 else 'expert'} parallelism runs "
-                              "as FSDP2 (parameters, gradients and optimizer state sharded over the data-parallel "
-                              "ranks): the same training, with more sharding and other collectives than planned")
         self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
         return wrapped
 

@@ -129,6 +129,7 @@ class _Problem:
     precision: str
     graph: object
     zeros: tuple[int, ...]
+    stack: SoftwareStack
 
 
 class _Tree:
@@ -153,13 +154,20 @@ class _Tree:
     def children(self, node: _Node) -> list[_Node]:
         if node.placement is None:
             return [replace(node, placement=placement) for placement in self.placements(node.shape)]
-        return [replace(node, zero=zero) for zero in self.problem.zeros]
+        return [replace(node, zero=zero) for zero in self.zeros(node)]
+
+    def zeros(self, node: _Node) -> tuple[int, ...]:
+        """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
+        _, ep, _ = node.placement
+        runs = self.problem.stack.zero_stages_for(node.shape.dp, node.shape.tp, ep)
+        return tuple(zero for zero in self.problem.zeros if zero in runs)
 
     def leaf_count(self, node: _Node) -> int:
         if node.zero is not None:
             return 1
-        per_placement = len(self.problem.zeros)
-        return per_placement if node.placement is not None else per_placement * len(self.placements(node.shape))
+        if node.placement is not None:
+            return len(self.zeros(node))
+        return sum(len(self.zeros(replace(node, placement=placement))) for placement in self.placements(node.shape))
 
     def leaves(self, node: _Node):
         if node.zero is not None:
@@ -177,7 +185,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     start, cpu_start = time.perf_counter(), time.process_time()
     stack = stack or load_stack()   # Megatron-Core's defaults (the API always names its stack)
     allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
-    problem = _Problem(cluster, global_batch, pins, precision, graph, zero_choices(pins))
+    problem = _Problem(cluster, global_batch, pins, precision, graph, zero_choices(pins), stack)
     tree = _Tree(problem)
     capacity = usable_bytes(cluster.device)
     bounds = Bounds(model, cluster, stack, allowed)
