@@ -176,7 +176,7 @@ def test_the_launchers_sigterm_names_the_rank_that_stopped():
     import selectors
     import time
 
-    from test_runtime import ENV, ROOT, SCRIPT, descendants, free_port
+    from test_runtime import ENV, ROOT, SCRIPT, end_launch, free_port
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
                "dp=2", "--collective-timeout", "120", "--inject", "stop@2:1"]
@@ -197,12 +197,7 @@ def test_the_launchers_sigterm_names_the_rank_that_stopped():
                 elif key.data == "err" and line.startswith("health:"):
                     health = line
     finally:   # the stopped rank cannot end by itself
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.communicate()
+        end_launch(proc)
     assert health is not None and terminated_at is not None, "no health: line within 120 s"
     assert "terminated by the launcher (SIGTERM) at step 2" in health
     assert "rank 1 did not reach step 2 (stopped or dead)" in health

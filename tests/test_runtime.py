@@ -7,6 +7,7 @@ to the learning rate's scale; a wrong reduction is off by tens of percent).
 """
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -316,12 +317,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def end_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and every process below it (torchrun starts ranks in sessions of their own, and a
+    stopped rank cannot end by itself), then collect its output."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+
+
 def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout():
     """Rank 1 stops itself (SIGSTOP) at step 2; with a 5 s collective timeout rank 0 fails its collective and
     says, in one line starting with 'health:', that rank 1 never reached step 2 (torch's default would hang
     for 30 minutes)."""
     import selectors
-    import signal
     import time
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
@@ -338,12 +349,7 @@ def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout():
                 line = proc.stderr.readline()
                 health = line if line.startswith("health:") else None
     finally:   # the stopped rank cannot end by itself, and torchrun starts ranks in sessions of their own
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.communicate()
+        end_launch(proc)
     assert health is not None, "no health: line within 120 s"
     assert "rank 1 did not reach step 2" in health and "5 s collective timeout" in health
     assert time.time() - started < 60
