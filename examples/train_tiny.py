@@ -38,7 +38,7 @@ from runtime import faults  # noqa: E402
 from runtime.checkpointing import Cadence, Checkpointer  # noqa: E402
 from runtime.telemetry import TelemetryHeader, TelemetryWriter  # noqa: E402
 from runtime.health import HealthPolicy, HealthStop, Rollback  # noqa: E402
-from runtime.watchdog import Watchdog  # noqa: E402
+from runtime.watchdog import Watchdog, enable_flight_recorder  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -83,6 +83,8 @@ def parse_args(argv=None):
     parser.add_argument("--collective-timeout", type=float, default=Recovery.collective_timeout_s,
                         help="seconds a collective may wait for a peer before the job fails naming the ranks "
                              "that stopped (torch's default is 30 minutes)")
+    parser.add_argument("--flight-record-dir", default=None, help="where a rank that loses a peer writes torch's "
+                        "flight record of its last collectives (default: --checkpoint-dir, else the temp directory)")
     parser.add_argument("--inject", default=None, help="KIND@STEP[:RANK], KIND one of stop, kill, nan, spike, bitflip, slow "
                         "(runtime/faults.py): a fault the health checks or the watchdog must name")
     parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
@@ -111,6 +113,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> None:
     if "RANK" in os.environ:
+        enable_flight_recorder()   # each rank's last collectives, written when a peer is lost (watchdog)
         if device_type == "npu":
             import torch_npu  # noqa: F401  (registers the npu device and hccl)
         if device_type != "cpu":
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
         args.device_type = device_type_of(Plan.load(args.plan)) if args.plan else "cpu"
     init_distributed(args.device_type, args.collective_timeout)
     rank = dist.get_rank()
-    watchdog = Watchdog(args.collective_timeout)
+    watchdog = Watchdog(args.collective_timeout, args.flight_record_dir or args.checkpoint_dir)
     watchdog.report_on_termination()
     worst = 0
     for case, case_args in cases_of(args):

@@ -15,29 +15,45 @@ end in one line starting with `health:` that names the ranks behind:
 
 A rank that dies inside a step (after recording it) is behind no one; the survivors then say that no rank
 was behind, and torchrun's own error report names the worker and its exit signal.
+
+Either way the rank also writes torch's flight record (its last collectives per process group, with their
+sequence numbers and state) and names the file in the line, so that the collective each rank was stuck in
+can be compared afterwards (`torch.distributed.flight_recorder`'s analyser reads it). NCCL records every
+group; gloo in torch 2.13 records the default group's collectives only (a DeviceMesh's split groups are
+not), so on CPU the record shows start-up, not the step.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
 PROGRESS = "planner/progress/{rank}"
+FLIGHT_RECORDER_ENTRIES = 2000      # collectives each rank remembers (torch's default is 0: off)
 STORE_READ = timedelta(seconds=2)   # reading a dead peer's progress may not wait for the peer
 SETTLE_S = 1.0                      # live ranks run on this long after a SIGTERM, into the blocked collective
 TERMINATED_EXIT = 128 + signal.SIGTERM
 
 
+def enable_flight_recorder(entries: int = FLIGHT_RECORDER_ENTRIES) -> None:
+    """Before init_process_group: torch's flight recorder on, unless the user sized it already."""
+    if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(entries)
+
+
 class Watchdog:
     """Step progress of every rank in the default group's store, and one report when the job is lost."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, record_dir: str | None = None):
         self.timeout_s = timeout_s
+        self.record_dir = Path(record_dir or tempfile.gettempdir())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store()
         self.step = 0
@@ -69,8 +85,19 @@ class Watchdog:
     def fail(self, step: int, error: BaseException) -> None:
         """Say which ranks were lost and end this process (a group with a peer gone cannot be torn down)."""
         with self._reporting:
-            print(self.report(step, error), file=sys.stderr, flush=True)
+            print(self.report(step, error) + self.flight_record(), file=sys.stderr, flush=True)
             os._exit(3)
+
+    def flight_record(self) -> str:
+        """Write this rank's flight record (JSON) and say where, or why there is none."""
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+        path = self.record_dir / f"flight-record-rank{self.rank}.json"
+        try:
+            self.record_dir.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(_dump_fr_trace_json(True, False))
+        except (OSError, RuntimeError) as exc:
+            return f"; no flight record ({exc})"
+        return f"; flight record: {path}"
 
     # -- the launcher's SIGTERM ---------------------------------------------------------------------
     def report_termination(self) -> str:
@@ -98,7 +125,7 @@ class Watchdog:
                 pass
             time.sleep(SETTLE_S)
             with self._reporting:
-                print(self.report_termination(), file=sys.stderr, flush=True)
+                print(self.report_termination() + self.flight_record(), file=sys.stderr, flush=True)
                 os._exit(TERMINATED_EXIT)
         threading.Thread(target=on_signal, name="planner-sigterm", daemon=True).start()
 

@@ -328,7 +328,7 @@ def end_launch(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
-def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout():
+def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout(tmp_path):
     """Rank 1 stops itself (SIGSTOP) at step 2; with a 5 s collective timeout rank 0 fails its collective and
     says, in one line starting with 'health:', that rank 1 never reached step 2 (torch's default would hang
     for 30 minutes)."""
@@ -336,7 +336,7 @@ def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout():
     import time
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
-               "dp=2", "--collective-timeout", "5", "--inject", "stop@2:1"]
+               "dp=2", "--collective-timeout", "5", "--inject", "stop@2:1", "--flight-record-dir", str(tmp_path)]
     started = time.time()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
                             start_new_session=True)
@@ -353,3 +353,9 @@ def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout():
     assert health is not None, "no health: line within 120 s"
     assert "rank 1 did not reach step 2" in health and "5 s collective timeout" in health
     assert time.time() - started < 60
+    # torch's flight record of rank 0, as its analyser reads it: the collectives it issued, by group and
+    # sequence number (gloo in torch 2.13 records the default group's only: here the start-up broadcasts)
+    record = json.loads(Path(health.rsplit("; flight record: ", 1)[1].strip()).read_text())
+    assert {"entries", "pg_status", "pg_config", "version"} <= set(record)
+    assert record["entries"] and all(e["profiling_name"].startswith("gloo:") for e in record["entries"])
+    assert [e["collective_seq_id"] for e in record["entries"]] == list(range(1, len(record["entries"]) + 1))
