@@ -21,8 +21,9 @@ SCRIPT = str(ROOT / "examples" / "train_tiny.py")
 USER_MODEL = "examples/user_gpt.py:build_separate_qkv"
 SQUARE_HEADS = "tests/models/tiny-square-heads.yaml"   # head width 8 = head count 8
 # transformers' own classes, tiny configs (tests/models/hf_tiny.py), captured by recording
-HF_LLAMA, HF_QWEN3, HF_GPT2 = (f"tests/models/hf_tiny.py:{name}" for name in ("llama_logits", "qwen3_logits",
-                                                                             "gpt2_logits"))
+HF_LLAMA, HF_QWEN3, HF_GPT2, HF_MIXTRAL, HF_QWEN3_MOE = (
+    f"tests/models/hf_tiny.py:{name}" for name in ("llama_logits", "qwen3_logits", "gpt2_logits", "mixtral_logits",
+                                                    "qwen3_moe_logits"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -80,7 +81,8 @@ def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple
     return {name: (values, directory / name) for name, values in by_case.items()}
 
 
-REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS, HF_LLAMA, HF_QWEN3, HF_GPT2)
+REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HEADS, HF_LLAMA, HF_QWEN3, HF_GPT2,
+                    HF_MIXTRAL, HF_QWEN3_MOE)
 
 
 CLIPPED = {"max_grad_norm": 0.05, "steps": 3}   # a norm the gradients exceed: every step is clipped
@@ -153,6 +155,9 @@ CASES = [
     ("hf-llama-tp2", 2, "tp=2,sp=false,mbs=4", HF_LLAMA),
     ("hf-qwen3-tp2", 2, "tp=2,sp=false,mbs=4", HF_QWEN3),
     ("hf-gpt2-dp2", 2, "dp=2,zero=3,mbs=2", HF_GPT2),
+    # transformers' MoE classes (fused expert weights, top-2 routing) under data parallelism
+    ("hf-mixtral-dp2", 2, "dp=2,zero=1,mbs=2", HF_MIXTRAL),
+    ("hf-qwen3-moe-dp2-zero3", 2, "dp=2,zero=3,mbs=2", HF_QWEN3_MOE),
 ]
 
 

@@ -37,3 +37,21 @@ def qwen3_logits():
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                                       max_position_embeddings=64, tie_word_embeddings=False)
     return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+def mixtral_logits():
+    """Mixtral: 4 experts, top-2 routing (transformers' fused MixtralExperts), grouped-query attention."""
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                        tie_word_embeddings=False)
+    return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+def qwen3_moe_logits():
+    """Qwen3-MoE: 4 experts, top-2, per-head q/k norms."""
+    config = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=64, tie_word_embeddings=False)
+    return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
