@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hardware_profiles.schema import Cluster
-from hardware_profiles.topology import MeshDim, place_mesh
+from hardware_profiles.topology import MeshDim, place_dims_together, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
 from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
@@ -90,9 +90,10 @@ class MeshCosts:
 
     def _place(self):
         lay = self.layout
-        attention = place_mesh(tuple(MeshDim(name, size) for name, size in lay.mesh_dims()), self.cluster)
-        dp_cp = place_mesh(self._folded_dims({"tp": [("tp", lay.tp)], "pp": [("pp", lay.pp)]},
-                                             [("dpcp", lay.dp * lay.cp)]), self.cluster).of("dpcp")
+        dims = tuple(MeshDim(name, size) for name, size in lay.mesh_dims())
+        attention = place_mesh(dims, self.cluster)
+        # gradients are reduced over dp x cp: those ranks sit where the order puts dp and cp, apart or not
+        dp_cp = place_dims_together("dpcp", ("dp", "cp"), dims, self.cluster)
         experts = place_mesh(self._folded_dims({"tp": [("etp", lay.etp)], "pp": [("pp", lay.pp)]},
                                                [("ep", lay.ep), ("edp", lay.expert_data_parallel)]), self.cluster)
         return attention, dp_cp, experts

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .schema import Cluster, FabricKind
 
 
@@ -45,18 +47,24 @@ class MeshPlacement:
         raise KeyError(f"mesh has no dim '{dim}' (dims: {[d.name for d in self.dims]})")
 
 
-def _max_members_per_block(size: int, stride: int, block: int) -> int:
-    """Members i * stride (i < size) sharing one block of `block` consecutive ranks."""
-    if stride >= block:
-        return 1
-    return min(size, -(-block // stride))
-
-
 def place_group(dim: str, size: int, stride: int, cluster: Cluster) -> GroupPlacement:
     """Placement of the group that holds rank 0 along a dim with this stride; all groups are alike."""
+    return place_factors(dim, ((size, stride),), cluster)
+
+
+def place_factors(dim: str, factors: tuple[tuple[int, int], ...], cluster: Cluster) -> GroupPlacement:
+    """Placement of the group that holds rank 0 and spans one or more mesh dims at once, each a (size,
+    stride) factor: its ranks are enumerated and counted per scale-up domain and node (exact where a
+    domain is not a power of two, as GB200 NVL72's 72, and where the dims lie apart in the mesh order)."""
     per_node = cluster.devices_per_node
-    k_domain = _max_members_per_block(size, stride, cluster.placement_domain_devices)
-    k_node = _max_members_per_block(size, stride, per_node)
+    ranks = np.zeros(1, dtype=np.int64)
+    for count, stride in factors:
+        ranks = np.add.outer(ranks, np.arange(count, dtype=np.int64) * stride).ravel()
+    size = int(ranks.size)
+    domain_of = ranks // cluster.placement_domain_devices
+    k_domain = int(np.bincount(domain_of).max())
+    k_node = int(np.bincount(ranks // per_node).max())
+    domains = int(np.unique(domain_of).size)
     fabric = cluster.device.intra_node
     physical_domain = cluster.fast_domain_devices
     if fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh) and physical_domain > 1:
@@ -66,11 +74,23 @@ def place_group(dim: str, size: int, stride: int, cluster: Cluster) -> GroupPlac
         share = 1.0
     # every device of a node belongs to one group of this dim; the node's NICs are shared by all of them
     nic_share = cluster.inter_node.nics_per_node / per_node
-    extent = (size - 1) * stride + 1
+    extent = int(ranks.max()) + 1
     pod = cluster.inter_node.pod_size_devices
-    return GroupPlacement(dim=dim, size=size, ranks_per_domain=k_domain, domains=size // k_domain,
+    return GroupPlacement(dim=dim, size=size, ranks_per_domain=k_domain, domains=domains,
                           ranks_per_node=k_node, intra_bandwidth_share=share,
                           nic_share_per_rank=min(1.0, nic_share), spans_pods=bool(pod and extent > pod))
+
+
+def place_dims_together(name: str, members: tuple[str, ...], dims: tuple[MeshDim, ...], cluster: Cluster
+                        ) -> GroupPlacement:
+    """The group of the ranks that differ only along `members` of an ordered mesh (innermost first): the
+    data-parallel x context-parallel gradient group, wherever the layout's order puts dp and cp."""
+    factors, stride = [], 1
+    for dim in dims:
+        if dim.name in members:
+            factors.append((dim.size, stride))
+        stride *= dim.size
+    return place_factors(name, tuple(factors), cluster)
 
 
 def place_mesh(dims: tuple[MeshDim, ...], cluster: Cluster) -> MeshPlacement:
