@@ -6,6 +6,7 @@ the order tp-cp-ep-dp-pp a tp group is a run of consecutive ranks and sits insid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -57,14 +58,7 @@ def place_factors(dim: str, factors: tuple[tuple[int, int], ...], cluster: Clust
     stride) factor: its ranks are enumerated and counted per scale-up domain and node (exact where a
     domain is not a power of two, as GB200 NVL72's 72, and where the dims lie apart in the mesh order)."""
     per_node = cluster.devices_per_node
-    ranks = np.zeros(1, dtype=np.int64)
-    for count, stride in factors:
-        ranks = np.add.outer(ranks, np.arange(count, dtype=np.int64) * stride).ravel()
-    size = int(ranks.size)
-    domain_of = ranks // cluster.placement_domain_devices
-    k_domain = int(np.bincount(domain_of).max())
-    k_node = int(np.bincount(ranks // per_node).max())
-    domains = int(np.unique(domain_of).size)
+    size, k_domain, k_node, domains, extent = _count_ranks(factors, cluster.placement_domain_devices, per_node)
     fabric = cluster.device.intra_node
     physical_domain = cluster.fast_domain_devices
     if fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh) and physical_domain > 1:
@@ -74,11 +68,22 @@ def place_factors(dim: str, factors: tuple[tuple[int, int], ...], cluster: Clust
         share = 1.0
     # every device of a node belongs to one group of this dim; the node's NICs are shared by all of them
     nic_share = cluster.inter_node.nics_per_node / per_node
-    extent = int(ranks.max()) + 1
     pod = cluster.inter_node.pod_size_devices
     return GroupPlacement(dim=dim, size=size, ranks_per_domain=k_domain, domains=domains,
                           ranks_per_node=k_node, intra_bandwidth_share=share,
                           nic_share_per_rank=min(1.0, nic_share), spans_pods=bool(pod and extent > pod))
+
+
+@lru_cache(maxsize=65536)
+def _count_ranks(factors: tuple[tuple[int, int], ...], domain: int, node: int) -> tuple[int, int, int, int, int]:
+    """(size, most members in one domain, most in one node, domains touched, rank extent) of the group that
+    holds rank 0; a search asks for the same few thousand groups again and again."""
+    ranks = np.zeros(1, dtype=np.int64)
+    for count, stride in factors:
+        ranks = np.add.outer(ranks, np.arange(count, dtype=np.int64) * stride).ravel()
+    domain_of = ranks // domain
+    return (int(ranks.size), int(np.bincount(domain_of).max()), int(np.bincount(ranks // node).max()),
+            int(np.unique(domain_of).size), int(ranks.max()) + 1)
 
 
 def place_dims_together(name: str, members: tuple[str, ...], dims: tuple[MeshDim, ...], cluster: Cluster

@@ -139,6 +139,7 @@ class _Tree:
         self.problem = problem
         self.fast = problem.cluster.fast_domain_devices
         self._placements: dict[MeshShape, list] = {}
+        self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp, tp, ep) -> ZeRO stages
 
     def roots(self) -> list[_Node]:
         p = self.problem
@@ -158,16 +159,22 @@ class _Tree:
 
     def zeros(self, node: _Node) -> tuple[int, ...]:
         """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
-        _, ep, _ = node.placement
-        runs = self.problem.stack.zero_stages_for(node.shape.dp, node.shape.tp, ep)
-        return tuple(zero for zero in self.problem.zeros if zero in runs)
+        return self._zeros_for(node.shape.dp, node.shape.tp, node.placement[1])
+
+    def _zeros_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
+        key = (dp, tp, ep)
+        if key not in self._zeros:
+            runs = self.problem.stack.zero_stages_for(dp, tp, ep)
+            self._zeros[key] = tuple(zero for zero in self.problem.zeros if zero in runs)
+        return self._zeros[key]
 
     def leaf_count(self, node: _Node) -> int:
         if node.zero is not None:
             return 1
         if node.placement is not None:
             return len(self.zeros(node))
-        return sum(len(self.zeros(replace(node, placement=placement))) for placement in self.placements(node.shape))
+        s = node.shape
+        return sum(len(self._zeros_for(s.dp, s.tp, ep)) for _, ep, _ in self.placements(s))
 
     def leaves(self, node: _Node):
         if node.zero is not None:
