@@ -36,6 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 PROGRESS = "planner/progress/{rank}"
+FAILED = "planner/failed/{rank}"     # a live rank whose own collective failed: it is not the one lost
 FLIGHT_RECORDER_ENTRIES = 2000      # collectives each rank remembers (torch's default is 0: off)
 STORE_READ = timedelta(seconds=2)   # reading a dead peer's progress may not wait for the peer
 SETTLE_S = 1.0                      # live ranks run on this long after a SIGTERM, into the blocked collective
@@ -75,16 +76,38 @@ class Watchdog:
                 done[rank] = 0
         return done
 
+    def failing(self) -> set[int]:
+        """Ranks that said their own collective failed: alive, whatever step they were at."""
+        found = set()
+        for rank in range(self.world):
+            try:
+                if self.store.check([FAILED.format(rank=rank)]):
+                    found.add(rank)
+            except RuntimeError:
+                pass
+        return found
+
     def report(self, step: int, error: BaseException) -> str:
         """The line for a collective of `step` that failed on this rank."""
-        late = [rank for rank, done in self.progress().items() if done < step and rank != self.rank]
+        failing = self.failing() - {self.rank}
+        late = [rank for rank, done in self.progress().items()
+                if done < step and rank != self.rank and rank not in failing]
         cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        also = (f"; rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, sorted(failing)))} failed too"
+                if failing else "")
         return (f"health: rank {self.rank}: a collective of step {step} failed within the {self.timeout_s:g} s "
-                f"collective timeout; {_behind(late, step)}: {cause}")
+                f"collective timeout; {_behind(late, step)}{also}: {cause}")
 
     def fail(self, step: int, error: BaseException) -> None:
-        """Say which ranks were lost and end this process (a group with a peer gone cannot be torn down)."""
+        """Say which ranks were lost and end this process (a group with a peer gone cannot be torn down).
+        Every failing rank first marks itself, then waits a moment: the peers failing beside it are then
+        told apart from the ranks that stopped or died."""
         with self._reporting:
+            try:
+                self.store.set(FAILED.format(rank=self.rank), str(step))
+            except RuntimeError:
+                pass
+            time.sleep(SETTLE_S / 2)
             print(self.report(step, error) + self.flight_record(), file=sys.stderr, flush=True)
             os._exit(3)
 

@@ -204,6 +204,12 @@ def test_the_launchers_sigterm_names_the_rank_that_stopped():
     assert time.time() - terminated_at < 20   # not the 120 s timeout, nor torchrun's 30 s grace
 
 
+def named_behind(line: str) -> set[int]:
+    """The ranks a health line says did not reach a step ('rank 2 did not...', 'ranks 2, 3 did not...')."""
+    words = line.split(" did not reach step")[0].rsplit("; ", 1)[-1]
+    return {int(word) for word in words.replace("ranks ", "").replace("rank ", "").split(", ")}
+
+
 def agent(port: int, args: list[str], log: Path) -> subprocess.Popen:
     """One torchrun agent: a node of 2 ranks in a c10d rendezvous of 1 to 2 nodes on `port`."""
     from test_runtime import ENV, ROOT, SCRIPT
@@ -256,8 +262,9 @@ def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
                 proc.wait()
     assert second.returncode == -signal.SIGKILL   # the lost node's agent
     out, err = (tmp_path / "node0.out").read_text(), (tmp_path / "node0.err").read_text()
-    assert any(line.startswith("health:") and "rank 2 did not reach step 4" in line
-               for line in err.replace("health: ", "\nhealth: ").splitlines())
+    named = [named_behind(line) for line in err.replace("health: ", "\nhealth: ").splitlines()
+             if line.startswith("health:") and "did not reach step 4" in line]
+    assert named and all(2 in ranks and ranks <= {2, 3} for ranks in named), err   # the lost node's ranks only
     assert "note: replanned from 4 to 2 devices, global batch 8 kept" in err
     assert "resumed from step-000002 (restart 1)" in err
     trained = {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")}
