@@ -13,6 +13,7 @@ end in one line starting with `health:` that names the ranks behind:
   behind the most advanced one are named. Without this the launcher usually wins the race against the
   failing collective and the job ends saying nothing of who was lost.
 
+A live rank whose own collective failed marks itself first: it is named as failing too, not as lost.
 A rank that dies inside a step (after recording it) is behind no one; the survivors then say that no rank
 was behind, and torchrun's own error report names the worker and its exit signal.
 
