@@ -154,12 +154,14 @@ def run_layout(args, graph) -> Layout:
         others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
         values["dp"] = max(1, dist.get_world_size() // others)
     if "zero" not in values:   # the layout's default stage where this runtime runs it, else the lowest it runs
-        stages = load_stack(RUNTIME_STACK).zero_stages_for(values["dp"], values.get("tp", 1), values.get("ep", 1))
+        stages = load_stack(RUNTIME_STACK).zero_stages_for(values["dp"] * values.get("cp", 1), values.get("tp", 1),
+                                                           values.get("ep", 1))
         if Layout.zero not in stages:
             values["zero"] = min(stages)
             if dist.get_rank() == 0:
                 print(f"note: --layout states no zero: ZeRO-{values['zero']}, the lowest this runtime runs with "
-                      f"dp={values['dp']} beside tensor or expert parallelism", file=sys.stderr, flush=True)
+                      f"dp={values['dp']}, cp={values.get('cp', 1)} beside tensor or expert parallelism",
+                      file=sys.stderr, flush=True)
     return layout_from(values, global_batch=args.global_batch)
 
 

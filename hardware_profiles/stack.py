@@ -87,7 +87,7 @@ class SoftwareStack(Strict):
         return self
 
     def zero_stages_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
-        """The ZeRO stages it runs for these degrees."""
+        """The ZeRO stages it runs for these degrees (`dp`: the ranks gradients are reduced over, dp x cp)."""
         if dp > 1 and (tp > 1 or ep > 1) and self.zero_stages_beside_model_parallel is not None:
             return tuple(z for z in self.zero_stages if z in self.zero_stages_beside_model_parallel)
         return self.zero_stages

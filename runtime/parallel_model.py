@@ -109,12 +109,12 @@ class ParallelModel:
             experts = apply_ep(module, graph, self.ep_mesh, self.expert_mesh) if dims.ep > 1 else []
             self.expert_params += experts
             apply_ac(module, graph, recompute)
-            wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, dims.tp > 1, set(experts),
+            wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, set(experts),
                                     pipelined=dims.pp > 1,
                                     mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))
         # ZeRO-0/1 beside tp or ep with dp > 1 never gets here: the stack's zero_stages_beside_model_parallel
         # refuses it before step 1 (the composable replicate takes no DTensor), and the planner never plans it
-        sharded = uses_fsdp(self._dp_mesh().size(), dims.zero, dims.tp > 1, bool(self.expert_params))
+        sharded = uses_fsdp(dims.zero)
         self.replicated = not sharded   # every data-parallel rank holds the same parameters
         self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
         return wrapped

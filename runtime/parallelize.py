@@ -134,21 +134,23 @@ def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, .
             checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_attention_only))
 
 
-def uses_fsdp(dp_size: int, zero: int, has_tp: bool, has_experts: bool) -> bool:
-    """Whether `apply_dp` shards with FSDP2 (which then also applies the mixed-precision policy)."""
-    return zero >= 2 or (dp_size > 1 and (has_tp or has_experts))
+def uses_fsdp(zero: int) -> bool:
+    """Whether `apply_dp` shards with FSDP2 (which then also applies the mixed-precision policy). ZeRO-0/1
+    beside tensor or expert parallelism with dp > 1 is refused before this (the stack's
+    zero_stages_beside_model_parallel): the composable replicate takes no DTensor."""
+    return zero >= 2
 
 
-def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int, has_tp: bool,
+def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int,
              ignored: set[nn.Parameter], pipelined: bool = False, mp_policy=None) -> nn.Module:
     """ZeRO 0: replicate (DDP); 1: replicate + sharded optimizer (see ParallelModel); 2 and 3: FSDP2
-    without and with resharding after forward. With tensor parallelism FSDP2 is the data-parallel path.
+    without and with resharding after forward.
     A pipeline stage under ZeRO 0/1 is wrapped in DistributedDataParallel, whose reduction torch's
     pipeline stages hold back until the last micro-batch's backward: the composable replicate cannot be
     told so and reduced wrong gradients with several forwards in flight (1F1B). Returns the module to run."""
-    if not uses_fsdp(dp_mesh.size(), zero, has_tp, bool(ignored)) and dp_mesh.size() == 1:
+    if not uses_fsdp(zero) and dp_mesh.size() == 1:
         return module
-    if uses_fsdp(dp_mesh.size(), zero, has_tp, bool(ignored)):
+    if uses_fsdp(zero):
         reshard = zero >= 3
         present = _present(module)
         options = dict(mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)

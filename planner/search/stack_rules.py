@@ -53,12 +53,11 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
         problems.append(f"etp={pins.etp}: the {name} stack has no expert parallelism")
     if pins.zero is not None and pins.zero not in stack.zero_stages:
         problems.append(f"zero={pins.zero}: the {name} stack runs ZeRO stages {list(stack.zero_stages)}")
-    elif pins.zero is not None and pins.dp is not None:
-        stages = stack.zero_stages_for(pins.dp, pins.tp or 1, pins.ep or 1)
+    elif pins.zero is not None and pins.dp is not None:   # the gradient group is dp x cp
+        stages = stack.zero_stages_for(pins.dp * (pins.cp or 1), pins.tp or 1, pins.ep or 1)
         if pins.zero not in stages:
             problems.append(f"zero={pins.zero} with dp={pins.dp} beside tensor or expert parallelism: the {name} "
-                            f"stack runs ZeRO stages {list(stages)} there (its data-parallel state is sharded "
-                            "with FSDP2)")
+                            f"stack runs ZeRO stages {list(stages)} there")
     if pins.vp and pins.vp > 1 and not stack.interleaved_schedule:
         problems.append(f"vp={pins.vp}: the {name} stack has no interleaved pipeline schedule")
     if pins.sp and not stack.sequence_parallel:

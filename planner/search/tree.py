@@ -139,7 +139,7 @@ class _Tree:
         self.problem = problem
         self.fast = problem.cluster.fast_domain_devices
         self._placements: dict[MeshShape, list] = {}
-        self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp, tp, ep) -> ZeRO stages
+        self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
 
     def roots(self) -> list[_Node]:
         p = self.problem
@@ -159,7 +159,7 @@ class _Tree:
 
     def zeros(self, node: _Node) -> tuple[int, ...]:
         """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
-        return self._zeros_for(node.shape.dp, node.shape.tp, node.placement[1])
+        return self._zeros_for(node.shape.dp * node.shape.cp, node.shape.tp, node.placement[1])
 
     def _zeros_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
         key = (dp, tp, ep)
@@ -174,7 +174,7 @@ class _Tree:
         if node.placement is not None:
             return len(self.zeros(node))
         s = node.shape
-        return sum(len(self._zeros_for(s.dp, s.tp, ep)) for _, ep, _ in self.placements(s))
+        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, ep)) for _, ep, _ in self.placements(s))
 
     def leaves(self, node: _Node):
         if node.zero is not None:
