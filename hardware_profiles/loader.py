@@ -100,7 +100,20 @@ def parse_device(data: dict, source: str) -> Device:
 
 def load_device(name_or_path: str) -> Device:
     path = _resolve(name_or_path, DEVICE_DIR, list_devices(), "device")
-    return parse_device(read_yaml_mapping(path), str(path))
+    device = parse_device(read_yaml_mapping(path), str(path))
+    device._profile = _profile_name(path, DEVICE_DIR)
+    return device
+
+
+def _profile_name(path: Path, builtin_dir: Path) -> str:
+    """A profile as any process can load it again: its built-in name, else its file's absolute path."""
+    resolved = path.resolve()
+    return resolved.stem if resolved.parent == builtin_dir else str(resolved)
+
+
+def device_profile_path(name_or_path: str) -> Path:
+    """The YAML file of a device profile given by built-in name or path."""
+    return _resolve(name_or_path, DEVICE_DIR, list_devices(), "device")
 
 
 def _device_reference(device_ref: str, cluster_file: Path | None) -> str:
@@ -132,7 +145,9 @@ def parse_cluster(data: dict, source: str, cluster_file: Path | None = None) -> 
 
 def load_cluster(name_or_path: str) -> Cluster:
     path = _resolve(name_or_path, CLUSTER_DIR, list_clusters(), "cluster")
-    return parse_cluster(read_yaml_mapping(path), str(path), path)
+    cluster = parse_cluster(read_yaml_mapping(path), str(path), path)
+    cluster._profile = _profile_name(path, CLUSTER_DIR)
+    return cluster
 
 
 def default_cluster_for(device: Device) -> Cluster | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 
@@ -89,6 +89,13 @@ class Device(Strict):
     collective_backend: Literal["nccl", "hccl", "rccl", "gloo"]
     torch_device_type: Literal["cuda", "npu", "cpu"]
     memory_reserve: MemoryReserve
+    # where the profile was loaded from, so that a plan can name it to another process: a built-in name,
+    # an absolute path, or "" for one built in memory (set by the loader, never read from YAML)
+    _profile: str = PrivateAttr(default="")
+
+    @property
+    def profile(self) -> str:
+        return self._profile
 
     def peak_flops(self, precision: Precision) -> float:
         """Dense peak in FLOP/s for a precision; raises if the device lacks it."""
@@ -144,6 +151,11 @@ class Cluster(Strict):
     inter_node: InterNodeNetwork
     storage: Storage
     reliability: Reliability
+    _profile: str = PrivateAttr(default="")   # as Device._profile; "" for a cluster made from --device
+
+    @property
+    def profile(self) -> str:
+        return self._profile
 
     @property
     def num_devices(self) -> int:

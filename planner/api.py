@@ -85,7 +85,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, stack=stack.name, num_devices=cluster.num_devices,
-        devices_per_node=cluster.devices_per_node,
+        devices_per_node=cluster.devices_per_node, cluster_profile=cluster.profile,
+        device_profile=cluster.device.profile,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
         layout=LayoutRecord.of(best.layout, best.layer_recompute, stack),
         stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
@@ -319,21 +320,24 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
 
 
 def plan_device(plan_: Plan) -> str:
-    """The device a plan's cluster is made of (a built-in cluster, or '<device>-x<count>')."""
+    """The device profile a plan was made on (a built-in name or a file's path), for another process to load."""
     from hardware_profiles.loader import list_clusters, list_devices
-    if plan_.cluster in list_clusters():
+    if plan_.device_profile:
+        return plan_.device_profile
+    if plan_.cluster in list_clusters():   # plans written before profiles were kept
         return load_cluster(plan_.cluster).device.name
     device = plan_.cluster.rsplit("-x", 1)[0]
     if device not in list_devices():
-        raise UserInputError(f"cannot tell the device of cluster '{plan_.cluster}'", field="cluster",
-                             expected="a plan made on a built-in cluster or with --device")
+        raise UserInputError(f"cannot tell the device of cluster '{plan_.cluster}'", field="device_profile",
+                             expected="a plan that names its device profile (plans written by this version do)")
     return device
 
 
 def plan_cluster(plan_: Plan) -> Cluster:
-    """The cluster a plan was made for: its built-in profile, or its device's at the plan's size."""
+    """The cluster a plan was made for, at the plan's device count: its profile, or its device's."""
     from hardware_profiles.loader import list_clusters
-    if plan_.cluster in list_clusters():
-        return load_cluster(plan_.cluster)
+    profile = plan_.cluster_profile or (plan_.cluster if plan_.cluster in list_clusters() else "")
+    if profile:
+        return resolve_cluster(profile, None, plan_.num_devices)
     return resolve_cluster(None, plan_device(plan_), plan_.num_devices, plan_.devices_per_node)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from hardware_profiles.errors import UserInputError
-from hardware_profiles.loader import DEVICE_DIR, list_devices, load_device, read_yaml_mapping
+from hardware_profiles.loader import device_profile_path, load_device, read_yaml_mapping
 
 MEASURED_PARTS = ("step_s", "forward_backward_s", "checks_s", "optimizer_s", "checkpoint_blocking_s")
 COMPUTE_PARTS = ("compute_s", "recompute_s")
@@ -156,7 +156,7 @@ def _compute_refit(header: dict, device, earlier: list[Refit], speedup: float, m
     """The GEMM rate at which the job's plan, re-predicted with the earlier refits, takes the measured compute."""
     def at(scale: float) -> list[Refit]:
         return _fraction_then_peak("gemm.sustained_fraction", device.gemm.sustained_fraction, "peak_tflops", scale)
-    plan = _plan_of(header) if header["device"] in list_devices() else None
+    plan = _plan_of(header)
     try:
         if plan is not None:
             for _ in range(REFIT_ROUNDS):
@@ -168,7 +168,7 @@ def _compute_refit(header: dict, device, earlier: list[Refit], speedup: float, m
             notes.append(f"compute refit did not settle within {REFIT_ROUNDS} rounds (the plan's memory-bound ops "
                          "alone take about the measured compute): the last round is written")
             return tuple(at(speedup))
-        why = "the telemetry carries no plan on a built-in device"
+        why = "the telemetry carries no plan"
     except UserInputError as exc:   # the model cannot be captured here (moved, or not importable)
         why = f"the plan could not be predicted again: {str(exc).splitlines()[0]}"
     notes.append(f"compute refitted by one ratio ({why}): the memory-bound share of compute is scaled with "
@@ -197,7 +197,7 @@ def _predicted_compute(plan, header: dict, refits: list[Refit]) -> float:
     from .api import evaluate
     device = header["device"]
     with tempfile.TemporaryDirectory() as scratch:
-        profile = Path(scratch) / f"{device}.yaml"
+        profile = Path(scratch) / f"{Path(device).stem}.yaml"
         profile.write_text(yaml.safe_dump(_refitted_profile(device, refits), sort_keys=False))
         again = evaluate(header.get("model_source") or plan.model, device=str(profile), num_devices=plan.num_devices,
                          devices_per_node=plan.devices_per_node, layout=plan.to_layout(),
@@ -215,8 +215,8 @@ def _fraction_then_peak(fraction: str, old: float, peak: str, speedup: float) ->
 
 
 def _refitted_profile(device: str, refits) -> dict:
-    """The built-in device profile's YAML data with the refits applied."""
-    data = read_yaml_mapping(DEVICE_DIR / f"{device}.yaml")
+    """The job's device profile's YAML data (built-in or the user's file) with the refits applied."""
+    data = read_yaml_mapping(device_profile_path(device))
     for refit in refits:
         if refit.field == "peak_tflops x":
             data["peak_tflops"] = {dtype: value * refit.new for dtype, value in data["peak_tflops"].items()
@@ -233,9 +233,6 @@ def _refitted_profile(device: str, refits) -> dict:
 def write_device_profile(calibration: Calibration, out_path: str) -> Path:
     """The job's device profile with the refitted figures, checked by loading it back."""
     device = calibration.header["device"]
-    if device not in list_devices():
-        raise UserInputError(f"'{device}' is not a built-in device", field="device",
-                             expected="telemetry of a plan made on a built-in device profile")
     path = Path(out_path)
     path.write_text(f"# {device} refitted by 'planner calibrate --telemetry {calibration.directory}'\n"
                     + yaml.safe_dump(_refitted_profile(device, calibration.refits), sort_keys=False))

@@ -340,12 +340,8 @@ def _inner(module: nn.Module) -> nn.Module:
 
 def device_type_of(plan) -> str:
     """The torch device type the plan's cluster profile names (cuda for NVIDIA/AMD/Hygon, npu for Ascend)."""
-    from hardware_profiles.errors import UserInputError
-    from hardware_profiles.loader import load_cluster, load_device
-    try:
-        return load_cluster(plan.cluster).device.torch_device_type
-    except UserInputError:  # a cluster built on the command line: "<device>-x<count>"
-        return load_device(plan.cluster.rsplit("-x", 1)[0]).torch_device_type
+    from planner.api import plan_cluster
+    return plan_cluster(plan).device.torch_device_type
 
 
 def apply_plan(model: nn.Module, graph: ModelGraph, plan_or_layout, device_type: str | None = None,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hardware_profiles.errors import UserInputError
 from planner import api
@@ -24,15 +25,26 @@ def forward_backward(plan) -> float:
     return plan.step_time_s - plan.breakdown["optimizer_s"]
 
 
-def test_a_refitted_profile_predicts_a_held_out_run_better(tmp_path):
+def off_profile(tmp_path) -> Path:
+    """The CPU profile four times too slow (GEMM rate and memory bandwidth), as a user's own file: where a
+    profile starts is not what the refit depends on (the shipped CPU figures are nominal, and close on some days)."""
+    data = yaml.safe_load((ROOT / "hardware_profiles" / "devices" / "cpu.yaml").read_text())
+    data["peak_tflops"] = {dtype: value / 4 for dtype, value in data["peak_tflops"].items()}
+    data["hbm_bandwidth_gbytes_per_s"] /= 4
+    path = tmp_path / "cpu-off.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_refitted_profile_predicts_a_held_out_run(tmp_path):
     """A model whose CPU step is matrix work (a tiny one's is mostly per-op host time, which no FLOP rate
     describes), the held-out run accumulating two micro-batches of the fitted run's shape (a larger micro-batch
     leaves the CPU's caches: its time grows faster than its FLOPs, as no device profile says), both runs in
-    one launch, under the same load."""
+    one launch, under the same load. The plans are made on a user's profile file, which the refit starts from."""
+    device = str(off_profile(tmp_path))
     runs, cases = {}, []
     for batch in (8, 16):
-        plan = api.evaluate(MODEL, device="cpu", global_batch=batch, seq_len=SEQ, layout=LAYOUT,
-                            **CPU_PAIR)
+        plan = api.evaluate(MODEL, device=device, global_batch=batch, seq_len=SEQ, layout=LAYOUT, **CPU_PAIR)
         plan.save(tmp_path / f"plan{batch}.yaml")
         cases.append({"name": f"batch{batch}", "model": MODEL, "plan": str(tmp_path / f"plan{batch}.yaml"),
                       "telemetry": str(tmp_path / f"tel{batch}")})
@@ -42,6 +54,7 @@ def test_a_refitted_profile_predicts_a_held_out_run_better(tmp_path):
     lines = (tmp_path / "tel8" / "rank-1.jsonl").read_text().splitlines()
     header, records = json.loads(lines[0])["header"], [json.loads(line) for line in lines[1:]]
     assert header["predicted"]["compute_s"] == pytest.approx(runs[8].breakdown["compute_s"])
+    assert header["device"] == device   # the user's file, not the built-in profile of the same name
     assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:   # the parts add up to the step
         assert r["step_s"] == pytest.approx(r["forward_backward_s"] + r["checks_s"] + r["optimizer_s"]
@@ -49,17 +62,16 @@ def test_a_refitted_profile_predicts_a_held_out_run_better(tmp_path):
     fitted = tmp_path / "cpu-fitted.yaml"
     shown = subprocess.run([PLANNER, "calibrate", "--telemetry", str(tmp_path / "tel8"), "--out", str(fitted)],
                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
-    assert "forward_backward_s" in shown and "refit cpu" in shown
+    assert "forward_backward_s" in shown and "refit" in shown
     held_out = calibrate(str(tmp_path / "tel16"))
     measured = next(p.measured_s for p in held_out.parts if p.name == "forward_backward_s")
-    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=16, seq_len=SEQ, layout=LAYOUT,
-                            **CPU_PAIR)
+    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=16, seq_len=SEQ, layout=LAYOUT, **CPU_PAIR)
     before, after = abs(forward_backward(runs[16]) - measured), abs(forward_backward(refitted) - measured)
-    print(f"held-out forward+backward: shipped {forward_backward(runs[16]):.4f} s, refitted "
+    print(f"held-out forward+backward: started from {forward_backward(runs[16]):.4f} s, refitted "
           f"{forward_backward(refitted):.4f} s, measured {measured:.4f} s")
-    # within 15% of what the run it never saw measured, and not further off than the shipped profile (whose
-    # own error depends on the day's machine: 10-50% here)
-    assert after < 0.15 * measured and after <= before + 0.02 * measured, \
+    # within 20% of what the run it never saw measured (3-10% in runs here and in CI), from a profile that
+    # was several times off
+    assert after < 0.2 * measured and after < before / 3, \
         (forward_backward(runs[16]), forward_backward(refitted), measured)
 
 
