@@ -65,6 +65,24 @@ class PublishedRun:
     precision: str              # bf16 unless the row says fp8
 
 
+# NVIDIA-NeMo/Megatron-Bridge scripts/performance/utils/executors.py @067f987d: on 4-GPU nodes (GB200) the
+# launcher asks Slurm for `--segment`: the job's nodes if at most 18 (one NVL72 rack), else the largest node
+# count of at most 18 that divides them; the job takes that many nodes in each rack
+SEGMENTING_FAMILIES = ("mbridge",)
+NVL72_SEGMENT_NODES = 18
+
+
+def launcher_segment_devices(run_id: str, num_devices: int, devices_per_node: int) -> int | None:
+    """The devices per scale-up domain the run's launcher asked for, as a user passes --segment-devices."""
+    if run_id.split("-", 1)[0] not in SEGMENTING_FAMILIES or devices_per_node != 4:
+        return None
+    nodes = num_devices // devices_per_node
+    if nodes <= NVL72_SEGMENT_NODES:
+        return None   # one segment: the job sits in one rack, as it does without one
+    segment = next(n for n in range(NVL72_SEGMENT_NODES, 0, -1) if nodes % n == 0)
+    return segment * devices_per_node
+
+
 def _model(run: dict) -> ModelConfig:
     m = run["model"]
     activation = m.get("activation") or "gelu"
@@ -125,6 +143,10 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["sp"] = bool(layout["sequence_parallel"])
         known.update(RECIPE_SETTINGS.get(run["id"], {}))
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
+        segment = launcher_segment_devices(run["id"], cluster.num_devices, cluster.devices_per_node)
+        if segment is not None:
+            cluster = cluster_from_device(hardware["device"], hardware["num_devices"],
+                                          hardware.get("devices_per_node"), segment)
         precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
                                  run["measured"].get("flops_convention", ""), precision))

@@ -205,6 +205,8 @@ def main(argv=None) -> int:
     worst = 0
     for case, case_args in cases_of(args):
         prefix = f"case {case} " if case else ""
+        if case and rank == 0:   # rank 0's lines (losses, health) after it are this case's
+            print(f"begin case {case}", flush=True)
         try:
             injection = faults.parse_injection(case_args.inject)
             skip_steps = {int(s) for s in str(case_args.skip_steps).split(",") if s.strip()}

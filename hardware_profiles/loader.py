@@ -159,7 +159,8 @@ def default_cluster_for(device: Device) -> Cluster | None:
     return None
 
 
-def cluster_from_device(device_name: str, num_devices: int, devices_per_node: int | None = None) -> Cluster:
+def cluster_from_device(device_name: str, num_devices: int, devices_per_node: int | None = None,
+                        segment_devices: int | None = None) -> Cluster:
     """A cluster built on the command line: `--device h100-sxm --num-devices 16384`.
 
     Network, storage and reliability come from the built-in cluster of that device.
@@ -185,7 +186,7 @@ def cluster_from_device(device_name: str, num_devices: int, devices_per_node: in
     # a device file is named by its stem: 'cpu-fit.yaml' makes 'cpu-fit-x2', never the built-in's name
     label = Path(device_name).stem if device_name not in list_devices() else device_name
     update = {"name": f"{label}-x{num_devices}", "num_nodes": num_devices // per_node,
-              "devices_per_node": per_node, "fast_domain_devices": fast}
+              "devices_per_node": per_node, "fast_domain_devices": fast, "segment_devices": segment_devices}
     data = template.model_dump()
     data.update(update)
     data["device"] = device

@@ -148,6 +148,10 @@ class Cluster(Strict):
     devices_per_node: int = Field(gt=0)
     num_nodes: int = Field(gt=0)
     fast_domain_devices: int = Field(gt=0)
+    # the devices the job takes in each scale-up domain when it spans several, in equal segments (Slurm
+    # `--segment` nodes x devices per node; Megatron-Bridge's launcher asks for the largest node count of at
+    # most 18 that divides the job on GB200); None: the job fills the domains in rank order
+    segment_devices: int | None = Field(default=None, gt=0)
     inter_node: InterNodeNetwork
     storage: Storage
     reliability: Reliability
@@ -169,9 +173,38 @@ class Cluster(Strict):
                 f"{self.devices_per_node} must divide one another")
         return self
 
+    @model_validator(mode="after")
+    def _segments_tile_the_job(self):
+        problem = self.segment_problem(self.num_devices)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def segment_problem(self, num_devices: int) -> str:
+        """Why segment_devices cannot lay out `num_devices` ("" where it can, or where no segment is set)."""
+        segment = self.segment_devices
+        if segment is None:
+            return ""
+        if segment > self.fast_domain_devices or segment % self.devices_per_node:
+            return (f"segment_devices={segment} is not whole nodes of {self.devices_per_node} inside one "
+                    f"{self.fast_domain_devices}-device scale-up domain")
+        if num_devices > segment and num_devices % segment:
+            return f"segment_devices={segment} does not divide the job's {num_devices} devices into equal segments"
+        return ""
+
+    @property
+    def job_segment_devices(self) -> int | None:
+        """Devices per segment where the job spans several segments (None: rank order, or one segment)."""
+        segment = self.segment_devices
+        return segment if segment is not None and self.num_devices > segment else None
+
     @property
     def domain_use(self) -> "DomainUse":
-        """How the job's devices fill the scale-up domains: ranks go to domains in order, domain by domain."""
+        """How the job's devices fill the scale-up domains: in equal segments where set, else ranks go to
+        domains in order, domain by domain."""
+        segment = self.job_segment_devices
+        if segment is not None:
+            return DomainUse(self.fast_domain_devices, self.num_devices // segment, 0, segment)
         full, partial = divmod(self.num_devices, self.fast_domain_devices)
         return DomainUse(self.fast_domain_devices, full, partial)
 
@@ -181,6 +214,8 @@ class Cluster(Strict):
         the whole job where it fits one domain (a smaller job still sits inside its NVLink rack or
         supernode); else the largest block that tiles the full domains and a partly used last one (gcd)."""
         use = self.domain_use
+        if use.used_per_domain != use.domain_devices:   # equal segments: each is one block
+            return use.used_per_domain
         if use.full_domains == 0:
             return self.num_devices
         return math.gcd(self.num_devices, self.fast_domain_devices)
@@ -191,6 +226,8 @@ class Cluster(Strict):
         domain = f"{use.domain_devices}-device {fabric} domain"
         if use.full_domains == 0:
             return f"{self.num_devices} of one {domain}"
+        if use.used_per_domain != use.domain_devices:
+            return f"{use.used_per_domain} devices in each of {use.full_domains} {domain}s (equal segments)"
         text = f"{use.full_domains} full {domain}{'s' if use.full_domains > 1 else ''}"
         if use.partial_devices:
             text += (f" and {use.partial_devices} devices of another; collectives are costed in blocks of "
@@ -201,6 +238,8 @@ class Cluster(Strict):
         """The same cluster with another device count (what-if sweeps)."""
         if num_devices <= 0 or num_devices % self.devices_per_node:
             raise ValueError(f"{num_devices} devices do not fill whole nodes of {self.devices_per_node}")
+        if self.segment_problem(num_devices):
+            raise ValueError(self.segment_problem(num_devices))
         return self.model_copy(update={"num_nodes": num_devices // self.devices_per_node})
 
 
@@ -208,8 +247,13 @@ class Cluster(Strict):
 class DomainUse:
     """The job's devices over scale-up (NVLink, HCCS, UB) domains."""
     domain_devices: int       # one physical domain
-    full_domains: int
+    full_domains: int         # domains the job fills (with equal segments: the domains it uses)
     partial_devices: int      # devices in a last, partly used domain (0: none)
+    segment_devices: int | None = None   # devices used in each domain with equal segments
+
+    @property
+    def used_per_domain(self) -> int:
+        return self.segment_devices or self.domain_devices
 
     @property
     def crosses_domains(self) -> bool:

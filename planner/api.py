@@ -27,9 +27,24 @@ class InfeasibleError(UserInputError):
 
 
 def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | None = None,
-                    devices_per_node: int | None = None) -> Cluster:
+                    devices_per_node: int | None = None, segment_devices: int | None = None) -> Cluster:
+    """The job's cluster: a profile (name, file or `Cluster`) at `num_devices`, or one built from a device;
+    `segment_devices` lays the job out in equal segments of the scale-up domains (Cluster.segment_devices)."""
     _check_count("--num-devices", num_devices)
     _check_count("--devices-per-node", devices_per_node)
+    _check_count("--segment-devices", segment_devices)
+    resolved = _resolve_cluster(cluster, device, num_devices, devices_per_node)
+    if segment_devices is None:
+        return resolved
+    problem = resolved.model_copy(update={"segment_devices": segment_devices}).segment_problem(resolved.num_devices)
+    if problem:
+        raise UserInputError(problem, field="--segment-devices",
+                             expected=f"whole nodes of {resolved.devices_per_node}, at most the "
+                             f"{resolved.fast_domain_devices}-device domain, dividing {resolved.num_devices} devices")
+    return resolved.model_copy(update={"segment_devices": segment_devices})
+
+
+def _resolve_cluster(cluster, device: str | None, num_devices: int | None, devices_per_node: int | None) -> Cluster:
     if cluster is not None and (device is not None or devices_per_node is not None):
         given = "--device" if device is not None else "--devices-per-node"
         raise UserInputError(f"{given} is given with --cluster, which already names the device and its nodes",
@@ -50,6 +65,9 @@ def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | 
         if num_devices <= 0 or num_devices % resolved.devices_per_node:
             raise UserInputError(f"{num_devices} devices do not fill whole nodes of {resolved.devices_per_node}",
                                  field="--num-devices", expected=f"a positive multiple of {resolved.devices_per_node}")
+        if resolved.segment_problem(num_devices):
+            raise UserInputError(resolved.segment_problem(num_devices), field="--num-devices",
+                                 expected="a device count the cluster's segment_devices divides")
         resolved = resolved.with_devices(num_devices)
     return resolved
 
@@ -85,7 +103,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, stack=stack.name, num_devices=cluster.num_devices,
-        devices_per_node=cluster.devices_per_node, cluster_profile=cluster.profile,
+        devices_per_node=cluster.devices_per_node, segment_devices=cluster.segment_devices,
+        cluster_profile=cluster.profile,
         device_profile=cluster.device.profile,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
         layout=LayoutRecord.of(best.layout, best.layer_recompute, stack),
@@ -142,12 +161,13 @@ def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int
 
 def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str | None = None,
          device: str | None = None, num_devices: int | None = None, devices_per_node: int | None = None,
-         time_limit_s: float = 60.0, top_k: int = 3, stack=None, ep_imbalance: float = 1.0,
-         leaf_modules: tuple[str, ...] = (), strict_capture: bool = False, progress=None, **fix) -> Plan:
+         segment_devices: int | None = None, time_limit_s: float = 60.0, top_k: int = 3, stack=None,
+         ep_imbalance: float = 1.0, leaf_modules: tuple[str, ...] = (), strict_capture: bool = False, progress=None, **fix) -> Plan:
     """Search the fastest layout that fits: `planner.plan("llama3-70b", "dgx-h100", global_batch=1024, tp=8)`.
 
     `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.
     `cluster`: a profile name, path or `Cluster`; or give `device=` and `num_devices=`.
+    `segment_devices`: the devices the job takes in each scale-up domain, in equal segments (Slurm --segment).
     `stack`: the software stack that will train it (a name such as "torchtitan", a YAML path or a
     `SoftwareStack`; Megatron-Core's defaults when omitted). The search stays inside what it can run.
     `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe).
@@ -161,7 +181,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
                              expected="stages= in planner evaluate --layout, with every degree given")
     stack = resolve_stack(stack)
     graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
-    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
+    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
@@ -243,7 +263,7 @@ def _check_precision_on(cluster: Cluster, precision: str) -> None:
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
              seq_len: int | None = None, precision: str | None = None, device: str | None = None,
              num_devices: int | None = None, devices_per_node: int | None = None,
-             stack=None, ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
+             segment_devices: int | None = None, stack=None, ep_imbalance: float = 1.0, time_limit_s: float = 60.0,
              leaf_modules: tuple[str, ...] = (), strict_capture: bool = False) -> Plan:
     """Predict a given layout under a software stack (`plan`'s `stack`). Fields left out are searched; a
     layout that does not divide, fit or run on the stack is explained."""
@@ -251,7 +271,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     _check_time_limit(time_limit_s)
     stack = resolve_stack(stack)
     graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
-    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node)
+    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     if isinstance(layout, Layout):
         given = layout
     else:
@@ -308,6 +328,7 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
         model = plan_.model
     device = plan_device(plan_)
     new = plan(model, device=device, num_devices=num_devices, devices_per_node=plan_.devices_per_node,
+               segment_devices=plan_.segment_devices,
                global_batch=plan_.layout.gbs, seq_len=plan_.seq_len, precision=str(plan_.layout.precision),
                stack=plan_.stack, time_limit_s=time_limit_s)
     old, lay = plan_.layout, new.layout
@@ -338,6 +359,7 @@ def plan_cluster(plan_: Plan) -> Cluster:
     from hardware_profiles.loader import list_clusters
     profile = plan_.cluster_profile or (plan_.cluster if plan_.cluster in list_clusters() else "")
     if profile:
-        return resolve_cluster(profile, None, plan_.num_devices)
-    return resolve_cluster(None, plan_device(plan_), plan_.num_devices, plan_.devices_per_node)
+        return resolve_cluster(profile, None, plan_.num_devices, segment_devices=plan_.segment_devices)
+    return resolve_cluster(None, plan_device(plan_), plan_.num_devices, plan_.devices_per_node,
+                           plan_.segment_devices)
 

@@ -47,6 +47,8 @@ ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML 
 DeviceOpt = typer.Option(None, "--device", help="build a cluster from a device profile (with --num-devices)")
 DevicesOpt = typer.Option(None, "--num-devices", help="number of devices")
 PerNodeOpt = typer.Option(None, "--devices-per-node", help="devices per node (with --device)")
+SegmentOpt = typer.Option(None, "--segment-devices", help="devices the job takes in each scale-up domain, in equal "
+                          "segments (Slurm --segment nodes x devices per node); default: domains filled in rank order")
 BatchOpt = typer.Option(..., "--global-batch", help="sequences per optimizer step")
 SeqOpt = typer.Option(None, "--seq-len", help="sequence length (default: the model's)")
 StackOpt = typer.Option(None, "--stack", help=f"software stack that trains the model: a name "
@@ -90,7 +92,7 @@ def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
 @app.command()
 def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
          num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
-         global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
+         segment_devices: Optional[int] = SegmentOpt, global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
          precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
          fix: str = typer.Option("", "--fix", help="pin layout fields, e.g. tp=8,pp=16,recompute=none"),
          top: int = typer.Option(3, "--top", help="alternatives to report"),
@@ -114,11 +116,12 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
     with progress:
         result = api.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
+                          segment_devices=segment_devices,
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
                           stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap),
                           leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, **pins)
-    extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, seq_len,
-                             recovery_settings) if objective == "goodput" else None
+    extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, segment_devices,
+                             seq_len, recovery_settings) if objective == "goodput" else None
     if out_path:
         result.save(out_path)
     _emit(result, as_json, extra)
@@ -126,15 +129,15 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         out.print(f"plan written to {out_path}")
 
 
-def _goodput_summary(result: Plan, model, cluster, device, num_devices, per_node, seq_len, recovery) -> dict:
-    resolved = api.resolve_cluster(cluster, device, num_devices, per_node)
+def _goodput_summary(result: Plan, model, cluster, device, num_devices, per_node, segment, seq_len, recovery) -> dict:
+    resolved = api.resolve_cluster(cluster, device, num_devices, per_node, segment)
     return goodput_summary(plan_goodput(result, resolved, capture(model, seq_len).total_params, recovery))
 
 
 @app.command()
 def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
              num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
-             global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
+             segment_devices: Optional[int] = SegmentOpt, global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
              layout: str = typer.Option(..., "--layout", help="e.g. tp=8,pp=16,dp=64,cp=1,ep=1,vp=1,mbs=1,zero=1,"
                                         "recompute=selective; fields left out are searched"),
              precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
@@ -149,6 +152,7 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
         out_path = check_plan_file(out_path)
     result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
+                          segment_devices=segment_devices,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
                           strict_capture=strict_capture, stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
     if out_path:
@@ -163,7 +167,8 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    "num-devices, device, inter-node-bandwidth-gbps, seq-len, global-batch"),
                    cluster: Optional[str] = ClusterOpt, device: Optional[str] = DeviceOpt,
                    num_devices: Optional[int] = DevicesOpt, devices_per_node: Optional[int] = PerNodeOpt,
-                   global_batch: int = BatchOpt, seq_len: Optional[int] = SeqOpt,
+                   segment_devices: Optional[int] = SegmentOpt, global_batch: int = BatchOpt,
+                   seq_len: Optional[int] = SeqOpt,
                    tokens: str = typer.Option("1T", "--tokens", help="token budget, e.g. 15T"),
                    time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
                    out_dir: Optional[str] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
@@ -179,7 +184,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
         raise UserInputError("a device sweep needs --num-devices", field="--num-devices", expected="a device count")
     report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
                     device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
-                    devices_per_node=devices_per_node, time_limit_s=time_limit,
+                    devices_per_node=devices_per_node, segment_devices=segment_devices, time_limit_s=time_limit,
                     stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
     if as_json:
         out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,

@@ -144,6 +144,7 @@ class Plan(_Frozen):
     stack: str = Field(default=DEFAULT_STACK, pattern=PLAIN_NAME)   # the software stack predicted for
     num_devices: int = Field(gt=0, le=MAX_DEGREE)
     devices_per_node: int | None = Field(default=None, gt=0)   # of the cluster planned for (launch commands)
+    segment_devices: int | None = Field(default=None, gt=0)   # per scale-up domain (Cluster.segment_devices)
     # the profiles planned on, as another process loads them again (built-in name or absolute path);
     # cluster_profile is "" for a cluster made from --device; both "" in plans written before they were kept
     cluster_profile: str = ""

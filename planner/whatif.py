@@ -146,11 +146,13 @@ def _point_cluster(base_kwargs: dict, key: str, value: str):
 
 def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, tokens: str | float = "1T",
            cluster=None, device: str | None = None, num_devices: int | None = None,
-           devices_per_node: int | None = None, time_limit_s: float = 30.0, **fix) -> Report:
+           devices_per_node: int | None = None, segment_devices: int | None = None, time_limit_s: float = 30.0,
+           **fix) -> Report:
     """Best plan at every sweep point: `whatif("llama3-70b", sweep="num-devices=512,1024", device="h100-sxm", ...)`."""
     key, points = parse_sweep(sweep)
     budget = parse_tokens(str(tokens))
-    base = {"cluster": cluster, "device": device, "num_devices": num_devices, "devices_per_node": devices_per_node}
+    base = {"cluster": cluster, "device": device, "num_devices": num_devices, "devices_per_node": devices_per_node,
+            "segment_devices": segment_devices}
     rows = []
     name = capture(model, seq_len).name
     crossed = None

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def references(tmp_path_factory):
     proc = launch(1, "--cases", str(spec), *TRAIN)
     runs = {case["name"]: {} for case in cases}
     for line in proc.stdout.splitlines():
-        if line.startswith("case "):
+        if line.startswith("case ") and " step " in line:
             _, name, _, step, _, loss = line.split()
             runs[name][int(step)] = float(loss)
     return {name: [steps[s] for s in sorted(steps)] for name, steps in runs.items()} | {"by step": runs}
@@ -36,16 +37,54 @@ def health_lines(proc) -> list[str]:
     return sorted({line for line in text.splitlines() if line.startswith("health:")})
 
 
-def test_a_nan_gradient_is_named_and_its_batch_skipped_on_every_rank(references):
-    faulty = launch(2, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=2", "--inject", "nan@2:1")
+@dataclass(frozen=True)
+class CaseRun:
+    """One case of a multi-case launch: rank 0's stdout lines from its `begin case` marker to the next."""
+    stdout: str
+    stderr: str = ""
+
+
+def run_faults(nproc: int, cases: list[dict], directory: Path) -> dict[str, CaseRun]:
+    """Several faulty runs in one launch (starting ranks costs seconds; a case, a fraction), split by case.
+    The launch's stderr goes with the last case (a policy that stops the job ends the launch there)."""
+    spec = directory / "cases.json"
+    spec.write_text(json.dumps([{"model": "tiny-llama", **case} for case in cases]))
+    proc = launch(nproc, "--cases", str(spec), *TRAIN, check=False)
+    lines: dict[str, list[str]] = {}
+    current = None
+    for line in proc.stdout.replace("health: ", "\nhealth: ").splitlines():
+        if line.startswith("begin case "):
+            current = line.split()[2]
+            lines[current] = []
+        elif current is not None:
+            lines[current].append(line.removeprefix(f"case {current} "))
+    runs = {name: CaseRun("\n".join(text) + "\n") for name, text in lines.items()}
+    runs[cases[-1]["name"]] = CaseRun(runs[cases[-1]["name"]].stdout, proc.stderr) if cases[-1]["name"] in runs \
+        else CaseRun("", proc.stderr)
+    return runs | {"returncode": proc.returncode}
+
+
+@pytest.fixture(scope="module")
+def dp2_faults(tmp_path_factory):
+    """dp=2: a NaN skipped, a spike rolled back, and last a NaN that stops the job (it ends the launch)."""
+    directory = tmp_path_factory.mktemp("dp2")
+    return run_faults(2, [
+        {"name": "nan-skip", "layout": "dp=2", "steps": 4, "inject": "nan@2:1"},
+        {"name": "rollback", "layout": "dp=2", "steps": 13, "inject": "spike@10", "on_spike": "rollback",
+         "rollback_skip": 2, "checkpoint_dir": str(directory / "ckpt"), "save_every": "4", "async_save": True},
+        {"name": "nan-stop", "layout": "dp=2", "steps": 4, "inject": "nan@2:0", "on_nonfinite": "stop"}],
+        directory) | {"checkpoints": directory / "ckpt"}
+
+
+def test_a_nan_gradient_is_named_and_its_batch_skipped_on_every_rank(references, dp2_faults):
+    faulty = dp2_faults["nan-skip"]
     assert health_lines(faulty) == ["health: step 2: non-finite loss or gradients on rank 1; policy skip"]
     assert losses(faulty)[2:] == pytest.approx(references["skip2"][1:], rel=LOSS_TOLERANCE)
 
 
-def test_a_nan_gradient_stops_the_job_when_the_policy_says_stop():
-    proc = launch(2, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=2", "--inject", "nan@2:0",
-                  "--on-nonfinite", "stop", check=False)
-    assert proc.returncode != 0
+def test_a_nan_gradient_stops_the_job_when_the_policy_says_stop(dp2_faults):
+    proc = dp2_faults["nan-stop"]
+    assert dp2_faults["returncode"] != 0
     assert "health: step 2: non-finite loss or gradients on rank 0; policy stop" in proc.stdout
     assert proc.stderr.count("stopped by the health policy") == 2   # every rank, at the same step
 
@@ -65,12 +104,10 @@ def last_losses(proc) -> dict[int, float]:
             if line.startswith("step ")}
 
 
-def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(tmp_path, references):
+def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(references, dp2_faults):
     """dp=2, checkpoints every 4 steps written asynchronously; the spike at step 10 rolls back to step 8,
     skips batches 9 and 10, retrains none of them: the run ends where a run that never saw them does."""
-    faulty = launch(2, "--model", "tiny-llama", "--steps", "13", *TRAIN, "--layout", "dp=2", "--inject", "spike@10",
-                    "--on-spike", "rollback", "--rollback-skip", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                    "--save-every", "4", "--async-save")
+    faulty = dp2_faults["rollback"]
     lines = health_lines(faulty)
     assert lines[0].startswith("health: step 10: loss spike") and "policy rollback" in lines[0]
     assert lines[1] == "health: step 10: rolled back to step 8 (its checkpoint); batches 9, 10 skipped"
@@ -78,7 +115,7 @@ def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_its_batches(tm
     assert sorted(trained) == [*range(1, 10), 11, 12, 13]   # 9 was trained once, then rolled back
     assert sorted(reference) == [*range(1, 9), 11, 12, 13]
     assert [trained[s] for s in reference] == pytest.approx(list(reference.values()), rel=LOSS_TOLERANCE)
-    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000012"
+    assert (dp2_faults["checkpoints"] / "latest").read_text() == "step-000012"
 
 
 def test_a_rollback_without_checkpoints_is_refused_before_step_one():
@@ -86,16 +123,26 @@ def test_a_rollback_without_checkpoints_is_refused_before_step_one():
     assert proc.returncode == 2 and "needs checkpoints to roll back to" in proc.stderr and "step 1" not in proc.stdout
 
 
-def test_no_checkpoint_is_written_while_replicas_disagree(tmp_path):
+@pytest.fixture(scope="module")
+def dp4_faults(tmp_path_factory):
+    """dp=4, ZeRO-0: a flipped bit before a checkpoint, a straggler, a flipped bit at a check."""
+    directory = tmp_path_factory.mktemp("dp4")
+    common = {"layout": "dp=4,zero=0"}
+    return run_faults(4, [
+        {"name": "disagree", **common, "steps": 4, "inject": "bitflip@3:1", "sdc_every": 100,
+         "checkpoint_dir": str(directory / "ckpt"), "save_every": "2"},
+        {"name": "straggler", **common, "steps": 10, "inject": "slow@7:2", "straggler_every": 5, "sdc_every": 1},
+        {"name": "bitflip", **common, "steps": 4, "inject": "bitflip@3:1", "sdc_every": 1}],
+        directory) | {"checkpoints": directory / "ckpt"}
+
+
+def test_no_checkpoint_is_written_while_replicas_disagree(dp4_faults):
     """A flipped bit after step 3 with no periodic check due: the check before step 4's save finds it, and
     the clean checkpoint of step 2 stays the one a restart would load."""
-    proc = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0",
-                  "--inject", "bitflip@3:1", "--sdc-every", "100", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                  "--save-every", "2")
-    lines = health_lines(proc)
+    lines = health_lines(dp4_faults["disagree"])
     assert lines[0].startswith("health: step 4: no checkpoint written while replicas disagree")
     assert lines[1].startswith("health: step 4: parameters of rank 1 differ from their data-parallel replicas")
-    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002"
+    assert (dp4_faults["checkpoints"] / "latest").read_text() == "step-000002"
 
 
 def test_checkpoints_follow_dalys_interval_from_the_measured_blocking(tmp_path):
@@ -121,25 +168,22 @@ def test_checkpoints_follow_dalys_interval_from_the_measured_blocking(tmp_path):
         assert following == step + every
 
 
-def test_a_slow_rank_is_named_a_straggler_and_a_clean_run_raises_nothing_else():
+def test_a_slow_rank_is_named_a_straggler_and_a_clean_run_raises_nothing_else(dp4_faults):
     """Rank 2 computes 0.2 s slower per forward from step 7 on; its peers wait for it inside the collectives,
     so only per-rank compute time tells: the check at step 10 names it, the one at step 5 (before the fault)
     names no one. The same run fingerprints its 4 replicas every step: no corruption is reported where
     there is none."""
-    proc = launch(4, "--model", "tiny-llama", "--steps", "10", *TRAIN, "--layout", "dp=4,zero=0",
-                  "--inject", "slow@7:2", "--straggler-every", "5", "--sdc-every", "1")
-    lines = health_lines(proc)
+    lines = health_lines(dp4_faults["straggler"])
     assert len(lines) == 1 and lines[0].startswith("health: step 10: straggler: rank 2 ")
     assert lines[0].endswith("over ranks 0, 1, 2, 3")
 
 
-def test_a_flipped_bit_in_one_replica_names_the_rank():
-    proc = launch(4, "--model", "tiny-llama", "--steps", "4", *TRAIN, "--layout", "dp=4,zero=0",
-                  "--inject", "bitflip@3:1", "--sdc-every", "1")
-    lines = health_lines(proc)
+def test_a_flipped_bit_in_one_replica_names_the_rank(dp4_faults):
+    lines = health_lines(dp4_faults["bitflip"])
     assert lines[0] == ("health: step 3: parameters of rank 1 differ from their data-parallel replicas (silent "
                         "data corruption); ranks 0, 1, 2, 3 compared")
-    # a clean run raising no line: the straggler test's run, which fingerprints every step
+    assert dp4_faults["returncode"] == 0
+    # a clean run raising no line: the straggler case, which fingerprints every step
 
 
 # stop@5:1 takes the same path, and passes, but torchrun waits 30 s for a SIGSTOPped worker to take its
@@ -215,7 +259,8 @@ def agent(port: int, args: list[str], log: Path) -> subprocess.Popen:
     from test_runtime import ENV, ROOT, SCRIPT
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "lost-node", "--rdzv-conf", "last_call_timeout=3", SCRIPT, *args]
+               "--rdzv-id", "lost-node", "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+               SCRIPT, *args]
     return subprocess.Popen(command, stdout=log.with_suffix(".out").open("w"), stderr=log.with_suffix(".err").open("w"),
                             env=ENV, cwd=ROOT, start_new_session=True)
 

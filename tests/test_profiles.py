@@ -144,3 +144,33 @@ def test_missing_file_and_unknown_name():
         load_cluster("/nonexistent/cluster.yaml")
     with pytest.raises(UserInputError, match="unknown cluster"):
         load_cluster("dgx-z9000")
+
+
+def test_a_plan_names_the_profile_files_it_was_made_on(tmp_path):
+    """A user's device file named like a built-in (`name: h100-sxm`) with another peak: the plan names the
+    file, and what reads the plan again (replan, the runtime, calibration) loads that file, not the built-in."""
+    from planner.api import evaluate, plan_cluster, plan_device, replan
+    from planner.plans import Plan
+    data = yaml.safe_load((DEVICE_DIR / "h100-sxm.yaml").read_text())
+    data["peak_tflops"]["bf16"] = 500.0
+    mine = tmp_path / "my-h100.yaml"
+    mine.write_text(yaml.safe_dump(data))
+    shape = dict(global_batch=16, seq_len=512, layout="tp=1,pp=1,dp=8,cp=1,mbs=1,zero=1,recompute=none")
+    made = evaluate("tiny-llama", device=str(mine), num_devices=8, **shape)
+    assert made.device_profile == str(mine.resolve()) and made.cluster_profile == ""
+    made.save(tmp_path / "plan.yaml")
+    again = Plan.load(str(tmp_path / "plan.yaml"))
+    assert plan_device(again) == str(mine.resolve())
+    assert plan_cluster(again).device.peak_tflops.bf16 == 500.0
+    assert replan(again, 16, time_limit_s=10).device_profile == str(mine.resolve())
+    builtin = evaluate("tiny-llama", cluster="dgx-h100", num_devices=8, **shape)
+    assert (builtin.cluster_profile, builtin.device_profile) == ("dgx-h100", "h100-sxm")
+    assert plan_cluster(builtin).num_devices == 8
+
+
+def test_a_plan_keeps_its_segments():
+    from planner.api import evaluate, plan_cluster
+    made = evaluate("tiny-llama", device="gb200", num_devices=128, segment_devices=64, global_batch=128,
+                    seq_len=512, layout="tp=1,pp=1,dp=128,cp=1,mbs=1,zero=1,recompute=none")
+    assert made.segment_devices == 64 and made.placement == plan_cluster(made).placement_text()
+    assert "64 devices in each of 2" in made.placement

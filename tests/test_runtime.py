@@ -73,6 +73,7 @@ def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple
     spec = directory / "cases.json"
     spec.write_text(json.dumps(cases))
     proc = launch(nproc, "--steps", str(STEPS), *TRAIN, "--cases", str(spec), "--dump-grads", str(directory))
+    (directory / "stderr.txt").write_text(proc.stderr)
     by_case: dict[str, list[float]] = {case["name"]: [] for case in cases}
     for line in proc.stdout.splitlines():
         if line.startswith("case "):
@@ -88,13 +89,21 @@ REFERENCE_MODELS = ("tiny-llama", "tiny-moe", "tiny-tied", USER_MODEL, SQUARE_HE
 CLIPPED = {"max_grad_norm": 0.05, "steps": 3}   # a norm the gradients exceed: every step is clipped
 
 
+# bf16 compute over fp32 master parameters: autocast on one rank, FSDP2's policy where it shards, stages
+BF16_CASES = [("bf16-single", 1, "precision=bf16"), ("bf16-dp2-zero3", 2, "dp=2,zero=3,precision=bf16,mbs=2"),
+              ("bf16-pp2", 2, "pp=2,mbs=2,precision=bf16")]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Every model's single-process run, all in one process (and tiny-llama clipped, as `clip`)."""
+    """Every model's single-process run, all in one process (and tiny-llama clipped, as `clip`; the
+    single-rank bf16 case rides along)."""
     cases = [{"name": f"ref{i}", "model": model} for i, model in enumerate(REFERENCE_MODELS)]
     cases.append({"name": "ref-clip", "model": "tiny-llama", **CLIPPED})
+    cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES if c[1] == 1]
     runs = run_cases(1, cases, tmp_path_factory.mktemp("reference"))
-    return {**{model: runs[f"ref{i}"] for i, model in enumerate(REFERENCE_MODELS)}, "clip": runs["ref-clip"]}
+    return {**{model: runs[f"ref{i}"] for i, model in enumerate(REFERENCE_MODELS)}, "clip": runs["ref-clip"],
+            **{c[0]: runs[c[0]] for c in BF16_CASES if c[1] == 1}}
 
 
 def assert_gradients_match(got_dir: Path, ref_dir: Path, steps) -> None:
@@ -170,12 +179,23 @@ CLIPPED_CASES = [("clip-pp2", 2, "pp=2,mbs=2"), ("clip-dp2-tp2-zero3", 4, "dp=2,
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    """One launch per world size runs all of that size's layouts (issue 14: runtime tests in minutes)."""
+    """One launch per world size runs all of that size's layouts (issue 14: runtime tests in minutes), the
+    bf16 cases and, on 4 ranks, the plan `planner plan` writes for 4 CPU devices."""
+    plan_file = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    subprocess.run([str(Path(sys.executable).parent / "planner"), "plan", "--model", "tiny-llama", "--device", "cpu",
+                    "--num-devices", "4", "--devices-per-node", "2", "--global-batch", "8", "--stack",
+                    "parallel-planner", "--out", str(plan_file)], check=True, capture_output=True, timeout=300, cwd=ROOT)
+    # the plan says bf16: fp32 only for the numerical check, and said so
+    planned = {"name": "planner-plan", "model": "tiny-llama", "plan": str(plan_file), "precision": "fp32"}
     runs = {}
     for nproc in sorted({case[1] for case in CASES}):
         cases = [{"name": c[0], "model": case_model(c), "layout": c[2]} for c in CASES if c[1] == nproc]
         cases += [{"name": c[0], "layout": c[2], **CLIPPED} for c in CLIPPED_CASES if c[1] == nproc]
-        runs.update(run_cases(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}")))
+        cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES if c[1] == nproc]
+        cases += [planned] if nproc == 4 else []
+        directory = tmp_path_factory.mktemp(f"world{nproc}")
+        runs.update(run_cases(nproc, cases, directory))
+        runs[f"stderr{nproc}"] = (directory / "stderr.txt").read_text()
     return runs
 
 
@@ -202,18 +222,23 @@ def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(referen
     """Written under tp2 after step 2 (AdamW moments, step, learning rate, RNG), once synchronously and once
     with dcp.async_save, resumed under dp2 (ZeRO-1, from the asynchronous one), pp2 and tp2 x dp2: steps 3
     and 4 are those of the uninterrupted run, losses and gradients (an optimizer restarted from zero moments
-    moves the step-4 loss by about 3e-4)."""
+    moves the step-4 loss by about 3e-4, which a resume that drops them shows)."""
     ref_losses, ref_grads = reference["tiny-llama"]
     saved = {kind: tmp_path / kind for kind in ("sync", "async")}
     spec = tmp_path / "save.json"
     spec.write_text(json.dumps([{"name": kind, "layout": "tp=2", "checkpoint": str(path), "async_save": kind == "async"}
                                 for kind, path in saved.items()]))
     launch(2, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--save-at", "2", "--cases", str(spec))
+    # the check can fail: the same resume with AdamW's moments dropped misses step 4 (step 3's loss comes
+    # before the first resumed update)
+    dropped = {"name": "dropped", "layout": "dp=2,zero=1", "checkpoint": str(saved["sync"]), "resume": True,
+               "drop_optimizer_state": True}
     for nproc in (2, 4):
         cases = [{"name": name, "layout": layout, "checkpoint": str(saved[source]), "resume": True}
                  for name, world, layout, source in RESUMES if world == nproc]
+        with_dropped = cases + ([dropped] if nproc == 2 else [])
         spec = tmp_path / f"resume{nproc}.json"
-        spec.write_text(json.dumps(cases))
+        spec.write_text(json.dumps(with_dropped))
         resumed = launch(nproc, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--cases", str(spec),
                          "--dump-grads", str(tmp_path / f"grads{nproc}"))
         for case in cases:
@@ -223,42 +248,27 @@ def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(referen
             assert_gradients_match(tmp_path / f"grads{nproc}" / case["name"], ref_grads, (3, 4))
         # no zero= stated beside tp: the lowest stage this runtime runs there (FSDP2's), and that is said
         assert ("--layout states no zero: ZeRO-2" in resumed.stderr) == (nproc == 4)
+        if nproc == 2:
+            fresh = [float(line.split()[-1]) for line in resumed.stdout.splitlines()
+                     if line.startswith("case dropped step")]
+    assert len(fresh) == 2 and fresh[0] == pytest.approx(ref_losses[2], rel=LOSS_TOLERANCE)
+    assert fresh[1] != pytest.approx(ref_losses[3], rel=LOSS_TOLERANCE * 100)
 
 
-def test_resume_without_the_optimizer_state_would_be_seen(reference, tmp_path):
-    """The check above can fail: the same resume with AdamW's moments dropped misses step 4 (step 3's loss
-    comes before the first resumed update)."""
-    ref_losses, _ = reference["tiny-llama"]
-    checkpoint = tmp_path / "ckpt"
-    launch(1, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--save-at", "2", "--checkpoint", str(checkpoint))
-    fresh = launch(1, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--resume", "--checkpoint", str(checkpoint),
-                   "--drop-optimizer-state")
-    assert losses(fresh)[0] == pytest.approx(ref_losses[2], rel=LOSS_TOLERANCE)
-    assert losses(fresh)[1] != pytest.approx(ref_losses[3], rel=LOSS_TOLERANCE * 100)
+def test_plan_from_the_planner_runs_as_is(reference, layout_runs):
+    assert "training in fp32 (--precision), not the plan's bf16" in layout_runs["stderr4"]
+    got, _ = layout_runs["planner-plan"]
+    assert len(got) == STEPS
+    assert got == pytest.approx(reference["tiny-llama"][0], rel=LOSS_TOLERANCE)
 
 
-def test_plan_from_the_planner_runs_as_is(reference, tmp_path):
-    plan_file = tmp_path / "plan.yaml"
-    planner = Path(sys.executable).parent / "planner"
-    subprocess.run([str(planner), "plan", "--model", "tiny-llama", "--device", "cpu", "--num-devices", "4",
-                    "--devices-per-node", "2", "--global-batch", "8", "--stack", "parallel-planner", "--out",
-                    str(plan_file)],
-                   check=True, capture_output=True, timeout=300, cwd=ROOT)
-    proc = launch(4, "--model", "tiny-llama", "--plan", str(plan_file), "--steps", str(STEPS), *TRAIN,
-                  "--precision", "fp32")   # the plan says bf16: fp32 only for the numerical check, and said so
-    assert "training in fp32 (--precision), not the plan's bf16" in proc.stderr
-    assert len(losses(proc)) == STEPS
-    assert losses(proc) == pytest.approx(reference["tiny-llama"][0], rel=LOSS_TOLERANCE)
-
-
-@pytest.mark.parametrize("nproc,layout", [(1, "precision=bf16"), (2, "dp=2,zero=3,precision=bf16"),
-                                          (2, "pp=2,mbs=2,precision=bf16")])   # autocast, FSDP2's policy, stages
-def test_bf16_is_trained_as_planned(reference, nproc, layout):
+@pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+def test_bf16_is_trained_as_planned(reference, layout_runs, case):
     """bf16 compute over fp32 master parameters (FSDP2's MixedPrecisionPolicy where it shards, autocast
     elsewhere): the losses leave the fp32 run's by more than fp32 rounding, and stay within bf16's."""
-    got = losses(launch(nproc, "--model", "tiny-llama", "--steps", str(STEPS), *TRAIN, "--layout", layout))
+    got, _ = (reference if case[1] == 1 else layout_runs)[case[0]]
     ref = reference["tiny-llama"][0]
-    assert got == pytest.approx(ref, rel=1e-3)
+    assert len(got) == STEPS and got == pytest.approx(ref, rel=1e-3)
     assert max(abs(g / r - 1) for g, r in zip(got, ref)) > 1e-6   # bf16 was applied, not fp32 kept
 
 

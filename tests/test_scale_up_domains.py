@@ -127,3 +127,41 @@ def test_whatif_says_where_a_sweep_crosses_a_domain_boundary():
     changes = [row.domain_change for row in report.rows]
     assert changes[:2] == ["", ""] and changes[2].startswith("crosses a scale-up domain boundary: 2 full")
     assert report.rows[0].placement == "36 of one 72-device nvswitch domain"
+
+
+def test_equal_segments_keep_a_64_rank_group_in_one_rack():
+    """256 GB200 as NVIDIA's launcher runs them (Slurm --segment 16 nodes): 64 GPUs in each of four racks.
+    An all-to-all over the 64 ranks of a segment runs at NVLink rates, as inside one rack (the closed form
+    of test_gb200_inside_one_nvlink_domain); filled in rank order the same group is costed across racks."""
+    segmented, in_order = cluster_from_device("gb200", 256, None, 64), nvl72(256)
+    assert segmented.placement_text() == "64 devices in each of 4 72-device nvswitch domains (equal segments)"
+    ep = place_mesh((MeshDim("ep", 64), MeshDim("dp", 4)), segmented).of("ep")
+    assert (ep.ranks_per_domain, ep.domains) == (64, 1)
+    fabric = segmented.device.intra_node
+    by_hand = 63 / 64 * GIB / (fabric.bandwidth_per_direction_gbytes_per_s * 1e9 * fabric.all_to_all_fraction) \
+        + (fabric.base_latency_us + 63 * fabric.hop_latency_us) * US
+    assert collective_time(Collective.all_to_all, GIB, ep, segmented).seconds == pytest.approx(by_hand, rel=1e-9)
+    assert place_mesh((MeshDim("ep", 64), MeshDim("dp", 4)), in_order).of("ep").domains > 1
+
+
+@pytest.mark.parametrize("segment,why", [(72, "does not divide"), (66, "whole nodes"), (76, "whole nodes")])
+def test_a_segment_that_cannot_lay_out_the_job_is_refused(segment, why):
+    from hardware_profiles import UserInputError
+    from planner.api import resolve_cluster
+    with pytest.raises(UserInputError, match=why) as caught:
+        resolve_cluster(device="gb200", num_devices=256, segment_devices=segment)
+    assert "--segment-devices" in str(caught.value)
+
+
+@pytest.mark.parametrize("nodes,segment_nodes", [(2, None), (18, None), (32, 16), (64, 16), (36, 18), (40, 10),
+                                                 (19, 1), (256, 16)])
+def test_the_megatron_bridge_launcher_segment_rule(nodes, segment_nodes):
+    """NVIDIA-NeMo/Megatron-Bridge scripts/performance/utils/executors.py: up to 18 nodes one segment, else
+    the largest node count of at most 18 that divides the job (cases worked by hand)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from published import launcher_segment_devices
+    expected = None if segment_nodes is None else segment_nodes * 4
+    assert launcher_segment_devices("mbridge-x", nodes * 4, 4) == expected
+    assert launcher_segment_devices("nemo2407-x", nodes * 4, 4) is None   # only the launcher that asks for it
