@@ -142,19 +142,23 @@ def _all_to_all(size: float, group: GroupPlacement, links: Links, imbalance: flo
 
 
 def collective_time(op: Collective, size_bytes: float, group: GroupPlacement, cluster: Cluster,
-                    *, imbalance: float = 1.0, allow_in_network: bool = True) -> CollectiveCost:
+                    *, imbalance: float = 1.0, allow_in_network: bool = True,
+                    crossing_share: float | None = None) -> CollectiveCost:
     """Time of one collective over every group of a mesh dim, all groups running at once.
 
     `size_bytes` is the full buffer (nccl-tests' S): the all-reduced tensor, the gathered output,
-    the scattered input, or what one rank sends in an all-to-all.
+    the scattered input, or what one rank sends in an all-to-all. `crossing_share`: for a send_recv, the
+    share of the pipeline's hops that leave the scale-up domain (GroupPlacement.hop_crossing_share).
     """
     if group.size <= 1 or size_bytes <= 0:
         return CollectiveCost.free()
     links = links_for(group, cluster)
     if op is Collective.send_recv:
-        bandwidth = links.inter_bps if group.crosses_domains else links.intra_ring_bps
-        hop = links.inter_hop_s if group.crosses_domains else links.intra_hop_s
-        return _cost(size_bytes / bandwidth, links.base_latency_s + hop, "p2p")
+        # each hop pays the tier it crosses: a share of them leave the domain (all where not given)
+        share = (1.0 if group.crosses_domains else 0.0) if crossing_share is None else crossing_share
+        bandwidth_s = size_bytes * (share / links.inter_bps + (1 - share) / links.intra_ring_bps)
+        hop = share * links.inter_hop_s + (1 - share) * links.intra_hop_s
+        return _cost(bandwidth_s, links.base_latency_s + hop, "p2p")
     if op is Collective.all_to_all:
         return _all_to_all(size_bytes, group, links, imbalance)
     if op is Collective.broadcast:

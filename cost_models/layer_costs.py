@@ -232,7 +232,9 @@ class MeshCosts:
         if self.layout.pp == 1:
             return 0.0
         size = self.activation_message_bytes / (self.layout.tp if self.layout.sp else 1)
-        return self.collective(Collective.send_recv, size, "pp").seconds * (1 - self.stack.pp_hidden)
+        share = self.placement[0].of("pp").hop_crossing_share(self.layout.vp)
+        return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds \
+            * (1 - self.stack.pp_hidden)
 
     def optimizer_s(self, params: float) -> float:
         return memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)

@@ -60,3 +60,41 @@ def test_a_group_over_a_72_device_domain_is_counted_where_it_lands():
     cluster = load_cluster("gb200-nvl72").with_devices(144)
     group = place_dims_together("x", ("x",), (MeshDim("inner", 8), MeshDim("x", 16)), cluster)
     assert (group.ranks_per_domain, group.domains) == (9, 2)
+
+
+def pipeline_chain(pp: int, stride: int, vp: int) -> list[int]:
+    """The ranks a micro-batch visits in order: stage 0..pp-1, vp times over (interleaved chunks)."""
+    return [stage * stride for _ in range(vp) for stage in range(pp)]
+
+
+@pytest.mark.parametrize("cluster_name,devices,pp,stride,vp", [
+    ("dgx-h100", 16, 4, 4, 1), ("dgx-h100", 16, 4, 4, 2), ("dgx-h100", 64, 8, 8, 3), ("dgx-h100", 32, 8, 2, 2),
+    ("gb200-nvl72", 144, 4, 36, 2), ("gb200-nvl72", 144, 8, 18, 1), ("ascend-910c-supernode", 768, 16, 48, 4)])
+def test_the_share_of_pipeline_hops_that_leave_a_domain(cluster_name, devices, pp, stride, vp):
+    """Each hop of the chain a micro-batch travels, counted by hand: stage k to k+1 and, when interleaved,
+    the last stage back to the first before the next chunk."""
+    from hardware_profiles.topology import place_group
+    cluster = load_cluster(cluster_name).with_devices(devices)
+    chain = pipeline_chain(pp, stride, vp)
+    domain = cluster.placement_domain_devices
+    crossing = sum(a // domain != b // domain for a, b in zip(chain, chain[1:]))
+    group = place_group("pp", pp, stride, cluster)
+    assert group.hop_crossing_share(vp) == pytest.approx(crossing / (len(chain) - 1), rel=1e-12)
+
+
+def test_a_pipeline_hop_pays_the_tier_it_crosses():
+    """pp=4 at a stride of 4 on two DGX H100: stage 1 to 2 leaves the node, 0 to 1 and 2 to 3 do not. The
+    hop time is the mean of one inter-node and two NVLink transfers (closed form with the profile's links)."""
+    from cost_models.communication import Collective, collective_time, links_for
+    from hardware_profiles.topology import place_group
+    cluster = load_cluster("dgx-h100").with_devices(16)
+    group = place_group("pp", 4, 4, cluster)
+    links, size = links_for(group, cluster), 64e6
+    share = group.hop_crossing_share(1)
+    assert share == pytest.approx(1 / 3)
+    by_hand = (size / links.inter_bps + links.inter_hop_s) / 3 \
+        + 2 * (size / links.intra_ring_bps + links.intra_hop_s) / 3 + links.base_latency_s
+    got = collective_time(Collective.send_recv, size, group, cluster, crossing_share=share)
+    assert got.seconds == pytest.approx(by_hand, rel=1e-12)
+    whole = collective_time(Collective.send_recv, size, group, cluster)   # every hop over the network
+    assert whole.seconds == pytest.approx(size / links.inter_bps + links.inter_hop_s + links.base_latency_s, rel=1e-12)

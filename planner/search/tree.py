@@ -199,15 +199,21 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     shared = SharedCosts()
     heap: list = []
     solved_models = _SolvedModels()
-    placement_work: dict[tuple, tuple[tuple, tuple, float]] = {}   # (shape, mbs, placement): any vp
+    placement_work: dict[tuple, tuple[tuple, tuple]] = {}   # (shape, mbs, placement): any vp
+    hop_seconds: dict[tuple, float] = {}   # the same and vp: which pipeline hops leave a domain depends on it
 
     def node_communication_bound(node: _Node, layout: Layout) -> float:
         key = (node.shape, node.mbs, node.placement, stack.hides_moe_a2a(layout))
+        costs = None
         if key not in placement_work:  # the last entry: whether MoE all-to-alls overlap (vp-dependent)
             costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
-            placement_work[key] = (*work_before_zero(costs, bounds.fastest), costs.p2p_s())
-        blocks, edges, p2p = placement_work[key]
-        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp), p2p, layout)
+            placement_work[key] = work_before_zero(costs, bounds.fastest)
+        if (key, layout.vp) not in hop_seconds:
+            costs = costs or MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
+            hop_seconds[key, layout.vp] = costs.p2p_s()
+        blocks, edges = placement_work[key]
+        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp), hop_seconds[key, layout.vp],
+                                   layout)
 
     def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
         heapq.heappush(heap, (bound, node.tie_key(), node, costs))
