@@ -83,6 +83,19 @@ def launcher_segment_devices(run_id: str, num_devices: int, devices_per_node: in
     return segment * devices_per_node
 
 
+MODEL_FIELDS_NEEDED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+MOE_FIELDS_NEEDED = ("num_experts", "router_topk", "moe_ffn_hidden_size")
+
+
+def missing_model_fields(run: dict) -> list[str]:
+    """The architecture fields a row leaves null that no prediction can do without."""
+    model = run["model"]
+    missing = [key for key in MODEL_FIELDS_NEEDED if model.get(key) is None]
+    if isinstance(model.get("moe"), dict):
+        missing += [f"moe.{key}" for key in MOE_FIELDS_NEEDED if model["moe"].get(key) is None]
+    return missing
+
+
 def _model(run: dict) -> ModelConfig:
     m = run["model"]
     activation = m.get("activation") or "gelu"
@@ -128,6 +141,10 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
         step, field = _step_time(run, gbs, seq)
         if step is None:
             skipped.append((run["id"], "no measured step time or throughput"))
+            continue
+        missing = missing_model_fields(run)
+        if missing:
+            skipped.append((run["id"], f"model fields not given: {', '.join(missing)}"))
             continue
         try:
             model = _model(run)

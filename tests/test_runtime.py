@@ -75,10 +75,13 @@ def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple
     proc = launch(nproc, "--steps", str(STEPS), *TRAIN, "--cases", str(spec), "--dump-grads", str(directory))
     (directory / "stderr.txt").write_text(proc.stderr)
     by_case: dict[str, list[float]] = {case["name"]: [] for case in cases}
+    steps: dict[str, list[int]] = {case["name"]: [] for case in cases}
     for line in proc.stdout.splitlines():
-        if line.startswith("case "):
-            _, name, _, _, _, value = line.split()
+        if line.startswith("case ") and " step " in line:
+            _, name, _, step, _, value = line.split()
             by_case[name].append(float(value))
+            steps[name].append(int(step))
+    (directory / "steps.json").write_text(json.dumps(steps))
     return {name: (values, directory / name) for name, values in by_case.items()}
 
 
@@ -177,10 +180,32 @@ def case_model(case) -> str:
 CLIPPED_CASES = [("clip-pp2", 2, "pp=2,mbs=2"), ("clip-dp2-tp2-zero3", 4, "dp=2,tp=2,zero=3")]
 
 
+# checkpoints written under tp2 after step 2, synchronously and with dcp.async_save, then resumed under other
+# layouts (the 2-rank launch saves before it resumes; the 4-rank launch comes after it); the last resumes
+# with AdamW's moments dropped, which the comparison must notice
+RESUMES = [("dp2-zero1-from-async", 2, "dp=2,zero=1", "async"), ("pp2", 2, "pp=2,mbs=2", "sync"),
+           ("tp2-dp2", 4, "tp=2,dp=2", "sync")]
+
+
+def checkpoint_cases(nproc: int, directory: Path) -> list[dict]:
+    saved = {kind: str(directory / f"ckpt-{kind}") for kind in ("sync", "async")}
+    resume = {"model": "tiny-llama", "steps": 2, "resume": True}
+    cases = [{"name": f"save-{kind}", "model": "tiny-llama", "layout": "tp=2", "steps": 2, "save_at": 2,
+              "checkpoint": path, "async_save": kind == "async"} for kind, path in saved.items()] if nproc == 2 else []
+    cases += [{"name": name, "layout": layout, "checkpoint": saved[source], **resume}
+              for name, world, layout, source in RESUMES if world == nproc]
+    if nproc == 2:
+        cases.append({"name": "dropped", "layout": "dp=2,zero=1", "checkpoint": saved["sync"],
+                      "drop_optimizer_state": True, **resume})
+    return cases
+
+
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
     """One launch per world size runs all of that size's layouts (issue 14: runtime tests in minutes), the
-    bf16 cases and, on 4 ranks, the plan `planner plan` writes for 4 CPU devices."""
+    bf16 cases, the checkpoint saves and resumes and, on 4 ranks, the plan `planner plan` writes for 4 CPU
+    devices."""
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
     plan_file = tmp_path_factory.mktemp("plan") / "plan.yaml"
     subprocess.run([str(Path(sys.executable).parent / "planner"), "plan", "--model", "tiny-llama", "--device", "cpu",
                     "--num-devices", "4", "--devices-per-node", "2", "--global-batch", "8", "--stack",
@@ -193,9 +218,12 @@ def layout_runs(tmp_path_factory):
         cases += [{"name": c[0], "layout": c[2], **CLIPPED} for c in CLIPPED_CASES if c[1] == nproc]
         cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES if c[1] == nproc]
         cases += [planned] if nproc == 4 else []
+        cases += checkpoint_cases(nproc, checkpoints)
         directory = tmp_path_factory.mktemp(f"world{nproc}")
         runs.update(run_cases(nproc, cases, directory))
         runs[f"stderr{nproc}"] = (directory / "stderr.txt").read_text()
+        runs.update({f"steps:{name}": steps for name, steps in
+                     json.loads((directory / "steps.json").read_text()).items()})
     return runs
 
 
@@ -214,45 +242,28 @@ def test_gradient_clipping_uses_the_global_norm(reference, layout_runs, case):
     assert len(reference["clip"][0]) == CLIPPED["steps"]
 
 
-RESUMES = [("dp2-zero1-from-async", 2, "dp=2,zero=1", "async"), ("pp2", 2, "pp=2,mbs=2", "sync"),
-           ("tp2-dp2", 4, "tp=2,dp=2", "sync")]
 
 
-def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(reference, tmp_path):
+def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(reference, layout_runs):
     """Written under tp2 after step 2 (AdamW moments, step, learning rate, RNG), once synchronously and once
     with dcp.async_save, resumed under dp2 (ZeRO-1, from the asynchronous one), pp2 and tp2 x dp2: steps 3
     and 4 are those of the uninterrupted run, losses and gradients (an optimizer restarted from zero moments
     moves the step-4 loss by about 3e-4, which a resume that drops them shows)."""
     ref_losses, ref_grads = reference["tiny-llama"]
-    saved = {kind: tmp_path / kind for kind in ("sync", "async")}
-    spec = tmp_path / "save.json"
-    spec.write_text(json.dumps([{"name": kind, "layout": "tp=2", "checkpoint": str(path), "async_save": kind == "async"}
-                                for kind, path in saved.items()]))
-    launch(2, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--save-at", "2", "--cases", str(spec))
-    # the check can fail: the same resume with AdamW's moments dropped misses step 4 (step 3's loss comes
-    # before the first resumed update)
-    dropped = {"name": "dropped", "layout": "dp=2,zero=1", "checkpoint": str(saved["sync"]), "resume": True,
-               "drop_optimizer_state": True}
-    for nproc in (2, 4):
-        cases = [{"name": name, "layout": layout, "checkpoint": str(saved[source]), "resume": True}
-                 for name, world, layout, source in RESUMES if world == nproc]
-        with_dropped = cases + ([dropped] if nproc == 2 else [])
-        spec = tmp_path / f"resume{nproc}.json"
-        spec.write_text(json.dumps(with_dropped))
-        resumed = launch(nproc, "--model", "tiny-llama", "--steps", "2", *TRAIN, "--cases", str(spec),
-                         "--dump-grads", str(tmp_path / f"grads{nproc}"))
-        for case in cases:
-            mine = [line.split() for line in resumed.stdout.splitlines() if line.startswith(f"case {case['name']} step")]
-            assert [words[3] for words in mine] == ["3", "4"]
-            assert [float(words[-1]) for words in mine] == pytest.approx(ref_losses[2:4], rel=LOSS_TOLERANCE), case
-            assert_gradients_match(tmp_path / f"grads{nproc}" / case["name"], ref_grads, (3, 4))
-        # no zero= stated beside tp: the lowest stage this runtime runs there (FSDP2's), and that is said
-        assert ("--layout states no zero: ZeRO-2" in resumed.stderr) == (nproc == 4)
-        if nproc == 2:
-            fresh = [float(line.split()[-1]) for line in resumed.stdout.splitlines()
-                     if line.startswith("case dropped step")]
-    assert len(fresh) == 2 and fresh[0] == pytest.approx(ref_losses[2], rel=LOSS_TOLERANCE)
+    for kind in ("sync", "async"):
+        assert layout_runs[f"steps:save-{kind}"] == [1, 2]
+        assert layout_runs[f"save-{kind}"][0] == pytest.approx(ref_losses[:2], rel=LOSS_TOLERANCE)
+    for name, _, _, _ in RESUMES:
+        losses_got, grads = layout_runs[name]
+        assert layout_runs[f"steps:{name}"] == [3, 4]
+        assert losses_got == pytest.approx(ref_losses[2:4], rel=LOSS_TOLERANCE), name
+        assert_gradients_match(grads, ref_grads, (3, 4))
+    fresh, _ = layout_runs["dropped"]
+    assert layout_runs["steps:dropped"] == [3, 4]
+    assert fresh[0] == pytest.approx(ref_losses[2], rel=LOSS_TOLERANCE)
     assert fresh[1] != pytest.approx(ref_losses[3], rel=LOSS_TOLERANCE * 100)
+    # no zero= stated beside tp (tp2-dp2): the lowest stage this runtime runs there (FSDP2's), and that is said
+    assert "--layout states no zero: ZeRO-2" in layout_runs["stderr4"]
 
 
 def test_plan_from_the_planner_runs_as_is(reference, layout_runs):
