@@ -228,11 +228,13 @@ class MeshCosts:
             buffers += 2 * max(self.layer(kind).weight_bytes_unsharded for kind in self.model.kinds)
         return buffers
 
-    def p2p_s(self) -> float:
+    def p2p_s(self, vp: int | None = None) -> float:
+        """One pipeline hop's exposed seconds, its tier mixed as the chain's hops cross it (at the layout's
+        virtual stages, or at `vp` for a bound over several)."""
         if self.layout.pp == 1:
             return 0.0
         size = self.activation_message_bytes / (self.layout.tp if self.layout.sp else 1)
-        share = self.placement[0].of("pp").hop_crossing_share(self.layout.vp)
+        share = self.placement[0].of("pp").hop_crossing_share(vp or self.layout.vp)
         return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds \
             * (1 - self.stack.pp_hidden)
 

@@ -147,6 +147,10 @@ class _Tree:
                 for shape in mesh_shapes(p.graph, p.cluster.num_devices, p.global_batch, p.pins, self.fast)
                 for vp, mbs in schedule_choices(p.graph, shape, p.global_batch, p.pins)]
 
+    def virtual_stage_choices(self, shape: MeshShape) -> set[int]:
+        p = self.problem
+        return {vp for vp, _ in schedule_choices(p.graph, shape, p.global_batch, p.pins)}
+
     def placements(self, shape: MeshShape) -> list:
         if shape not in self._placements:
             self._placements[shape] = placement_choices(self.problem.graph, shape, self.problem.pins, self.fast)
@@ -199,21 +203,18 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     shared = SharedCosts()
     heap: list = []
     solved_models = _SolvedModels()
-    placement_work: dict[tuple, tuple[tuple, tuple]] = {}   # (shape, mbs, placement): any vp
-    hop_seconds: dict[tuple, float] = {}   # the same and vp: which pipeline hops leave a domain depends on it
+    # (shape, mbs, placement, MoE overlap): the work before ZeRO, any vp; and a pipeline hop's seconds at
+    # each vp (which hops leave a domain depends on it), from the costs of the placement's first layout
+    placement_work: dict[tuple, tuple[tuple, tuple, dict[int, float]]] = {}
 
     def node_communication_bound(node: _Node, layout: Layout) -> float:
         key = (node.shape, node.mbs, node.placement, stack.hides_moe_a2a(layout))
-        costs = None
         if key not in placement_work:  # the last entry: whether MoE all-to-alls overlap (vp-dependent)
             costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
-            placement_work[key] = work_before_zero(costs, bounds.fastest)
-        if (key, layout.vp) not in hop_seconds:
-            costs = costs or MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
-            hop_seconds[key, layout.vp] = costs.p2p_s()
-        blocks, edges = placement_work[key]
-        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp), hop_seconds[key, layout.vp],
-                                   layout)
+            hops = {vp: costs.p2p_s(vp) for vp in tree.virtual_stage_choices(node.shape)}
+            placement_work[key] = (*work_before_zero(costs, bounds.fastest), hops)
+        blocks, edges, hops = placement_work[key]
+        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp), hops[layout.vp], layout)
 
     def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
         heapq.heappush(heap, (bound, node.tie_key(), node, costs))
