@@ -81,11 +81,29 @@ def fit(items, measured_half: float | None = None):
     best = None
     halves = HALF_WORK_GRID_GFLOP if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK_GRID_GFLOP[:1]
     for half in ([measured_half] if measured_half is not None else halves):
-        for sustained in SUSTAINED:
-            score = statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half))
-            if best is None or score < best[0]:
-                best = (score, sustained, half)
+        score, sustained = fit_sustained(items, half)
+        if best is None or score < best[0]:
+            best = (score, sustained, half)
     return best
+
+
+def fit_sustained(items, half: float) -> tuple[float, float]:
+    """(capped mean error, sustained fraction) of the best sustained fraction at a saturation scale."""
+    return min((statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half)), sustained)
+               for sustained in SUSTAINED)
+
+
+def fit_silicon_half(fitting_by_device: dict[str, list]) -> float:
+    """The GEMM saturation scale shared by devices of one silicon (B200 alone and in GB200 NVL72: the same
+    GPU and kernels), fitted on their fitting runs together, each device keeping its own sustained fraction
+    (clocks and power differ): the scale is the kernels', and one device's few runs cannot fix it alone."""
+    items = [item for group in fitting_by_device.values() for item in group]
+    if len(items) < MIN_RUNS_FOR_TWO:
+        return HALF_WORK_GRID_GFLOP[0]
+    def pooled(half: float) -> float:
+        errors = [fit_sustained(group, half)[0] * len(group) for group in fitting_by_device.values() if group]
+        return sum(errors) / len(items)
+    return min(HALF_WORK_GRID_GFLOP, key=pooled)
 
 
 def write_profile(device: str, sustained: float, half: float) -> None:
@@ -104,17 +122,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     runs, _ = load_runs(args.runs)
     halves = split_runs(runs)
+    fitted = {device: (fixed_layouts(fitting_runs, args.time_limit), fixed_layouts(held_runs, args.time_limit))
+              for device, (fitting_runs, held_runs) in halves.items()}
+    silicon_half = {}
+    for device, others in SAME_SILICON.items():   # devices of one silicon that all have runs share the scale
+        members = [d for d in (device, *others) if d in fitted and d not in MEASURED_GEMMS]
+        if len(members) > 1:
+            shared = fit_silicon_half({d: fitted[d][0] for d in members})
+            silicon_half.update({d: shared for d in members})
     for device, (fitting_runs, held_runs) in sorted(halves.items()):
         device_runs = fitting_runs + held_runs
-        fitting = fixed_layouts(fitting_runs, args.time_limit)
-        held_out = fixed_layouts(held_runs, args.time_limit)
+        fitting, held_out = fitted[device]
         measured = MEASURED_GEMMS.get(device)
         measured_half = (measured_half_work(json.loads(measured.read_text()), device_runs[0].cluster.device)
-                         if measured else None)
+                         if measured else silicon_half.get(device))
         score, sustained, half = fit(fitting, measured_half)
         held = errors_with(held_out, sustained, half) if held_out else []
         print(f"{device}: sustained_fraction={sustained} half_work_gflop={half}"
-              f"{' (measured)' if measured else ''}  fit MAPE {score:.1%} on "
+              f"{' (measured)' if measured else ' (silicon)' if device in silicon_half else ''}  fit MAPE {score:.1%} on "
               f"{len(fitting)} runs; held-out MAPE "
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
               f"({', '.join(run.id for run, _ in held_out)})")

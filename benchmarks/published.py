@@ -34,11 +34,19 @@ FAMILY_STACK_SETTINGS = {
 DEFAULT_FAMILY_STACK = "nemo"
 
 
+# Per-run stack facts read in the launcher a run used (a user passes them as the CLI's stack flags)
+RUN_STACK_SETTINGS = {
+    # NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py @6476ea0f (October 2025, the 25.09 line):
+    # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) with DeepEP: `--moe-a2a-overlap`
+    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True},
+}
+
+
 def run_stack(run_id: str) -> SoftwareStack:
     """The software stack a published run is predicted with, through the public API's `stack=`."""
     family = run_id.split("-")[0]
     stack = load_stack(FAMILY_STACKS.get(family, DEFAULT_FAMILY_STACK))
-    settings = FAMILY_STACK_SETTINGS.get(family)
+    settings = {**FAMILY_STACK_SETTINGS.get(family, {}), **RUN_STACK_SETTINGS.get(run_id, {})}
     return stack.model_copy(update=settings) if settings else stack
 
 

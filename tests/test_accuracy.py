@@ -12,8 +12,10 @@ pytestmark = pytest.mark.skipif(not DEFAULT_RUNS.exists(), reason="shared/valida
 
 # runs from calibrate's held-out half (checked below), one per stack family where the half has one
 QUICK = ["narayanan21-18b", "korthikanti22-22b-full", "nemo2407-llama2-7b-8gpu", "nemo2407-gpt3-20b-64gpu"]
-# MoE on GB200 NVL72 as NVIDIA's launcher placed it (64 GPUs in each rack: Slurm --segment), held out too
-QUICK_MOE = ["mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp", "mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu"]
+# MoE on Blackwell, held out too: GB200 NVL72 as NVIDIA's launcher placed it (64 GPUs in each rack: Slurm
+# --segment), B200 with the saturation scale fitted on both devices' runs
+QUICK_MOE = ["mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp", "mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu",
+             "mbridge-25p11-b200-qwen3-235b-a22b-mxfp8-64gpu"]
 # published layouts that ran with every degree and the micro-batch given
 PUBLISHED_LAYOUTS = ["korthikanti22-22b-selective", "korthikanti22-175b-selective", "korthikanti22-1t-full",
                      "bloom-176b-384gpu", "nemo2407-gpt3-5b-64gpu", "nemo2407-gpt3-20b-64gpu",
