@@ -42,6 +42,13 @@ MISS_NOTES = {
         "with FP8 current scaling takes 3.5-3.7 ms per forward whatever the tokens, 0.8-1.3 ms in BF16: "
         "host time for launches and casts that the model does not bill. What the 25.11 FP8 recipe spent is "
         "in no source, and a per-run factor is not allowed: the miss stands."),
+    "dgxc-250504-dsv3-bf16-h100-512gpu": (
+        "Predicted 25% fast. The published layout (TP2 PP8 EP64, no virtual stages) fits only with full "
+        "recomputation in the memory model, and the search picks per-layer recomputation. NeMo's DeepSeek-V3 "
+        "pretraining recipe (NVIDIA/NeMo nemo/collections/llm/recipes/deepseek_v3.py, stored version "
+        "00f65dd, date unknown) trains with multi-token prediction and recomputes mla_up_proj, layernorm, "
+        "moe and mlp, work this prediction does not bill (no MTP in the model; no module-list recompute); "
+        "which recipe the 25.04 benchmark ran is not stated, so nothing is changed for it."),
     "mbridge-25p09-gb200-llama3-70b-prec-na-64gpu": PREC_NA_NOTE,
     "mbridge-25p09-gb200-llama3p1-405b-prec-na-128gpu": PREC_NA_NOTE,
 }
