@@ -54,7 +54,8 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     # the convention of every MFU here: model FLOPs with the full s^2 attention term (Megatron's and NVIDIA's
     # published figures count it so), over the BF16 dense peak whatever the precision trained
     head.add_row("utilisation", f"{result.tflops_per_device:.0f} TFLOP/s per device, MFU {result.mfu:.1%}, "
-                 f"HFU {result.hfu:.1%} (model FLOPs, attention not halved for causality, of the BF16 dense peak)")
+                 f"HFU {result.hfu:.1%}")
+    head.add_row("MFU basis", "model FLOPs, attention not halved; BF16 dense peak")
     if goodput:
         head.add_row("goodput", f"ETTR {goodput['ettr']:.1%} -> goodput {goodput['goodput']:.1%}; "
                      f"{goodput['interruptions_per_day']:.2f} interruptions/day; checkpoint every "
