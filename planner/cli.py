@@ -16,6 +16,7 @@ from hardware_profiles.loader import list_stacks, load_stack, resolve_stack
 from hardware_profiles.stack import DEFAULT_STACK
 
 from . import api, exports, views
+from .entry import INTERRUPTED, recorded_interrupts
 from .capture.model_capture import capture
 from .goodput_report import goodput_summary, parse_recovery, plan_goodput
 from .output_paths import check_plan_file, check_report_dir
@@ -40,7 +41,6 @@ app.add_typer(models_app, name="models")
 app.add_typer(stacks_app, name="stacks")
 out = Console()
 err = Console(stderr=True)
-INTERRUPTED = 128 + 2   # the shell's status for a process ended by SIGINT
 
 ModelOpt = typer.Option(..., "--model", help="built-in name, model .yaml, HF config.json or file.py:factory")
 ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML path")
@@ -79,7 +79,13 @@ def _progress():
     progress = Progress(TextColumn("searching layouts"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         console=err, transient=True, disable=not err.is_terminal)
     task = progress.add_task("search", total=1)
-    return progress, lambda done, total: progress.update(task, completed=done, total=total)
+    interrupts = recorded_interrupts()
+
+    def report(done: int, total: int) -> None:
+        if interrupts is not None:   # a Ctrl-C some library swallowed ends the search here
+            interrupts.raise_if_seen()
+        progress.update(task, completed=done, total=total)
+    return progress, report
 
 
 def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
