@@ -54,7 +54,7 @@ def test_a_refitted_profile_predicts_a_held_out_run(tmp_path):
     lines = (tmp_path / "tel8" / "rank-1.jsonl").read_text().splitlines()
     header, records = json.loads(lines[0])["header"], [json.loads(line) for line in lines[1:]]
     assert header["predicted"]["compute_s"] == pytest.approx(runs[8].breakdown["compute_s"])
-    assert header["device"] == device   # the user's file, not the built-in profile of the same name
+    assert header["device"] == str(Path(device).resolve())   # the user's file, not the built-in of that name
     assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:   # the parts add up to the step
         assert r["step_s"] == pytest.approx(r["forward_backward_s"] + r["checks_s"] + r["optimizer_s"]
