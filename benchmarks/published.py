@@ -55,6 +55,11 @@ RECIPE_SETTINGS = {
     # NeMo-Framework-Launcher conf/training/nemotron/nemotron_340b.yaml: optim mcore_distributed_optim,
     # grad_sync_dtype: bf16 (the family's other recipes use distributed_fused_adam without it)
     "nemo2407-nemotron-340b-128gpu": {"grad_reduce": "bf16"},
+    # MT-NLG (arXiv 2201.11990 section 2.4): its 126/121/113 TFLOP/s per GPU are Narayanan et al.'s Eq. 3 applied
+    # to the measured 60.1/50.2/44.4 s, the count that includes the recomputed forward pass (96 B s l h^2 ...;
+    # the rows' flops_convention), so the runs recomputed every layer's activations; cli99/llm-analysis
+    # examples/megatron-turing-nlg/run_train.sh reproduces them with --activation_recomputation 2 (full)
+    **{f"mtnlg-530b-{n}gpu": {"recompute": "full"} for n in (2240, 2800, 3360)},
 }
 
 
