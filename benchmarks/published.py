@@ -11,6 +11,7 @@ from hardware_profiles.loader import cluster_from_device, list_devices, load_sta
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
+from planner.api import resolve_cluster
 from planner.capture.model_config import MLAConfig, ModelConfig, MoEConfig
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "published_runs.yaml"
@@ -173,10 +174,9 @@ def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list
             known["sp"] = bool(layout["sequence_parallel"])
         known.update(RECIPE_SETTINGS.get(run["id"], {}))
         cluster = cluster_from_device(hardware["device"], hardware["num_devices"], hardware.get("devices_per_node"))
-        segment = launcher_segment_devices(run["id"], cluster.num_devices, cluster.devices_per_node)
-        if segment is not None:
-            cluster = cluster_from_device(hardware["device"], hardware["num_devices"],
-                                          hardware.get("devices_per_node"), segment)
+        # as a user passes --segment-devices: the same check, the same cluster
+        cluster = resolve_cluster(cluster, segment_devices=launcher_segment_devices(
+            run["id"], cluster.num_devices, cluster.devices_per_node))
         precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
                                  run["measured"].get("flops_convention", ""), precision))

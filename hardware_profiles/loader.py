@@ -99,7 +99,7 @@ def parse_device(data: dict, source: str) -> Device:
 
 
 def load_device(name_or_path: str) -> Device:
-    path = _resolve(name_or_path, DEVICE_DIR, list_devices(), "device")
+    path = device_profile_path(name_or_path)
     device = parse_device(read_yaml_mapping(path), str(path))
     device._profile = _profile_name(path, DEVICE_DIR)
     return device

@@ -193,17 +193,11 @@ class Cluster(Strict):
         return ""
 
     @property
-    def job_segment_devices(self) -> int | None:
-        """Devices per segment where the job spans several segments (None: rank order, or one segment)."""
-        segment = self.segment_devices
-        return segment if segment is not None and self.num_devices > segment else None
-
-    @property
     def domain_use(self) -> "DomainUse":
         """How the job's devices fill the scale-up domains: in equal segments where set, else ranks go to
         domains in order, domain by domain."""
-        segment = self.job_segment_devices
-        if segment is not None:
+        segment = self.segment_devices
+        if segment is not None and self.num_devices > segment:   # a job within one segment is one domain's
             return DomainUse(self.fast_domain_devices, self.num_devices // segment, 0, segment)
         full, partial = divmod(self.num_devices, self.fast_domain_devices)
         return DomainUse(self.fast_domain_devices, full, partial)

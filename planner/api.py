@@ -36,12 +36,13 @@ def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | 
     resolved = _resolve_cluster(cluster, device, num_devices, devices_per_node)
     if segment_devices is None:
         return resolved
-    problem = resolved.model_copy(update={"segment_devices": segment_devices}).segment_problem(resolved.num_devices)
+    segmented = resolved.model_copy(update={"segment_devices": segment_devices})   # checked here, not by pydantic
+    problem = segmented.segment_problem(segmented.num_devices)
     if problem:
         raise UserInputError(problem, field="--segment-devices",
                              expected=f"whole nodes of {resolved.devices_per_node}, at most the "
                              f"{resolved.fast_domain_devices}-device domain, dividing {resolved.num_devices} devices")
-    return resolved.model_copy(update={"segment_devices": segment_devices})
+    return segmented
 
 
 def _resolve_cluster(cluster, device: str | None, num_devices: int | None, devices_per_node: int | None) -> Cluster:
@@ -162,7 +163,8 @@ def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int
 def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, precision: str | None = None,
          device: str | None = None, num_devices: int | None = None, devices_per_node: int | None = None,
          segment_devices: int | None = None, time_limit_s: float = 60.0, top_k: int = 3, stack=None,
-         ep_imbalance: float = 1.0, leaf_modules: tuple[str, ...] = (), strict_capture: bool = False, progress=None, **fix) -> Plan:
+         ep_imbalance: float = 1.0, leaf_modules: tuple[str, ...] = (), strict_capture: bool = False, progress=None,
+         **fix) -> Plan:
     """Search the fastest layout that fits: `planner.plan("llama3-70b", "dgx-h100", global_batch=1024, tp=8)`.
 
     `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.

@@ -126,8 +126,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
                           stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap),
                           leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, **pins)
-    extra = _goodput_summary(result, model, cluster, device, num_devices, devices_per_node, segment_devices,
-                             seq_len, recovery_settings) if objective == "goodput" else None
+    extra = _goodput_summary(result, model, seq_len, recovery_settings) if objective == "goodput" else None
     if out_path:
         result.save(out_path)
     _emit(result, as_json, extra)
@@ -135,9 +134,10 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         out.print(f"plan written to {out_path}")
 
 
-def _goodput_summary(result: Plan, model, cluster, device, num_devices, per_node, segment, seq_len, recovery) -> dict:
-    resolved = api.resolve_cluster(cluster, device, num_devices, per_node, segment)
-    return goodput_summary(plan_goodput(result, resolved, capture(model, seq_len).total_params, recovery))
+def _goodput_summary(result: Plan, model, seq_len, recovery) -> dict:
+    """Goodput on the cluster the plan names (its profile, device count and segments)."""
+    return goodput_summary(plan_goodput(result, api.plan_cluster(result), capture(model, seq_len).total_params,
+                                        recovery))
 
 
 @app.command()

@@ -139,6 +139,7 @@ class _Tree:
         self.problem = problem
         self.fast = problem.cluster.fast_domain_devices
         self._placements: dict[MeshShape, list] = {}
+        self._virtual_stages: dict[MeshShape, set[int]] = {}
         self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
 
     def roots(self) -> list[_Node]:
@@ -148,8 +149,10 @@ class _Tree:
                 for vp, mbs in schedule_choices(p.graph, shape, p.global_batch, p.pins)]
 
     def virtual_stage_choices(self, shape: MeshShape) -> set[int]:
-        p = self.problem
-        return {vp for vp, _ in schedule_choices(p.graph, shape, p.global_batch, p.pins)}
+        if shape not in self._virtual_stages:
+            p = self.problem
+            self._virtual_stages[shape] = {vp for vp, _ in schedule_choices(p.graph, shape, p.global_batch, p.pins)}
+        return self._virtual_stages[shape]
 
     def placements(self, shape: MeshShape) -> list:
         if shape not in self._placements:
