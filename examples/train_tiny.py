@@ -397,7 +397,7 @@ def run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, ste
         except HealthStop as exc:
             print(f"error (rank {rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
             os._exit(4)
-        except (RuntimeError, dist.DistError) as exc:   # a peer stopped or died mid-collective
+        except (RuntimeError, dist.DistError) as exc:   # a peer lost mid-collective, or this rank failed
             watchdog.fail(step, exc)
         step_s = time.perf_counter() - started
         if rank == 0:

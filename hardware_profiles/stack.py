@@ -41,15 +41,19 @@ class SoftwareStack(Strict):
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
     per_layer_recompute: bool                # each layer its own method; else every layer checkpoints or none does
     fp8_recipes: tuple[Fp8RecipeName, ...] = Field(strict=False)   # first is the default; empty: no FP8 training
-    context_parallel_attention: Literal["any", "reference"]   # attention it can split by sequence: its own
-    #                                        layers' ("any": the model is written for the framework) or only
-    #                                        the reference decoder's CoreAttention (this project's runtime)
+    context_parallel_attention: Literal["any", "reference", "sdpa"]   # attention it can split by sequence:
+    #                                        its own layers' ("any": the model is written for the framework),
+    #                                        only the reference decoder's CoreAttention, or that and any causal
+    #                                        scaled_dot_product_attention without a sliding window (this runtime)
     expert_parallel_experts: Literal["any", "stacked"]        # experts it can spread: any, or stacked weights
-    #                                        with the reference MoE's route/routed protocol
+    #                                        with the reference MoE's route/routed protocol or in a module
+    #                                        called with the routing (transformers 5.x experts)
     tensor_parallel_projections: Literal["any", "separate"]   # projections it can column-split: fused ones
     #                                        cut into parts by the model ([q | k | v]) too, or separate only
-    pipeline_models: Literal["any", "traceable"]              # models it cuts into pipeline stages: any (its
-    #                                        own layers), or those torch.fx traces (the runtime cuts the fx graph)
+    pipeline_models: Literal["any", "traceable", "sequential"]  # models it cuts into pipeline stages: any (its
+    #                                        own layers); those torch.fx traces (cut from the fx graph); or those
+    #                                        too whose forward calls its block list in order (a stage runs the
+    #                                        model's own forward over its blocks: runtime/sequential_stage.py)
 
     # what it fuses and overlaps (cost models)
     flash_attention: bool                    # fused attention: no s x s tensors stored, masked blocks skipped

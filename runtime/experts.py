@@ -1,8 +1,9 @@
 """Expert parallelism: routed experts sharded over an `ep` group, tokens dispatched and combined with
 `all_to_all_single` (uneven splits, autograd through the functional collectives).
 
-Applies to MoE modules that follow the reference protocol (`route`, `routed`, stacked expert weights
-with `num_experts` rows, as `planner.reference_model.MoE`). The ep group folds over the data-parallel
+Applies to MoE modules with stacked expert weights (`num_experts` rows) that follow the reference protocol
+(`route`, `routed`, as `planner.reference_model.MoE`), or whose experts module is called with the routing,
+(tokens, expert index, routing weight), as transformers 5.x's are. The ep group folds over the data-parallel
 ranks; with ep < dp the remaining factor is an expert-data-parallel group whose gradients are summed.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from planner.capture.graph import ModelGraph
-from planner.capture.graph_analysis import routed_experts
+from planner.capture.graph_analysis import indexed_experts, routed_experts
 from planner.capture.reference_model import activate
 
 
@@ -73,6 +74,40 @@ def _ep_routed(self, tokens, weights, chosen):
     return torch.zeros_like(tokens).index_add(0, token_of, y_back * scale)
 
 
+def _ep_indexed(self, tokens, expert_index, weights):
+    """An experts module called with the routing (transformers): the same dispatch and combine, the
+    module's own code run on the tokens this rank received, with their local expert index, its weights
+    this rank's shard (weights of one: the routing weights are applied after the combine)."""
+    if getattr(self, "_ep_inside", False):
+        return type(self).forward(self, tokens, expert_index, weights)
+    group, ep = self._ep_group, self._ep_size
+    local = self._ep_num_experts // ep
+    top_k = expert_index.shape[-1]
+    flat = expert_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    expert_sorted = flat[order]
+    send = torch.bincount(expert_sorted // local, minlength=ep)
+    recv = funcol.all_to_all_single(send, [1] * ep, [1] * ep, group).wait()
+    send_splits, recv_splits = _splits(send), _splits(recv)
+    x_recv = funcol.all_to_all_single_autograd(tokens[token_of], recv_splits, send_splits, group)
+    e_recv = funcol.all_to_all_single(expert_sorted, recv_splits, send_splits, group).wait() - self._ep_rank * local
+    shards = {name: param.to_local() for name, param in self.named_parameters(recurse=False)
+              if isinstance(param, DTensor)}
+    counts = {name: getattr(self, name) for name in self._ep_count_attributes}
+    self._ep_inside = True
+    vars(self).update({name: local for name in counts})   # its code sizes by the experts it holds
+    try:
+        y_recv = torch.func.functional_call(self, shards, (x_recv, e_recv[:, None], torch.ones_like(
+            e_recv[:, None], dtype=x_recv.dtype)))
+    finally:
+        self._ep_inside = False
+        vars(self).update(counts)
+    y_back = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
+    scale = weights.reshape(-1)[order][:, None].to(y_back.dtype)
+    return torch.zeros_like(tokens).index_add(0, token_of, y_back * scale)
+
+
 def _expert(activation: str, x, w_up, w_gate, w_down):
     return activate(activation, x @ w_up, x @ w_gate if w_gate is not None else None) @ w_down
 
@@ -97,9 +132,14 @@ def apply_ep(module: nn.Module, graph: ModelGraph, ep_mesh: DeviceMesh,
             continue
         moe = module.get_submodule(f"{slot.module_name}.{structure.expert_container}")
         found = routed_experts(moe)
-        if found is None or found.module_list is not None or not hasattr(moe, "routed"):
+        indexed = indexed_experts(moe)
+        if found is None or found.module_list is not None or not (hasattr(moe, "routed") or indexed is not None):
             raise ValueError(f"{slot.module_name}.{structure.expert_container}: expert parallelism needs stacked "
-                             "expert weights and the route/routed protocol of planner.reference_model.MoE")
+                             "expert weights, with the route/routed protocol of planner.reference_model.MoE or "
+                             "in a module called with (tokens, expert index, routing weight)")
+        if indexed is not None and expert_mesh is not None:
+            raise ValueError(f"{slot.module_name}.{structure.expert_container}: expert tensor parallelism (etp > 1) "
+                             "splits only the reference MoE's experts; run this model's experts with etp=1")
         for sub in moe.modules():
             for pname, param in list(sub.named_parameters(recurse=False)):
                 if id(param) in found.param_ids:
@@ -107,9 +147,16 @@ def apply_ep(module: nn.Module, graph: ModelGraph, ep_mesh: DeviceMesh,
                     sharded = nn.Parameter(distribute_tensor(param.data, mesh, _placements(pname, expert_mesh is not None)))
                     setattr(sub, pname, sharded)
                     params.append(sharded)
-        moe._ep_group, moe._ep_size, moe._ep_rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
-        moe._etp_mesh = expert_mesh["etp"] if expert_mesh is not None else None
-        moe.routed = types.MethodType(_ep_routed, moe)
+        owner = moe if indexed is None else indexed
+        owner._ep_group, owner._ep_size, owner._ep_rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+        if indexed is None:
+            moe._etp_mesh = expert_mesh["etp"] if expert_mesh is not None else None
+            moe.routed = types.MethodType(_ep_routed, moe)
+        else:
+            indexed._ep_num_experts = found.count
+            indexed._ep_count_attributes = [name for name, value in vars(indexed).items() if "expert" in name
+                                            and isinstance(value, int) and value == found.count]
+            indexed.forward = types.MethodType(_ep_indexed, indexed)
     return params
 
 

@@ -30,6 +30,7 @@ from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
 from . import mixed_precision
 from .parallelize import apply_ac, apply_dp, apply_tp, uses_fsdp
+from .sequential_stage import sequential_stage
 from .split import split_stage
 from .tied import StageTies, retie, tied_names
 
@@ -87,13 +88,12 @@ class ParallelModel:
     # -- construction ---------------------------------------------------------------------------
     def _build_modules(self, model: nn.Module, graph: ModelGraph, recompute) -> list[nn.Module]:
         dims = self.dims
-        names = [slot.module_name for slot in graph.blocks]
         chunks = chunk_blocks(self.layout.stage_layers)
         if dims.pp == 1:
             modules = [model]
         else:
             mine = [j for j in range(len(chunks)) if j % dims.pp == self.local["pp"]]
-            modules = [split_stage(model, names, chunks[j], j == 0, j == len(chunks) - 1) for j in mine]
+            modules = [self._stage(model, graph, chunks[j], j == 0, j == len(chunks) - 1) for j in mine]
             self.chunk_ids = mine
         self.expert_params: list[nn.Parameter] = []
         if dims.ep > 1:
@@ -105,7 +105,7 @@ class ParallelModel:
                 apply_tp(module, graph, self.mesh["tp"], dims.sp)
                 retie(module, self.tied)
             if dims.cp > 1:
-                apply_cp(module, self.mesh["cp"], graph.seq_len)
+                apply_cp(module, graph, self.mesh["cp"], graph.seq_len)
             experts = apply_ep(module, graph, self.ep_mesh, self.expert_mesh) if dims.ep > 1 else []
             self.expert_params += experts
             apply_ac(module, graph, recompute)
@@ -118,6 +118,15 @@ class ParallelModel:
         self.replicated = not sharded   # every data-parallel rank holds the same parameters
         self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
         return wrapped
+
+    def _stage(self, model: nn.Module, graph: ModelGraph, blocks: range, is_first: bool, is_last: bool) -> nn.Module:
+        """One pipeline chunk: cut from the fx graph where torch.fx traced the model, else a shell of the
+        model running its own forward over the chunk's blocks (runtime/sequential_stage.py)."""
+        if graph.front_end == "torch.fx":
+            return split_stage(model, [slot.module_name for slot in graph.blocks], blocks, is_first, is_last)
+        shards = self.dims.tp if self.dims.sp and self.dims.tp > 1 else 1
+        return sequential_stage(model, graph.block_stack, blocks, is_first, is_last, graph.embedding_modules,
+                                graph.head_modules, shards)
 
     def _check_forward(self, graph: ModelGraph) -> None:
         """Under tensor parallelism, one forward of one sequence before the first step: a module whose code

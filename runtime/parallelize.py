@@ -1,6 +1,7 @@
 """apply_tp / apply_ac / apply_dp: the torchtitan steps, driven by the captured graph instead of per-model code."""
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -9,13 +10,15 @@ from torch.distributed._composable import checkpoint, replicate
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from cost_models.layout import Recompute
 from planner.capture.graph import ModelGraph
+
+from .sequential_stage import HeadOnLaterStage
 
 
 def _present(module: nn.Module) -> set[str]:
@@ -53,9 +56,10 @@ def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
     for name in graph.embedding_modules:
         if name in present and isinstance(module.get_submodule(name), nn.Embedding) and name == graph.embedding_modules[0]:
-            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+            plan[name] = RowwiseParallel(input_layouts=Replicate(),
+                                         output_layouts=seq if sp and _sp_from_embedding(graph) else Replicate())
     for name in graph.head_modules:
-        if name not in present:
+        if name not in present or isinstance(module.get_submodule(name), HeadOnLaterStage):
             continue
         sub = module.get_submodule(name)
         if isinstance(sub, nn.Linear):
@@ -65,11 +69,35 @@ def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
     return plan
 
 
+def _sp_from_embedding(graph: ModelGraph) -> bool:
+    """The sequence is cut at the embedding's output when the embedding part is one token embedding;
+    otherwise (transformers' decoders: rotary embeddings, positions and masks computed from the embedding's
+    output between it and the first block) it is cut at the first block's input, the top-level code seeing
+    the whole sequence."""
+    return len(graph.embedding_modules) == 1
+
+
+def _cut_sequence_at(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The first block's hidden-state input, whole on every rank, cut to this rank's part of the sequence
+    (as a DTensor redistribution, whose backward gathers the parts' gradients back)."""
+    argument = next(iter(inspect.signature(block.forward).parameters))
+
+    def cut(hidden: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(hidden, tp_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(placements=[Shard(1)]).to_local()
+
+    def hook(module, args, kwargs):
+        if args:
+            return (cut(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, argument: cut(kwargs[argument])}
+    block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def apply_tp(module: nn.Module, graph: ModelGraph, tp_mesh: DeviceMesh, sp: bool) -> None:
-    if sp and len(graph.embedding_modules) > 1:
-        raise ValueError(f"sequence parallelism needs the embedding part to be a single token embedding; "
-                         f"{graph.name} also uses {list(graph.embedding_modules[1:])} (set sp=false)")
     parallelize_module(module, tp_mesh, tp_plan(module, graph, sp))
+    first_block = graph.blocks[0].module_name
+    if sp and not _sp_from_embedding(graph) and first_block in _present(module):
+        _cut_sequence_at(module.get_submodule(first_block), tp_mesh)
     _localize_head_counts(module, graph, tp_mesh.size())
     if sp:
         for slot in graph.blocks:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,6 +50,18 @@ def enable_flight_recorder(entries: int = FLIGHT_RECORDER_ENTRIES) -> None:
     if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         os.environ["TORCH_FR_BUFFER_SIZE"] = str(entries)
 
+
+
+# what a failed collective says: torch's distributed errors, or the backends' own (gloo's transport raises
+# a plain RuntimeError naming its source file; NCCL/HCCL name themselves)
+BACKEND_WORDS = ("gloo/", "nccl", "hccl", "connection closed by peer", "connection reset", "timed out")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in BACKEND_WORDS)
 
 class Watchdog:
     """Step progress of every rank in the default group's store, and one report when the job is lost."""
@@ -102,12 +115,19 @@ class Watchdog:
     def fail(self, step: int, error: BaseException) -> None:
         """Say which ranks were lost and end this process (a group with a peer gone cannot be torn down).
         Every failing rank first marks itself, then waits a moment: the peers failing beside it are then
-        told apart from the ranks that stopped or died."""
+        told apart from the ranks that stopped or died. An error of this rank's own code (not of a
+        collective) is said as such, with its traceback: the peers then name this rank."""
         with self._reporting:
             try:
                 self.store.set(FAILED.format(rank=self.rank), str(step))
             except RuntimeError:
                 pass
+            if not is_collective_failure(error):
+                traceback.print_exception(error, file=sys.stderr)
+                cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+                print(f"error (rank {self.rank}): step {step} failed in this rank's own computation, not in a "
+                      f"collective: {type(error).__name__}: {cause}", file=sys.stderr, flush=True)
+                os._exit(1)
             time.sleep(SETTLE_S / 2)
             print(self.report(step, error) + self.flight_record(), file=sys.stderr, flush=True)
             os._exit(3)

@@ -106,6 +106,11 @@ def test_structure_is_recognised_from_the_graph(family):
         assert len(outside) == len(theirs.tp_pairs)
     assert captured.layer_counts() == reference.layer_counts()
     assert captured.capture_notes == ()
+    # a sliding window as the config.json declares it (context parallelism and pipeline stages of recorded
+    # models refuse it: runtime rules in planner/search/stack_rules.py)
+    raw = raw_config(name)
+    windowed = raw.get("sliding_window") is not None and raw.get("use_sliding_window") is not False
+    assert any(s.sliding_window for s in captured.structures) == windowed
 
 
 def test_config_path_agrees_with_the_module(family):

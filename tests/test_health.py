@@ -315,3 +315,20 @@ def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
     trained = {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")}
     assert sorted(trained) == [1, 2, 3, 4, 5, 6]   # step 3 trained twice: after the loss, from step 2's checkpoint
     assert [trained[step] for step in range(1, 7)] == pytest.approx(references["plain"], rel=LOSS_TOLERANCE)
+
+
+def test_an_error_of_a_ranks_own_code_is_not_called_a_failed_collective():
+    """A step that fails in the model's own computation (here transformers' grouped-mm kernel, as a
+    runtime bug once made it fail) is said as that rank's error with its traceback, not as a collective
+    that timed out; the backends' transport errors (as gloo printed them in these tests) and torch's
+    distributed errors are collective failures."""
+    import torch.distributed as dist
+
+    from runtime.watchdog import is_collective_failure
+    assert not is_collective_failure(RuntimeError("matrix batch sizes have to match"))
+    assert not is_collective_failure(ValueError("too many values to unpack"))
+    assert is_collective_failure(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                                              "Connection closed by peer [127.0.0.1]:29363"))
+    assert is_collective_failure(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                                              "unbound_buffer.cc:78] Timed out waiting 300000ms for recv operation"))
+    assert is_collective_failure(dist.DistBackendError("NCCL communicator was aborted"))

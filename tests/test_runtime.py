@@ -169,7 +169,21 @@ CASES = [
     ("hf-gpt2-dp2", 2, "dp=2,zero=3,mbs=2", HF_GPT2),
     # transformers' MoE classes (fused expert weights, top-2 routing) under data parallelism
     ("hf-mixtral-dp2", 2, "dp=2,zero=1,mbs=2", HF_MIXTRAL),
-    ("hf-qwen3-moe-dp2-zero3", 2, "dp=2,zero=3,mbs=2", HF_QWEN3_MOE),
+    # sequence parallelism where the top-level code reads the embedding's shape (rotary positions, masks):
+    # cut at the first block's input
+    ("hf-llama-tp2-sp", 2, "tp=2,sp=true,mbs=4", HF_LLAMA),
+    # pipeline stages of recorded models run the model's own forward over their blocks (GPT-2: tied
+    # embeddings across the first and last stage, learned positions)
+    ("hf-llama-pp2", 2, "pp=2,mbs=2", HF_LLAMA),
+    ("hf-gpt2-pp2", 2, "pp=2,mbs=2", HF_GPT2),
+    # context parallelism around transformers' SDPA attention, positions made global (rotary, learned)
+    ("hf-llama-cp2", 2, "cp=2,mbs=4", HF_LLAMA),
+    ("hf-gpt2-cp2", 2, "cp=2,mbs=4", HF_GPT2),
+    # expert parallelism of transformers' experts modules (called with the routing)
+    ("hf-qwen3-moe-ep2", 2, "dp=2,ep=2,zero=3,mbs=2", HF_QWEN3_MOE),
+    ("hf-llama-pp2-tp2-sp", 4, "pp=2,tp=2,sp=true,mbs=2", HF_LLAMA),
+    ("hf-qwen3-cp2-tp2", 4, "cp=2,tp=2,sp=false,mbs=4", HF_QWEN3),
+    ("hf-mixtral-ep2-tp2", 4, "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=2", HF_MIXTRAL),
 ]
 
 
@@ -290,15 +304,14 @@ REFUSALS = [
     ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1", "tiny-llama"),
     # ZeRO-0/1 beside expert (or tensor) parallelism: FSDP2 shards there, which is not what the plan says
     ("dp=2,ep=2,zero=1", "zero=1 with dp=2 beside tensor or expert parallelism", "tiny-moe"),
-    # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set
-    ("cp=2", "splits the sequence only for the reference decoder's attention", USER_MODEL),
+    # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set; the
+    # model reads its position table's weight by length, which no shard's positions could follow
+    ("cp=2", "reads wpe's weight directly", USER_MODEL),
     # nanoGPT's C // n_head under column-parallel projections: refused before step 1, not a view error in it
     ("tp=2,sp=false", "its code assumes the full hidden width", "tests/models/nanogpt_width.py:build"),
     # GPT-2's fused c_attn, split into q | k | v by the model: column-sharding it would mix them
     # (the stack's rule: the planner never plans it either, tests/test_stacks.py)
-    ("tp=2,sp=false", "column-splits only separate projections", HF_GPT2),
-    # stages are cut from the fx graph, which transformers' code does not give (planned neither: test_stacks)
-    ("pp=2,mbs=2", "cuts pipeline stages from a torch.fx trace", HF_LLAMA)]
+    ("tp=2,sp=false", "column-splits only separate projections", HF_GPT2)]
 
 
 @pytest.fixture(scope="module")

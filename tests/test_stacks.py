@@ -11,7 +11,10 @@ import pytest
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_stacks, load_stack
 from planner import api
+from planner.capture.model_capture import capture
 from planner.plans import Plan
+from planner.search.space import pins_from
+from planner.search.stack_rules import stack_problems
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
 BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
@@ -139,7 +142,7 @@ def test_the_runtime_stack_never_plans_what_the_runtime_refuses():
     for count in (8, 16):
         result = api.plan(user, device="cpu", num_devices=count, global_batch=16, seq_len=32, stack="parallel-planner")
         assert result.layout.cp == 1 and result.layout.ep == 1
-    with pytest.raises(UserInputError, match="reference decoder's attention"):
+    with pytest.raises(UserInputError, match="reads wpe's weight directly"):
         api.plan(user, device="cpu", num_devices=8, global_batch=16, seq_len=32, stack="parallel-planner", cp=2)
     # the reference decoder's attention can be split: cp stays in the space
     api.evaluate("tiny-llama", device="cpu", num_devices=8, global_batch=16, stack="parallel-planner",
@@ -162,7 +165,35 @@ def test_the_runtime_stack_never_column_splits_a_fused_projection():
     with pytest.raises(UserInputError, match="column-splits only separate projections"):
         planner.plan(gpt2_logits(), stack="parallel-planner", tp=2, **common)
     assert planner.evaluate(gpt2_logits(), layout="tp=2", stack="megatron-core", **common).layout.tp == 2
-    # stages are cut from a torch.fx trace, which transformers' code does not give: no pp on this stack
-    assert planner.plan(gpt2_logits(), stack="parallel-planner", **common).layout.pp == 1
-    with pytest.raises(UserInputError, match="cuts pipeline stages from a torch.fx trace"):
-        planner.plan(gpt2_logits(), stack="parallel-planner", pp=2, **common)
+    # stages of a recorded model run its own forward over their blocks (runtime/sequential_stage.py, trained
+    # in tests/test_runtime.py): pp is in this stack's space for transformers' classes too
+    assert planner.evaluate(gpt2_logits(), layout="pp=2,mbs=1", stack="parallel-planner", **common).layout.pp == 2
+    # a stack that cuts only torch.fx graphs refuses it, naming the rule
+    traceable = load_stack("parallel-planner").model_copy(update={"pipeline_models": "traceable"})
+    assert "cuts pipeline stages from a torch.fx trace" in " ".join(stack_problems(
+        pins_from({"pp": 2}), traceable, "bf16", capture(gpt2_logits(), seq_len=32)))
+
+
+def test_the_runtime_stack_refuses_sliding_windows_under_cp_and_recorded_pp():
+    """A sliding window (Mistral's) masks what all-gathered K/V with a causal mask would attend to, and
+    transformers picks each layer's mask by its place in the top-level loop, which a pipeline stage's
+    shorter loop would shift: cp and pp are refused on the runtime's stack, naming the rule, and never
+    planned; the same model without the window may have both."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    def mistral(window):
+        config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                            max_position_embeddings=64, sliding_window=window)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    stack = load_stack("parallel-planner")
+    windowed, plain = capture(mistral(16), seq_len=32), capture(mistral(None), seq_len=32)
+    problems = " ".join(stack_problems(pins_from({"cp": 2, "pp": 2}), stack, "bf16", windowed))
+    assert "causal scaled_dot_product_attention without a sliding window" in problems
+    assert "picks sliding-window masks" in problems
+    assert stack_problems(pins_from({"cp": 2, "pp": 2}), stack, "bf16", plain) == []
+    common = dict(device="cpu", num_devices=8, devices_per_node=8, global_batch=8, seq_len=32, stack="parallel-planner")
+    result = api.plan(mistral(16), **common)
+    assert result.layout.cp == 1 and result.layout.pp == 1

@@ -37,6 +37,13 @@ class BlockStructure:
     # core is the reference decoder's `CoreAttention`; the experts are stacked with its route/routed protocol
     reference_attention: bool = False
     stacked_experts: bool = False
+    # attention as a scaled_dot_product_attention call: context parallelism can all-gather K/V around it
+    # (runtime/context_parallel.py) unless a module of the block declares a sliding window, whose mask the
+    # top-level code picks per layer (by the layer's index in its loop: pipeline stages of recorded models
+    # cannot keep that either)
+    sdpa_attention: bool = False
+    sliding_window: bool = False
+    reference_experts: bool = False     # stacked experts with the reference MoE's route/routed protocol
     # norms over one head's channels inside a column-parallel region (Qwen3 / Gemma 3 q_norm, k_norm), with
     # the axis of their input that holds the heads: under tp each rank normalises its own heads, and the
     # weight's gradient is the sum over the ranks
@@ -60,6 +67,9 @@ class ModelGraph:
     front_end: str = "torch.fx"          # "torch.fx" (symbolic trace) or "recorded" (eager on meta, recording.py)
     capture_notes: tuple[str, ...] = ()  # what capture could not see or bill exactly, with its effect
     model_class: str = ""                # the nn.Module class captured (a transformers class, or Decoder)
+    # embedding-part modules whose weights the top-level code reads without calling them (a learned position
+    # table sliced by the sequence length): positions context parallelism cannot make global
+    embedding_weights_read: tuple[str, ...] = ()
 
     def kind(self, name: str) -> LayerKind:
         for kind in self.kinds:

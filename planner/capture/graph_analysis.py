@@ -1,6 +1,7 @@
 """Structure from an fx graph: leaves, tensor-parallel pairs by dataflow, attention heads, experts."""
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -121,6 +122,23 @@ def routed_experts(module: nn.Module) -> RoutedExperts | None:
     if stacked:
         return RoutedExperts(stacked[0].shape[0], frozenset(id(p) for p in stacked),
                              tuple((p.shape[1], p.shape[2]) for p in stacked), None)
+    return None
+
+
+def indexed_experts(container: nn.Module) -> nn.Module | None:
+    """The module holding all of the container's stacked expert weights when it is called with the
+    routing as arguments, (tokens, expert index per token and slot, weight per token and slot), as
+    transformers 5.x's experts modules are: an expert-parallel runtime can then hand it the tokens
+    dispatched to its rank with their local expert index. None otherwise."""
+    found = routed_experts(container)
+    if found is None or found.module_list is not None:
+        return None
+    for sub in container.modules():
+        own = {id(p) for p in sub.parameters(recurse=False)}
+        if own >= found.param_ids:
+            parameters = list(inspect.signature(sub.forward).parameters.values())
+            positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            return sub if len(positional) == 3 and len(parameters) == 3 else None
     return None
 
 

@@ -61,6 +61,14 @@ class _TopAnalyzer(_Analyzer):
         self.kinds: dict[str, _Kind] = {}
         self.slots: list[LayerSlot] = []
         self.part_modules: dict[str, list[str]] = {}
+        self.weights_read: list[str] = []   # embedding-part modules whose weights are read, not called
+
+    def _is_parameter(self, target: str) -> bool:
+        try:
+            self.module.get_parameter(target)
+            return True
+        except AttributeError:
+            return False
 
     def _part_of(self, node: fx.Node) -> str:
         if node.op == "call_module" and node.target in self.block_names:
@@ -80,6 +88,9 @@ class _TopAnalyzer(_Analyzer):
                 modules = self.part_modules.setdefault("head" if self.passed_first else "embedding", [])
                 if owner not in modules:
                     modules.append(owner)
+                if node.op == "get_attr" and not self.passed_first and owner not in self.weights_read \
+                        and self._is_parameter(node.target):   # a weight, not a buffer (rotary frequencies)
+                    self.weights_read.append(owner)
             return super().run_node(node)
         self.current = node
         self._part_of(node)
@@ -232,6 +243,7 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
                       kinds=tuple(kinds), layers=slots, structures=tuple(structures),
                       embedding_modules=tuple(analyzer.part_modules.get("embedding", ())),
                       head_modules=tuple(analyzer.part_modules.get("head", ())),
+                      embedding_weights_read=tuple(analyzer.weights_read),
                       capture_seconds=time.perf_counter() - start,
                       front_end=_front_end(front_end, analyzer.kinds.values()), model_class=model_class,
                       capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())]))

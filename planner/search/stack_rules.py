@@ -27,13 +27,34 @@ def model_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
             and not all(b.reference_attention for b in blocks):
         problems.append(f"cp={pins.cp}: the {name} stack splits the sequence only for the reference decoder's "
                         f"attention (CoreAttention), which {graph.name} does not use")
+    if pins.cp and pins.cp > 1 and stack.context_parallel_attention == "sdpa" \
+            and not all(b.reference_attention for b in blocks):
+        if not all(b.sdpa_attention and not b.sliding_window for b in blocks):
+            problems.append(f"cp={pins.cp}: the {name} stack splits the sequence for causal "
+                            f"scaled_dot_product_attention without a sliding window, and {graph.name}'s attention "
+                            "is not that")
+        elif graph.embedding_weights_read:
+            problems.append(f"cp={pins.cp}: {graph.name} reads {graph.embedding_weights_read[0]}'s weight directly "
+                            f"(positions by the sequence length), which the {name} stack cannot make the global "
+                            "positions of a sequence shard; call the embedding with position ids instead")
     if pins.ep and pins.ep > 1 and stack.expert_parallel_experts == "stacked" \
             and not all(b.stacked_experts for b in blocks if b.expert_container):
         problems.append(f"ep={pins.ep}: the {name} stack spreads only stacked expert weights (the reference "
-                        f"MoE), which {graph.name}'s experts are not")
-    if pins.pp and pins.pp > 1 and stack.pipeline_models == "traceable" and graph.front_end != "torch.fx":
+                        f"MoE's, or an experts module called with the routing), which {graph.name}'s experts are not")
+    if pins.etp and pins.etp > 1 and stack.expert_parallel_experts == "stacked" \
+            and not all(b.reference_experts for b in blocks if b.expert_container):
+        problems.append(f"etp={pins.etp}: the {name} stack splits experts' feed-forward width only in the reference "
+                        f"MoE, which {graph.name}'s experts are not")
+    if pins.pp and pins.pp > 1 and graph.front_end != "torch.fx" and stack.pipeline_models == "traceable":
         problems.append(f"pp={pins.pp}: the {name} stack cuts pipeline stages from a torch.fx trace of the model, "
                         f"and torch.fx cannot trace {graph.name} (capture recorded it instead)")
+    if pins.pp and pins.pp > 1 and graph.front_end != "torch.fx" and stack.pipeline_models == "sequential":
+        if not graph.block_stack:
+            problems.append(f"pp={pins.pp}: the {name} stack cuts a recorded model into pipeline stages by its block "
+                            f"list, and {graph.name}'s blocks are not one list")
+        elif any(b.sliding_window for b in blocks):
+            problems.append(f"pp={pins.pp}: the {name} stack runs a recorded model's own forward over each stage's "
+                            f"blocks, and {graph.name} picks sliding-window masks by a layer's place in that loop")
     if pins.tp and pins.tp > 1 and stack.tensor_parallel_projections == "separate":
         fused = next((p.fused_columns[0] for b in blocks for p in b.tp_pairs if p.fused_columns), None)
         if fused:
@@ -90,7 +111,7 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
     after `stack_problems` found nothing)."""
     fixed = {axis: 1 for axis in AXES if getattr(pins, axis) is None and (
         axis not in stack.parallelism or model_problems(replace(pins, **{axis: 2}), stack, graph))}
-    if "ep" not in stack.parallelism and pins.etp is None:
+    if pins.etp is None and ("ep" not in stack.parallelism or model_problems(replace(pins, etp=2), stack, graph)):
         fixed["etp"] = 1
     if not stack.interleaved_schedule and pins.vp is None:
         fixed["vp"] = 1
