@@ -1,42 +1,105 @@
-"""The plan's precision, applied with torch's own mechanisms or refused before the first step.
+"""The plan's precision, applied with torch's own mechanisms (and torchao's float8 training) or refused
+before the first step.
 
 bf16: parameters stay fp32 and are the master weights (what the optimizer steps); where FSDP2 shards,
 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=...)` casts them per use and reduces gradients in
 the plan's `grad_reduce` dtype; elsewhere (DDP / ZeRO-1 / TP without FSDP, pipeline stages) the forward
 runs under `torch.autocast(dtype=bfloat16)` and gradients are reduced in fp32, as torchtitan does without
-FSDP. fp32 (numerical checks only, asked for explicitly): no casts. fp8 and a bf16 reduction without FSDP2
-are refused: this runtime does not apply them, and it never trains otherwise than the plan says.
+FSDP. fp8: all of bf16, and the blocks' linear layers train through torchao's `Float8Linear` with the
+tensorwise (current, dynamic) scaling recipe, as torchtitan's float8 converter does: the embedding and
+the output layer stay bf16 (as Transformer Engine keeps them), and layers whose widths are not multiples
+of 16 (the FP8 GEMM's tile) too; under tensor parallelism torchao's Float8Colwise/RowwiseParallel shard
+them. Refused before the first step: fp8 without torchao installed (`pip install 'parallel-planner[fp8]'`),
+on a device whose `torch._scaled_mm` does not run e4m3 (probed), or with another recipe (delayed scaling
+is gone from torchao); a bf16 reduction without FSDP2. fp32 (numerical checks only, asked for
+explicitly): no casts. It never trains otherwise than the plan says.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from cost_models.layout import GradReduce, Layout
+from cost_models.layout import Fp8Recipe, GradReduce, Layout
+from planner.capture.graph import ModelGraph
 
 from .dims import ParallelDims, PlanError
 
 PRECISIONS = ("bf16", "fp32", "fp8")
 
 
-def check(precision: str, layout: Layout, dims: ParallelDims) -> str:
+def check(precision: str, layout: Layout, dims: ParallelDims, device_type: str = "cpu") -> str:
     """The precision to train in, or a PlanError naming what this runtime cannot apply."""
     if precision not in PRECISIONS:
         raise PlanError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     if precision == "fp8":
-        raise PlanError("precision fp8: this runtime does not apply FP8 training (torchao's float8 is not among "
-                        "its dependencies, and CPUs have no FP8 matrix units); plan with --precision bf16, or "
-                        "train with a stack that has it (planner export --to megatron)")
-    if precision == "bf16" and layout.grad_reduce == GradReduce.bf16 and dims.zero < 2:
+        _check_fp8(layout, device_type)
+        if dims.tp > 1 and device_type == "cpu":
+            raise PlanError("precision fp8 with tp > 1 on cpu: torchao's float8 tensor parallelism moves FP8 tensors "
+                            "through collectives, which gloo cannot carry (NCCL and HCCL can); run fp8 with tp=1 "
+                            "on CPUs, or bf16")
+    if precision in ("bf16", "fp8") and layout.grad_reduce == GradReduce.bf16 and dims.zero < 2:
         raise PlanError("grad_reduce=bf16 with ZeRO-0/1: this runtime reduces in bf16 only through FSDP2's "
                         "MixedPrecisionPolicy (ZeRO-2/3); plan with grad_reduce=fp32 or zero=2")
     return precision
 
 
+def _check_fp8(layout: Layout, device_type: str) -> None:
+    if layout.fp8_recipe != Fp8Recipe.tensorwise:
+        raise PlanError(f"fp8_recipe={layout.fp8_recipe}: this runtime trains FP8 with torchao's tensorwise (current) "
+                        "scaling only; plan with fp8_recipe=tensorwise")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise PlanError("precision fp8: this runtime trains FP8 through torchao's float8, which is not installed "
+                        "(pip install 'parallel-planner[fp8]'); or plan with --precision bf16") from None
+    device = torch.device(device_type)
+    try:   # the FP8 GEMM torchao calls, on a 16 x 16 tile of this device
+        ones = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        scale = torch.ones((), device=device)
+        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:
+        cause = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise PlanError(f"precision fp8: this {device_type} device does not run FP8 matrix products "
+                        f"(torch._scaled_mm: {cause}); plan with --precision bf16") from None
+
+
+def fp8_linears(module: nn.Module, graph: ModelGraph) -> None:
+    """The blocks' linear layers as torchao Float8Linear (tensorwise scaling), before tensor parallelism
+    shards them; routed experts stay as they are (torchao's float8 converts nn.Linear only)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    blocks = tuple(slot.module_name + "." for slot in graph.blocks)
+
+    def chosen(sub: nn.Module, name: str) -> bool:
+        return (isinstance(sub, nn.Linear) and name.startswith(blocks)
+                and sub.in_features % 16 == 0 and sub.out_features % 16 == 0)
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=chosen)
+    for sub in module.modules():
+        if type(sub).__name__ == "Float8Linear":
+            sub.register_forward_pre_hook(_input_in_autocast_dtype)
+
+
+def _input_in_autocast_dtype(linear: nn.Module, args):
+    """Under autocast, the FP8 linear's input in the autocast dtype before anything casts it to FP8: torchao's
+    tensor-parallel styles cast it in their own input hook, where the GEMM's output dtype is taken from it
+    (fp32 there, which CPUs' FP8 GEMM does not produce)."""
+    device_type = args[0].device.type
+    if torch.is_autocast_enabled(device_type) and args[0].dtype == torch.float32:
+        return (args[0].to(torch.get_autocast_dtype(device_type)), *args[1:])
+    return None
+
+
+def fp8_parallel_styles():
+    """torchao's tensor-parallel styles for Float8Linear (the plain ones would shard them as bf16)."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    return Float8ColwiseParallel, Float8RowwiseParallel
+
+
 def fsdp_policy(precision: str, layout: Layout) -> MixedPrecisionPolicy | None:
-    if precision != "bf16":
+    if precision not in ("bf16", "fp8"):
         return None
     reduce = torch.bfloat16 if layout.grad_reduce == GradReduce.bf16 else torch.float32
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
@@ -44,6 +107,6 @@ def fsdp_policy(precision: str, layout: Layout) -> MixedPrecisionPolicy | None:
 
 def autocast(precision: str, device_type: str, sharded_by_fsdp: bool):
     """The context the forward runs in: autocast to bf16 where FSDP2's policy does not cast."""
-    if precision == "bf16" and not sharded_by_fsdp:
+    if precision in ("bf16", "fp8") and not sharded_by_fsdp:
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -48,9 +48,9 @@ class ParallelModel:
         rank, world_size = world()
         self.dims = ParallelDims.of(layout)
         self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
-        self.precision = mixed_precision.check(precision or str(layout.precision), layout, self.dims)
+        self.precision = mixed_precision.check(precision or str(layout.precision), layout, self.dims, device_type)
         # one rule set with the planner: what `--stack parallel-planner` would never plan, refused here
-        refused = layout_stack_problems(replace(layout, precision=Precision.bf16), load_stack(RUNTIME_STACK), graph)
+        refused = layout_stack_problems(layout, load_stack(RUNTIME_STACK), graph)
         if refused:
             raise PlanError("the plan asks for what this runtime does not run: " + "; ".join(refused)
                             + f" (plan with --stack {RUNTIME_STACK} to stay inside it)")
@@ -101,6 +101,8 @@ class ParallelModel:
         wrapped = []
         for module in modules:
             module.to(self.device)
+            if self.precision == "fp8":
+                mixed_precision.fp8_linears(module, graph)
             if dims.tp > 1:
                 apply_tp(module, graph, self.mesh["tp"], dims.sp)
                 retie(module, self.tied)
@@ -139,7 +141,7 @@ class ParallelModel:
         module, training = self.modules[0], self.modules[0].training
         devices = [] if self.device.type == "cpu" else [self.device]
         try:   # in eval mode, with the RNG put back: the dry run draws nothing training would
-            with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=self.device.type), self.autocast:
                 module.eval()
                 module(tokens)
         except RuntimeError as exc:

@@ -18,11 +18,19 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from cost_models.layout import Recompute
 from planner.capture.graph import ModelGraph
 
+from . import mixed_precision
 from .sequential_stage import HeadOnLaterStage
 
 
 def _present(module: nn.Module) -> set[str]:
     return {name for name, _ in module.named_modules()}
+
+
+def _styles(module: nn.Module, name: str) -> tuple[type, type]:
+    """Column- and row-parallel styles for the linear at `name`: torchao's for its Float8Linear (fp8)."""
+    if type(module.get_submodule(name)).__name__ == "Float8Linear":
+        return mixed_precision.fp8_parallel_styles()
+    return ColwiseParallel, RowwiseParallel
 
 
 def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
@@ -40,8 +48,10 @@ def tp_plan(module: nn.Module, graph: ModelGraph, sp: bool) -> dict:
                                  "by the model: column-sharding it would mix q/k/v across ranks; give the model "
                                  "separate projections or run it with tp=1")
             for column in pair.columns:
-                plan[f"{slot.module_name}.{column}"] = ColwiseParallel(input_layouts=seq if sp else Replicate())
-            plan[f"{slot.module_name}.{pair.row}"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+                name = f"{slot.module_name}.{column}"
+                plan[name] = _styles(module, name)[0](input_layouts=seq if sp else Replicate())
+            name = f"{slot.module_name}.{pair.row}"
+            plan[name] = _styles(module, name)[1](output_layouts=seq if sp else Replicate())
         for norm, heads_axis in structure.head_norms:
             # each rank normalises its own heads with the whole (replicated) weight; as torchtitan shards
             # Qwen3's q/k norms, the input is the shard of the heads axis and the weight's gradient, a

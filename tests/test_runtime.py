@@ -95,6 +95,9 @@ CLIPPED = {"max_grad_norm": 0.05, "steps": 3}   # a norm the gradients exceed: e
 # bf16 compute over fp32 master parameters: autocast on one rank, FSDP2's policy where it shards, stages
 BF16_CASES = [("bf16-single", 1, "precision=bf16"), ("bf16-dp2-zero3", 2, "dp=2,zero=3,precision=bf16,mbs=2"),
               ("bf16-pp2", 2, "pp=2,mbs=2,precision=bf16")]
+# FP8 through torchao's Float8Linear (tensorwise scaling), which runs on this CPU (torch._scaled_mm)
+FP8 = "precision=fp8,fp8_recipe=tensorwise"
+FP8_CASES = [("fp8-single", 1, FP8), ("fp8-dp2-zero3", 2, f"dp=2,zero=3,mbs=2,{FP8}"), ("fp8-pp2", 2, f"pp=2,mbs=2,{FP8}")]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +106,10 @@ def reference(tmp_path_factory):
     single-rank bf16 case rides along)."""
     cases = [{"name": f"ref{i}", "model": model} for i, model in enumerate(REFERENCE_MODELS)]
     cases.append({"name": "ref-clip", "model": "tiny-llama", **CLIPPED})
-    cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES if c[1] == 1]
+    cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES + FP8_CASES if c[1] == 1]
     runs = run_cases(1, cases, tmp_path_factory.mktemp("reference"))
     return {**{model: runs[f"ref{i}"] for i, model in enumerate(REFERENCE_MODELS)}, "clip": runs["ref-clip"],
-            **{c[0]: runs[c[0]] for c in BF16_CASES if c[1] == 1}}
+            **{c[0]: runs[c[0]] for c in BF16_CASES + FP8_CASES if c[1] == 1}}
 
 
 def assert_gradients_match(got_dir: Path, ref_dir: Path, steps) -> None:
@@ -176,6 +179,8 @@ CASES = [
     # embeddings across the first and last stage, learned positions)
     ("hf-llama-pp2", 2, "pp=2,mbs=2", HF_LLAMA),
     ("hf-gpt2-pp2", 2, "pp=2,mbs=2", HF_GPT2),
+    # interleaved, with an embedding-only first chunk and a head-only last one
+    ("hf-llama-pp2-vp2-ends", 2, "pp=2,vp=2,stages=0-2-2-0,mbs=1", HF_LLAMA),
     # context parallelism around transformers' SDPA attention, positions made global (rotary, learned)
     ("hf-llama-cp2", 2, "cp=2,mbs=4", HF_LLAMA),
     ("hf-gpt2-cp2", 2, "cp=2,mbs=4", HF_GPT2),
@@ -230,7 +235,7 @@ def layout_runs(tmp_path_factory):
     for nproc in sorted({case[1] for case in CASES}):
         cases = [{"name": c[0], "model": case_model(c), "layout": c[2]} for c in CASES if c[1] == nproc]
         cases += [{"name": c[0], "layout": c[2], **CLIPPED} for c in CLIPPED_CASES if c[1] == nproc]
-        cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES if c[1] == nproc]
+        cases += [{"name": c[0], "layout": c[2]} for c in BF16_CASES + FP8_CASES if c[1] == nproc]
         cases += [planned] if nproc == 4 else []
         cases += checkpoint_cases(nproc, checkpoints)
         directory = tmp_path_factory.mktemp(f"world{nproc}")
@@ -297,10 +302,22 @@ def test_bf16_is_trained_as_planned(reference, layout_runs, case):
     assert max(abs(g / r - 1) for g, r in zip(got, ref)) > 1e-6   # bf16 was applied, not fp32 kept
 
 
+@pytest.mark.parametrize("case", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_fp8_is_trained_as_planned(reference, layout_runs, case):
+    """The blocks' linears through torchao's Float8Linear: the losses leave the bf16 run's (FP8 was
+    applied, not bf16 kept) and stay within 1% of the fp32 run's over the 4 steps."""
+    got, _ = (reference if case[1] == 1 else layout_runs)[case[0]]
+    fp32, bf16 = reference["tiny-llama"][0], reference["bf16-single"][0]
+    assert len(got) == STEPS and got == pytest.approx(fp32, rel=1e-2)
+    assert max(abs(g / b - 1) for g, b in zip(got, bf16)) > 1e-5
+
+
 REFUSALS = [
     ("tp=4", "cannot run here", "tiny-llama"), ("pp=2,vp=4", "do not split", "tiny-llama"),
     ("pp=2,vp=2,stages=1-0-2-1", "hold nothing", "tiny-llama"),
-    ("dp=2,precision=fp8", "does not apply FP8", "tiny-llama"),
+    # FP8 with torchao's recipe only; FP8 tensor parallelism needs FP8 collectives, which gloo lacks
+    ("dp=2,precision=fp8", "tensorwise (current) scaling only", "tiny-llama"),
+    ("tp=2,precision=fp8,fp8_recipe=tensorwise", "which gloo cannot carry", "tiny-llama"),
     ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1", "tiny-llama"),
     # ZeRO-0/1 beside expert (or tensor) parallelism: FSDP2 shards there, which is not what the plan says
     ("dp=2,ep=2,zero=1", "zero=1 with dp=2 beside tensor or expert parallelism", "tiny-moe"),
