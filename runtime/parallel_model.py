@@ -13,7 +13,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
 
-from cost_models.layout import Layout, Precision, Recompute
+from cost_models.layout import Layout, Recompute
 from cost_models.pipeline import even_partition
 from cost_models.step_time import chunk_blocks
 from hardware_profiles.loader import load_stack
