@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware_profiles.errors import UserInputError  # noqa: E402
+from hardware_profiles.loader import load_stack  # noqa: E402
 from planner.api import capture_for, evaluate, plan  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
 from benchmarks.published import (DEFAULT_RUNS, FAMILY_STACKS, UNSTATED_CHOICES, check_published, load_runs,  # noqa: E402
@@ -69,6 +70,32 @@ OTHER_MEASUREMENTS = [
 ]
 
 
+# Published layouts of runs outside the runs file, predicted through the public API with what the user states
+# (model, devices, layout, batch, precision, stack and its flags); never fitted. (name, source, model, device,
+# devices, global batch, sequence, layout, precision, stack flags, published figure, its unit)
+EXPERT_LAYOUTS = [
+    ("Llama 3 405B, 16,384 H100", "Dubey et al. 2024 (arXiv 2407.21783), Table 4: TP8 CP1 PP16 DP128, 16M-token "
+     "batches, 400 TFLOP/s per GPU", "llama3-405b", "h100-sxm", 16384, 2048, 8192, "tp=8,pp=16,dp=128,cp=1", "bf16",
+     {}, 400.0, "TFLOP/s per GPU"),
+    ("DeepSeek-V3, 2,048 H800", "DeepSeek-AI 2024 (arXiv 2412.19437), 3.1-3.3: PP16 EP64 ZeRO-1, FP8, DeepEP "
+     "dispatch (one copy per node, FP8), node-limited routing, 180K GPU hours per trillion tokens",
+     "deepseek-v3", "h800", 2048, 15360, 4096, "tp=1,pp=16,ep=64,zero=1,fp8_recipe=tensorwise", "fp8",
+     {"moe_dispatcher": "deepep"}, 1e12 / (180e3 * 3600), "tokens/s per GPU"),
+]
+
+
+def expert_layout_rows() -> list[tuple]:
+    rows = []
+    for name, source, model, device, count, batch, seq, layout, precision, flags, published, unit in EXPERT_LAYOUTS:
+        stack = load_stack("megatron-core").model_copy(update=flags)
+        plan = evaluate(model, layout=layout, device=device, num_devices=count, global_batch=batch, seq_len=seq,
+                        precision=precision, stack=stack, time_limit_s=20)
+        predicted = plan.tflops_per_device if unit.startswith("TFLOP") else plan.tokens_per_s / count
+        flag_text = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()) or "-"
+        rows.append((name, source, layout, precision, flag_text, published, predicted, unit))
+    return rows
+
+
 def other_measurement_rows(runs) -> list[tuple]:
     by_id = {run.id: run for run in runs}
     rows = []
@@ -109,7 +136,8 @@ def main(argv=None) -> int:
               f"error {error:+7.1%}  {result.layout.tp}/{result.layout.pp}/{result.layout.dp}/{result.layout.cp}")
     checks = [check for check in map(published_layout_check, runs) if check]
     others = other_measurement_rows(runs)
-    write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids)
+    experts = [] if args.only else expert_layout_rows()
+    write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids, experts)
     errors = [abs(e) for _, _, e, _ in rows]
     print(f"MAPE {statistics.mean(errors):.1%} over {len(rows)} runs, worst {max(errors):.1%}")
     return 0
@@ -131,7 +159,8 @@ def published_layout_check(run) -> tuple | None:
     return check, inside, searched
 
 
-def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset()) -> None:
+def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset(),
+                 experts=()) -> None:
     errors = [abs(e) for _, _, e, _ in rows]
     by_device: dict[str, list[float]] = {}
     by_class: dict[str, list[float]] = {}
@@ -184,6 +213,14 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
         for run_id, source, layout, precision, measured, predicted in others:
             lines.append(f"| {run_id} | {source} | {layout} | {precision} | {measured:.2f} | {predicted:.2f} | "
                          f"{predicted / measured - 1:+.1%} |")
+    if experts:
+        lines += ["", "## Expert layouts published outside the runs file", "",
+                  "Predicted through `planner.evaluate` with the megatron-core stack and the flags shown (never "
+                  "fitted); higher is faster:", "", "| run | source | layout | precision | stack flags | published | "
+                  "predicted | error |", "|---|---|---|---|---|---|---|---|"]
+        for name, source, layout, precision, flag_text, published, predicted, unit in experts:
+            lines.append(f"| {name} | {source} | {layout} | {precision} | {flag_text} | {published:,.0f} {unit} | "
+                         f"{predicted:,.0f} | {predicted / published - 1:+.1%} |")
     lines += ["", "## The search against published layouts", "",
               "Each complete published layout (degrees and micro-batch given; ZeRO-1 and no recomputation where",
               "unstated) is checked against the search's rules and predicted as is, then the search runs with",

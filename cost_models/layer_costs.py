@@ -12,10 +12,11 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import MeshDim, place_dims_together, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
+from .expert_dispatch import deduplicated_exchange, dispatch_bytes_per_token
 from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from hardware_profiles.stack import SoftwareStack
 
-from .layout import Layout, Recompute
+from .layout import Layout, Precision, Recompute
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
                      params_on_rank)
 from .records import ATTENTION_MATMUL_KINDS, MATMUL_KINDS, LayerKind, ModelCosts
@@ -166,8 +167,11 @@ class MeshCosts:
             return 0.0
         lay = self.layout
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
-        size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
-        per_pass = 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+        if self.stack.moe_dispatcher == "deepep":
+            per_pass = self._deduplicated_pass_s(kind, tokens)
+        else:
+            size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
+            per_pass = 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
         if not self.stack.hides_moe_a2a(lay):
             return 2 * per_pass
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer: each
@@ -175,6 +179,21 @@ class MeshCosts:
         paired = (lay.num_micro_batches - 1) / lay.num_micro_batches
         return (per_pass - paired * min(per_pass, compute.backward_s)
                 + per_pass - paired * min(per_pass, compute.forward_s))
+
+    def _deduplicated_pass_s(self, kind: LayerKind, tokens: float) -> float:
+        """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the
+        layout trains in FP8, BF16 combine."""
+        group = self.placement[2].of("ep")
+        fp8 = self.layout.precision == Precision.fp8
+        seconds = 0.0
+        for token_bytes in (dispatch_bytes_per_token(kind.hidden_size, fp8), kind.hidden_size * ACTIVATION_BYTES):
+            key = ("dedup", token_bytes, tokens, kind.name, group)
+            if key not in self._shared.collectives:
+                self._shared.collectives[key] = deduplicated_exchange(
+                    tokens, token_bytes, kind.router_topk, kind.num_experts, group, self.cluster,
+                    kind.router_num_groups, kind.router_group_topk, self.ep_imbalance)
+            seconds += self._shared.collectives[key].seconds
+        return seconds
 
     def _compute(self, kind: LayerKind):
         key = (kind.name, self.spec)

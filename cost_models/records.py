@@ -77,6 +77,8 @@ class LayerKind:
     hidden_size: int
     num_experts: int = 0
     router_topk: int = 0
+    router_num_groups: int = 1      # group-limited routing: experts in this many equal groups,
+    router_group_topk: int = 1      # each token's experts from this many of them
     logits_fp32_bytes: float = 0.0  # head only: fp32 logits kept for the loss
     tp_pair_count: int = 0          # column->row pairs: each costs one TP collective forward and one backward
     kv_channels: int = 0            # kv heads x head dim: what context parallelism all-gathers

@@ -62,6 +62,10 @@ class SoftwareStack(Strict):
     #                                          the model's own code for them runs op by op, as written
     tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
     moe_a2a_overlap: bool                    # MoE all-to-alls beside another micro-batch's compute
+    # MoE token dispatcher: a plain all-to-all (one copy per chosen expert), or DeepEP's deduplicated one
+    # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
+    # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
+    moe_dispatcher: Literal["alltoall", "deepep"] = "alltoall"
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
     cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
     pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute

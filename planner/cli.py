@@ -56,15 +56,24 @@ StackOpt = typer.Option(None, "--stack", help=f"software stack that trains the m
                         "inside what it runs (planner stacks show NAME)")
 OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="also overlap TP collectives with GEMMs where the stack "
                           "does not (Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
+DISPATCHERS = ("alltoall", "deepep")
+DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="MoE token dispatcher where the stack's differs: alltoall "
+                             "(one copy per chosen expert) or deepep (one per destination node, forwarded over "
+                             "NVLink; FP8 dispatch under --precision fp8: Megatron-Core --moe-token-dispatcher-type "
+                             "flex --moe-flex-dispatcher-backend deepep)")
 MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="also overlap MoE all-to-alls with another "
                              "micro-batch's compute where the stack does not (Megatron "
                              "--overlap-moe-expert-parallel-comm; no pipeline or virtual stages)")
 
 
-def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool):
-    """The named stack, with the overlaps the flags add."""
+def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool, moe_dispatcher: str | None = None):
+    """The named stack, with the overlaps and the MoE dispatcher the flags add."""
     stack = resolve_stack(name)
     extra = {k: True for k, on in (("tp_comm_overlap", tp_comm_overlap), ("moe_a2a_overlap", moe_a2a_overlap)) if on}
+    if moe_dispatcher is not None:
+        if moe_dispatcher not in DISPATCHERS:
+            raise UserInputError(f"'{moe_dispatcher}'", field="--moe-dispatcher", expected=" or ".join(DISPATCHERS))
+        extra["moe_dispatcher"] = moe_dispatcher
     return stack.model_copy(update=extra) if extra else stack
 LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
 StrictOpt = typer.Option(False, "--strict-capture", help="refuse a model that capture can only bill in part "
@@ -109,6 +118,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
+         moe_dispatcher: Optional[str] = DispatcherOpt,
          leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
@@ -124,7 +134,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           segment_devices=segment_devices,
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
-                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap),
+                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher),
                           leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, **pins)
     extra = _goodput_summary(result, model, seq_len, recovery_settings) if objective == "goodput" else None
     if out_path:
@@ -152,7 +162,8 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
              out_path: Optional[str] = typer.Option(None, "--out", help="write the prediction as a plan file "
                                                      "(.yaml or .json) that export and Plan.load read"),
              stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt,
-             moe_a2a_overlap: bool = MoeOverlapOpt, strict_capture: bool = StrictOpt) -> None:
+             moe_a2a_overlap: bool = MoeOverlapOpt,
+         moe_dispatcher: Optional[str] = DispatcherOpt, strict_capture: bool = StrictOpt) -> None:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
     if out_path is not None:
         out_path = check_plan_file(out_path)
@@ -160,7 +171,8 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           segment_devices=segment_devices,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
-                          strict_capture=strict_capture, stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
+                          strict_capture=strict_capture,
+                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher))
     if out_path:
         result.save(out_path)
     _emit(result, as_json)
@@ -179,7 +191,8 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
                    out_dir: Optional[str] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
                    as_json: bool = typer.Option(False, "--json"), stack: Optional[str] = StackOpt,
-                   tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt) -> None:
+                   tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
+         moe_dispatcher: Optional[str] = DispatcherOpt) -> None:
     """Best plan, time to train, device-hours and goodput at each point of a sweep."""
     if out_dir is not None:
         out_dir = check_report_dir(out_dir)
@@ -191,7 +204,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
     report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
                     device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
                     devices_per_node=devices_per_node, segment_devices=segment_devices, time_limit_s=time_limit,
-                    stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap))
+                    stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher))
     if as_json:
         out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,
                                    "rows": [row.__dict__ for row in report.rows]}))

@@ -67,7 +67,9 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--tp-comm-overlap")
     if lay.moe_a2a_overlap:  # Megatron-Core's MoE docs pair it with delayed weight-gradient GEMMs
         args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
-    if lay.ep > 1:   # the cost model bills all-to-all dispatch (Megatron's default is allgather)
+    if lay.ep > 1 and lay.moe_dispatcher == "deepep":   # deduplicated dispatch, as the cost model billed it
+        args.append("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep")
+    elif lay.ep > 1:   # the cost model bills all-to-all dispatch (Megatron's default is allgather)
         args.append("--moe-token-dispatcher-type alltoall")
     if lay.grad_reduce == "bf16":
         args.append("--grad-reduce-in-bf16")
@@ -171,6 +173,9 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if lay.precision == "fp8":
         notes.append("the plan trains in FP8: add torchtitan's Float8LinearConverter to your config's model "
                      "converters; this export does not")
+    if lay.moe_dispatcher == "deepep":
+        notes.append("the prediction dispatched MoE tokens DeepEP-style (one copy per node); torchtitan 0.3's "
+                     "expert parallelism sends one per expert, which this export cannot change")
     return notes
 
 
@@ -205,6 +210,9 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     if lay.vp > 1:
         notes.append(f"DeepSpeed's PipelineModule has no interleaved schedule: vp={lay.vp} has no equivalent "
                      "(plan with --stack deepspeed)")
+    if lay.moe_dispatcher == "deepep":
+        notes.append("the prediction dispatched MoE tokens DeepEP-style (one copy per node); DeepSpeed's MoE "
+                     "all-to-all sends one per expert, which this config cannot change")
     if lay.tp_comm_overlap or lay.moe_a2a_overlap:
         notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "
                      "has no such overlap (plan with --stack deepspeed to predict without it)")

@@ -52,6 +52,7 @@ class LayoutRecord(_Frozen):
     order: str                      # mesh order, innermost first, as in the layout text: tp-cp-ep-dp-pp
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
+    moe_dispatcher: Literal["alltoall", "deepep"] = "alltoall"   # ... and this MoE token dispatcher
     grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
     fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
 
@@ -83,7 +84,8 @@ class LayoutRecord(_Frozen):
         return cls(**values, sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
                    schedule=layout.schedule, order="-".join(layout.mesh_order),
                    tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
-                   moe_a2a_overlap=stack.hides_moe_a2a(layout))
+                   moe_a2a_overlap=stack.hides_moe_a2a(layout),
+                   moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall")
 
     @property
     def mesh_order(self) -> tuple[str, ...]:

@@ -66,3 +66,14 @@ def test_search_is_never_slower_than_the_published_layout(runs, run_id):
     searched = plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len,
                     precision=run.precision, time_limit_s=60, top_k=1, stack=stack)
     assert searched.step_time_s <= check.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_expert_layouts_published_outside_the_runs_file_are_predicted_within_15_percent():
+    """Llama 3 405B on 16,384 H100 (400 TFLOP/s per GPU, Dubey et al. Table 4) and DeepSeek-V3 on 2,048 H800
+    (180K GPU hours per trillion tokens, DeepSeek-V3 report) through the public API with what a user states:
+    model, devices, layout, batch, precision and the stack's flags (DeepEP dispatch for DeepSeek-V3)."""
+    from benchmarks.accuracy import EXPERT_LAYOUTS, expert_layout_rows
+    rows = expert_layout_rows()
+    assert len(rows) == len(EXPERT_LAYOUTS)
+    for name, _, _, _, _, published, predicted, _ in rows:
+        assert abs(predicted / published - 1) <= 0.15, (name, published, predicted)

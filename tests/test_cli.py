@@ -22,7 +22,7 @@ MEGATRON_ARGS = {
     "--seq-length", "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
     "--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp8-format", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers", "--tp-comm-overlap", "--grad-reduce-in-bf16",
+    "--decoder-last-pipeline-num-layers", "--tp-comm-overlap", "--grad-reduce-in-bf16", "--moe-flex-dispatcher-backend",
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-recipe", "--pipeline-model-parallel-layout",
     "--moe-token-dispatcher-type", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--overlap-grad-reduce",
     "--overlap-param-gather",
@@ -354,3 +354,22 @@ def test_evaluate_json_and_out_load_as_plans(tmp_path, capsys, monkeypatch):
     run_here(args + f" --out {written}", capsys, monkeypatch)
     assert Plan.load(printed).model_dump() == Plan.load(written).model_dump()
     assert Plan.load(printed).layout.tp == 2
+
+
+def test_the_deepep_dispatcher_is_an_input_recorded_and_exported(tmp_path, capsys, monkeypatch):
+    """`--moe-dispatcher deepep`: experts spread over 4 nodes send one copy per node instead of one per
+    expert (the exposed all-to-all shrinks), the plan says which dispatcher it billed, the Megatron export
+    asks for the flex dispatcher's DeepEP backend; an unknown dispatcher exits 2 naming the flag."""
+    args = ("evaluate --model mixtral-8x7b --device h100-sxm --num-devices 32 --devices-per-node 4 --global-batch 64 "
+            "--json --layout tp=1,pp=1,dp=32,cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=none")
+    plain = json.loads(run_here(args, capsys, monkeypatch))
+    path = tmp_path / "plan.yaml"
+    run_here(args.replace("--json", f"--out {path}") + " --moe-dispatcher deepep", capsys, monkeypatch)
+    deepep = Plan.load(path)
+    assert deepep.layout.moe_dispatcher == "deepep" and plain["layout"]["moe_dispatcher"] == "alltoall"
+    assert 0 < deepep.breakdown["ep_comm_s"] < plain["breakdown"]["ep_comm_s"]
+    exported = run(f"export {path} --to megatron").stdout
+    assert "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep" in exported
+    assert {token for token in exported.split() if token.startswith("--")} <= MEGATRON_ARGS
+    proc = run(args + " --moe-dispatcher nccl", check=False)
+    assert proc.returncode == 2 and "--moe-dispatcher" in proc.stderr and "Traceback" not in proc.stderr

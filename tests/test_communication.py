@@ -141,3 +141,51 @@ def test_tree_latency_grows_with_log_of_nodes():
     assert small.algorithm.startswith("tree")
     assert small.latency_seconds < 2 * 2047 * links_for(_group(cluster, 2048, (8,)), cluster).inter_hop_s
     assert math.isfinite(small.seconds)
+
+
+def _simulated_remote_domains(experts, topk, domains, groups, group_topk, samples=20000, seed=0):
+    """Random routing, drawn here: a token on domain 0 picks `group_topk` groups, then `topk` experts among
+    their experts (uniformly, without replacement); count the other domains it reaches."""
+    import random
+    rng = random.Random(seed)
+    per_domain, per_group = experts // domains, experts // groups
+    total = 0
+    for _ in range(samples):
+        chosen = rng.sample(range(groups), group_topk) if groups > 1 else [0]
+        pool = [g * per_group + i for g in chosen for i in range(per_group)] if groups > 1 else range(experts)
+        hit = {expert // per_domain for expert in rng.sample(list(pool), topk)}
+        total += len(hit - {0})
+    return total / samples
+
+
+@pytest.mark.parametrize("experts,topk,domains,groups,group_topk", [
+    (256, 8, 8, 1, 1),     # DeepSeek-V3 experts over 8 nodes, routing unlimited
+    (256, 8, 8, 8, 4),     # ... node-limited: 8 groups (one per node), 4 per token
+    (64, 6, 4, 8, 3),      # two groups per domain
+    (160, 6, 20, 1, 1),    # DeepSeek-V2-like, many domains
+])
+def test_deduplicated_dispatch_reaches_the_domains_random_routing_reaches(experts, topk, domains, groups, group_topk):
+    from cost_models.expert_dispatch import remote_domains
+    want = _simulated_remote_domains(experts, topk, domains, groups, group_topk)
+    assert remote_domains(experts, topk, domains, groups, group_topk) == pytest.approx(want, rel=0.02)
+
+
+def test_deduplicated_dispatch_inside_one_domain_is_the_plain_all_to_all():
+    """Within one NVLink domain nothing is deduplicated: the DeepEP-style exchange costs what the pairwise
+    all-to-all of the same top-k copies costs; across nodes it sends fewer bytes over the scale-out links."""
+    from cost_models.expert_dispatch import deduplicated_exchange
+    from planner.api import resolve_cluster
+    cluster = resolve_cluster(device="h100-sxm", num_devices=64)
+    inside = _group(cluster, 8)
+    tokens, hidden, topk = 4096, 7168, 8
+    plain = collective_time(Collective.all_to_all, tokens * topk * hidden * 2, inside, cluster)
+    dedup = deduplicated_exchange(tokens, hidden * 2, topk, 256, inside, cluster)
+    assert dedup.bandwidth_seconds == pytest.approx(plain.bandwidth_seconds, rel=1e-9)
+    across = _group(cluster, 64)
+    plain = collective_time(Collective.all_to_all, tokens * topk * hidden * 2, across, cluster)
+    dedup = deduplicated_exchange(tokens, hidden * 2, topk, 256, across, cluster, groups=8, group_topk=4)
+    # a remote node is among the token's 4 groups with probability 4/8 and then gets one of its 8 experts
+    # unless all 8 fall in the other 3 chosen groups: 7 * 0.5 * (1 - C(96, 8)/C(128, 8)) = 3.17 copies
+    # over the scale-out links instead of the plain all-to-all's 7 (8 x 56/64)
+    copies = 7 * 0.5 * (1 - math.comb(96, 8) / math.comb(128, 8))
+    assert dedup.bandwidth_seconds == pytest.approx(plain.bandwidth_seconds * copies / 7, rel=0.01)

@@ -21,6 +21,7 @@ with warnings.catch_warnings():
 
 FULL = "tp={tp},pp={pp},vp={vp},dp={dp},cp={cp},ep={ep},etp={etp},mbs={mbs},zero={zero},recompute={rc}"
 MOE_OVERLAP = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "tp_comm_overlap": True})
+DEEPEP = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "deepep"})
 # (id, model, device, devices, global batch, layout, precision, stack)
 PLANS = [
     ("dense-dp", "llama3-8b", "h100-sxm", 8, 64, FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=1, etp=1, mbs=1, zero=1,
@@ -43,6 +44,9 @@ PLANS = [
     # full recomputation: Megatron-Core refuses the MoE overlap beside it, so the prediction does without
     ("moe-overlap-stack-full-recompute", "mixtral-8x7b", "h100-sxm", 16, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="full"), "bf16", MOE_OVERLAP),
+    # DeepEP's deduplicated dispatch, as predicted (--moe-dispatcher deepep): Megatron's flex dispatcher
+    ("moe-deepep", "mixtral-8x7b", "h100-sxm", 32, 64,
+     FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", DEEPEP),
     ("full-recompute", "llama3-70b", "h100-sxm", 32, 64,
      FULL.format(tp=8, pp=4, vp=1, dp=1, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="full"), "bf16", None),
     ("uneven-stages", "llama3-8b", "h100-sxm", 8, 32,
@@ -73,7 +77,8 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
     pp = int(exported["--pipeline-model-parallel-size"])
     per_chunk = exported.get("--num-layers-per-virtual-pipeline-stage")
     moe = dict(num_moe_experts=graph.num_experts, moe_router_topk=structure.router_topk,
-               moe_token_dispatcher_type=exported.get("--moe-token-dispatcher-type", "allgather")) \
+               moe_token_dispatcher_type=exported.get("--moe-token-dispatcher-type", "allgather"),
+               moe_flex_dispatcher_backend=exported.get("--moe-flex-dispatcher-backend", "deepep")) \
         if graph.num_experts else {}
     recompute = {}
     if "--recompute-granularity" in exported:
@@ -139,8 +144,10 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
     assert (transformer.fp8 is not None) == (lay.precision == "fp8")
     if lay.precision == "fp8":
         assert transformer.fp8_recipe == lay.fp8_recipe
-    if lay.ep > 1:
-        assert transformer.moe_token_dispatcher_type == "alltoall"   # what the cost model bills
+    if lay.ep > 1:   # what the cost model bills: a plain all-to-all, or DeepEP through the flex dispatcher
+        deepep = lay.moe_dispatcher == "deepep"
+        assert transformer.moe_token_dispatcher_type == ("flex" if deepep else "alltoall")
+        assert not deepep or transformer.moe_flex_dispatcher_backend == "deepep"
     # ZeRO: 1 the distributed optimizer, 2 and 3 Megatron-FSDP sharding gradients (and parameters)
     assert ddp.use_distributed_optimizer == (lay.zero >= 1)
     assert ddp.data_parallel_sharding_strategy == {0: "no_shard", 1: "no_shard", 2: "optim_grads",

@@ -44,6 +44,8 @@ class BlockStructure:
     sdpa_attention: bool = False
     sliding_window: bool = False
     reference_experts: bool = False     # stacked experts with the reference MoE's route/routed protocol
+    router_num_groups: int = 1          # group-limited routing, as the router names it (n_group, topk_group)
+    router_group_topk: int = 1
     # norms over one head's channels inside a column-parallel region (Qwen3 / Gemma 3 q_norm, k_norm), with
     # the axis of their input that holds the heads: under tp each rank normalises its own heads, and the
     # weight's gradient is the sum over the ranks

@@ -156,6 +156,19 @@ def router_topk(module: nn.Module) -> int:
     return 0
 
 
+def router_groups(module: nn.Module) -> tuple[int, int]:
+    """Group-limited routing as the container or its router names it: (groups, groups each token may use);
+    (1, 1) without. transformers' DeepSeek-V3 router: num_group / topk_group; the reference MoE: n_group."""
+    for owner in [module, *module.children()]:
+        groups = next((getattr(owner, a) for a in ("n_group", "num_group", "router_num_groups")
+                       if isinstance(getattr(owner, a, None), int)), None)
+        chosen = next((getattr(owner, a) for a in ("topk_group", "router_group_topk")
+                       if isinstance(getattr(owner, a, None), int)), None)
+        if groups and chosen and 0 < chosen <= groups:
+            return groups, chosen
+    return 1, 1
+
+
 def graph_topk(graph: fx.Graph, shapes: dict[str, tuple], num_experts: int) -> int:
     """k of the top-k that picks experts: a topk over a last dimension of `num_experts` (group-limited
     routers also take a top-k over groups first, which this skips)."""

@@ -218,6 +218,8 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
         kinds.append(LayerKind(kind_name, "block", tuple(measured.ops), tuple(measured.saved),
                                tuple(ParamGroup(c, s) for s, c in counts.items() if c), input_bytes, seq_len,
                                _hidden_width(measured.output), structure.num_experts, structure.router_topk,
+                               router_num_groups=structure.router_num_groups,
+                               router_group_topk=structure.router_group_topk,
                                tp_pair_count=len(structure.tp_pairs),
                                kv_channels=structure.kv_groups * structure.head_dim))
         structures.append(structure)

@@ -39,11 +39,21 @@ class MoEConfig(_Strict):
     first_k_dense_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)
     router_fp32: bool = False       # the router GEMM on fp32 copies of tokens and weight (DeepSeek-V2/V3)
     layer_frequency: int = Field(default=1, gt=0, le=MAX_LAYERS)
+    # group-limited routing (DeepSeek-V3's node-limited routing; Megatron --moe-router-num-groups /
+    # --moe-router-group-topk; config.json n_group / topk_group): experts in equal groups, each token's
+    # experts taken from its best `router_group_topk` groups only
+    router_num_groups: int = Field(default=1, gt=0, le=MAX_EXPERTS)
+    router_group_topk: int = Field(default=1, gt=0, le=MAX_EXPERTS)
 
     @model_validator(mode="after")
     def _topk_fits(self):
         if self.router_topk > self.num_experts:
             raise ValueError(f"router_topk={self.router_topk} exceeds num_experts={self.num_experts}")
+        if self.num_experts % self.router_num_groups:
+            raise ValueError(f"router_num_groups={self.router_num_groups} does not divide num_experts={self.num_experts}")
+        if self.router_group_topk > self.router_num_groups:
+            raise ValueError(f"router_group_topk={self.router_group_topk} exceeds router_num_groups="
+                             f"{self.router_num_groups}")
         return self
 
 

@@ -158,6 +158,8 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
             "num_shared_experts": config.get("n_shared_experts") or 0,
             "first_k_dense_layers": config.get("first_k_dense_replace") or 0,
             "router_fp32": model_type in FP32_ROUTER_TYPES,
+            "router_num_groups": config.get("n_group") or 1,
+            "router_group_topk": config.get("topk_group") or 1,
         }
     return _validate(data, source)
 

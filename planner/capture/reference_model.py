@@ -217,6 +217,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.router_topk
+        self.n_group, self.topk_group = moe.router_num_groups, moe.router_group_topk
         self.router_fp32 = moe.router_fp32
         self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = GroupedExperts(cfg, moe.num_experts, moe.moe_ffn_hidden_size)
@@ -226,7 +227,13 @@ class MoE(nn.Module):
     def route(self, tokens):
         # DeepSeek-V2/V3 score experts in fp32: the tokens and router weight are cast up for the GEMM
         logits = F.linear(tokens.float(), self.router.weight.float()) if self.router_fp32 else self.router(tokens)
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.n_group > 1:   # group-limited (DeepSeek-V3 3.2.2): a group scores by its two best experts
+            grouped = scores.view(*scores.shape[:-1], self.n_group, -1)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_score).scatter(-1, group_score.topk(self.topk_group, dim=-1)[1], 1.0)
+            scores = (grouped * keep.unsqueeze(-1)).reshape(scores.shape)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(tokens.dtype)
         return weights, chosen
 

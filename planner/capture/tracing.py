@@ -22,8 +22,8 @@ from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, function_name, graph_topk, head_norms,
-                             indexed_experts, is_expert_container, is_linear_like, is_norm_like, routed_experts,
-                             router_topk)
+                             indexed_experts, is_expert_container, is_linear_like, is_norm_like, router_groups,
+                             routed_experts, router_topk)
 from .graph import BlockStructure
 from .recording import record
 from .values import on_one_device, with_value_width
@@ -365,6 +365,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         sdpa_attention=any(function_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes),
         sliding_window=any(_declares_window(m) for m in block.modules()),
         reference_experts=bool(experts) and _stacked(experts[1]) and hasattr(experts[1], "routed"),
+        **(dict(zip(("router_num_groups", "router_group_topk"), router_groups(experts[1]))) if experts else {}),
         head_norms=head_norms(gm.graph, modules, measured.shapes))
     return measured, structure, found
 
