@@ -38,8 +38,9 @@ DEFAULT_FAMILY_STACK = "nemo"
 # Per-run stack facts read in the launcher a run used (a user passes them as the CLI's stack flags)
 RUN_STACK_SETTINGS = {
     # NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py @6476ea0f (October 2025, the 25.09 line):
-    # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) with DeepEP: `--moe-a2a-overlap`
-    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True},
+    # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) and enable_deepep (H100 only):
+    # `--moe-a2a-overlap --moe-dispatcher deepep`
+    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True, "moe_dispatcher": "deepep"},
 }
 
 

@@ -37,15 +37,20 @@ def remote_domains(experts: int, topk: int, domains: int, groups: int = 1, group
     """Expected number of scale-up domains other than its own that one token's top-k experts sit in.
 
     Without groups: each of the D - 1 remote domains (E/D experts each) is missed by all k draws with
-    probability C(E - E/D, k) / C(E, k). With groups aligned to domains (G a multiple of D), the token first
-    takes `group_topk` of G groups, then k experts among those groups' experts: a domain holding j of the
-    chosen groups is missed with probability C(M*E/G - j*E/G, k) / C(M*E/G, k), j hypergeometric."""
+    probability C(E - E/D, k) / C(E, k). With groups, the token first takes M = `group_topk` of G groups,
+    then k experts among those groups' M*E/G experts. Groups spanning several domains (D a multiple of G):
+    a domain's group is chosen with probability M/G, and its E/D experts are then missed with probability
+    C(M*E/G - E/D, k) / C(M*E/G, k). Domains holding several groups (G a multiple of D): a domain holding j
+    of the chosen groups is missed with probability C(M*E/G - j*E/G, k) / C(M*E/G, k), j hypergeometric."""
     if domains <= 1:
         return 0.0
+    per_group = experts // groups
+    pool = group_topk * per_group   # the experts of the chosen groups
+    if groups > 1 and group_topk < groups and domains % groups == 0:
+        return (domains - 1) * group_topk / groups * (1 - _miss(pool, experts // domains, topk))
     if groups <= 1 or groups % domains or group_topk >= groups:
         return (domains - 1) * (1 - _miss(experts, experts // domains, topk))
-    per_domain, per_group = groups // domains, experts // groups
-    pool = group_topk * per_group   # the experts of the chosen groups
+    per_domain = groups // domains
     hit = 0.0
     for held in range(0, min(per_domain, group_topk) + 1):   # chosen groups inside one given domain
         chance = comb(per_domain, held) * comb(groups - per_domain, group_topk - held) / comb(groups, group_topk)

@@ -162,6 +162,7 @@ def _simulated_remote_domains(experts, topk, domains, groups, group_topk, sample
     (256, 8, 8, 1, 1),     # DeepSeek-V3 experts over 8 nodes, routing unlimited
     (256, 8, 8, 8, 4),     # ... node-limited: 8 groups (one per node), 4 per token
     (64, 6, 4, 8, 3),      # two groups per domain
+    (256, 8, 16, 8, 4),    # DeepSeek-V3 over 16 nodes (tp2 beside ep64): each group spans two
     (160, 6, 20, 1, 1),    # DeepSeek-V2-like, many domains
 ])
 def test_deduplicated_dispatch_reaches_the_domains_random_routing_reaches(experts, topk, domains, groups, group_topk):
