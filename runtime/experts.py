@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from planner.capture.graph import ModelGraph
-from planner.capture.graph_analysis import indexed_experts, routed_experts
+from planner.capture.expert_structure import indexed_experts
+from planner.capture.graph_analysis import routed_experts
 from planner.capture.reference_model import activate
 
 

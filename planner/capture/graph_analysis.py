@@ -1,7 +1,6 @@
 """Structure from an fx graph: leaves, tensor-parallel pairs by dataflow, attention heads, experts."""
 from __future__ import annotations
 
-import inspect
 import operator
 from dataclasses import dataclass
 
@@ -125,48 +124,8 @@ def routed_experts(module: nn.Module) -> RoutedExperts | None:
     return None
 
 
-def indexed_experts(container: nn.Module) -> nn.Module | None:
-    """The module holding all of the container's stacked expert weights when it is called with the
-    routing as arguments, (tokens, expert index per token and slot, weight per token and slot), as
-    transformers 5.x's experts modules are: an expert-parallel runtime can then hand it the tokens
-    dispatched to its rank with their local expert index. None otherwise."""
-    found = routed_experts(container)
-    if found is None or found.module_list is not None:
-        return None
-    for sub in container.modules():
-        own = {id(p) for p in sub.parameters(recurse=False)}
-        if own >= found.param_ids:
-            parameters = list(inspect.signature(sub.forward).parameters.values())
-            positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            return sub if len(positional) == 3 and len(parameters) == 3 else None
-    return None
-
-
 def is_expert_container(module: nn.Module) -> bool:
     return routed_experts(module) is not None
-
-
-def router_topk(module: nn.Module) -> int:
-    """Experts per token, as the container or its router names it (0 when neither does)."""
-    for owner in [module, *module.children()]:
-        for attr in ("top_k", "router_topk", "num_experts_per_tok", "topk", "k"):
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return 0
-
-
-def router_groups(module: nn.Module) -> tuple[int, int]:
-    """Group-limited routing as the container or its router names it: (groups, groups each token may use);
-    (1, 1) without. transformers' DeepSeek-V3 router: num_group / topk_group; the reference MoE: n_group."""
-    for owner in [module, *module.children()]:
-        groups = next((getattr(owner, a) for a in ("n_group", "num_group", "router_num_groups")
-                       if isinstance(getattr(owner, a, None), int)), None)
-        chosen = next((getattr(owner, a) for a in ("topk_group", "router_group_topk")
-                       if isinstance(getattr(owner, a, None), int)), None)
-        if groups and chosen and 0 < chosen <= groups:
-            return groups, chosen
-    return 1, 1
 
 
 def graph_topk(graph: fx.Graph, shapes: dict[str, tuple], num_experts: int) -> int:
@@ -192,6 +151,16 @@ def function_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+
+
+def declares_window(module: nn.Module) -> bool:
+    """A sliding attention window on the module, or on the config it reads (transformers' Phi-3 reads
+    `self.config.sliding_window`)."""
+    for owner in (module, getattr(module, "config", None)):
+        window = getattr(owner, "sliding_window", None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            return True
+    return False
 
 
 def is_view_node(node: fx.Node) -> bool:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .graph_analysis import may_be_activation, router_topk
+from .expert_structure import router_topk
+from .graph_analysis import may_be_activation
 
 
 class FlashAttention(torch.autograd.Function):

@@ -9,8 +9,9 @@ from torch import fx, nn
 
 from cost_models.records import OpCost, OpKind, Sharding
 
+from .expert_structure import router_topk
 from .graph_analysis import (ATTENTION_FUNCS, GROUPED_MM_FUNCS, MATMUL_FUNCS, is_linear_like, is_norm_like,
-                             is_varlen_attention, is_view_node, linear_features, routed_experts, router_topk)
+                             is_varlen_attention, is_view_node, linear_features, routed_experts)
 
 
 def tensor_bytes(value) -> float:

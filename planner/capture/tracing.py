@@ -21,9 +21,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, find_tp_pairs, function_name, graph_topk, head_norms,
-                             indexed_experts, is_expert_container, is_linear_like, is_norm_like, router_groups,
-                             routed_experts, router_topk)
+from .expert_structure import router_groups, router_topk, stacked_experts
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
+                             head_norms, is_expert_container, is_linear_like, is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recording import record
 from .values import on_one_device, with_value_width
@@ -361,31 +361,13 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         norms=tuple(n for n, m in block.named_modules() if is_norm_like(m) or isinstance(m, nn.LayerNorm)),
         expert_container=experts[0] if experts else None, num_experts=num_experts, router_topk=topk,
         reference_attention=any(isinstance(m, CoreAttention) for m in block.modules()),
-        stacked_experts=bool(experts) and _stacked(experts[1]),
+        stacked_experts=bool(experts) and stacked_experts(experts[1]),
         sdpa_attention=any(function_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes),
-        sliding_window=any(_declares_window(m) for m in block.modules()),
-        reference_experts=bool(experts) and _stacked(experts[1]) and hasattr(experts[1], "routed"),
+        sliding_window=any(declares_window(m) for m in block.modules()),
+        reference_experts=bool(experts) and stacked_experts(experts[1]) and hasattr(experts[1], "routed"),
         **(dict(zip(("router_num_groups", "router_group_topk"), router_groups(experts[1]))) if experts else {}),
         head_norms=head_norms(gm.graph, modules, measured.shapes))
     return measured, structure, found
-
-
-def _declares_window(module: nn.Module) -> bool:
-    """A sliding attention window on the module, or on the config it reads (transformers' Phi-3 reads
-    `self.config.sliding_window`)."""
-    for owner in (module, getattr(module, "config", None)):
-        window = getattr(owner, "sliding_window", None)
-        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
-            return True
-    return False
-
-
-def _stacked(container: nn.Module) -> bool:
-    """Experts as stacked weights (not a ModuleList of expert modules) in a protocol runtime/experts.py
-    shards: the reference MoE's route/routed, or an experts module called with the routing (transformers)."""
-    found = routed_experts(container)
-    return found is not None and found.module_list is None and (
-        hasattr(container, "routed") or indexed_experts(container) is not None)
 
 
 def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, int]:
