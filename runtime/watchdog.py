@@ -14,6 +14,8 @@ end in one line starting with `health:` that names the ranks behind:
   failing collective and the job ends saying nothing of who was lost.
 
 A live rank whose own collective failed marks itself first: it is named as failing too, not as lost.
+A rank found stopped (SIGSTOP, process state T) on the reporting rank's own node is killed there and said
+so: it can take no other signal, and torchrun's restart path waits a fixed 30 s for it otherwise.
 A rank that dies inside a step (after recording it) is behind no one; the survivors then say that no rank
 was behind, and torchrun's own error report names the worker and its exit signal.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -39,6 +42,7 @@ import torch.distributed as dist
 
 PROGRESS = "planner/progress/{rank}"
 FAILED = "planner/failed/{rank}"     # a live rank whose own collective failed: it is not the one lost
+WHERE = "planner/where/{rank}"       # host:pid, so that a peer on the same node can tell a stopped rank
 FLIGHT_RECORDER_ENTRIES = 2000      # collectives each rank remembers (torch's default is 0: off)
 STORE_READ = timedelta(seconds=2)   # reading a dead peer's progress may not wait for the peer
 SETTLE_S = 1.0                      # live ranks run on this long after a SIGTERM, into the blocked collective
@@ -73,6 +77,7 @@ class Watchdog:
         self.store = dist.distributed_c10d._get_default_store()
         self.step = 0
         self._reporting = threading.Lock()   # one report per process, whichever path comes first
+        self.store.set(WHERE.format(rank=self.rank), f"{socket.gethostname()}:{os.getpid()}")
 
     def reached(self, step: int) -> None:
         self.step = step
@@ -109,8 +114,29 @@ class Watchdog:
         cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         also = (f"; rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, sorted(failing)))} failed too"
                 if failing else "")
+        ended = self.end_stopped(late)
+        killed = (f"; rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))} stopped (SIGSTOP) on this "
+                  "node: killed, so that the launcher restarts the job now, not after its 30 s grace") if ended else ""
         return (f"health: rank {self.rank}: a collective of step {step} failed within the {self.timeout_s:g} s "
-                f"collective timeout; {_behind(late, step)}{also}: {cause}")
+                f"collective timeout; {_behind(late, step)}{also}{killed}: {cause}")
+
+    def end_stopped(self, ranks: list[int]) -> list[int]:
+        """Kill the ranks among `ranks` that sit stopped (state T) on this node: a stopped process can take no
+        signal but SIGKILL, and torchrun waits 30 s for it before it restarts the group."""
+        ended = []
+        self.store.set_timeout(STORE_READ)
+        for rank in ranks:
+            try:
+                host, pid = self.store.get(WHERE.format(rank=rank)).decode().rsplit(":", 1)
+            except (RuntimeError, ValueError):
+                continue
+            if host == socket.gethostname() and _process_state(int(pid)) == "T":
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                    ended.append(rank)
+                except OSError:
+                    pass
+        return ended
 
     def fail(self, step: int, error: BaseException) -> None:
         """Say which ranks were lost and end this process (a group with a peer gone cannot be torn down).
@@ -172,6 +198,15 @@ class Watchdog:
                 print(self.report_termination() + self.flight_record(), file=sys.stderr, flush=True)
                 os._exit(TERMINATED_EXIT)
         threading.Thread(target=on_signal, name="planner-sigterm", daemon=True).start()
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of a process of this node (R, S, D, T, ...), or "" where there is none to read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[0]
 
 
 def _behind(late: list[int], step: int) -> str:

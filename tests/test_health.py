@@ -186,8 +186,8 @@ def test_a_flipped_bit_in_one_replica_names_the_rank(dp4_faults):
     # a clean run raising no line: the straggler case, which fingerprints every step
 
 
-# stop@5:1 costs torchrun's 30 s grace: the agent waits that long for a SIGSTOPped worker to take its
-# SIGTERM before it kills it and restarts the group (its restart path does not read the shutdown timeout)
+# stop@5:1: the live rank kills the stopped one on its node (state T), so torchrun restarts at once instead of
+# after its 30 s grace for a worker that cannot take its SIGTERM (the restart path ignores the shutdown timeout)
 @pytest.mark.parametrize("fault", ["kill@5:1", "stop@5:1"])
 def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path, references):
     """torchrun --max-restarts 1: rank 1 dies (SIGKILL) or stops (SIGSTOP) before step 5; the live rank names
@@ -208,6 +208,8 @@ def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path, ref
     assert "resumed from step-000004 (restart 1)" in proc.stderr
     assert any(line.startswith("health:") and "rank 1 did not reach step 5" in line
                for line in proc.stderr.splitlines())
+    if fault.startswith("stop"):   # killed by its peer on this node, not left to torchrun's 30 s grace
+        assert "rank 1 stopped (SIGSTOP) on this node: killed" in proc.stderr
     steps = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert losses(proc) == pytest.approx(references["plain"], rel=LOSS_TOLERANCE)
