@@ -58,9 +58,9 @@ def remote_domains(experts: int, topk: int, domains: int, groups: int = 1, group
     return (domains - 1) * hit
 
 
-def dispatch_bytes_per_token(hidden: int, fp8: bool) -> float:
-    """One dispatched token: FP8 with its scales where the stack dispatches in FP8, else BF16."""
-    return hidden * (1 + 4 / FP8_SCALE_CHANNELS) if fp8 else hidden * 2.0
+def fp8_token_bytes(hidden: int) -> float:
+    """One token dispatched in FP8: a byte per channel and an fp32 scale per FP8_SCALE_CHANNELS."""
+    return hidden * (1 + 4 / FP8_SCALE_CHANNELS)
 
 
 def deduplicated_exchange(tokens: float, token_bytes: float, topk: int, experts: int, group: GroupPlacement,

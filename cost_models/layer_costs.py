@@ -12,7 +12,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import MeshDim, place_dims_together, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
-from .expert_dispatch import deduplicated_exchange, dispatch_bytes_per_token
+from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
 from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from hardware_profiles.stack import SoftwareStack
 
@@ -184,9 +184,10 @@ class MeshCosts:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the
         layout trains in FP8, BF16 combine."""
         group = self.placement[2].of("ep")
-        fp8 = self.layout.precision == Precision.fp8
+        bf16 = kind.hidden_size * ACTIVATION_BYTES
+        dispatch = fp8_token_bytes(kind.hidden_size) if self.layout.precision == Precision.fp8 else bf16
         seconds = 0.0
-        for token_bytes in (dispatch_bytes_per_token(kind.hidden_size, fp8), kind.hidden_size * ACTIVATION_BYTES):
+        for token_bytes in (dispatch, bf16):
             key = ("dedup", token_bytes, tokens, kind.name, group)
             if key not in self._shared.collectives:
                 self._shared.collectives[key] = deduplicated_exchange(

@@ -25,6 +25,8 @@ Axis = Literal["tp", "pp", "cp", "ep"]
 Fp8RecipeName = Literal["delayed", "tensorwise"]
 
 
+MoeDispatcher = Literal["alltoall", "deepep"]   # plain all-to-all, or DeepEP's one copy per destination domain
+
 class SoftwareStack(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")   # goes into plan files and commands
     display_name: str = Field(min_length=1)
@@ -65,7 +67,7 @@ class SoftwareStack(Strict):
     # MoE token dispatcher: a plain all-to-all (one copy per chosen expert), or DeepEP's deduplicated one
     # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
     # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
-    moe_dispatcher: Literal["alltoall", "deepep"] = "alltoall"
+    moe_dispatcher: MoeDispatcher = "alltoall"
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
     cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
     pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import typer
 from rich.console import Console
@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from cost_models.layout_codec import parse_text
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_stacks, load_stack, resolve_stack
-from hardware_profiles.stack import DEFAULT_STACK
+from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher
 
 from . import api, exports, views
 from .entry import INTERRUPTED, recorded_interrupts
@@ -56,7 +56,7 @@ StackOpt = typer.Option(None, "--stack", help=f"software stack that trains the m
                         "inside what it runs (planner stacks show NAME)")
 OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="also overlap TP collectives with GEMMs where the stack "
                           "does not (Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
-DISPATCHERS = ("alltoall", "deepep")
+DISPATCHERS = get_args(MoeDispatcher)
 DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="MoE token dispatcher where the stack's differs: alltoall "
                              "(one copy per chosen expert) or deepep (one per destination node, forwarded over "
                              "NVLink; FP8 dispatch under --precision fp8: Megatron-Core --moe-token-dispatcher-type "

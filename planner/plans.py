@@ -15,7 +15,7 @@ from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, P
 from cost_models.layout_codec import layout_from, parse_text, values_of
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
-from hardware_profiles.stack import DEFAULT_STACK, SoftwareStack
+from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher, SoftwareStack
 
 from .output_paths import write_no_follow
 
@@ -52,7 +52,7 @@ class LayoutRecord(_Frozen):
     order: str                      # mesh order, innermost first, as in the layout text: tp-cp-ep-dp-pp
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
-    moe_dispatcher: Literal["alltoall", "deepep"] = "alltoall"   # ... and this MoE token dispatcher
+    moe_dispatcher: MoeDispatcher = "alltoall"   # ... and this MoE token dispatcher
     grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
     fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
 

@@ -14,6 +14,12 @@ class PlanError(ValueError):
     """A plan that cannot run on this world: raised on every rank before any collective."""
 
 
+def error_line(error: BaseException, limit: int = 200) -> str:
+    """An exception's first line, cut to `limit` characters, or its type where it says nothing."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp: int

@@ -25,9 +25,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from cost_models.layout import Fp8Recipe, GradReduce, Layout
 from planner.capture.graph import ModelGraph
 
-from .dims import ParallelDims, PlanError
+from .dims import ParallelDims, PlanError, error_line
 
 PRECISIONS = ("bf16", "fp32", "fp8")
+MIXED = ("bf16", "fp8")      # bf16 compute over fp32 master weights (fp8: and FP8 GEMMs besides)
+FP8_GEMM_MULTIPLE = 16       # torch._scaled_mm takes matrices whose dimensions are multiples of 16
 
 
 def check(precision: str, layout: Layout, dims: ParallelDims, device_type: str = "cpu") -> str:
@@ -40,7 +42,7 @@ def check(precision: str, layout: Layout, dims: ParallelDims, device_type: str =
             raise PlanError("precision fp8 with tp > 1 on cpu: torchao's float8 tensor parallelism moves FP8 tensors "
                             "through collectives, which gloo cannot carry (NCCL and HCCL can); run fp8 with tp=1 "
                             "on CPUs, or bf16")
-    if precision in ("bf16", "fp8") and layout.grad_reduce == GradReduce.bf16 and dims.zero < 2:
+    if precision in MIXED and layout.grad_reduce == GradReduce.bf16 and dims.zero < 2:
         raise PlanError("grad_reduce=bf16 with ZeRO-0/1: this runtime reduces in bf16 only through FSDP2's "
                         "MixedPrecisionPolicy (ZeRO-2/3); plan with grad_reduce=fp32 or zero=2")
     return precision
@@ -56,14 +58,13 @@ def _check_fp8(layout: Layout, device_type: str) -> None:
         raise PlanError("precision fp8: this runtime trains FP8 through torchao's float8, which is not installed "
                         "(pip install 'parallel-planner[fp8]'); or plan with --precision bf16") from None
     device = torch.device(device_type)
-    try:   # the FP8 GEMM torchao calls, on a 16 x 16 tile of this device
-        ones = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    try:   # the FP8 GEMM torchao calls, on one smallest tile of this device
+        ones = torch.ones(FP8_GEMM_MULTIPLE, FP8_GEMM_MULTIPLE, device=device).to(torch.float8_e4m3fn)
         scale = torch.ones((), device=device)
         torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as exc:
-        cause = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"precision fp8: this {device_type} device does not run FP8 matrix products "
-                        f"(torch._scaled_mm: {cause}); plan with --precision bf16") from None
+                        f"(torch._scaled_mm: {error_line(exc, 120)}); plan with --precision bf16") from None
 
 
 def fp8_linears(module: nn.Module, graph: ModelGraph) -> None:
@@ -74,22 +75,9 @@ def fp8_linears(module: nn.Module, graph: ModelGraph) -> None:
 
     def chosen(sub: nn.Module, name: str) -> bool:
         return (isinstance(sub, nn.Linear) and name.startswith(blocks)
-                and sub.in_features % 16 == 0 and sub.out_features % 16 == 0)
+                and sub.in_features % FP8_GEMM_MULTIPLE == 0 and sub.out_features % FP8_GEMM_MULTIPLE == 0)
     convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                module_filter_fn=chosen)
-    for sub in module.modules():
-        if type(sub).__name__ == "Float8Linear":
-            sub.register_forward_pre_hook(_input_in_autocast_dtype)
-
-
-def _input_in_autocast_dtype(linear: nn.Module, args):
-    """Under autocast, the FP8 linear's input in the autocast dtype before anything casts it to FP8: torchao's
-    tensor-parallel styles cast it in their own input hook, where the GEMM's output dtype is taken from it
-    (fp32 there, which CPUs' FP8 GEMM does not produce)."""
-    device_type = args[0].device.type
-    if torch.is_autocast_enabled(device_type) and args[0].dtype == torch.float32:
-        return (args[0].to(torch.get_autocast_dtype(device_type)), *args[1:])
-    return None
 
 
 def fp8_parallel_styles():
@@ -99,7 +87,7 @@ def fp8_parallel_styles():
 
 
 def fsdp_policy(precision: str, layout: Layout) -> MixedPrecisionPolicy | None:
-    if precision not in ("bf16", "fp8"):
+    if precision not in MIXED:
         return None
     reduce = torch.bfloat16 if layout.grad_reduce == GradReduce.bf16 else torch.float32
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
@@ -107,6 +95,6 @@ def fsdp_policy(precision: str, layout: Layout) -> MixedPrecisionPolicy | None:
 
 def autocast(precision: str, device_type: str, sharded_by_fsdp: bool):
     """The context the forward runs in: autocast to bf16 where FSDP2's policy does not cast."""
-    if precision in ("bf16", "fp8") and not sharded_by_fsdp:
+    if precision in MIXED and not sharded_by_fsdp:
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

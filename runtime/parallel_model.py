@@ -22,7 +22,7 @@ from planner.capture.graph import ModelGraph
 from planner.search.stack_rules import layout_stack_problems
 
 from . import checkpoint
-from .dims import ParallelDims, PlanError, world
+from .dims import ParallelDims, PlanError, error_line, world
 from .health import HealthMonitor, HealthPolicy
 from .stragglers import ComputeTimer, StragglerMonitor
 from .telemetry import Stopwatch
@@ -145,7 +145,7 @@ class ParallelModel:
                 module.eval()
                 module(tokens)
         except RuntimeError as exc:
-            cause = str(exc).strip().splitlines()[0][:160]
+            cause = error_line(exc, 160)
             raise PlanError(f"under tp={self.dims.tp} the model's forward fails before training ({cause}): its "
                             "code assumes the full hidden width where column-parallel projections hand it "
                             f"1/{self.dims.tp} of it (e.g. a head width computed as C // n_head); compute "

@@ -1,7 +1,6 @@
 """apply_tp / apply_ac / apply_dp: the torchtitan steps, driven by the captured graph instead of per-model code."""
 from __future__ import annotations
 
-import inspect
 from functools import partial
 
 import torch
@@ -19,7 +18,7 @@ from cost_models.layout import Recompute
 from planner.capture.graph import ModelGraph
 
 from . import mixed_precision
-from .sequential_stage import HeadOnLaterStage
+from .sequential_stage import HeadOnLaterStage, HiddenInput
 
 
 def _present(module: nn.Module) -> set[str]:
@@ -90,16 +89,11 @@ def _sp_from_embedding(graph: ModelGraph) -> bool:
 def _cut_sequence_at(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     """The first block's hidden-state input, whole on every rank, cut to this rank's part of the sequence
     (as a DTensor redistribution, whose backward gathers the parts' gradients back)."""
-    argument = next(iter(inspect.signature(block.forward).parameters))
-
-    def cut(hidden: torch.Tensor) -> torch.Tensor:
-        whole = DTensor.from_local(hidden, tp_mesh, [Replicate()], run_check=False)
-        return whole.redistribute(placements=[Shard(1)]).to_local()
+    hidden = HiddenInput.of(block)
 
     def hook(module, args, kwargs):
-        if args:
-            return (cut(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, argument: cut(kwargs[argument])}
+        whole = DTensor.from_local(hidden.get(args, kwargs), tp_mesh, [Replicate()], run_check=False)
+        return hidden.put(args, kwargs, whole.redistribute(placements=[Shard(1)]).to_local())
     block.register_forward_pre_hook(hook, with_kwargs=True)
 
 

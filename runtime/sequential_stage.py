@@ -20,11 +20,12 @@ from __future__ import annotations
 import copy
 import inspect
 import types
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .dims import PlanError
+from .dims import PlanError, error_line
 
 
 class StageBlocks(nn.ModuleList):
@@ -97,9 +98,21 @@ def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
     (root.get_submodule(parent_path) if parent_path else root)._modules[name] = module
 
 
-def _hidden_argument(block: nn.Module) -> str:
-    """The name of the block's first parameter: the hidden state, when the model passes it by keyword."""
-    return next(iter(inspect.signature(block.forward).parameters))
+@dataclass(frozen=True)
+class HiddenInput:
+    """Where a module takes its hidden state in a forward pre-hook's (args, kwargs): the first positional
+    argument, or its first parameter by name where the model passes it so."""
+    name: str
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "HiddenInput":
+        return cls(next(iter(inspect.signature(module.forward).parameters)))
+
+    def get(self, args: tuple, kwargs: dict):
+        return args[0] if args else kwargs[self.name]
+
+    def put(self, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:
+        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, self.name: new})
 
 
 def sequential_stage(model: nn.Module, container: str, blocks: range, is_first: bool, is_last: bool,
@@ -134,7 +147,7 @@ def sequential_stage(model: nn.Module, container: str, blocks: range, is_first: 
     if not is_first:   # the received hidden state enters the first block, or the head where there is none
         entries = [owned[0]] if len(owned) else [stage.get_submodule(name) for name in head_modules]
         for entry in entries:
-            entry.register_forward_pre_hook(_inject(stage, _hidden_argument(entry)), with_kwargs=True)
+            entry.register_forward_pre_hook(_inject(stage, HiddenInput.of(entry)), with_kwargs=True)
     stage.forward = types.MethodType(_stage_forward(type(model).forward, is_first), stage)
     embedding = model.get_submodule(embedding_modules[0])
     stage._sequence_shards = 1   # the check runs before tensor parallelism cuts anything
@@ -158,16 +171,12 @@ def _count_call(stage):
     return hook
 
 
-def _inject(stage, argument: str):
+def _inject(stage, hidden: HiddenInput):
     """Pre-hook of the stage's entry (its first block, or its head): the hidden state received from the
     previous stage replaces what the top-level code computed from the stand-in embedding."""
     def hook(module, args, kwargs):
         received, stage._stage_input = stage._stage_input, None
-        if received is None:
-            return None
-        if args:
-            return (received, *args[1:]), kwargs
-        return args, {**kwargs, argument: received}
+        return None if received is None else hidden.put(args, kwargs, received)
     return hook
 
 
@@ -201,9 +210,8 @@ def _check_calls(stage: nn.Module, owned: list[nn.Module], is_first: bool, width
             stage.eval()
             stage(inputs)
     except (RuntimeError, IndexError, TypeError, ValueError) as exc:
-        cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise PlanError(f"a pipeline stage of this model fails when run alone ({cause}): this runtime cuts a "
-                        "recorded model into stages by its block list, which its forward must call in order; "
+        raise PlanError(f"a pipeline stage of this model fails when run alone ({error_line(exc, 160)}): this runtime "
+                        "cuts a recorded model into stages by its block list, which its forward must call in order; "
                         "run it with pp=1") from None
     finally:
         stage.train(training)

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .dims import error_line
+
 PROGRESS = "planner/progress/{rank}"
 FAILED = "planner/failed/{rank}"     # a live rank whose own collective failed: it is not the one lost
 WHERE = "planner/where/{rank}"       # host:pid, so that a peer on the same node can tell a stopped rank
@@ -106,15 +108,18 @@ class Watchdog:
                 pass
         return found
 
-    def report(self, step: int, error: BaseException) -> str:
-        """The line for a collective of `step` that failed on this rank."""
+    def late(self, step: int) -> tuple[list[int], set[int]]:
+        """The ranks that never reached `step` (stopped or dead), and the peers that failed beside this one."""
         failing = self.failing() - {self.rank}
-        late = [rank for rank, done in self.progress().items()
-                if done < step and rank != self.rank and rank not in failing]
-        cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        return [rank for rank, done in self.progress().items()
+                if done < step and rank != self.rank and rank not in failing], failing
+
+    def report(self, step: int, error: BaseException, ended: list[int] = ()) -> str:
+        """The line for a collective of `step` that failed on this rank (`ended`: stopped ranks it killed)."""
+        late, failing = self.late(step)
+        cause = error_line(error)
         also = (f"; rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, sorted(failing)))} failed too"
                 if failing else "")
-        ended = self.end_stopped(late)
         killed = (f"; rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))} stopped (SIGSTOP) on this "
                   "node: killed, so that the launcher restarts the job now, not after its 30 s grace") if ended else ""
         return (f"health: rank {self.rank}: a collective of step {step} failed within the {self.timeout_s:g} s "
@@ -150,12 +155,12 @@ class Watchdog:
                 pass
             if not is_collective_failure(error):
                 traceback.print_exception(error, file=sys.stderr)
-                cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
                 print(f"error (rank {self.rank}): step {step} failed in this rank's own computation, not in a "
-                      f"collective: {type(error).__name__}: {cause}", file=sys.stderr, flush=True)
+                      f"collective: {type(error).__name__}: {error_line(error)}", file=sys.stderr, flush=True)
                 os._exit(1)
             time.sleep(SETTLE_S / 2)
-            print(self.report(step, error) + self.flight_record(), file=sys.stderr, flush=True)
+            ended = self.end_stopped(self.late(step)[0])
+            print(self.report(step, error, ended) + self.flight_record(), file=sys.stderr, flush=True)
             os._exit(3)
 
     def flight_record(self) -> str:
