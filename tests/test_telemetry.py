@@ -16,9 +16,10 @@ from test_runtime import ROOT, TRAIN, launch
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
 MODEL = "tests/models/matmul-bound.yaml"
-LAYOUT = "tp=1,pp=1,dp=2,cp=1,zero=0,recompute=none,mbs=4"
-CPU_PAIR = dict(num_devices=2, devices_per_node=2, stack="parallel-planner")
+LAYOUT = "tp=1,pp=1,dp=1,cp=1,zero=0,recompute=none,mbs=4"
+ONE_CPU = dict(num_devices=1, devices_per_node=1, stack="parallel-planner")
 SEQ = 256
+FITTED_BATCH, HELD_OUT_BATCH = 4, 8   # one micro-batch of 4, then two of the same shape accumulated
 
 
 def forward_backward(plan) -> float:
@@ -40,39 +41,41 @@ def test_a_refitted_profile_predicts_a_held_out_run(tmp_path):
     """A model whose CPU step is matrix work (a tiny one's is mostly per-op host time, which no FLOP rate
     describes), the held-out run accumulating two micro-batches of the fitted run's shape (a larger micro-batch
     leaves the CPU's caches: its time grows faster than its FLOPs, as no device profile says), both runs in
-    one launch, under the same load. The plans are made on a user's profile file, which the refit starts from."""
+    one launch, under the same load. One process: with dp=2 the step carried a gloo gradient all-reduce whose
+    time the profile's nominal figures cannot know, charged to compute by the refit (it over-predicted the held-out
+    run by 8-21%, and failed CI once). The plans are made on a user's profile file, which the refit starts from."""
     device = str(off_profile(tmp_path))
     runs, cases = {}, []
-    for batch in (8, 16):
-        plan = api.evaluate(MODEL, device=device, global_batch=batch, seq_len=SEQ, layout=LAYOUT, **CPU_PAIR)
+    for batch in (FITTED_BATCH, HELD_OUT_BATCH):
+        plan = api.evaluate(MODEL, device=device, global_batch=batch, seq_len=SEQ, layout=LAYOUT, **ONE_CPU)
         plan.save(tmp_path / f"plan{batch}.yaml")
         cases.append({"name": f"batch{batch}", "model": MODEL, "plan": str(tmp_path / f"plan{batch}.yaml"),
                       "telemetry": str(tmp_path / f"tel{batch}")})
         runs[batch] = plan
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    launch(2, "--cases", str(tmp_path / "cases.json"), "--steps", "10", *TRAIN, "--precision", "fp32")
-    lines = (tmp_path / "tel8" / "rank-1.jsonl").read_text().splitlines()
+    launch(1, "--cases", str(tmp_path / "cases.json"), "--steps", "10", *TRAIN, "--precision", "fp32")
+    lines = (tmp_path / f"tel{FITTED_BATCH}" / "rank-0.jsonl").read_text().splitlines()
     header, records = json.loads(lines[0])["header"], [json.loads(line) for line in lines[1:]]
-    assert header["predicted"]["compute_s"] == pytest.approx(runs[8].breakdown["compute_s"])
+    assert header["predicted"]["compute_s"] == pytest.approx(runs[FITTED_BATCH].breakdown["compute_s"])
     assert header["device"] == str(Path(device).resolve())   # the user's file, not the built-in of that name
     assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:   # the parts add up to the step
         assert r["step_s"] == pytest.approx(r["forward_backward_s"] + r["checks_s"] + r["optimizer_s"]
                                             + r["checkpoint_blocking_s"], rel=1e-9)
     fitted = tmp_path / "cpu-fitted.yaml"
-    shown = subprocess.run([PLANNER, "calibrate", "--telemetry", str(tmp_path / "tel8"), "--out", str(fitted)],
+    shown = subprocess.run([PLANNER, "calibrate", "--telemetry", str(tmp_path / f"tel{FITTED_BATCH}"), "--out", str(fitted)],
                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
     assert "forward_backward_s" in shown and "refit" in shown
-    held_out = calibrate(str(tmp_path / "tel16"))
+    held_out = calibrate(str(tmp_path / f"tel{HELD_OUT_BATCH}"))
     measured = next(p.measured_s for p in held_out.parts if p.name == "forward_backward_s")
-    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=16, seq_len=SEQ, layout=LAYOUT, **CPU_PAIR)
-    before, after = abs(forward_backward(runs[16]) - measured), abs(forward_backward(refitted) - measured)
-    print(f"held-out forward+backward: started from {forward_backward(runs[16]):.4f} s, refitted "
+    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=HELD_OUT_BATCH, seq_len=SEQ, layout=LAYOUT, **ONE_CPU)
+    before, after = abs(forward_backward(runs[HELD_OUT_BATCH]) - measured), abs(forward_backward(refitted) - measured)
+    print(f"held-out forward+backward: started from {forward_backward(runs[HELD_OUT_BATCH]):.4f} s, refitted "
           f"{forward_backward(refitted):.4f} s, measured {measured:.4f} s")
-    # within 20% of what the run it never saw measured (3-10% in runs here and in CI), from a profile that
-    # was several times off
+    # within 20% of what the run it never saw measured (2-5% in runs here, also beside a busy core), from a
+    # profile that was several times off
     assert after < 0.2 * measured and after < before / 3, \
-        (forward_backward(runs[16]), forward_backward(refitted), measured)
+        (forward_backward(runs[HELD_OUT_BATCH]), forward_backward(refitted), measured)
 
 
 @pytest.mark.parametrize("line,named", [
