@@ -102,6 +102,9 @@ def parse_args(argv=None):
                         "(the reference a skipped batch is compared with)")
     parser.add_argument("--telemetry", default=None, help="directory: each rank writes rank-R.jsonl, every step's "
                         "measured parts beside the plan's predicted ones (read by 'planner calibrate --telemetry')")
+    parser.add_argument("--telemetry-comm-every", type=steps_or_never, default=10, help="with --telemetry: steps per "
+                        "measurement of exposed communication by kind and of the pipeline's waits (0: never; the "
+                        "measurement costs a few per cent of the step it runs on)")
     parser.add_argument("--device-type", default=None, choices=sorted(BACKENDS),
                         help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu); "
                              "default: what the plan's cluster profile names, else cpu")
@@ -132,6 +135,13 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> None
     else:  # the single-process reference runs the same code on a one-rank group
         store = tempfile.mktemp(prefix="planner-ref-")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+
+def steps_or_never(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 0 (0: never)")
+    return value
 
 
 def build(spec: str, seq_len: int, seed: int):
@@ -279,6 +289,8 @@ def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], 
     last = args.last_step if args.last_step is not None else (
         args.steps if args.checkpoint_dir else start + args.steps - 1)
     telemetry = TelemetryWriter(args.telemetry, rank, telemetry_header(args, layout)) if args.telemetry else None
+    if telemetry and args.telemetry_comm_every > 0:
+        parallel.record_communication(args.telemetry_comm_every)
     code = run_steps(args, parallel, graph, saver, watchdog, injection, skip_steps, range(start, last + 1), prefix,
                      telemetry)
     if telemetry:

@@ -8,7 +8,8 @@ over the steps after the first few (allocations, first-call costs). Two figures 
   (AdamW is memory-bound), from ZeRO-0 runs only: a sharded optimizer's step includes an all-gather;
 * `gemm.sustained_fraction` (or the peak past a fraction of 1), so that the job's own plan, predicted
   again under the profile with the bandwidth refit, takes the measured compute: the measured
-  forward+backward less the communication and bubble the plan predicts exposed inside it. The plan is
+  forward+backward less the exposed communication and pipeline waits the job measured inside it (by kind,
+  on the steps its communication recorder ran; the plan's predicted ones where it did not). The plan is
   re-predicted until it agrees, because compute also holds memory-bound ops (norms, activations) that the
   GEMM rate does not scale and the bandwidth refit does: one ratio on the GEMM rate would undo neither.
   Telemetry without its plan (an older header, or a model that is not built in) gets the one-ratio refit,
@@ -31,7 +32,13 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import device_profile_path, load_device, read_yaml_mapping
 
 MEASURED_PARTS = ("step_s", "forward_backward_s", "checks_s", "optimizer_s", "checkpoint_blocking_s")
+# inside forward_backward_s, on the steps the runtime's communication recorder ran (runtime/comm_telemetry.py),
+# named as the plan's breakdown names them
+EXPOSED_PARTS = ("tp_comm_s", "cp_comm_s", "ep_comm_s", "zero_comm_s", "pipeline_bubble_s", "dp_comm_s",
+                 "other_comm_s")
+PIPELINE_WAIT = ("pipeline_bubble_s", "pp_comm_s")   # measured as one: a stage's waits for its neighbours
 COMPUTE_PARTS = ("compute_s", "recompute_s")
+MEASURED_COMPUTE = "compute_s"   # measured: forward+backward less the exposed parts, on the steps that split them
 OPTIMIZER_PART = "optimizer_s"
 REFIT_ROUNDS = 8          # re-predictions of the plan; each multiplies the error by the memory-bound share
 REFIT_TOLERANCE = 1e-3    # re-predicted compute within 0.1% of the measured
@@ -99,7 +106,7 @@ def _parse_line(path: Path, number: int, line: str) -> dict:
     for key in ("step", "rank"):
         if not isinstance(record.get(key), int):
             raise UserInputError(f"'{key}' missing or not a whole number", source=where, field=key)
-    for key in MEASURED_PARTS:
+    for key in (*MEASURED_PARTS, *(part for part in EXPOSED_PARTS if part in record)):
         value = record.get(key)
         if not isinstance(value, (int, float)) or value < 0 or value != value:
             raise UserInputError(f"'{key}' missing or not seconds >= 0", source=where, field=key)
@@ -116,19 +123,46 @@ def calibrate(directory: str, warmup_steps: int = 2) -> Calibration:
                              expected="more steps than --warmup-steps")
     measured = {part: statistics.median(max(r[part] for r in steps[s].values()) for s in used)
                 for part in MEASURED_PARTS}
+    measured.update(_exposed_by_kind(steps, used))
     predicted = header["predicted"]
-    parts = tuple(PartComparison(name, _predicted(name, header), measured[name]) for name in MEASURED_PARTS)
+    parts = tuple(PartComparison(name, _predicted(name, header), measured[name])
+                  for name in (*MEASURED_PARTS, *EXPOSED_PARTS, MEASURED_COMPUTE) if name in measured)
     notes = [] if predicted else ["the job ran a --layout, not a plan: nothing predicted, nothing refitted"]
     refits = _refits(header, predicted, measured, notes) if predicted else ()
     return Calibration(directory, header, ranks, used, parts, refits, tuple(notes))
+
+
+def _exposed_by_kind(steps: dict, used: tuple[int, ...]) -> dict[str, float]:
+    """Each kind's exposed seconds on the steps that measured them: per step the slowest rank's (the step
+    waits for it), then the median. A pipeline's measured waits differ by stage (the first stage waits on
+    the last one's backward, the last on the first's forward): the stage that waited longest is the step's."""
+    recorded = [s for s in used if all(EXPOSED_PARTS[0] in r for r in steps[s].values())]
+    if not recorded:
+        return {}
+    by_kind = {part: statistics.median(max(r.get(part, 0.0) for r in steps[s].values()) for s in recorded)
+               for part in EXPOSED_PARTS}
+    # compute: the step's forward+backward (every step's: the recorder slows the steps it runs on) less what the
+    # step spent beyond its slowest rank's own compute (that rank's forward+backward less what it waited for)
+    beyond_compute = statistics.median(
+        max(r["forward_backward_s"] for r in steps[s].values())
+        - max(r["forward_backward_s"] - sum(r.get(part, 0.0) for part in EXPOSED_PARTS) for r in steps[s].values())
+        for s in recorded)
+    forward_backward = statistics.median(max(r["forward_backward_s"] for r in steps[s].values()) for s in used)
+    by_kind[MEASURED_COMPUTE] = forward_backward - beyond_compute
+    return by_kind
 
 
 def _predicted(part: str, header: dict) -> float | None:
     predicted, step = header["predicted"], header.get("predicted_step_s")
     if not predicted or step is None:
         return None
+    if part == PIPELINE_WAIT[0]:
+        return sum(predicted.get(name, 0.0) for name in PIPELINE_WAIT)
+    if part in EXPOSED_PARTS:
+        return predicted.get(part)   # None for other_comm_s: the plan has no such part
     return {"step_s": step, "forward_backward_s": step - predicted.get(OPTIMIZER_PART, 0.0),
-            "optimizer_s": predicted.get(OPTIMIZER_PART, 0.0)}.get(part)
+            "optimizer_s": predicted.get(OPTIMIZER_PART, 0.0),
+            MEASURED_COMPUTE: sum(predicted.get(name, 0.0) for name in COMPUTE_PARTS)}.get(part)
 
 
 def _refits(header: dict, predicted: dict, measured: dict, notes: list[str]) -> tuple[Refit, ...]:
@@ -142,11 +176,17 @@ def _refits(header: dict, predicted: dict, measured: dict, notes: list[str]) -> 
         refits += _fraction_then_peak("hbm_bandwidth_fraction", device.hbm_bandwidth_fraction,
                                       "hbm_bandwidth_gbytes_per_s", predicted[OPTIMIZER_PART] / measured["optimizer_s"])
     compute = sum(predicted.get(part, 0.0) for part in COMPUTE_PARTS)
-    exposed = sum(seconds for part, seconds in predicted.items() if part not in (*COMPUTE_PARTS, OPTIMIZER_PART))
-    measured_compute = measured["forward_backward_s"] - exposed
+    if MEASURED_COMPUTE in measured:   # the job measured its exposed communication and waits: compute is the rest
+        measured_compute = measured[MEASURED_COMPUTE]
+        exposed, which = measured["forward_backward_s"] - measured_compute, "measured"
+    else:
+        exposed = sum(seconds for part, seconds in predicted.items() if part not in (*COMPUTE_PARTS, OPTIMIZER_PART))
+        measured_compute, which = measured["forward_backward_s"] - exposed, "predicted"
+        notes.append("the telemetry carries no exposed communication by kind (--telemetry-comm-every 0): compute "
+                     "is the measured forward+backward less the communication and bubble the plan predicts")
     if not (measured_compute > 0 and compute > 0):
         notes.append(f"compute not refitted: the measured forward+backward ({measured['forward_backward_s']:.4f} s) "
-                     f"is not above the exposed communication predicted inside it ({exposed:.4f} s)")
+                     f"is not above the exposed communication {which} inside it ({exposed:.4f} s)")
         return tuple(refits)
     return tuple(refits) + _compute_refit(header, device, refits, compute / measured_compute, measured_compute, notes)
 

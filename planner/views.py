@@ -234,7 +234,9 @@ def show_calibration(console: Console, result) -> None:
     for part in result.parts:
         predicted = "-" if part.predicted_s is None else f"{part.predicted_s:.4f}"
         ratio = f"{part.measured_s / part.predicted_s:.2f}" if part.predicted_s else "-"
-        table.add_row(part.name, predicted, f"{part.measured_s:.4f}", ratio)
+        name = {"pipeline_bubble_s": "pipeline_bubble_s + pp_comm_s",
+                "compute_s": "compute_s + recompute_s"}.get(part.name, part.name)
+        table.add_row(name, predicted, f"{part.measured_s:.4f}", ratio)
     console.print(table)
     for refit in result.refits:
         console.print(f"refit {head['device']} {refit.field}: {refit.old:.4g} -> {refit.new:.4g}")

@@ -1,6 +1,7 @@
 """`apply_plan` and `ParallelModel`: a plan applied to a torch model, trained with one call per step."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -22,6 +23,7 @@ from planner.capture.graph import ModelGraph
 from planner.search.stack_rules import layout_stack_problems
 
 from . import checkpoint
+from .comm_telemetry import CommRecorder, GroupKinds
 from .dims import ParallelDims, PlanError, error_line, world
 from .health import HealthMonitor, HealthPolicy
 from .stragglers import ComputeTimer, StragglerMonitor
@@ -73,6 +75,7 @@ class ParallelModel:
         self.rank = rank
         self.step = 0              # steps taken (a resumed run starts at the checkpoint's)
         self.timing = None         # the last step's parts (runtime/telemetry.StepTiming)
+        self.comm_recorder, self.comm_every = None, 0   # exposed communication by kind (record_communication)
         self.on_gradients = None   # callback(ParallelModel) between backward and the optimizer step
         self.after_backward = None  # callback(ParallelModel) once gradients are complete (fault injection)
         self.after_step = None     # callback(ParallelModel) after the optimizer step (fault injection)
@@ -205,16 +208,10 @@ class ParallelModel:
         self.optimizer.zero_grad()
         if self.stragglers:
             self.stragglers.before_step(self.step + 1)
-        with self.autocast:   # bf16 compute over fp32 parameters where FSDP2's policy does not cast
-            if self.schedule is None:
-                loss = self._accumulate(tokens, targets)
-            else:
-                loss = self._pipelined(tokens, targets)
+        recorder = self.comm_recorder if self.comm_every and (self.step + 1) % self.comm_every == 0 else None
+        with recorder or contextlib.nullcontext():
+            loss = self._forward_backward(tokens, targets)
         self.step += 1
-        if self.stage_ties:
-            self.stage_ties.sum_gradients([_inner(module) for module in self.modules])
-        if self.expert_params:
-            finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
         if self.after_backward:
             self.after_backward(self)
         mean = self._mean_over_ranks(loss)
@@ -231,8 +228,28 @@ class ParallelModel:
             self.optimizer.zero_grad()   # the batch is skipped on every rank: no update, no optimizer step
         computed = self.stragglers.after_step(self.step) if self.stragglers else None
         clock.mark("checks_s")
-        self.timing = clock.timing(computed)
+        self.timing = clock.timing(computed, recorder.exposed() if recorder else None)
         return mean
+
+    def _forward_backward(self, tokens, targets) -> torch.Tensor:
+        """The step's forward and backward and the gradient reductions that complete it (its exposed
+        communication is what `runtime/comm_telemetry.py` measures)."""
+        with self.autocast:   # bf16 compute over fp32 parameters where FSDP2's policy does not cast
+            loss = self._accumulate(tokens, targets) if self.schedule is None else self._pipelined(tokens, targets)
+        if self.stage_ties:
+            self.stage_ties.sum_gradients([_inner(module) for module in self.modules])
+        if self.expert_params:
+            finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
+        return loss
+
+    def record_communication(self, every: int) -> None:
+        """Measure exposed communication by kind on every `every`-th step (runtime/comm_telemetry.py)."""
+        meshes = {name: self.mesh[name] for name in self.mesh.mesh_dim_names}
+        meshes["dp_cp"] = self._dp_mesh()
+        if self.dims.ep > 1:
+            meshes["ep"], meshes["edp"] = self.ep_mesh, self.edp_mesh
+        groups = {name: mesh.get_group() for name, mesh in meshes.items() if mesh.size() > 1}
+        self.comm_recorder, self.comm_every = CommRecorder(GroupKinds.of(groups, self.dims.zero)), every
 
     def _update(self) -> None:
         if self.max_grad_norm:

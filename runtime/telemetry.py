@@ -5,13 +5,15 @@ Each rank writes `DIR/rank-R.jsonl`. The first line is the header: the plan's mo
 layout and predicted parts (its `breakdown`, seconds); then one line per trained step:
 
     {"step": 7, "rank": 0, "step_s": ..., "forward_backward_s": ..., "checks_s": ..., "optimizer_s": ...,
-     "checkpoint_blocking_s": ..., "forward_compute_s": ... (on the steps the straggler timer ran)}
+     "checkpoint_blocking_s": ..., "forward_compute_s": ... (on the steps the straggler timer ran),
+     "tp_comm_s": ..., "pipeline_bubble_s": ..., ... (on the steps the communication recorder ran)}
 
 forward_backward_s runs from the step's start to its loss being known on every rank (the forward, the
 backward, the exposed collectives inside them, the pipeline's bubble); checks_s is the health checks'
 time; optimizer_s the optimizer step (and clipping). On an accelerator the stopwatch synchronises the
-device at each mark, so the parts are device time, not launch time. Exposed communication is not split
-by kind yet (it is inside forward_backward_s).
+device at each mark, so the parts are device time, not launch time. On every N-th step
+(`--telemetry-comm-every`) the exposed communication inside forward_backward_s is split by kind and the
+pipeline's waits measured, under the names of the plan's breakdown (runtime/comm_telemetry.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .comm_telemetry import ExposedComm
+
 
 @dataclass(frozen=True)
 class StepTiming:
@@ -29,6 +33,7 @@ class StepTiming:
     checks_s: float
     optimizer_s: float
     forward_compute_s: float | None = None   # leaf modules' forward, on steps the straggler timer ran
+    exposed_comm: ExposedComm | None = None  # by kind, inside forward_backward_s, on steps the recorder ran
 
     @property
     def step_s(self) -> float:
@@ -50,8 +55,8 @@ class Stopwatch:
         self.parts[part] += now - self.last
         self.last = now
 
-    def timing(self, forward_compute_s: float | None) -> StepTiming:
-        return StepTiming(forward_compute_s=forward_compute_s, **self.parts)
+    def timing(self, forward_compute_s: float | None, exposed_comm: ExposedComm | None = None) -> StepTiming:
+        return StepTiming(forward_compute_s=forward_compute_s, exposed_comm=exposed_comm, **self.parts)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class TelemetryWriter:
                   "optimizer_s": timing.optimizer_s, "checkpoint_blocking_s": checkpoint_blocking_s}
         if timing.forward_compute_s is not None:
             record["forward_compute_s"] = timing.forward_compute_s
+        if timing.exposed_comm is not None:
+            record.update(asdict(timing.exposed_comm))
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 

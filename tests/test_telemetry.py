@@ -109,3 +109,37 @@ def test_telemetry_without_its_plan_is_refitted_by_one_ratio_and_says_so(tmp_pat
     assert any("refitted by one ratio" in note for note in result.notes)
     # twice as fast as predicted: the fraction of 1 cannot double, so the peak does
     assert [(r.field, r.new) for r in result.refits] == [("gemm.sustained_fraction", 1.0), ("peak_tflops x", 2.0)]
+
+
+# (layout, the slow rank, the rank that waits for it, the part its wait is charged to, micro-batches a step)
+DELAYED = [("dp=2,zero=0,mbs=4", 1, 0, "dp_comm_s", 1),
+           ("tp=2,dp=1,zero=0,mbs=8", 1, 0, "tp_comm_s", 1),
+           ("cp=2,dp=1,zero=0,mbs=8", 1, 0, "cp_comm_s", 1),
+           ("pp=2,dp=1,zero=0,mbs=2", 0, 1, "pipeline_bubble_s", 4)]
+SLOW_FROM = 3
+
+
+def test_exposed_communication_is_charged_to_the_kind_that_waited(tmp_path):
+    """Independent truth: from step 3 one rank's compute is 0.2 s slower per micro-batch (`slow@3:R`, a sleep in
+    its first module). Its peer waits for it in the collective that follows - the gradient all-reduce under dp,
+    the tensor-parallel all-reduce under tp, the K/V gather under cp, the activation receive under pp - and the
+    telemetry must charge that wait, and only it, to that kind."""
+    from runtime.faults import SLOW_S
+    cases = [{"name": part, "layout": layout, "inject": f"slow@{SLOW_FROM}:{slow}", "telemetry_comm_every": 1,
+              "telemetry": str(tmp_path / part)} for layout, slow, _, part, _ in DELAYED]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    launch(2, "--cases", str(tmp_path / "cases.json"), "--steps", "4", *TRAIN, "--straggler-every", "0")
+    for layout, slow, waiting, part, micro_batches in DELAYED:
+        records = {}
+        for rank in (0, 1):
+            lines = (tmp_path / part / f"rank-{rank}.jsonl").read_text().splitlines()[1:]
+            records[rank] = {json.loads(line)["step"]: json.loads(line) for line in lines}
+        delay = SLOW_S * micro_batches
+        for step in (SLOW_FROM, SLOW_FROM + 1):
+            grown = records[waiting][step][part] - records[waiting][SLOW_FROM - 1][part]
+            assert grown > 0.75 * delay, (layout, step, part, grown)
+            # the slow rank itself did not wait for it, and the waiting rank's other kinds did not take it
+            assert records[slow][step][part] < 0.5 * delay, (layout, step, records[slow][step])
+            others = {k: v for k, v in records[waiting][step].items()
+                      if k.endswith("_comm_s") or k == "pipeline_bubble_s"}
+            assert sum(others.values()) - others[part] < 0.5 * delay, (layout, step, others)
