@@ -9,6 +9,7 @@ alternating runs; the median step time of each and the ratio. Results and the co
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -30,6 +31,7 @@ from runtime.health import HealthPolicy  # noqa: E402
 
 
 def step_seconds(health: HealthPolicy | None, steps: int, batch: int, comm_every: int = 0) -> float:
+    gc.collect()   # the previous run's model and monitors (reference cycles) would otherwise slow this one
     torch.manual_seed(0)
     cfg = resolve_model("tiny-llama")
     model = build_model(cfg, "cpu")

@@ -7,7 +7,10 @@ collective where the backend runs it synchronously) and in the wait for its resu
 Python (FSDP2, pipelining, `dist.*`), the functional collectives' `wait_tensor` (DTensor, the expert
 all-to-all, context-parallel gathers) and an `AsyncCollectiveTensor` used before it was waited on. A
 collective waited on in C++ (the DDP reducer's gradient buckets, at the end of backward) is counted from its
-completion: the time it finished after the last such collective of the step was launched.
+completion: the time it finished after the last such collective of the step was launched (on the CPU; on an
+accelerator such waits are stream dependencies made in C++, not seen). On an accelerator a wait holds the
+current stream rather than the thread, and is timed by a pair of events around it on that stream: the
+stream's stall until the collective is done (not run on a GPU in these sessions).
 
 A pipeline's sends and receives wait for the neighbouring stage (a send completes when its receive is
 posted): all their waits are `pipeline_bubble_s`, the schedule's idle time with the hops' transfers inside it
@@ -90,9 +93,13 @@ def _group_ranks(func, args) -> tuple[int, ...] | None:
 class CommRecorder(TorchDispatchMode):
     """Armed around one step's forward+backward: `with recorder: ...`, then `recorder.exposed()`."""
 
-    def __init__(self, kinds: GroupKinds):
+    def __init__(self, kinds: GroupKinds, device_type: str = "cpu"):
         super().__init__()
         self.kinds = kinds
+        # on an accelerator a wait holds the current stream, not the thread: it is timed by a pair of events
+        # on that stream (the stream's stall until the collective's stream is done), read at the step's end
+        self.on_stream = device_type != "cpu"
+        self.stream_spans: list[tuple[str, object, object]] = []   # (part, event before, event after)
         self.seconds: dict[str, float] = {}
         self.works: dict[int, tuple[str, object]] = {}      # id(Work) -> (part, Work), until waited from Python
         self.in_flight: list[tuple[int, str]] = []          # (id(functional collective's output), part), oldest first
@@ -103,17 +110,18 @@ class CommRecorder(TorchDispatchMode):
     # -- arming: the mode, and Work.wait timed while it is on --------------------------------------------
     def __enter__(self):
         self.seconds, self.works, self.launched, self.completed, self.in_flight = {}, {}, {}, {}, []
+        self.stream_spans = []
         self._wait = dist.Work.wait
         recorder, original = self, self._wait
 
         def timed_wait(work, *args, **kwargs):
-            start = time.perf_counter()
+            began = recorder._begin()
             try:
                 return original(work, *args, **kwargs)
             finally:
                 entry = recorder.works.pop(id(work), None)
                 if entry is not None:
-                    recorder._add(entry[0], time.perf_counter() - start)
+                    recorder._end(entry[0], began)
         dist.Work.wait = timed_wait
         return super().__enter__()
 
@@ -122,6 +130,10 @@ class CommRecorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def exposed(self) -> ExposedComm:
+        for part, before, after in self.stream_spans:
+            after.synchronize()
+            self._add(part, before.elapsed_time(after) / 1e3)   # milliseconds
+        self.stream_spans = []
         seconds = dict(self.seconds)
         for part in {part for part, _ in self.works.values()}:   # waited in C++: what ran past the last launch
             keys = [key for key, (of, _) in self.works.items() if of == part and key in self.completed]
@@ -134,24 +146,39 @@ class CommRecorder(TorchDispatchMode):
     def _add(self, part: str, seconds: float) -> None:
         self.seconds[part] = self.seconds.get(part, 0.0) + seconds
 
+    def _begin(self):
+        if not self.on_stream:
+            return time.perf_counter()
+        event = torch.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _end(self, part: str, began) -> None:
+        if not self.on_stream:
+            self._add(part, time.perf_counter() - began)
+            return
+        event = torch.Event(enable_timing=True)
+        event.record()
+        self.stream_spans.append((part, began, event))
+
     # -- every operator while armed ------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._wait_inputs(args)
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
         if func.namespace not in ("c10d", "_c10d_functional"):
-            return out
-        elapsed = time.perf_counter() - start
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        began = self._begin()
+        out = func(*args, **kwargs)
         op_name = func._opname
         if op_name == "wait_tensor":
-            self._add(self._waited(args[0]), elapsed)
+            self._end(self._waited(args[0]), began)
             return out
         if op_name.startswith("_wrap_tensor"):   # the result re-wrapped for autograd: still the same collective's
             self.in_flight = [(id(out), part) if key == id(args[0]) else (key, part) for key, part in self.in_flight]
             return out
         part = self.kinds.part(_group_ranks(func, args), op_name)
-        self._add(part, elapsed)
+        self._end(part, began)
         if func.namespace == "_c10d_functional":
             for tensor in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(tensor, torch.Tensor):
@@ -176,9 +203,9 @@ class CommRecorder(TorchDispatchMode):
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
         for arg in args:
             if isinstance(arg, AsyncCollectiveTensor) and not arg.completed:
-                start = time.perf_counter()
+                began = self._begin()
                 arg.trigger_wait()
-                self._add(self._waited(arg.elem), time.perf_counter() - start)
+                self._end(self._waited(arg.elem), began)
 
     def _track_work(self, out, part: str, launched: float) -> None:
         work = out[-1] if isinstance(out, tuple) else out
@@ -187,6 +214,8 @@ class CommRecorder(TorchDispatchMode):
         work = dist.Work.unbox(work)   # the same Python object the caller gets while this one lives
         self.works[id(work)] = (part, work)
         self.launched[id(work)] = launched
+        if self.on_stream:   # a future completes when the work is enqueued there, not when it is done
+            return
         try:   # gloo's reduce_scatter_single has no future: it is waited from Python, so none is needed
             future = work.get_future()
         except RuntimeError:

@@ -249,7 +249,8 @@ class ParallelModel:
         if self.dims.ep > 1:
             meshes["ep"], meshes["edp"] = self.ep_mesh, self.edp_mesh
         groups = {name: mesh.get_group() for name, mesh in meshes.items() if mesh.size() > 1}
-        self.comm_recorder, self.comm_every = CommRecorder(GroupKinds.of(groups, self.dims.zero)), every
+        self.comm_recorder = CommRecorder(GroupKinds.of(groups, self.dims.zero), self.device.type)
+        self.comm_every = every
 
     def _update(self) -> None:
         if self.max_grad_norm:
