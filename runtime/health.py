@@ -70,9 +70,18 @@ class HealthMonitor:
             print(line, flush=True)
 
     # -- before the optimizer step ---------------------------------------------------------------
-    def accept(self, step: int, loss: float, gradients: list[torch.Tensor]) -> bool:
-        """Whether the step's gradients may be applied; says why not."""
-        bad_ranks = self._nonfinite_ranks(loss, gradients)
+    def locally_nonfinite(self, loss: torch.Tensor, gradients: list[torch.Tensor]) -> bool:
+        """This rank's loss or one of its gradients holds a NaN or an Inf: one norm per gradient, and their sum
+        (norms are >= 0, so the sum is finite exactly when every norm is) read once."""
+        values = [loss.detach().reshape(1).float()]
+        if gradients:
+            values.append(torch.stack(torch._foreach_norm([_local(g) for g in gradients])).sum().float().reshape(1))
+        return not bool(torch.isfinite(torch.cat(values).sum()))
+
+    def accept(self, step: int, loss: float, nonfinite_anywhere: bool, nonfinite_here: bool) -> bool:
+        """Whether the step's gradients may be applied; says why not. `nonfinite_anywhere`: some rank's
+        `locally_nonfinite`, reduced with the loss (ParallelModel's one all-reduce a step)."""
+        bad_ranks = self._nonfinite_ranks(nonfinite_here) if nonfinite_anywhere or not math.isfinite(loss) else []
         if bad_ranks:
             self._say(f"health: step {step}: non-finite loss or gradients on rank{'s' if len(bad_ranks) > 1 else ''} "
                       f"{', '.join(map(str, bad_ranks))}; policy {self.policy.on_nonfinite}")
@@ -106,18 +115,15 @@ class HealthMonitor:
         self.reports.append(line)
         print(line, flush=True)
 
-    def _nonfinite_ranks(self, loss: float, gradients: list[torch.Tensor]) -> list[int]:
-        """One norm per gradient (a NaN or Inf anywhere makes it non-finite) and one all-reduce of a flag;
-        only when some rank raised it, an all-gather to name the ranks."""
-        norms = torch._foreach_norm([_local(g) for g in gradients]) if gradients else []
-        local = not math.isfinite(loss) or (bool(norms) and not bool(torch.isfinite(torch.stack(norms)).all()))
-        flag = torch.tensor([float(local)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return []
+    def _nonfinite_ranks(self, nonfinite_here: bool) -> list[int]:
+        """Some rank found a NaN or Inf (or the mean loss is one): an all-gather names the ranks, every rank
+        alike (a non-finite mean with no rank flagged names every rank)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [self.rank]
         flags = [torch.zeros(1, device=self.device) for _ in range(dist.get_world_size())]
-        dist.all_gather(flags, torch.tensor([float(local)], device=self.device))
-        return [rank for rank, flag in enumerate(flags) if flag.item()]
+        dist.all_gather(flags, torch.tensor([float(nonfinite_here)], device=self.device))
+        named = [rank for rank, flag in enumerate(flags) if flag.item()]
+        return named or list(range(dist.get_world_size()))
 
     def _spike_z(self, loss: float) -> float | None:
         if len(self.losses) < self.policy.spike_min_history or not math.isfinite(loss):

@@ -214,10 +214,11 @@ class ParallelModel:
         self.step += 1
         if self.after_backward:
             self.after_backward(self)
-        mean = self._mean_over_ranks(loss)
         clock.mark("forward_backward_s")
-        accepted = not self.health or self.health.accept(self.step, mean, [p.grad for p in self.params
+        here = bool(self.health) and self.health.locally_nonfinite(loss, [p.grad for p in self.params
                                                                           if p.grad is not None])
+        mean, anywhere = self._mean_over_ranks(loss, here)
+        accepted = not self.health or self.health.accept(self.step, mean, anywhere, here)
         clock.mark("checks_s")
         if accepted:
             self._update()
@@ -287,16 +288,18 @@ class ParallelModel:
             return torch.stack(losses).mean().detach()
         return torch.zeros((), device=self.device)
 
-    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
-        if not dist.is_initialized():
-            return float(loss)
-        value = loss.detach().clone()
-        if self.dims.pp > 1:  # only the last stage holds the loss
-            dist.all_reduce(value, group=self.mesh["pp"].get_group())
-        if self._dp_mesh().size() > 1:
-            dist.all_reduce(value, group=self._dp_mesh().get_group())
-            value /= self._dp_mesh().size()
-        return float(value)
+    def _mean_over_ranks(self, loss: torch.Tensor, nonfinite_here: bool) -> tuple[float, bool]:
+        """The step's mean loss and whether any rank raised the non-finite flag, by one all-reduce over every
+        rank (none on a world of one): the loss is held by the last stage's ranks (zeros on the others), the
+        same on the tensor-parallel ranks of a shard, so the mean over the world / pp ranks that hold it is
+        the mean over data and context parallelism."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return float(loss), nonfinite_here
+        value = torch.stack([loss.detach().float().reshape(()),
+                             torch.tensor(float(nonfinite_here), device=loss.device)])
+        dist.all_reduce(value)
+        holders = dist.get_world_size() // self.dims.pp
+        return float(value[0]) / holders, bool(value[1] > 0)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip by the global gradient norm over every group: DTensor norms reduce over their meshes,
