@@ -72,11 +72,11 @@ class HealthMonitor:
     # -- before the optimizer step ---------------------------------------------------------------
     def locally_nonfinite(self, loss: torch.Tensor, gradients: list[torch.Tensor]) -> bool:
         """This rank's loss or one of its gradients holds a NaN or an Inf: one norm per gradient, and their sum
-        (norms are >= 0, so the sum is finite exactly when every norm is) read once."""
-        values = [loss.detach().reshape(1).float()]
-        if gradients:
-            values.append(torch.stack(torch._foreach_norm([_local(g) for g in gradients])).sum().float().reshape(1))
-        return not bool(torch.isfinite(torch.cat(values).sum()))
+        (norms are >= 0, so the sum is finite exactly when every norm is) read once with the loss."""
+        if not gradients:
+            return not math.isfinite(float(loss))
+        norms = torch._foreach_norm([_local(g) for g in gradients])
+        return not math.isfinite(float(torch.stack(norms).sum(dtype=torch.float32) + loss.detach().float()))
 
     def accept(self, step: int, loss: float, nonfinite_anywhere: bool, nonfinite_here: bool) -> bool:
         """Whether the step's gradients may be applied; says why not. `nonfinite_anywhere`: some rank's
