@@ -143,3 +143,52 @@ def test_exposed_communication_is_charged_to_the_kind_that_waited(tmp_path):
             others = {k: v for k, v in records[waiting][step].items()
                       if k.endswith("_comm_s") or k == "pipeline_bubble_s"}
             assert sum(others.values()) - others[part] < 0.5 * delay, (layout, step, others)
+
+
+def test_calibrate_takes_compute_as_what_the_slowest_rank_did_not_wait_for(tmp_path):
+    """By hand: rank 0 waited 0.10 s for its neighbour stage, rank 1 0.02 s, both took 0.30 s of
+    forward+backward. The pipeline's waits are the longest (0.10 s, beside the plan's bubble plus hops,
+    0.05 + 0.01); compute is 0.30 - (0.30 - max(0.30 - 0.10, 0.30 - 0.02)) = 0.28 s, and the plan's 0.20 s of
+    compute makes the GEMM rate 0.20 / 0.28 of what it was (one ratio: this header carries no plan)."""
+    predicted = {"compute_s": 0.2, "pipeline_bubble_s": 0.05, "pp_comm_s": 0.01}
+    header = {"header": {"model": "tiny-llama", "cluster": "cpu-x2", "device": "cpu", "num_devices": 2,
+                         "layout": "pp=2,zero=1", "predicted_step_s": 0.26, "predicted": predicted}}
+    zero = {part: 0.0 for part in ("tp_comm_s", "cp_comm_s", "ep_comm_s", "zero_comm_s", "dp_comm_s", "other_comm_s")}
+    lines = [header]
+    for step in range(1, 6):
+        for rank, waited in ((0, 0.10), (1, 0.02)):
+            lines.append({"step": step, "rank": rank, "step_s": 0.3, "forward_backward_s": 0.3, "checks_s": 0.0,
+                          "optimizer_s": 0.0, "checkpoint_blocking_s": 0.0, "pipeline_bubble_s": waited, **zero})
+    for rank in (0, 1):
+        (tmp_path / f"rank-{rank}.jsonl").write_text(
+            "\n".join(json.dumps(line) for line in lines if "header" in line or line["rank"] == rank) + "\n")
+    result = calibrate(str(tmp_path))
+    parts = {part.name: part for part in result.parts}
+    assert parts["pipeline_bubble_s"].measured_s == pytest.approx(0.10)
+    assert parts["pipeline_bubble_s"].predicted_s == pytest.approx(0.06)
+    assert parts["compute_s"].measured_s == pytest.approx(0.28)
+    assert parts["other_comm_s"].predicted_s is None
+    fraction = next(r for r in result.refits if r.field == "gemm.sustained_fraction")
+    assert fraction.new == pytest.approx(fraction.old * 0.2 / 0.28)
+
+
+def test_collectives_are_charged_by_their_groups_ranks():
+    """ep over all of dp (one group of ranks for both): the all-to-all is the experts', the rest gradients';
+    the pipeline group's sends and receives are waits, its all-reduce (tied embeddings) a gradient reduction."""
+    from runtime.comm_telemetry import GroupKinds
+    kinds = GroupKinds((((0, 1), "dp_comm_s"), ((0, 1), "ep_comm_s"), ((0, 2), "pipeline_bubble_s"),
+                        ((0, 4), "tp_comm_s")))
+    assert kinds.part((0, 1), "alltoall_base_") == "ep_comm_s"
+    assert kinds.part((0, 1), "all_to_all_single") == "ep_comm_s"
+    assert kinds.part((0, 1), "allreduce_") == "dp_comm_s"
+    assert kinds.part((0, 2), "send") == kinds.part((0, 2), "recv_") == "pipeline_bubble_s"
+    assert kinds.part((0, 2), "allreduce_") == "dp_comm_s"
+    assert kinds.part((0, 4), "all_gather_into_tensor") == "tp_comm_s"
+    assert kinds.part((3, 7), "allreduce_") == kinds.part(None, "barrier") == "other_comm_s"
+
+
+@pytest.mark.parametrize("value", ["-1"])
+def test_a_bad_comm_cadence_is_refused_before_any_process_group(value):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--telemetry-comm-every", value],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--telemetry-comm-every" in proc.stderr and "Traceback" not in proc.stderr
