@@ -6,11 +6,13 @@ layout and predicted parts (its `breakdown`, seconds); then one line per trained
 
     {"step": 7, "rank": 0, "step_s": ..., "forward_backward_s": ..., "checks_s": ..., "optimizer_s": ...,
      "checkpoint_blocking_s": ..., "forward_compute_s": ... (on the steps the straggler timer ran),
-     "tp_comm_s": ..., "pipeline_bubble_s": ..., ... (on the steps the communication recorder ran)}
+     "tp_comm_s": ..., "pipeline_bubble_s": ..., ..., "compute_s": ... (on the steps the communication
+     recorder ran; compute_s is forward_backward_s less the exposed parts)}
 
-forward_backward_s runs from the step's start to its loss being known on every rank (the forward, the
+forward_backward_s runs from the step's start to its gradients being complete (the forward, the
 backward, the exposed collectives inside them, the pipeline's bubble); checks_s is the health checks'
-time; optimizer_s the optimizer step (and clipping). On an accelerator the stopwatch synchronises the
+time with the loss's all-reduce (which carries their non-finite flag); optimizer_s the optimizer step
+(and clipping). On an accelerator the stopwatch synchronises the
 device at each mark, so the parts are device time, not launch time. On every N-th step
 (`--telemetry-comm-every`) the exposed communication inside forward_backward_s is split by kind and the
 pipeline's waits measured, under the names of the plan's breakdown (runtime/comm_telemetry.py).
@@ -86,8 +88,9 @@ class TelemetryWriter:
                   "optimizer_s": timing.optimizer_s, "checkpoint_blocking_s": checkpoint_blocking_s}
         if timing.forward_compute_s is not None:
             record["forward_compute_s"] = timing.forward_compute_s
-        if timing.exposed_comm is not None:
-            record.update(asdict(timing.exposed_comm))
+        if timing.exposed_comm is not None:   # and the rest of forward+backward: this rank's own compute
+            exposed = asdict(timing.exposed_comm)
+            record.update(exposed, compute_s=timing.forward_backward_s - sum(exposed.values()))
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
