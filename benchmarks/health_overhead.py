@@ -76,7 +76,8 @@ def main(argv=None) -> int:
             times[name].append(step_seconds(health, args.steps, args.batch, comm_every))
     dist.destroy_process_group()
     base = statistics.median(times["without the checks"])
-    print(f"tiny-llama, batch {args.batch}, 1 CPU thread, median of {args.repeats} runs of the mean of {args.steps} steps:")
+    print(f"tiny-llama, batch {args.batch}, 1 CPU thread, median of {args.repeats} runs of the mean of "
+          f"{args.steps} steps:")
     for name, runs in times.items():
         value = statistics.median(runs)
         print(f"  {name}: {value * 1e3:.2f} ms per step ({value / base - 1:+.1%})")

@@ -13,10 +13,11 @@ current stream rather than the thread, and is timed by a pair of events around i
 stream's stall until the collective is done (not run on a GPU in these sessions).
 
 A pipeline's sends and receives wait for the neighbouring stage (a send completes when its receive is
-posted): all their waits are `pipeline_bubble_s`, the schedule's idle time with the hops' transfers inside it
-(the plan's `pipeline_bubble_s` plus `pp_comm_s`; one side cannot tell the two apart). Gradient reductions over the
-data-parallel group are `dp_comm_s` under ZeRO-0/1 and `zero_comm_s` under ZeRO-2/3 (with the parameter
-all-gathers), as the cost model splits them. A group the mesh does not name is `other_comm_s`.
+posted): all their waits are `pipeline_bubble_s`, the schedule's idle time with the hops' transfers inside
+it (the plan's `pipeline_bubble_s` plus `pp_comm_s`; one side cannot tell the two apart). Gradient
+reductions over the data-parallel group are `dp_comm_s` under ZeRO-0/1 and `zero_comm_s` under ZeRO-2/3
+(with the parameter all-gathers), as the cost model splits them. A group the mesh does not name is
+`other_comm_s`.
 
 The recorder is a `TorchDispatchMode`: every operator passes through Python while it is armed (about 4% of
 a matrix-bound CPU step, more on a tiny model's), so it is armed on every N-th step only and the record of

@@ -63,12 +63,14 @@ def test_a_refitted_profile_predicts_a_held_out_run(tmp_path):
         assert r["step_s"] == pytest.approx(r["forward_backward_s"] + r["checks_s"] + r["optimizer_s"]
                                             + r["checkpoint_blocking_s"], rel=1e-9)
     fitted = tmp_path / "cpu-fitted.yaml"
-    shown = subprocess.run([PLANNER, "calibrate", "--telemetry", str(tmp_path / f"tel{FITTED_BATCH}"), "--out", str(fitted)],
+    shown = subprocess.run([PLANNER, "calibrate", "--telemetry", str(tmp_path / f"tel{FITTED_BATCH}"),
+                            "--out", str(fitted)],
                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
     assert "forward_backward_s" in shown and "refit" in shown
     held_out = calibrate(str(tmp_path / f"tel{HELD_OUT_BATCH}"))
     measured = next(p.measured_s for p in held_out.parts if p.name == "forward_backward_s")
-    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=HELD_OUT_BATCH, seq_len=SEQ, layout=LAYOUT, **ONE_CPU)
+    refitted = api.evaluate(MODEL, device=str(fitted), global_batch=HELD_OUT_BATCH, seq_len=SEQ, layout=LAYOUT,
+                            **ONE_CPU)
     before, after = abs(forward_backward(runs[HELD_OUT_BATCH]) - measured), abs(forward_backward(refitted) - measured)
     print(f"held-out forward+backward: started from {forward_backward(runs[HELD_OUT_BATCH]):.4f} s, refitted "
           f"{forward_backward(refitted):.4f} s, measured {measured:.4f} s")
@@ -175,7 +177,9 @@ def test_calibrate_takes_compute_as_what_the_slowest_rank_did_not_wait_for(tmp_p
 def test_collectives_are_charged_by_their_groups_ranks():
     """ep over all of dp (one group of ranks for both): the all-to-all is the experts', the rest gradients';
     the pipeline group's sends and receives are waits, its all-reduce (tied embeddings) a gradient reduction."""
-    from runtime.comm_telemetry import GroupKinds
+    from planner.calibration import EXPOSED_PARTS
+    from runtime.comm_telemetry import ExposedComm, GroupKinds
+    assert ExposedComm.parts() == EXPOSED_PARTS   # what the runtime writes is what calibrate reads
     kinds = GroupKinds((((0, 1), "dp_comm_s"), ((0, 1), "ep_comm_s"), ((0, 2), "pipeline_bubble_s"),
                         ((0, 4), "tp_comm_s")))
     assert kinds.part((0, 1), "alltoall_base_") == "ep_comm_s"
