@@ -86,8 +86,11 @@ def _group_ranks(func, args) -> tuple[int, ...] | None:
     for arg in args:
         if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
             return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg)))
-        if isinstance(arg, str) and func.namespace == "_c10d_functional" and arg.isdigit():
-            return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
+        if isinstance(arg, str) and func.namespace == "_c10d_functional":   # a group's name, or a reduce op's
+            try:
+                return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
+            except (ValueError, KeyError, RuntimeError):
+                continue
     return None
 
 
