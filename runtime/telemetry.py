@@ -12,10 +12,10 @@ layout and predicted parts (its `breakdown`, seconds); then one line per trained
 forward_backward_s runs from the step's start to its gradients being complete (the forward, the
 backward, the exposed collectives inside them, the pipeline's bubble); checks_s is the health checks'
 time with the loss's all-reduce (which carries their non-finite flag); optimizer_s the optimizer step
-(and clipping). On an accelerator the stopwatch synchronises the
-device at each mark, so the parts are device time, not launch time. On every N-th step
-(`--telemetry-comm-every`) the exposed communication inside forward_backward_s is split by kind and the
-pipeline's waits measured, under the names of the plan's breakdown (runtime/comm_telemetry.py).
+(and clipping). On an accelerator the stopwatch synchronises the device at each mark, so the parts are
+device time, not launch time. On every N-th step (`--telemetry-comm-every`) the exposed communication
+inside forward_backward_s is split by kind and the pipeline's waits measured, under the names of the
+plan's breakdown (runtime/comm_telemetry.py).
 """
 from __future__ import annotations
 

@@ -114,9 +114,9 @@ class Watchdog:
         return [rank for rank, done in self.progress().items()
                 if done < step and rank != self.rank and rank not in failing], failing
 
-    def report(self, step: int, error: BaseException, ended: list[int] = ()) -> str:
-        """The line for a collective of `step` that failed on this rank (`ended`: stopped ranks it killed)."""
-        late, failing = self.late(step)
+    def report(self, step: int, error: BaseException, late: list[int], failing: set[int], ended: list[int]) -> str:
+        """The line for a collective of `step` that failed on this rank: `late` and `failing` as `late(step)`
+        found them, `ended` the stopped ranks it killed."""
         cause = error_line(error)
         also = (f"; rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, sorted(failing)))} failed too"
                 if failing else "")
@@ -159,8 +159,9 @@ class Watchdog:
                       f"collective: {type(error).__name__}: {error_line(error)}", file=sys.stderr, flush=True)
                 os._exit(1)
             time.sleep(SETTLE_S / 2)
-            ended = self.end_stopped(self.late(step)[0])
-            print(self.report(step, error, ended) + self.flight_record(), file=sys.stderr, flush=True)
+            late, failing = self.late(step)
+            ended = self.end_stopped(late)
+            print(self.report(step, error, late, failing, ended) + self.flight_record(), file=sys.stderr, flush=True)
             os._exit(3)
 
     def flight_record(self) -> str:
