@@ -215,10 +215,10 @@ class ParallelModel:
         if self.after_backward:
             self.after_backward(self)
         clock.mark("forward_backward_s")
-        here = bool(self.health) and self.health.locally_nonfinite(loss, [p.grad for p in self.params
-                                                                          if p.grad is not None])
-        mean, anywhere = self._mean_over_ranks(loss, here)
-        accepted = not self.health or self.health.accept(self.step, mean, anywhere, here)
+        flag = self.health.nonfinite_flag(loss, [p.grad for p in self.params if p.grad is not None]) \
+            if self.health else None
+        mean, anywhere = self._mean_over_ranks(loss, flag)
+        accepted = not self.health or self.health.accept(self.step, mean, anywhere, flag)
         clock.mark("checks_s")
         if accepted:
             self._update()
@@ -288,18 +288,18 @@ class ParallelModel:
             return torch.stack(losses).mean().detach()
         return torch.zeros((), device=self.device)
 
-    def _mean_over_ranks(self, loss: torch.Tensor, nonfinite_here: bool) -> tuple[float, bool]:
+    def _mean_over_ranks(self, loss: torch.Tensor, nonfinite_flag: torch.Tensor | None) -> tuple[float, bool]:
         """The step's mean loss and whether any rank raised the non-finite flag, by one all-reduce over every
-        rank (none on a world of one): the loss is held by the last stage's ranks (zeros on the others), the
-        same on the tensor-parallel ranks of a shard, so the mean over the world / pp ranks that hold it is
-        the mean over data and context parallelism."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return float(loss), nonfinite_here
-        value = torch.stack([loss.detach().float().reshape(()),
-                             torch.tensor(float(nonfinite_here), device=loss.device)])
-        dist.all_reduce(value)
-        holders = dist.get_world_size() // self.dims.pp
-        return float(value[0]) / holders, bool(value[1] > 0)
+        rank (none on a world of one), read once: the loss is held by the last stage's ranks (zeros on the
+        others), the same on the tensor-parallel ranks of a shard, so the mean over the world / pp ranks that
+        hold it is the mean over data and context parallelism."""
+        flag = torch.zeros((), device=loss.device) if nonfinite_flag is None else nonfinite_flag
+        value = torch.stack([loss.detach().float().reshape(()), flag])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(value)
+        total, flags = value.tolist()
+        return total / (world // self.dims.pp), flags > 0
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip by the global gradient norm over every group: DTensor norms reduce over their meshes,

@@ -334,3 +334,38 @@ def test_an_error_of_a_ranks_own_code_is_not_called_a_failed_collective():
     assert is_collective_failure(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
                                               "unbound_buffer.cc:78] Timed out waiting 300000ms for recv operation"))
     assert is_collective_failure(dist.DistBackendError("NCCL communicator was aborted"))
+
+
+def test_the_fingerprint_changes_with_any_single_flipped_bit_and_the_flag_with_any_non_finite_value():
+    """Brute force over every bit position of fp32 and bf16 parameters (odd sizes included, where the bytes
+    do not fill 64-bit words): one flipped bit always changes the fingerprint, flipped back it is restored.
+    The non-finite flag is raised by one NaN or Inf anywhere (gradients or loss) and leaves values as they were."""
+    import torch
+
+    from runtime.health import HealthMonitor, fingerprint
+    generator = torch.Generator().manual_seed(0)
+    for dtype, words in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        params = [torch.randn(shape, generator=generator).to(dtype) for shape in ((7, 3), (5,), (1,))]
+        clean = fingerprint(params)
+        for param in params:
+            bits = param.view(-1).view(words)
+            for index in (0, bits.numel() - 1):
+                for bit in range(bits.element_size() * 8):
+                    mask = torch.tensor(1 << bit, dtype=torch.int64).to(words)   # wraps to the sign bit
+                    bits[index] ^= mask
+                    assert fingerprint(params) != clean, (dtype, index, bit)
+                    bits[index] ^= mask
+        assert fingerprint(params) == clean
+    monitor = HealthMonitor.__new__(HealthMonitor)   # the flag needs no process group (__init__ reads the rank)
+    monitor.found = monitor.unit = None
+    grads = [torch.randn(4, 3, generator=generator), torch.randn(5, generator=generator).bfloat16()]
+    copies = [g.clone() for g in grads]
+    loss = torch.tensor(2.5)
+    assert float(monitor.nonfinite_flag(loss, grads)) == 0
+    assert all(torch.equal(g, c) for g, c in zip(grads, copies)) and float(loss) == 2.5
+    for value in (float("nan"), float("inf"), -float("inf")):
+        for target in (grads[0], grads[1], loss.view(1)):
+            kept = target.view(-1)[0].item()
+            target.view(-1)[0] = value
+            assert float(monitor.nonfinite_flag(loss, grads)) == 1, (value, target.shape)
+            target.view(-1)[0] = kept
