@@ -62,6 +62,9 @@ RECIPE_SETTINGS = {
     # the rows' flops_convention), so the runs recomputed every layer's activations; cli99/llm-analysis
     # examples/megatron-turing-nlg/run_train.sh reproduces them with --activation_recomputation 2 (full)
     **{f"mtnlg-530b-{n}gpu": {"recompute": "full"} for n in (2240, 2800, 3360)},
+    # the same launcher line as RUN_STACK_SETTINGS' (run_script.py @6476ea0f): the run used combined 1F1B, so
+    # it is pinned on rather than left to the search (`--fix a2a_overlap=true`)
+    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True},
 }
 
 

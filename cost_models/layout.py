@@ -67,6 +67,9 @@ class Layout:
     global_batch: int = 1
     zero: int = 1
     sequence_parallel: bool = True
+    # Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm): MoE all-to-alls beside another
+    # micro-batch's compute, where the stack has it and the layout pairs passes (SoftwareStack.hides_moe_a2a)
+    moe_a2a_overlap: bool = False
     recompute: Recompute = Recompute.none
     precision: Precision = Precision.bf16
     grad_reduce: GradReduce = GradReduce.fp32

@@ -14,13 +14,14 @@ from .layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Re
 # key as users write it -> the Layout attribute it sets
 ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
               "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
-              "sp": "sequence_parallel", "precision": "precision", "grad_reduce": "grad_reduce",
+              "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision", "grad_reduce": "grad_reduce",
               "fp8_recipe": "fp8_recipe", "order": "mesh_order", "stages": "stage_layers"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
                                       "fp8_recipe": Fp8Recipe}
 WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",
         "fp8_recipe": "delayed or tensorwise (Megatron --fp8-recipe)"}
+SWITCHES = ("sp", "a2a_overlap")   # true or false
 FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees
 MAX_CHUNKS = 1 << 14
 
@@ -51,9 +52,9 @@ def parse_values(given: dict, source: str = "layout") -> dict:
             if not isinstance(value, str):
                 raise UserInputError(f"{key}={value!r}", field=source, expected=WHAT[key])
             values[key] = _parse_value(key, str(value), source)
-        elif key == "sp":
+        elif key in SWITCHES:
             if not isinstance(value, bool):
-                raise UserInputError(f"sp={value!r}", field=source, expected="sp=True or sp=False")
+                raise UserInputError(f"{key}={value!r}", field=source, expected=f"{key}=True or {key}=False")
             values[key] = value
         elif key == "stages":
             if isinstance(value, (tuple, list)):
@@ -90,6 +91,8 @@ def text_of(layout: Layout) -> str:
     parts = [f"{key}={value}" for key, value in values_of(layout, FULL_KEYS).items()]
     if layout.mesh_order != MEGATRON_ORDER:
         parts.append("order=" + "-".join(layout.mesh_order))
+    if layout.moe_a2a_overlap:
+        parts.append("a2a_overlap=true")
     if layout.grad_reduce != GradReduce.fp32:
         parts.append(f"grad_reduce={layout.grad_reduce}")
     if layout.precision == Precision.fp8 and layout.fp8_recipe != Fp8Recipe.delayed:
@@ -132,9 +135,9 @@ def _parse_value(key: str, raw: str, source: str):
         return order
     if key == "stages":
         return _parse_stages(raw, source)
-    if key == "sp":
+    if key in SWITCHES:
         if raw.lower() not in ("true", "false", "1", "0"):
-            raise UserInputError(f"sp={raw}", field=source, expected="true or false")
+            raise UserInputError(f"{key}={raw}", field=source, expected="true or false")
         return raw.lower() in ("true", "1")
     try:
         value = int(raw)

@@ -57,16 +57,28 @@ def pipeline_seconds(stage_work_s: list[float], num_micro_batches: int, virtual_
     return (num_micro_batches - 1) * slowest + (total + (v - 1) * slowest) / v
 
 
-def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations a stage holds at its peak.
+def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, virtual_stages: int = 1,
+                            paired: bool = False) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of the stage's layers for one
+    micro-batch.
 
-    1F1B: stage i holds min(p - i, m) (design-notes). Interleaved: the first stage holds
-    p (1 + (p-1)/(p v)) (Korthikanti et al. 2022), falling to 1 at the last stage.
+    1F1B: stage i holds min(p - i, m) (design-notes). Interleaved with v chunks per rank: rank i runs
+    2 (p - i - 1) + (v - 1) p chunk forwards before its first backward and one more before that backward
+    (Megatron-Core get_pp_rank_microbatches with its default group of p micro-batches; torch's
+    ScheduleInterleaved1F1B warms up alike), a chunk being 1/v of the stage: the first rank holds
+    p + (p - 1)/v (Korthikanti et al. 2022's p (1 + (p-1)/(p v))), the last p - (p - 1)/v. Combined 1F1B
+    (MoE all-to-all overlap, `paired`) runs one more forward before its first paired step: one more chunk
+    interleaved (get_pp_rank_microbatches: num_warmup_microbatches + 1), and the next micro-batch's forward
+    beside the last one's backward without a pipeline (combined_1f1b_schedule_for_no_pipelining).
     """
+    v = virtual_stages
+    if v > 1:
+        chunks = 2 * (stages - stage - 1) + (v - 1) * stages + 1 + (1 if paired else 0)
+        return min(float(num_micro_batches), chunks / v)
     base = stages - stage
-    if virtual_stages > 1:
-        base += (stages - 1 - stage) / virtual_stages
-    return min(float(num_micro_batches), base)
+    if paired and stages == 1:
+        base += 1
+    return min(float(num_micro_batches), float(base))
 
 
 def p2p_transfers_on_critical_path(stages: int, virtual_stages: int) -> int:

@@ -93,7 +93,7 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
     compute = sum(c.forward_s + c.backward_s for c, _ in items)
     recomputed = sum(c.recompute_s[index[r]] for c, r in items)
-    in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp)
+    in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay))
     activations = in_flight * sum(c.activation_bytes[index[r]] for c, r in items)
     working = max((c.working_bytes for c, r in items if r is not Recompute.none), default=0.0)
     states = sum((c.states for c, _ in items[1:]), items[0][0].states) if items else None

@@ -103,10 +103,15 @@ class SoftwareStack(Strict):
         return self.zero_stages
 
     def hides_moe_a2a(self, layout) -> bool:
-        """MoE A2A overlap applies: the stack has it, experts spread, a schedule Megatron can pair, and no layer
-        recomputed fully (Megatron-Core's TransformerConfig refuses the overlap beside full recomputation)."""
+        """MoE A2A overlap applies: the stack has it, the layout asks for it (the search chooses it, or
+        `a2a_overlap=true`), experts spread, a schedule Megatron can pair, and no layer recomputed fully
+        (Megatron-Core's TransformerConfig refuses the overlap beside full recomputation)."""
         fully = layout.recompute == "full" or "full" in (layout.layer_recompute or ())
-        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches and not fully
+        return self.moe_a2a_overlap and layout.moe_a2a_overlap and self.pairs_moe_a2a(layout) and not fully
+
+    def pairs_moe_a2a(self, layout) -> bool:
+        """The layout is one where the stack's combined 1F1B can pair MoE passes (the search's choice)."""
+        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches
 
     def summary(self) -> str:
         """One line for plan output: the stack and what it changes in the prediction."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Layout, Precision, Recompute
+from cost_models.layout import Layout, Precision
 from cost_models.layout_codec import FULL_KEYS, layout_from, parse_text, parse_values
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
@@ -229,8 +229,9 @@ def capture_for(model, seq_len: int | None, leaf_modules: tuple[str, ...], stack
 
 
 def _stack_defaults(values: dict, stack: SoftwareStack) -> dict:
-    """Layout values with what the text leaves open taken from the stack (gradient dtype, FP8 recipe, SP)."""
-    filled = {"grad_reduce": stack.gradient_reduce}
+    """Layout values with what the text leaves open taken from the stack (gradient dtype, FP8 recipe, SP, and
+    combined 1F1B where the stack runs it)."""
+    filled = {"grad_reduce": stack.gradient_reduce, "a2a_overlap": stack.moe_a2a_overlap}
     if stack.fp8_recipes:
         filled["fp8_recipe"] = stack.fp8_recipes[0]
     if not stack.sequence_parallel:

@@ -61,9 +61,11 @@ DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="MoE token dispatche
                              "(one copy per chosen expert) or deepep (one per destination node, forwarded over "
                              "NVLink; FP8 dispatch under --precision fp8: Megatron-Core --moe-token-dispatcher-type "
                              "flex --moe-flex-dispatcher-backend deepep)")
-MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="also overlap MoE all-to-alls with another "
-                             "micro-batch's compute where the stack does not (Megatron "
-                             "--overlap-moe-expert-parallel-comm; no pipeline or virtual stages)")
+MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="the stack runs Megatron's combined 1F1B "
+                             "(--overlap-moe-expert-parallel-comm: MoE all-to-alls beside another micro-batch's "
+                             "compute, one more forward's activations held; no pipeline or virtual stages): plan "
+                             "weighs it per layout, a2a_overlap=true|false in the layout pins it, evaluate of a "
+                             "whole layout takes it on")
 
 
 def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool, moe_dispatcher: str | None = None):

@@ -188,7 +188,7 @@ class Plan(_Frozen):
         lay = self.layout
         values = {key: getattr(lay, key) for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero",
                                                      "sp", "precision", "grad_reduce", "fp8_recipe")}
-        return layout_from({**values, "order": lay.mesh_order,
+        return layout_from({**values, "order": lay.mesh_order, "a2a_overlap": lay.moe_a2a_overlap,
                             "recompute": Recompute.none if lay.recompute == "per-layer" else Recompute(lay.recompute)},
                            stage_layers=tuple(len(stage.layers) for stage in self.stages),
                            layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))

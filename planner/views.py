@@ -48,8 +48,8 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
                  f"ep={lay.ep} etp={lay.etp}")
     head.add_row("batch", f"global {lay.gbs}, micro {lay.mbs}, {lay.gbs // (lay.dp * lay.mbs)} micro-batches, "
                  f"seq {result.seq_len}")
-    head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}, "
-                 f"mesh {lay.order}")
+    head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}"
+                 f"{' (combined 1F1B: MoE all-to-alls overlapped)' if lay.moe_a2a_overlap else ''}, mesh {lay.order}")
     head.add_row("step time", f"{result.step_time_s:.3f} s   {result.tokens_per_s:,.0f} tokens/s")
     # the convention of every MFU here: model FLOPs with the full s^2 attention term (Megatron's and NVIDIA's
     # published figures count it so), over the BF16 dense peak whatever the precision trained

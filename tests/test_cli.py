@@ -176,6 +176,11 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
 
     plain, overlapped = evaluate(1, 16), evaluate(1, 16, " --moe-a2a-overlap")
     assert plain["breakdown"]["ep_comm_s"] > 0 and overlapped["layout"]["moe_a2a_overlap"] is True
+    # without a pipeline the next micro-batch's forward runs beside this one's backward: two held, not one
+    # (Megatron-Core combined_1f1b_schedule_for_no_pipelining)
+    assert overlapped["memory"][0]["parts"]["activations"] == pytest.approx(
+        2 * plain["memory"][0]["parts"]["activations"], rel=1e-9)
+    assert evaluate(1, 16, " --moe-a2a-overlap", rc="selective,a2a_overlap=false")["breakdown"] == plain["breakdown"]
     micro_batches = 64 // 16
     assert overlapped["breakdown"]["ep_comm_s"] == pytest.approx(
         exposed_combined_1f1b(plain["breakdown"]["ep_comm_s"], plain["breakdown"]["compute_s"], micro_batches),
@@ -188,8 +193,8 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
     assert full["layout"]["moe_a2a_overlap"] is False
     assert full["breakdown"]["ep_comm_s"] == evaluate(1, 16, rc="full")["breakdown"]["ep_comm_s"]
     path = tmp_path / "plan.yaml"
-    run_here(f"plan --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --fix pp=1,ep=8 "
-             f"--moe-a2a-overlap --out {path}", capsys, monkeypatch)
+    run_here(f"plan --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 "
+             f"--fix pp=1,ep=8,a2a_overlap=true --moe-a2a-overlap --out {path}", capsys, monkeypatch)
     assert all(r != "full" for stage in Plan.load(path).stages for r in stage.recompute)   # the search keeps the pair
     exported = run(f"export {path} --to megatron").stdout
     assert "--overlap-moe-expert-parallel-comm" in exported and "--delay-wgrad-compute" in exported

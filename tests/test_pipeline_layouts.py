@@ -82,3 +82,48 @@ def test_plan_may_leave_the_embedding_or_the_loss_alone_in_its_chunk():
     result = plan(model, device="h100-sxm", num_devices=8, global_batch=32, tp=1, pp=8, dp=1)
     counts = [len(s.layers) for s in result.stages]
     assert counts[0] == 0 and counts[-1] == 0 and sum(counts) == 6
+
+
+def torch_interleaved_peak(pp: int, vp: int, micro_batches: int) -> list[float]:
+    """Chunk forwards each rank holds at its peak in torch's own ScheduleInterleaved1F1B order (the runtime's
+    schedule), in stage units (v chunks make a stage)."""
+    from torch.distributed.pipelining import schedules
+    schedule = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)   # no process group
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, vp, micro_batches
+    schedule.number_of_rounds = max(1, micro_batches // pp)
+    schedule.microbatches_per_round = micro_batches // schedule.number_of_rounds
+    peaks = []
+    for rank in range(pp):
+        held = peak = 0
+        for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+            kind = str(action.computation_type)
+            held += 1 if kind in ("F", "_ComputationType.FORWARD") else -1 if "B" in kind else 0
+            peak = max(peak, held)
+        peaks.append(peak / vp)
+    return peaks
+
+
+@pytest.mark.parametrize("pp,vp,micro_batches", [(4, 2, 8), (4, 3, 12), (8, 4, 16), (2, 2, 2), (4, 2, 16)])
+def test_interleaved_ranks_hold_what_torch_and_megatron_schedules_hold(pp, vp, micro_batches):
+    """Every rank of the interleaved schedule, not only the first (Korthikanti et al.'s p + (p-1)/v): torch's
+    own action list, and Megatron-Core's warm-up count (+1 forward before the first backward), whose combined
+    1F1B (MoE all-to-all overlap) runs one more warm-up forward."""
+    from types import SimpleNamespace
+
+    from cost_models.pipeline import in_flight_micro_batches
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+    expected = torch_interleaved_peak(pp, vp, micro_batches)
+    assert [in_flight_micro_batches(r, pp, micro_batches, vp) for r in range(pp)] == pytest.approx(expected)
+    for rank in range(pp):
+        group = SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r)
+        for paired in (False, True):
+            _, _, warmup, _ = get_pp_rank_microbatches(
+                micro_batches, vp, pp, overlap_moe_expert_parallel_comm=paired,
+                p2p_communicator=SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vp))
+            held = min(warmup + 1, micro_batches * vp) / vp
+            assert in_flight_micro_batches(rank, pp, micro_batches, vp, paired) == pytest.approx(held)
+    # 1F1B without interleaving, and no pipeline (combined 1F1B: the next forward beside this backward)
+    assert [in_flight_micro_batches(r, 4, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches(0, 1, 8, 1, paired=True) == 2 and in_flight_micro_batches(0, 1, 1, 1, True) == 1

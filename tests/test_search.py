@@ -89,7 +89,7 @@ def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
 
 
 @pytest.mark.parametrize("model,hbm_gb,devices,gbs", [
-    (dense_model(6), 10, 8, 16),
+    (dense_model(6), 8, 8, 16),
     (moe_model(6), 8, 8, 16),
 ])
 def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
@@ -108,21 +108,23 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
 
 
 def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_stack(), vps=(1,)):
-    """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order and partition (no recomputation):
-    the best plan of each layout, keyed by the layout."""
+    """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order, MoE all-to-all overlap off and on
+    (where the stack has it) and partition (no recomputation): the best plan of each layout, keyed by it."""
     n, best = cluster.num_devices, {}
     for tp, cp, pp, vp in itertools.product((1, 2, 4), (1, 2), (1, 2), vps):
         if n % (tp * cp * pp) or graph.attention_heads % tp or (pp == 1 and vp > 1):
             continue
         dp = n // (tp * cp * pp)
         orders = (MEGATRON_ORDER, ("tp", "dp", "cp", "ep", "pp"), ("tp", "pp", "cp", "ep", "dp"))
-        for etp, ep, mbs, zero, order in itertools.product({1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3), orders):
+        switches = (False, True) if overlap.moe_a2a_overlap else (False,)
+        for etp, ep, mbs, zero, order, paired in itertools.product({1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3),
+                                                                    orders, switches):
             if (dp * cp * tp) % (ep * etp) or graph.num_experts % ep or global_batch % (dp * mbs):
                 continue
             if vp > 1 and (global_batch // (dp * mbs)) % pp:
                 continue
             base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
-                          global_batch=global_batch, zero=zero, mesh_order=order)
+                          global_batch=global_batch, zero=zero, mesh_order=order, moe_a2a_overlap=paired)
             costs = MeshCosts(model_costs, cluster, base, overlap)
             for parts in compositions(graph.num_blocks, pp * vp):
                 full = replace(base, stage_layers=parts, layer_recompute=(Recompute.none,) * graph.num_blocks)
@@ -157,6 +159,11 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
         assert balanced <= best.step_time_s * tol
         assert bounds.memory_floor(layout)[0] <= max(m.total for m in best.stage_memory)
     assert outcome.pruned_memory > 0 and outcome.pruned_bound > 0
+    if overlap.moe_a2a_overlap:   # the choice is live: somewhere it changes the step or whether it fits
+        changed = [lay for lay in per_layout if lay.moe_a2a_overlap and overlap.hides_moe_a2a(lay)
+                   and per_layout.get(replace(lay, moe_a2a_overlap=False)) is not None
+                   and per_layout[lay].step_time_s != per_layout[replace(lay, moe_a2a_overlap=False)].step_time_s]
+        assert changed
 
 
 def test_time_limit_without_a_plan_is_not_called_infeasible():

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from cost_models.layout import Layout
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_stacks, load_stack
 from planner import api
 from planner.capture.model_capture import capture
 from planner.plans import Plan
 from planner.search.space import pins_from
-from planner.search.stack_rules import stack_problems
+from planner.search.stack_rules import layout_stack_problems, stack_problems
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
 BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
@@ -55,6 +56,12 @@ def test_a_layout_the_stack_cannot_run_is_refused_with_the_rule():
     proc = run("evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack mindspeed "
                "--precision fp8 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
     assert proc.returncode == 2 and "no FP8 training" in proc.stderr and "Traceback" not in proc.stderr
+    # combined 1F1B: only where the stack runs it (the runtime's stack does not: its refusal is this rule)
+    with pytest.raises(UserInputError, match="no combined 1F1B"):
+        api.evaluate("mixtral-8x7b", device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core",
+                     layout="tp=1,pp=1,dp=16,cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap=true")
+    runtime_layout = Layout(dp=2, ep=2, global_batch=4, moe_a2a_overlap=True)
+    assert any("no combined 1F1B" in p for p in layout_stack_problems(runtime_layout, load_stack("parallel-planner")))
 
 
 def test_uniform_recomputation_stack_searches_each_method():

@@ -51,7 +51,7 @@ def with_value_width(func, args, out):
     head size (they differ in MLA: 192 against 128). Output and log-sum-exp as the device makes them."""
     if not is_varlen_attention(func) or not isinstance(out, tuple) or len(args) < 3:
         return out
-    q, v = args[0], args[2]
+    v = args[2]
     if out[0].shape[-1] == v.shape[-1]:
         return out
     # autograd must see the op: keep its output's graph edge and give it v's width

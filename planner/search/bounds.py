@@ -136,7 +136,8 @@ class Bounds:
 
         kinds = [(n, states_at_peak(kind), act)
                  for (kind, n), act in zip(self.model.block_counts, self._activations(layout, recompute))]
-        flights = [in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp)
+        paired = self.stack.hides_moe_a2a(layout)   # every leaf below: full recomputation is then not chosen
+        flights = [in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp, paired)
                    for i in range(layout.pp)]
         total_states = sum(n * state for n, state, _ in kinds)
         total_activations = sum(n * act for n, _, act in kinds)
@@ -193,10 +194,12 @@ class Bounds:
         # and at least one whole layer recomputes, whatever the LP's fraction
         return max(deficit / floor.heaviest_weight * min(prices), min(single))
 
-    def least_need(self, layout: Layout, costs: MeshCosts) -> tuple[float, dict]:
-        """Peak memory of the layout with every block at its least-memory recomputation, evenly staged:
-        a need some real plan has, where the floor only bounds it from below."""
-        least = replace(layout, recompute=self.cheapest, layer_recompute=None, stage_layers=None)
+    def least_need(self, layout: Layout, costs: MeshCosts, methods: tuple[Recompute, ...]) -> tuple[float, dict]:
+        """Peak memory of the layout with every block at the least-memory recomputation of `methods` (those
+        its leaf may use: no full recomputation beside combined 1F1B), evenly staged: a need some real plan
+        has, where the floor only bounds it from below."""
+        rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
+        least = replace(layout, recompute=max(methods, key=rank.get), layer_recompute=None, stage_layers=None)
         fullest = max(estimate(self.model, self.cluster, least, self.stack, mesh_costs=costs).stage_memory,
                       key=lambda stage: stage.total)
         return fullest.total, fullest.parts()

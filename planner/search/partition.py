@@ -53,7 +53,7 @@ def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...]) -> tuple:
     lay, model = costs.layout, costs.model
     return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, model.blocks,
             tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_latency_s,
-            costs.stack.dp_window_fraction, costs.cluster.device.name)
+            costs.stack.dp_window_fraction, costs.cluster.device.name, costs.stack.hides_moe_a2a(lay))
 
 
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -140,6 +140,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     # gradients that backward allocates (one micro-batch per step) are not held at the activation peak:
     # the stage then fits when both peaks fit (`StageMemory.total`)
     held = gradients_held_at_peak(costs.stack.gradient_buffer, m)
+    paired = costs.stack.hides_moe_a2a(lay)   # combined 1F1B holds one more forward's activations
 
     def peak_states(c) -> float:
         return c.states.total if held else c.states.total - c.states.gradients
@@ -148,7 +149,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     for i in range(pp):
         owned = owned_by[i]
         first, last = i == 0, i == (chunks - 1) % pp
-        flight = in_flight_micro_batches(i, pp, m, v)
+        flight = in_flight_micro_batches(i, pp, m, v, paired)
         w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
         for j in owned:
             for r, (kind, _, _) in enumerate(runs):

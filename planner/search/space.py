@@ -6,7 +6,6 @@ from dataclasses import dataclass, fields
 from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute
 from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
 from cost_models.pipeline import most_chunks, partition_problem
-from hardware_profiles.errors import UserInputError
 
 from ..capture.graph import ModelGraph
 
@@ -25,6 +24,7 @@ class Pins:
     zero: int | None = None
     recompute: Recompute | None = None
     sp: bool | None = None
+    a2a_overlap: bool | None = None         # combined 1F1B; searched where the stack has it
     grad_reduce: GradReduce | None = None   # not searched: fp32 unless given
     fp8_recipe: Fp8Recipe | None = None     # not searched: delayed unless given
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
@@ -190,9 +190,11 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 
 
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
-                etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0) -> Layout:
+                etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
+                a2a_overlap: bool = False) -> Layout:
     chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute")
               if getattr(pins, key) is not None}
+    chosen["a2a_overlap"] = a2a_overlap
     return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,
                         "etp": etp, "mbs": mbs, "gbs": global_batch, "zero": zero, "precision": precision,
                         "order": order, **chosen})

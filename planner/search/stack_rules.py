@@ -85,6 +85,9 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
         problems.append(f"sp=true: the {name} stack has no sequence parallelism")
     if pins.recompute is Recompute.selective and not stack.selective_recompute:
         problems.append(f"recompute=selective: the {name} stack has no selective recomputation")
+    if pins.a2a_overlap and not stack.moe_a2a_overlap:
+        problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
+                        "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
     if precision == Precision.fp8 and not stack.fp8_recipes:
         problems.append(f"precision=fp8: the {name} stack has no FP8 training")
     elif precision == Precision.fp8 and pins.fp8_recipe is not None and pins.fp8_recipe not in stack.fp8_recipes:
@@ -95,7 +98,7 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
-    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "fp8_recipe"))), stack,
+    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "fp8_recipe"))), stack,
                               layout.precision, graph)
     methods = set(layout.layer_recompute or ())
     if len(methods) > 1 and not stack.per_layer_recompute:

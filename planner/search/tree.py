@@ -97,7 +97,7 @@ def _rank_key(scored: Scored) -> tuple:
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
     lay = scored.estimate.layout
     return (six_digits(scored.estimate.step_time_s), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
-            -lay.micro_batch, text_of(lay))
+            lay.moe_a2a_overlap, -lay.micro_batch, text_of(lay))
 
 
 @dataclass(frozen=True)
@@ -107,17 +107,20 @@ class _Node:
     vp: int
     mbs: int
     placement: tuple | None = None      # (etp, ep, mesh order) from the second level on
+    a2a_overlap: bool = False           # combined 1F1B, chosen with the placement where the stack pairs it
     zero: int | None = None             # set on leaves
 
     def layout(self, problem: "_Problem") -> Layout:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
         return make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
-                           mbs=self.mbs, etp=etp, ep=ep, order=order, zero=self.zero or 0)
+                           mbs=self.mbs, etp=etp, ep=ep, order=order, zero=self.zero or 0,
+                           a2a_overlap=self.a2a_overlap)
 
     def tie_key(self) -> tuple:
         etp, ep, order = self.placement or (0, 0, ())
         s = self.shape
-        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.mbs, -1 if self.zero is None else self.zero, order)
+        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.mbs, self.a2a_overlap,
+                -1 if self.zero is None else self.zero, order)
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,18 @@ class _Tree:
 
     def children(self, node: _Node) -> list[_Node]:
         if node.placement is None:
-            return [replace(node, placement=placement) for placement in self.placements(node.shape)]
+            return [replace(node, placement=placement, a2a_overlap=overlap) for placement in self.placements(node.shape)
+                    for overlap in self.overlaps(node, placement[1])]
         return [replace(node, zero=zero) for zero in self.zeros(node)]
+
+    def overlaps(self, node: _Node, ep: int) -> tuple[bool, ...]:
+        """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
+        holds one more forward's activations: the search weighs both), else off; or as pinned."""
+        p = self.problem
+        pairs = p.stack.moe_a2a_overlap and ep > 1 and (node.shape.pp == 1 or node.vp > 1)
+        if not pairs:
+            return (False,)
+        return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
 
     def zeros(self, node: _Node) -> tuple[int, ...]:
         """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
@@ -181,7 +194,8 @@ class _Tree:
         if node.placement is not None:
             return len(self.zeros(node))
         s = node.shape
-        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, ep)) for _, ep, _ in self.placements(s))
+        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, ep)) * len(self.overlaps(node, ep))
+                   for _, ep, _ in self.placements(s))
 
     def leaves(self, node: _Node):
         if node.zero is not None:
@@ -288,7 +302,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             unproven += result.status not in ("OPTIMAL", "INFEASIBLE")
         if not result.stage_layers:
             if not ranked:  # what this layout needs at its least, for the error when nothing fits
-                need, parts = bounds.least_need(layout, costs)
+                need, parts = bounds.least_need(layout, costs, methods)
                 if need < least_need:
                     least_need, least_parts = need, parts
             continue
