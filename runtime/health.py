@@ -1,14 +1,15 @@
 """Health checks that run inside every step, on by default: what they find is one `health:` line, the same
 on every rank, and the step's policy (skip the batch, or stop) is applied on every rank alike.
 
-* non-finite loss or gradients: each rank tests its own gradients after backward; one all-gather of a flag
-  per rank names the ranks that produced them, before any optimizer step uses them;
+* non-finite loss or gradients: each rank tests its own gradients after backward (one fused pass); its flag
+  rides the loss's all-reduce, and only when some rank raised it does an all-gather of the flags name the
+  ranks that produced them, before any optimizer step uses them;
 * loss spikes: a robust z-score of the step's loss (mean over ranks, the same number everywhere) against
   the median and median absolute deviation of the last accepted steps; the policy skips the batch, or
   rolls back to the last complete checkpoint and skips the batches from the spike back (`Rollback`,
   raised on every rank alike: the caller reloads and retrains), or only reports;
 * silent data corruption: where parameters are replicated over the data-parallel ranks (ZeRO-0/1), a
-  bit-exact fingerprint of each rank's parameters (the sum of their bit patterns as integers) is compared
+  bit-exact fingerprint of each rank's parameters (their bytes summed as 64-bit integers) is compared
   over the replicas every `sdc_every` steps after the optimizer step; a rank that disagrees with the
   majority is named. Sharded parameters (FSDP2) have no replicas to compare, and that is said once.
 """
