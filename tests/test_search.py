@@ -417,3 +417,20 @@ def test_search_status_says_complete_only_when_it_is(capsys, monkeypatch):
     outcome = search(graph.costs(), cluster, 16, Pins(cp=1, ep=1, etp=1, mbs=1, zero=1, tp=1, pp=4), graph=graph,
                      top_k=1, recompute_choices=(Recompute.none, Recompute.full), leaf_work_limit=0.0)
     assert outcome.unproven > 0 and not outcome.complete
+
+
+def test_the_search_weighs_combined_1f1b_against_its_memory():
+    """Where the stack has combined 1F1B the search tries each layout with it and without: Mixtral on 16
+    H100 with tp2 (one micro-batch per forward) is faster with it but holds two micro-batches' activations
+    then, which do not fit: the plan goes without; with tp4 both fit and the plan takes it. Each pair is
+    checked against `evaluate` of the two pinned layouts."""
+    stack = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True})
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack=stack, time_limit_s=60)
+    for tp, chosen in ((2, False), (4, True)):
+        pins = dict(tp=tp, pp=1, cp=1, ep=8, etp=1, mbs=1, zero=3, recompute="none")
+        text = ",".join(f"{k}={v}" for k, v in {**pins, "dp": 16 // tp, "vp": 1}.items())
+        on, off = (evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap={flag}", **common) for flag in ("true", "false"))
+        assert on.step_time_s < off.step_time_s and off.fits and on.fits is chosen
+        result = plan("mixtral-8x7b", **common, **pins)
+        assert result.layout.moe_a2a_overlap is chosen
+        assert result.step_time_s == pytest.approx((on if chosen else off).step_time_s, rel=1e-9)
