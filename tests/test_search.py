@@ -125,6 +125,8 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
                 continue
             base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
                           global_batch=global_batch, zero=zero, mesh_order=order, moe_a2a_overlap=paired)
+            if paired and not overlap.pairs_moe_a2a(base):
+                continue   # the same plan as without: the stack cannot pair this layout's passes
             costs = MeshCosts(model_costs, cluster, base, overlap)
             for parts in compositions(graph.num_blocks, pp * vp):
                 full = replace(base, stage_layers=parts, layer_recompute=(Recompute.none,) * graph.num_blocks)
@@ -134,7 +136,7 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
     return best
 
 
-@pytest.mark.parametrize("overlap,vps", [(load_stack(), (1,)), (load_stack().model_copy(update={"moe_a2a_overlap": True}), (1, 2, 3, 4))])
+@pytest.mark.parametrize("overlap,vps", [(load_stack(), (1,)), (load_stack().model_copy(update={"moe_a2a_overlap": True}), (1, 2, 4))])
 def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
     """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum, also
     where MoE all-to-all overlap makes the communication depend on the virtual-stage count."""
