@@ -89,8 +89,12 @@ def _check_time_limit(seconds) -> None:
 
 
 def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
-               stack: SoftwareStack) -> Plan:
+               stack: SoftwareStack, ep_imbalance: float = 1.0) -> Plan:
     stats = None
+    twin = None   # the plan with combined 1F1B flipped, where the stack could pair its MoE passes: why (not)
+    if stack.pairs_moe_a2a(best.layout):
+        flipped = replace(best.layout, moe_a2a_overlap=not best.layout.moe_a2a_overlap)
+        twin = estimate(graph.costs_record, cluster, flipped, stack, ep_imbalance)
     ranked = []
     if outcome is not None:
         ranked = [s.estimate for s in outcome.ranked]
@@ -113,7 +117,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
-        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:]),
+        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:], twin),
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes))
 
 
@@ -205,7 +209,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     if not found:
         raise _infeasible(graph, resolved, global_batch, outcomes[0], pins, precision, stack)
     best = min(found, key=lambda o: o.ranked[0].estimate.step_time_s)
-    result = build_plan(graph, resolved, best.ranked[0].estimate, best, stack)
+    result = build_plan(graph, resolved, best.ranked[0].estimate, best, stack, ep_imbalance)
     if len(methods) > 1:
         tried = ", ".join(f"{allowed[0]}: " + (f"{o.ranked[0].estimate.step_time_s:.3f} s" if o.ranked else "no fit")
                           for allowed, o in zip(methods, outcomes))
@@ -304,7 +308,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
                              expected="degrees whose product is the device count and that divide the model")
     result = estimate(graph.costs_record, resolved, given, stack, ep_imbalance)
-    plan_ = build_plan(graph, resolved, result, None, stack)
+    plan_ = build_plan(graph, resolved, result, None, stack, ep_imbalance)
     if given.pp > 1 and given.stage_layers is None:
         plan_ = plan_.model_copy(update={"reasons": plan_.reasons + [
             "layers split evenly over the stages and recomputation as given (Megatron's defaults); plan with "

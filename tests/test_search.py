@@ -436,3 +436,7 @@ def test_the_search_weighs_combined_1f1b_against_its_memory():
         result = plan("mixtral-8x7b", **common, **pins)
         assert result.layout.moe_a2a_overlap is chosen
         assert result.step_time_s == pytest.approx((on if chosen else off).step_time_s, rel=1e-9)
+        # the plan says why, from the same two estimates
+        why = next(line for line in result.reasons if "combined 1F1B" in line)
+        hidden = off.breakdown["ep_comm_s"] - on.breakdown["ep_comm_s"]
+        assert f"{hidden:.3f} s of expert all-to-all" in why and ("do not fit" in why) is not chosen
