@@ -170,6 +170,10 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if lay.tp_comm_overlap:
         notes.append("the plan assumes TP communication overlap; torchtitan 0.3 overlaps TP only through "
                      "torch.compile's async TP (--compile.enable), which this export does not turn on")
+    if lay.moe_a2a_overlap:
+        notes.append("the plan assumes combined 1F1B (MoE all-to-alls beside another micro-batch's compute); "
+                     "torchtitan 0.3 has expert-parallel overlap only in experiments/graph_trainer, which this "
+                     "export does not turn on (plan with --stack torchtitan to predict without it)")
     if lay.precision == "fp8":
         notes.append("the plan trains in FP8: add torchtitan's Float8LinearConverter to your config's model "
                      "converters; this export does not")
