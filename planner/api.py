@@ -147,8 +147,11 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
     return InfeasibleError(
         f"{graph.name} does not fit {cluster.num_devices} x {cluster.device.name}: the smallest memory need "
         f"found is {need / 1e9:.1f} GB per device against {capacity / 1e9:.1f} GB usable, dominated by "
-        f"{dominant.replace('_', ' ')} ({outcome.smallest_need_parts[dominant] / 1e9:.1f} GB){more}",
-        field="--num-devices", expected="more devices, a larger device, a smaller batch or sequence")
+        f"{dominant.replace('_', ' ')} ({outcome.smallest_need_parts[dominant] / 1e9:.1f} GB){more}"
+        + ("; a2a_overlap=true (combined 1F1B) is pinned, beside which no layer recomputes fully"
+           if pins.a2a_overlap and stack.moe_a2a_overlap else ""),
+        field="--num-devices", expected="more devices, a larger device, a smaller batch or sequence"
+        + (", or a2a_overlap=false" if pins.a2a_overlap and stack.moe_a2a_overlap else ""))
 
 
 def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int | None:
