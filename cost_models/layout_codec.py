@@ -14,8 +14,9 @@ from .layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Re
 # key as users write it -> the Layout attribute it sets
 ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
               "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
-              "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision", "grad_reduce": "grad_reduce",
-              "fp8_recipe": "fp8_recipe", "order": "mesh_order", "stages": "stage_layers"}
+              "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision",
+              "grad_reduce": "grad_reduce", "fp8_recipe": "fp8_recipe", "order": "mesh_order",
+              "stages": "stage_layers"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
                                       "fp8_recipe": Fp8Recipe}

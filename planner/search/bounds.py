@@ -21,6 +21,8 @@ from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
 
+MEMORY_RANK = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
+
 
 @dataclass(frozen=True)
 class WorkFloor:
@@ -97,10 +99,9 @@ class Bounds:
 
     def __init__(self, model: ModelCosts, cluster: Cluster, stack: SoftwareStack, allowed: tuple[Recompute, ...]):
         self.model, self.cluster, self.stack = model, cluster, stack
-        rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
         self.allowed = allowed
-        self.cheapest = max(allowed, key=rank.get)   # least activation memory
-        self.fastest = min(allowed, key=rank.get)    # least work
+        self.cheapest = max(allowed, key=MEMORY_RANK.get)   # least activation memory
+        self.fastest = min(allowed, key=MEMORY_RANK.get)    # least work
         self.work: dict[tuple, float] = {}
         self.activations: dict[tuple, float] = {}
         self.largest_ep = max([k.num_experts or 1 for k in model.kinds])
@@ -198,8 +199,7 @@ class Bounds:
         """Peak memory of the layout with every block at the least-memory recomputation of `methods` (those
         its leaf may use: no full recomputation beside combined 1F1B), evenly staged: a need some real plan
         has, where the floor only bounds it from below."""
-        rank = {Recompute.none: 0, Recompute.selective: 1, Recompute.full: 2}
-        least = replace(layout, recompute=max(methods, key=rank.get), layer_recompute=None, stage_layers=None)
+        least = replace(layout, recompute=max(methods, key=MEMORY_RANK.get), layer_recompute=None, stage_layers=None)
         fullest = max(estimate(self.model, self.cluster, least, self.stack, mesh_costs=costs).stage_memory,
                       key=lambda stage: stage.total)
         return fullest.total, fullest.parts()

@@ -164,16 +164,17 @@ class _Tree:
 
     def children(self, node: _Node) -> list[_Node]:
         if node.placement is None:
-            return [replace(node, placement=placement, a2a_overlap=overlap) for placement in self.placements(node.shape)
-                    for overlap in self.overlaps(node, placement[1])]
+            return [replace(node, placement=placement, a2a_overlap=overlap)
+                    for placement in self.placements(node.shape) for overlap in self.overlaps(node, placement)]
         return [replace(node, zero=zero) for zero in self.zeros(node)]
 
-    def overlaps(self, node: _Node, ep: int) -> tuple[bool, ...]:
+    def overlaps(self, node: _Node, placement: tuple) -> tuple[bool, ...]:
         """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
         holds one more forward's activations: the search weighs both), else off; or as pinned."""
         p = self.problem
-        pairs = p.stack.moe_a2a_overlap and ep > 1 and (node.shape.pp == 1 or node.vp > 1)
-        if not pairs:
+        if not p.stack.moe_a2a_overlap or placement[1] == 1:   # the common case, without building a layout
+            return (False,)
+        if not p.stack.pairs_moe_a2a(replace(node, placement=placement).layout(p)):
             return (False,)
         return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
 
@@ -194,8 +195,8 @@ class _Tree:
         if node.placement is not None:
             return len(self.zeros(node))
         s = node.shape
-        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, ep)) * len(self.overlaps(node, ep))
-                   for _, ep, _ in self.placements(s))
+        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, placement[1])) * len(self.overlaps(node, placement))
+                   for placement in self.placements(s))
 
     def leaves(self, node: _Node):
         if node.zero is not None:
