@@ -145,7 +145,8 @@ def main(argv=None) -> int:
             error = statistics.stdev(extra) / len(extra) ** 0.5
             monitors, gathering = statistics.mean(own[kept]), statistics.mean(gathers[kept])
             print(f"  {variant.name}: monitors' own time {monitors * 1e3:.3f} ms per step "
-                  f"({monitors / base:.2%} of the step; in their all-gathers {gathering / base:.2%}); end to end {statistics.mean(runs[kept]) * 1e3:.2f} ms "
+                  f"({monitors / base:.2%} of the step; in their all-gathers {gathering / base:.2%}); "
+                  f"end to end {statistics.mean(runs[kept]) * 1e3:.2f} ms "
                   f"({statistics.mean(extra) / base:+.1%} +- {error / base:.1%})")
     dist.destroy_process_group()
     return 0

@@ -91,9 +91,11 @@ def _check_time_limit(seconds) -> None:
 def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
                stack: SoftwareStack, ep_imbalance: float = 1.0) -> Plan:
     stats = None
-    twin = None   # the plan with combined 1F1B flipped, where the stack could pair its MoE passes: why (not)
-    if stack.pairs_moe_a2a(best.layout):
-        flipped = replace(best.layout, moe_a2a_overlap=not best.layout.moe_a2a_overlap)
+    # where the stack could pair the plan's MoE passes: the plan with combined 1F1B flipped says why (not),
+    # unless the stack's own rule (full recomputation) rules it out
+    pairs, twin = stack.pairs_moe_a2a(best.layout), None
+    flipped = replace(best.layout, moe_a2a_overlap=not best.layout.moe_a2a_overlap)
+    if pairs and stack.hides_moe_a2a(best.layout if best.layout.moe_a2a_overlap else flipped):
         twin = estimate(graph.costs_record, cluster, flipped, stack, ep_imbalance)
     ranked = []
     if outcome is not None:
@@ -117,7 +119,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
-        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:], twin),
+        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:], pairs, twin),
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes))
 
 
@@ -142,16 +144,16 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
                                f"{global_batch})", field="layout", expected="a device count and batch that the "
                                "heads, layers and batch divide")
     dominant = max(outcome.smallest_need_parts, key=outcome.smallest_need_parts.get)
+    paired = bool(pins.a2a_overlap and stack.moe_a2a_overlap)   # combined 1F1B pinned: no full recomputation
     fewest = _fewest_devices(graph, cluster, global_batch, pins, precision, stack)
     more = f"; about {fewest} {cluster.device.name} devices would fit" if fewest else ""
     return InfeasibleError(
         f"{graph.name} does not fit {cluster.num_devices} x {cluster.device.name}: the smallest memory need "
         f"found is {need / 1e9:.1f} GB per device against {capacity / 1e9:.1f} GB usable, dominated by "
         f"{dominant.replace('_', ' ')} ({outcome.smallest_need_parts[dominant] / 1e9:.1f} GB){more}"
-        + ("; a2a_overlap=true (combined 1F1B) is pinned, beside which no layer recomputes fully"
-           if pins.a2a_overlap and stack.moe_a2a_overlap else ""),
+        + ("; a2a_overlap=true (combined 1F1B) is pinned, beside which no layer recomputes fully" if paired else ""),
         field="--num-devices", expected="more devices, a larger device, a smaller batch or sequence"
-        + (", or a2a_overlap=false" if pins.a2a_overlap and stack.moe_a2a_overlap else ""))
+        + (", or a2a_overlap=false" if paired else ""))
 
 
 def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int | None:

@@ -35,16 +35,16 @@ def alternatives(best: Estimate, others: list[Estimate]) -> list[Alternative]:
                         loses=_loses(best, other)) for other in others]
 
 
-def combined_1f1b_reason(best: Estimate, twin: Estimate) -> str:
-    """Why the plan runs combined 1F1B or not: against the same plan with the switch flipped."""
+def combined_1f1b_reason(best: Estimate, twin: Estimate | None) -> str:
+    """Why the plan runs combined 1F1B or not: against the same plan with the switch flipped, or (no twin)
+    because the stack does not pair passes beside the plan's full recomputation."""
+    if twin is None:
+        return "combined 1F1B is not used: Megatron-Core refuses it beside full recomputation, which this plan uses"
+
     def fullest(estimate: Estimate) -> float:
         return max(stage.total for stage in estimate.stage_memory)
 
     on, off = (best, twin) if best.layout.moe_a2a_overlap else (twin, best)
-    fully = on.layout.layer_recompute.count(Recompute.full) if on.layout.layer_recompute else 0
-    if fully or on.layout.recompute is Recompute.full:
-        return (f"combined 1F1B is not used: Megatron-Core refuses it beside full recomputation, which this "
-                f"plan uses on {fully or 'all'} layers")
     hidden = off.breakdown.parts()["ep_comm_s"] - on.breakdown.parts()["ep_comm_s"]
     extra_gb = (fullest(on) - fullest(off)) / 1e9
     if best is on:
@@ -56,8 +56,10 @@ def combined_1f1b_reason(best: Estimate, twin: Estimate) -> str:
     return f"combined 1F1B with the same split and recomputation {_loses(best, on)}"
 
 
-def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], twin: Estimate | None = None) -> list[str]:
-    """`twin`: the plan with combined 1F1B flipped, where the stack could pair this layout's MoE passes."""
+def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: bool = False,
+            twin: Estimate | None = None) -> list[str]:
+    """`pairs`: the stack could pair this layout's MoE passes (combined 1F1B); `twin`: the plan with that
+    switch flipped, None where full recomputation rules it out."""
     lay = best.layout
     out = []
     if lay.tp > 1:
@@ -81,7 +83,7 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], twin: Esti
         uneven = len(set(best.stage_layers)) > 1
         out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual, {lay.num_micro_batches} micro-batches"
                    + ("; layers split unevenly to balance the embedding and head" if uneven else ""))
-    if twin is not None:
+    if pairs:
         out.append(combined_1f1b_reason(best, twin))
     if others:
         out.append(f"the next best ({text_of(others[0].layout)}) {_loses(best, others[0])}")
