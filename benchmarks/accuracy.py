@@ -21,6 +21,7 @@ from benchmarks.published import (DEFAULT_RUNS, FAMILY_STACKS, UNSTATED_CHOICES,
                                   predict, run_stack)
 from planner.search.space import layout_problems  # noqa: E402
 from benchmarks.calibrate import split_runs  # noqa: E402
+from benchmarks.ascend_runs import ascend_rows, report_lines as ascend_report_lines  # noqa: E402
 
 
 PREC_NA_NOTE = (
@@ -150,7 +151,12 @@ def main(argv=None) -> int:
     checks = [check for check in map(published_layout_check, runs) if check]
     others = other_measurement_rows(runs)
     experts = [] if args.only else expert_layout_rows()
-    write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids, experts)
+    ascend = [] if args.only else ascend_rows(args.runs)
+    predicted_elsewhere = {row.run_id for row in ascend if row.predicted_tokens_per_device_s is not None}
+    skipped = [(rid, why + (" (predicted with its recipe's batch under 'Ascend rows')" if rid in predicted_elsewhere
+                            else "")) for rid, why in skipped]
+    write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids, experts,
+                 ascend)
     errors = [abs(e) for _, _, e, _ in rows]
     print(f"MAPE {statistics.mean(errors):.1%} over {len(rows)} runs, worst {max(errors):.1%}")
     return 0
@@ -173,7 +179,7 @@ def published_layout_check(run) -> tuple | None:
 
 
 def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset(),
-                 experts=()) -> None:
+                 experts=(), ascend=()) -> None:
     errors = [abs(e) for _, _, e, _ in rows]
     by_device: dict[str, list[float]] = {}
     by_class: dict[str, list[float]] = {}
@@ -234,6 +240,8 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
         for name, source, layout, precision, flag_text, published, predicted, unit in experts:
             lines.append(f"| {name} | {source} | {layout} | {precision} | {flag_text} | {published:,.0f} {unit} | "
                          f"{predicted:,.0f} | {predicted / published - 1:+.1%} |")
+    if ascend:
+        lines += ascend_report_lines(ascend)
     lines += ["", "## The search against published layouts", "",
               "Each complete published layout (degrees and micro-batch given; ZeRO-1 and no recomputation where",
               "unstated) is checked against the search's rules and predicted as is, then the search runs with",

@@ -63,7 +63,7 @@ def links_for(group: GroupPlacement, cluster: Cluster) -> Links:
         inter /= network.oversubscription_above_pod
     in_network = intra * fabric.in_network_fraction if fabric.in_network_reduction else None
     return Links(intra_ring_bps=intra * fabric.ring_busbw_fraction, intra_in_network_bps=in_network,
-                 intra_all_to_all_bps=intra * fabric.all_to_all_fraction, inter_bps=inter,
+                 intra_all_to_all_bps=intra * fabric.all_to_all_fraction_for(group.size), inter_bps=inter,
                  base_latency_s=fabric.base_latency_us * US, intra_hop_s=fabric.hop_latency_us * US,
                  inter_hop_s=network.latency_us * US, in_network_min_ranks=fabric.in_network_min_ranks,
                  full_mesh=fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh))

@@ -18,7 +18,7 @@ from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Precision, Recompute
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
-                     params_on_rank)
+                     optimizer_state_bytes_per_param, params_on_rank)
 from .records import ATTENTION_MATMUL_KINDS, MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
@@ -259,7 +259,16 @@ class MeshCosts:
             * (1 - self.stack.pp_hidden)
 
     def optimizer_s(self, params: float) -> float:
-        return memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)
+        """The update of `params` optimizer-local parameters; where the stack swaps the states to host, each
+        chunk is copied in and out over the host link (both directions at once) beside the update of the one
+        before it, so the slower of the two paces the step, plus the first chunk's copy, which nothing hides."""
+        update = memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)
+        chunks = self.state_sharding.optimizer_swap_chunks
+        if not chunks:
+            return update
+        link = self.cluster.device.host_link_gbytes_per_s * 1e9
+        copy = params * optimizer_state_bytes_per_param(self.state_sharding) / link
+        return max(update, copy) + copy / chunks
 
     @cached_property
     def dp_lines(self) -> tuple[tuple[float, float], tuple[float, float]]:

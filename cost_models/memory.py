@@ -32,12 +32,20 @@ class StateSharding:
     gradient_bytes: int     # per parameter: `Layout.gradient_bytes`
     fp32_parameters: bool = False   # the parameters are the fp32 master, cast to bf16 per use (FSDP2 mixed
     #                                 precision, autocast): no bf16 copy is kept, the optimizer holds moments only
+    optimizer_swap_chunks: int = 0  # `SoftwareStack.optimizer_swap_chunks`: states in host memory, one
+    #                                 chunk of them on the device at a time
 
     @classmethod
     def of(cls, layout, stack) -> "StateSharding":
         return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                    expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
-                   fp32_parameters=stack.master_weights == "parameters")
+                   fp32_parameters=stack.master_weights == "parameters",
+                   optimizer_swap_chunks=stack.optimizer_swap_chunks)
+
+    @property
+    def optimizer_resident_fraction(self) -> float:
+        """Share of the optimizer's states in device memory: one chunk of them where they are swapped."""
+        return 1 / self.optimizer_swap_chunks if self.optimizer_swap_chunks else 1.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,12 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
     weights = weight_bytes * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
     grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
     optim = optimizer_bytes * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
-    return ModelStateBytes(weights, grads, optim)
+    return ModelStateBytes(weights, grads, optim * sharding.optimizer_resident_fraction)
+
+
+def optimizer_state_bytes_per_param(sharding: StateSharding) -> int:
+    """fp32 bytes the optimizer keeps per parameter it updates: moments, and the master where it is separate."""
+    return MOMENT_BYTES if sharding.fp32_parameters else OPTIMIZER_BYTES
 
 
 def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int,

@@ -62,6 +62,30 @@ class IntraNodeFabric(Strict):
     base_latency_us: float = Field(ge=0)
     hop_latency_us: float = Field(ge=0)
     all_to_all_fraction: float = Field(gt=0, le=1)
+    # measured by group size where a source gives a curve (DeepEP-style tables): ranks -> fraction,
+    # interpolated in log2(ranks) between entries and held at the ends; all_to_all_fraction elsewhere
+    all_to_all_fraction_by_ranks: dict[int, float] | None = None
+
+    @model_validator(mode="after")
+    def _all_to_all_curve_in_range(self):
+        for ranks, fraction in (self.all_to_all_fraction_by_ranks or {}).items():
+            if ranks < 2 or not 0 < fraction <= 1:
+                raise ValueError(f"all_to_all_fraction_by_ranks: {ranks}: {fraction} is not a group of at least "
+                                 "2 ranks with a fraction in (0, 1]")
+        return self
+
+    def all_to_all_fraction_for(self, ranks: int) -> float:
+        """The all-to-all's share of the link bandwidth for a group of `ranks`."""
+        curve = sorted((self.all_to_all_fraction_by_ranks or {}).items())
+        if not curve:
+            return self.all_to_all_fraction
+        if ranks <= curve[0][0]:
+            return curve[0][1]
+        for (low, low_f), (high, high_f) in zip(curve, curve[1:]):
+            if ranks <= high:
+                t = (math.log2(ranks) - math.log2(low)) / (math.log2(high) - math.log2(low))
+                return low_f + t * (high_f - low_f)
+        return curve[-1][1]
 
     @model_validator(mode="after")
     def _in_network_needs_fraction(self):
@@ -84,6 +108,9 @@ class Device(Strict):
     hbm_bytes: int = Field(gt=0)
     hbm_bandwidth_gbytes_per_s: float = Field(gt=0)
     hbm_bandwidth_fraction: float = Field(gt=0, le=1)
+    # device <-> host memory, per direction per device (PCIe or chip-to-chip link): what swapping optimizer
+    # states to host costs; None where no profile source gives it (a stack that swaps is then refused)
+    host_link_gbytes_per_s: float | None = Field(default=None, gt=0)
     gemm: GemmEfficiency
     intra_node: IntraNodeFabric
     collective_backend: Literal["nccl", "hccl", "rccl", "gloo"]

@@ -80,6 +80,10 @@ class SoftwareStack(Strict):
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
     loss_gradient: Literal["in_place", "eager"]          # cross-entropy backward: into its saved softmax, or
     #                                                      two new fp32 buffers of the logits' size
+    # 0: the optimizer's fp32 states stay in device memory; N: they live in host memory and come to the device
+    # N chunks at a time for the update, each chunk copied in and back out (MindSpeed --swap-optimizer,
+    # torchtitan-npu optimizer.swap_optimizer with swap_optimizer_times = N); needs the device's host link
+    optimizer_swap_chunks: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _valid_sets(self):
@@ -117,7 +121,8 @@ class SoftwareStack(Strict):
         """One line for plan output: the stack and what it changes in the prediction."""
         held = "gradients held across steps" if self.gradient_buffer == "persistent" else "gradients per step"
         extras = [f for f, on in (("flash attention", self.flash_attention), ("SP", self.sequence_parallel),
-                                  ("TP overlap", self.tp_comm_overlap), ("MoE A2A overlap", self.moe_a2a_overlap))
+                                  ("TP overlap", self.tp_comm_overlap), ("MoE A2A overlap", self.moe_a2a_overlap),
+                                  ("optimizer states swapped to host", self.optimizer_swap_chunks > 0))
                   if on]
         return f"{self.name} ({', '.join(extras) or 'no fused attention or overlaps'}; {self.gradient_reduce} " \
                f"gradients, {held})"

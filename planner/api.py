@@ -195,6 +195,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
+    _check_stack_on(resolved, stack)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
     problems = stack_problems(pins, stack, precision, graph) + pin_problems(pins, graph, resolved.num_devices,
@@ -272,6 +273,15 @@ def _check_precision_on(cluster: Cluster, precision: str) -> None:
                              field="--precision", expected="bf16 on this device, or a device with FP8")
 
 
+def _check_stack_on(cluster: Cluster, stack: SoftwareStack) -> None:
+    if stack.optimizer_swap_chunks and cluster.device.host_link_gbytes_per_s is None:
+        raise UserInputError(f"the {stack.name} stack swaps optimizer states to host memory "
+                             f"(optimizer_swap_chunks {stack.optimizer_swap_chunks}), and the {cluster.device.name} "
+                             "profile gives no host link bandwidth to cost it", field="host_link_gbytes_per_s",
+                             expected="host_link_gbytes_per_s in the device profile, or a stack that keeps the "
+                                      "optimizer on the device (optimizer_swap_chunks: 0)")
+
+
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
              seq_len: int | None = None, precision: str | None = None, device: str | None = None,
              num_devices: int | None = None, devices_per_node: int | None = None,
@@ -308,6 +318,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
     _check_precision_on(resolved, given.precision)
+    _check_stack_on(resolved, stack)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

@@ -9,9 +9,9 @@ from hardware_profiles import (UserInputError, cluster_from_device, list_cluster
 from hardware_profiles.loader import CLUSTER_DIR, DEVICE_DIR
 
 EXPECTED_DEVICES = {"a100-40g", "a100-80g", "h100-sxm", "h800", "h200", "b200", "gb200", "mi300x",
-                    "ascend-910b-376t", "ascend-910b-313t", "ascend-910c", "hygon-k100-ai", "cpu"}
+                    "ascend-910b-376t", "ascend-910b-313t", "ascend-910c", "ascend-910c-die", "hygon-k100-ai", "cpu"}
 EXPECTED_CLUSTERS = {"dgx-a100", "dgx-h100", "h800-deepseek", "dgx-h200", "dgx-b200", "gb200-nvl72",
-                     "ascend-910b", "ascend-910c-supernode", "hygon-k100-ai", "cpu-gloo"}
+                     "ascend-910b", "ascend-910c-supernode", "atlas-a3-superpod-dies", "hygon-k100-ai", "cpu-gloo"}
 
 
 def test_all_builtins_present_and_valid():
@@ -34,6 +34,25 @@ def test_fast_domain_sizes():
     assert load_cluster("gb200-nvl72").fast_domain_devices == 72
     assert load_cluster("ascend-910c-supernode").fast_domain_devices == 384
     assert load_cluster("dgx-h100").fast_domain_devices == 8
+
+
+# DeepEP-Ascend normal kernels on an A3 SuperPoD (shared/reference/hardware-facts.md 2b, [^30]): GB/s per rank
+DEEPEP_ASCEND = {8: (146, 125), 16: (107, 103), 32: (102, 95), 64: (81, 91), 128: (57, 81)}
+
+
+def test_all_to_all_efficiency_follows_the_measured_curve_by_group_size():
+    """The 910C die's all-to-all bandwidth at each measured EP size is the mean of DeepEP-Ascend's dispatch and
+    combine, in between it moves monotonically, and outside it holds the end values."""
+    fabric = load_device("ascend-910c-die").intra_node
+    link = fabric.bandwidth_per_direction_gbytes_per_s
+    for ranks, (dispatch, combine) in DEEPEP_ASCEND.items():
+        assert fabric.all_to_all_fraction_for(ranks) * link == pytest.approx((dispatch + combine) / 2, rel=0.01)
+    sizes = range(2, 300)
+    fractions = [fabric.all_to_all_fraction_for(n) for n in sizes]
+    assert all(a >= b for a, b in zip(fractions, fractions[1:]))
+    assert fractions[0] == fabric.all_to_all_fraction_for(8) and fractions[-1] == fabric.all_to_all_fraction_for(128)
+    assert load_device("h100-sxm").intra_node.all_to_all_fraction_for(64) == \
+        load_device("h100-sxm").intra_node.all_to_all_fraction      # no curve: the one figure
 
 
 def test_cluster_from_device_on_command_line():
@@ -84,6 +103,9 @@ BAD_DEVICES = [
     ("vendor", "intel", "vendor"),
     ("intra_node.nvlink_speed", 9, "nvlink_speed"),
     ("memory_reserve.fragmentation_fraction", 2, "fragmentation_fraction"),
+    ("intra_node.all_to_all_fraction_by_ranks", {1: 0.5}, "all_to_all_fraction_by_ranks"),
+    ("intra_node.all_to_all_fraction_by_ranks", {8: 1.5}, "all_to_all_fraction_by_ranks"),
+    ("host_link_gbytes_per_s", 0, "host_link_gbytes_per_s"),
 ]
 
 

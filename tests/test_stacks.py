@@ -19,7 +19,7 @@ from planner.search.stack_rules import layout_stack_problems, stack_problems
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
 BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
-            "deepspeed", "llm-foundry", "mindspeed", "parallel-planner"}
+            "deepspeed", "llm-foundry", "mindspeed", "parallel-planner", "torchtitan-npu"}
 
 
 def run(args):
@@ -204,3 +204,36 @@ def test_the_runtime_stack_refuses_sliding_windows_under_cp_and_recorded_pp():
     common = dict(device="cpu", num_devices=8, devices_per_node=8, global_batch=8, seq_len=32, stack="parallel-planner")
     result = api.plan(mistral(16), **common)
     assert result.layout.cp == 1 and result.layout.pp == 1
+
+
+def test_a_swapped_optimizer_keeps_one_chunk_on_the_device_and_pays_the_host_link():
+    """torchtitan-npu swaps AdamW's fp32 moments to host (swap_optimizer_times 16): the device holds one
+    sixteenth of them, and the step pays their copy in and out over the host link (both directions at once),
+    paced by the slower of copy and update, plus the first chunk's copy. Parameters counted on the torch
+    module itself."""
+    from planner.capture.model_sources import resolve_model
+    from planner.capture.reference_model import build_model
+    from hardware_profiles.loader import load_cluster
+
+    cfg = resolve_model("llama3-8b")
+    params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    layout = "tp=1,pp=1,dp=16,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=3,recompute=full"
+    kept, swapped = (api.evaluate(cfg, "atlas-a3-superpod-dies", layout, num_devices=16, global_batch=16, stack=s)
+                     for s in ("torchtitan", "torchtitan-npu"))
+    moments = 8 * params / 16                       # fp32 m and v of this rank's shard
+    assert kept.memory[0].parts["optimizer"] == pytest.approx(moments, rel=1e-3)
+    assert swapped.memory[0].parts["optimizer"] == pytest.approx(moments / 16, rel=1e-3)
+    copy_s = moments / (load_cluster("atlas-a3-superpod-dies").device.host_link_gbytes_per_s * 1e9)
+    update_s = kept.breakdown["optimizer_s"]
+    assert swapped.breakdown["optimizer_s"] == pytest.approx(max(update_s, copy_s) + copy_s / 16, rel=1e-3)
+    assert swapped.step_time_s - kept.step_time_s == pytest.approx(
+        swapped.breakdown["optimizer_s"] - update_s, rel=1e-6)
+
+
+def test_a_swapping_stack_on_a_device_without_a_host_link_is_refused():
+    with pytest.raises(UserInputError) as info:
+        api.plan("llama3-8b", device="ascend-910c", num_devices=16, global_batch=16, stack="torchtitan-npu")
+    assert "host_link_gbytes_per_s" in str(info.value) and "ascend-910c" in str(info.value)
+    refused = run("plan --model llama3-8b --device ascend-910c --num-devices 16 --global-batch 16 "
+                  "--stack torchtitan-npu")
+    assert refused.returncode == 2 and "host_link_gbytes_per_s" in refused.stderr and "Traceback" not in refused.stderr
