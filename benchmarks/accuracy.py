@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import load_stack  # noqa: E402
 from planner.api import capture_for, evaluate, plan  # noqa: E402
+from planner.capture.model_sources import resolve_model  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
 from benchmarks.published import (DEFAULT_RUNS, FAMILY_STACKS, UNSTATED_CHOICES, check_published, load_runs,  # noqa: E402
                                   predict, run_stack)
@@ -49,8 +50,9 @@ MISS_NOTES = {
         "recomputation in the memory model, and the search picks per-layer recomputation. NeMo's DeepSeek-V3 "
         "pretraining recipe (NVIDIA/NeMo nemo/collections/llm/recipes/deepseek_v3.py, stored version "
         "00f65dd, date unknown) trains with multi-token prediction and recomputes mla_up_proj, layernorm, "
-        "moe and mlp, work this prediction does not bill (no MTP in the model; no module-list recompute); "
-        "which recipe the 25.04 benchmark ran is not stated, so nothing is changed for it."),
+        "moe and mlp, work this prediction does not bill (the row does not say MTP, so its model has none; "
+        "the model has no module-list recompute); which recipe the 25.04 benchmark ran is not stated, so "
+        "nothing is changed for it."),
     "mbridge-25p09-gb200-llama3-70b-prec-na-64gpu": PREC_NA_NOTE,
     "mbridge-25p09-gb200-llama3p1-405b-prec-na-128gpu": PREC_NA_NOTE,
 }
@@ -88,11 +90,11 @@ OTHER_MEASUREMENTS = [
 # devices, global batch, sequence, layout, precision, stack flags, published figure, its unit)
 EXPERT_LAYOUTS = [
     ("Llama 3 405B, 16,384 H100", "Dubey et al. 2024 (arXiv 2407.21783), Table 4: TP8 CP1 PP16 DP128, 16M-token "
-     "batches, 400 TFLOP/s per GPU", "llama3-405b", "h100-sxm", 16384, 2048, 8192, "tp=8,pp=16,dp=128,cp=1", "bf16",
+     "batches, 400 TFLOP/s per GPU", ("llama3-405b", {}), "h100-sxm", 16384, 2048, 8192, "tp=8,pp=16,dp=128,cp=1", "bf16",
      {}, 400.0, "TFLOP/s per GPU"),
     ("DeepSeek-V3, 2,048 H800", "DeepSeek-AI 2024 (arXiv 2412.19437), 3.1-3.3: PP16 EP64 ZeRO-1, FP8, DeepEP "
-     "dispatch (one copy per node, FP8), node-limited routing, 180K GPU hours per trillion tokens",
-     "deepseek-v3", "h800", 2048, 15360, 4096, "tp=1,pp=16,ep=64,zero=1,fp8_recipe=tensorwise", "fp8",
+     "dispatch (one copy per node, FP8), node-limited routing, one MTP module (4.2: depth D = 1), 180K GPU hours "
+     "per trillion tokens", ("deepseek-v3", {"mtp_layers": 1}), "h800", 2048, 15360, 4096, "tp=1,pp=16,ep=64,zero=1,fp8_recipe=tensorwise", "fp8",
      {"moe_dispatcher": "deepep"}, 1e12 / (180e3 * 3600), "tokens/s per GPU"),
 ]
 
@@ -101,7 +103,9 @@ def expert_layout_rows() -> list[tuple]:
     rows = []
     for name, source, model, device, count, batch, seq, layout, precision, flags, published, unit in EXPERT_LAYOUTS:
         stack = load_stack("megatron-core").model_copy(update=flags)
-        plan = evaluate(model, layout=layout, device=device, num_devices=count, global_batch=batch, seq_len=seq,
+        builtin, changes = model   # a built-in model and what the run changes in it
+        plan = evaluate(resolve_model(builtin).model_copy(update=changes), layout=layout, device=device,
+                        num_devices=count, global_batch=batch, seq_len=seq,
                         precision=precision, stack=stack, time_limit_s=20)
         predicted = plan.tflops_per_device if unit.startswith("TFLOP") else plan.tokens_per_s / count
         flag_text = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()) or "-"

@@ -114,6 +114,11 @@ def missing_model_fields(run: dict) -> list[str]:
     return missing
 
 
+# Megatron-Bridge's tables name DeepSeek-V3 rows "w/ MTP" or "w/o MTP"; its recipes train one module
+# (DeepSeek-V3's num_nextn_predict_layers: 1); the runs file has no field for it
+MTP_MARK, MTP_MODULES = "w/ MTP", 1
+
+
 def _model(run: dict) -> ModelConfig:
     m = run["model"]
     activation = m.get("activation") or "gelu"
@@ -130,7 +135,8 @@ def _model(run: dict) -> ModelConfig:
         tied_embeddings=gpt if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
         add_bias=gpt, mla=MLAConfig(**mla) if mla else None,
-        moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None)
+        moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None,
+        mtp_layers=MTP_MODULES if MTP_MARK in m["name"] else 0)
 
 
 def _step_time(run: dict, gbs: int, seq: int) -> tuple[float | None, str]:

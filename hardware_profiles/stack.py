@@ -68,6 +68,8 @@ class SoftwareStack(Strict):
     # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
     # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
     moe_dispatcher: MoeDispatcher = "alltoall"
+    # trains a model's multi-token prediction modules (Megatron-Core --mtp-num-layers, since 0.12)
+    multi_token_prediction: bool = False
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
     cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
     pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute

@@ -19,7 +19,7 @@ from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_record
 from .search.tree import SearchOutcome, search
 from .search.space import Pins, layout_problems, pin_problems, pins_from
 from .search.stack_rules import (layout_stack_problems, recompute_choices, stack_pins, stack_problems,
-                                 uniform_recompute)
+                                 uniform_recompute, untrainable_parts)
 
 
 class InfeasibleError(UserInputError):
@@ -120,7 +120,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
         alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:], pairs, twin),
-        capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes))
+        capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers)
 
 
 def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome: SearchOutcome,
@@ -196,6 +196,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     precision = resolve_precision(precision, values)
     _check_precision_on(resolved, precision)
     _check_stack_on(resolved, stack)
+    _check_model_on_stack(graph, stack)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
     problems = stack_problems(pins, stack, precision, graph) + pin_problems(pins, graph, resolved.num_devices,
@@ -273,6 +274,13 @@ def _check_precision_on(cluster: Cluster, precision: str) -> None:
                              field="--precision", expected="bf16 on this device, or a device with FP8")
 
 
+def _check_model_on_stack(graph: ModelGraph, stack: SoftwareStack) -> None:
+    refused = untrainable_parts(stack, graph)
+    if refused:
+        raise UserInputError("; ".join(refused), field="--stack",
+                             expected="a stack that trains them (planner stacks show NAME), or the model without them")
+
+
 def _check_stack_on(cluster: Cluster, stack: SoftwareStack) -> None:
     if stack.optimizer_swap_chunks and cluster.device.host_link_gbytes_per_s is None:
         raise UserInputError(f"the {stack.name} stack swaps optimizer states to host memory "
@@ -319,6 +327,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
     _check_precision_on(resolved, given.precision)
     _check_stack_on(resolved, stack)
+    _check_model_on_stack(graph, stack)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

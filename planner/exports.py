@@ -57,7 +57,9 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
             f"--expert-tensor-parallel-size {lay.etp}", f"--micro-batch-size {lay.mbs}",
             f"--global-batch-size {lay.gbs}", f"--seq-length {plan.seq_len}"]
     layers_per_chunk = {len(s.layers) for s in plan.stages}
-    if len(layers_per_chunk) > 1:   # any per-chunk count, embedding and loss placed by name
+    if plan.mtp_layers:
+        args.append(f"--mtp-num-layers {plan.mtp_layers}")
+    if len(layers_per_chunk) > 1 or plan.mtp_layers:   # any per-chunk count, embedding, MTP and loss by name
         args.append(f"--pipeline-model-parallel-layout {shlex.quote(megatron_pipeline_layout(plan))}")
     elif lay.vp > 1:
         args.append(f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk.pop()}")
@@ -102,13 +104,15 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
 
 def megatron_pipeline_layout(plan: Plan) -> str:
     """Megatron-Core's --pipeline-model-parallel-layout for the plan's chunks, in chunk order: E (the
-    embedding) opens the first chunk, L (output layer and loss) closes the last, t is a decoder layer;
-    runs of equal chunks are written '(x|)*n' and a layer repeated 'tn' as 't*n', as its parser unrolls them."""
+    embedding) opens the first chunk, L (output layer and loss) closes the last, t is a decoder layer and m a
+    multi-token prediction layer (the plan's last blocks, in the last chunk); runs of equal chunks are written
+    '(x|)*n' and a layer repeated 'tn' as 't*n', as its parser unrolls them."""
     chunks = []
     last = len(plan.stages) - 1
+    decoder_layers = sum(len(stage.layers) for stage in plan.stages) - plan.mtp_layers
     for j, stage in enumerate(plan.stages):
-        n = len(stage.layers)
-        layers = "t" * n if n <= 3 else f"t*{n}"
+        n = sum(layer < decoder_layers for layer in stage.layers)
+        layers = ("t" * n if n <= 3 else f"t*{n}") + "m" * (len(stage.layers) - n)
         chunks.append(("E" if j == 0 else "") + layers + ("L" if j == last else ""))
     text, j = "", 0
     while j < last:
@@ -180,6 +184,9 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if lay.moe_dispatcher == "deepep":
         notes.append("the prediction dispatched MoE tokens DeepEP-style (one copy per node); torchtitan 0.3's "
                      "expert parallelism sends one per expert, which this export cannot change")
+    if plan.mtp_layers:
+        notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s), which torchtitan's "
+                     "models do not have (plan with --stack torchtitan, which refuses them)")
     return notes
 
 
@@ -220,6 +227,9 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     if lay.tp_comm_overlap or lay.moe_a2a_overlap:
         notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "
                      "has no such overlap (plan with --stack deepspeed to predict without it)")
+    if plan.mtp_layers:
+        notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s); DeepSpeed's config has "
+                     "no such field (the model code must build them)")
     return json.dumps(config, indent=2) + "\n", notes
 
 

@@ -169,6 +169,7 @@ class Plan(_Frozen):
     reasons: list[str] = []
     capture_front_end: str = "torch.fx"   # how the model was read: symbolic fx trace, or recorded eager run on meta
     capture_notes: list[str] = []         # what capture could not see or bill exactly, with the effect
+    mtp_layers: int = Field(default=0, ge=0)   # multi-token prediction modules: the last blocks are their layers
 
     @model_validator(mode="after")
     def _layout_matches(self):

@@ -22,6 +22,7 @@ with warnings.catch_warnings():
 FULL = "tp={tp},pp={pp},vp={vp},dp={dp},cp={cp},ep={ep},etp={etp},mbs={mbs},zero={zero},recompute={rc}"
 MOE_OVERLAP = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "tp_comm_overlap": True})
 DEEPEP = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "deepep"})
+MTP_MOE = resolve_model("mixtral-8x7b").model_copy(update={"mtp_layers": 1, "num_layers": 8})
 # (id, model, device, devices, global batch, layout, precision, stack)
 PLANS = [
     ("dense-dp", "llama3-8b", "h100-sxm", 8, 64, FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=1, etp=1, mbs=1, zero=1,
@@ -56,6 +57,11 @@ PLANS = [
      FULL.format(tp=4, pp=2, vp=2, dp=9, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="selective"), "bf16", None),
     ("12-devices", "llama3-8b", "h100-sxm", 12, 48, FULL.format(tp=2, pp=2, vp=1, dp=3, cp=1, ep=1, etp=1, mbs=1,
                                                                   zero=1, rc="none"), "bf16", None),
+    # multi-token prediction: its layer is the plan's last block, written 'm' in the last chunk holding blocks
+    ("mtp-pp-vp", MTP_MOE, "h100-sxm", 16, 64,
+     FULL.format(tp=1, pp=2, vp=2, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
+    ("mtp-one-stage", MTP_MOE, "h100-sxm", 8, 64,
+     FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
 ]
 
 
@@ -88,7 +94,7 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
                              recompute_num_layers=int(exported["--recompute-num-layers"]))
     fp8 = dict(fp8=exported["--fp8-format"], fp8_recipe=exported["--fp8-recipe"]) if "--fp8-format" in exported else {}
     transformer = TransformerConfig(
-        num_layers=graph.num_blocks, hidden_size=graph.hidden_size, num_attention_heads=graph.attention_heads,
+        num_layers=graph.num_blocks - graph.mtp_layers, mtp_num_layers=graph.mtp_layers or None, hidden_size=graph.hidden_size, num_attention_heads=graph.attention_heads,
         num_query_groups=graph.kv_groups, tensor_model_parallel_size=int(exported["--tensor-model-parallel-size"]),
         pipeline_model_parallel_size=pp, context_parallel_size=int(exported["--context-parallel-size"]),
         expert_model_parallel_size=int(exported["--expert-model-parallel-size"]),
@@ -130,7 +136,9 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
         parsed = transformer.pipeline_model_parallel_layout
         for stage in plan.stages:
             vp_stage, pp_rank = divmod(stage.index, lay.pp)
-            assert parsed.layout[pp_rank][vp_stage].count(LayerType.decoder) == len(stage.layers)
+            chunk = parsed.layout[pp_rank][vp_stage]
+            assert chunk.count(LayerType.decoder) + chunk.count(LayerType.mtp) == len(stage.layers)
+        assert parsed.flatten_layout.count(LayerType.mtp) == plan.mtp_layers == int(exported.get("--mtp-num-layers", 0))
     else:
         assert (transformer.virtual_pipeline_model_parallel_size or 1) == lay.vp
     assert transformer.sequence_parallel == (lay.sp and lay.tp > 1)

@@ -72,6 +72,9 @@ class ModelGraph:
     # embedding-part modules whose weights the top-level code reads without calling them (a learned position
     # table sliced by the sequence length): positions context parallelism cannot make global
     embedding_weights_read: tuple[str, ...] = ()
+    # multi-token prediction modules: output-layer applications after the first, each with its loss; their
+    # layers are the last `mtp_layers` blocks
+    mtp_layers: int = 0
 
     def kind(self, name: str) -> LayerKind:
         for kind in self.kinds:

@@ -183,6 +183,12 @@ def _loss_op(seq_len: int, vocab: int) -> OpCost:
                   moved, None)
 
 
+def _output_layer_applications(ops, vocab: int) -> int:
+    """GEMMs after the blocks that produce vocabulary-wide logits: the output layer, and once more per
+    multi-token prediction module (each with a loss of its own)."""
+    return max(1, sum(op.kind is OpKind.gemm and op.gemm_mnk is not None and op.gemm_mnk[1] == vocab for op in ops))
+
+
 def _vocab_of(model: nn.Module) -> int:
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
@@ -236,9 +242,10 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
     head = parts.get("head", Measured())
     kinds.insert(0, LayerKind("embedding", "embedding", tuple(embed.ops), tuple(embed.saved),
                               tuple(embed_params), 0.0, seq_len, hidden, tp_pair_count=1))
-    kinds.append(LayerKind("head", "head", tuple(head.ops) + (_loss_op(seq_len, vocab),), tuple(head.saved),
+    heads = _output_layer_applications(head.ops, vocab)
+    kinds.append(LayerKind("head", "head", tuple(head.ops) + (_loss_op(seq_len, vocab),) * heads, tuple(head.saved),
                            tuple(head_params), hidden * seq_len * 2.0, seq_len, hidden,
-                           logits_fp32_bytes=seq_len * vocab * 4.0, tp_pair_count=1))
+                           logits_fp32_bytes=seq_len * vocab * 4.0 * heads, tp_pair_count=heads))
     slots = (LayerSlot("", "embedding"),) + tuple(analyzer.slots) + (LayerSlot("", "head"),)
     return ModelGraph(name=name, seq_len=seq_len, hidden_size=hidden, vocab_size=vocab,
                       activation_dtype_bytes=torch.finfo(ACTIVATION_DTYPE).bits // 8, block_stack=stack_name,
@@ -248,7 +255,8 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
                       embedding_weights_read=tuple(analyzer.weights_read),
                       capture_seconds=time.perf_counter() - start,
                       front_end=_front_end(front_end, analyzer.kinds.values()), model_class=model_class,
-                      capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())]))
+                      capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())]),
+                      mtp_layers=heads - 1)
 
 
 def _front_end(top: str, kinds) -> str:

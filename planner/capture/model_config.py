@@ -83,6 +83,11 @@ class ModelConfig(_Strict):
     dropout: float = Field(default=0.0, ge=0, lt=1, strict=False)
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    # multi-token prediction modules after the last layer (DeepSeek-V3 2.2, num_nextn_predict_layers; Megatron
+    # --mtp-num-layers): module k embeds the tokens k+1 further ahead, projects [norm(hidden), norm(embedding)]
+    # from 2h to h, runs one more layer like the last (experts where it has them), and the shared output layer
+    # and its own loss; Megatron-Core places them on the last pipeline stage
+    mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)
     # the Hugging Face config.json this was read from (JSON text): capture builds the transformers class
     # from it where transformers is installed, else this reference decoder (docs/models.md)
     hf_config: str | None = None

@@ -290,6 +290,22 @@ class DecoderLayer(nn.Module):
         return x + self._drop(self._out(self.mlp_out_norm, self.mlp(self.post_attention_norm(x))))
 
 
+class MultiTokenPrediction(nn.Module):
+    """What one MTP module adds around its layer (DeepSeek-V3 2.2): the two norms, the 2h -> h projection
+    and the norm before the shared output layer. Its layer sits in the decoder's layer list, after the
+    model's own, so that capture counts it as a block and a pipeline places it last, as Megatron-Core does."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.hidden_norm = make_norm(cfg, cfg.hidden_size)
+        self.embedding_norm = make_norm(cfg, cfg.hidden_size)
+        self.projection = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.final_norm = make_norm(cfg, cfg.hidden_size)
+
+    def forward(self, hidden, embedded):
+        return self.projection(torch.cat((self.hidden_norm(hidden), self.embedding_norm(embedded)), dim=-1))
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -297,11 +313,14 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_positions = (nn.Embedding(cfg.seq_length, cfg.hidden_size)
                                 if cfg.position_embedding == "learned" else None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        # MTP layers are built like the model's last layer
+        self.layers = nn.ModuleList(DecoderLayer(cfg, min(i, cfg.num_layers - 1))
+                                    for i in range(cfg.num_layers + cfg.mtp_layers))
         self.final_norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = nn.ModuleList(MultiTokenPrediction(cfg) for _ in range(cfg.mtp_layers)) if cfg.mtp_layers else None
 
     def forward(self, tokens):
         x = self.embed_tokens(tokens)
@@ -309,9 +328,22 @@ class Decoder(nn.Module):
             x = x + self.embed_positions.weight[: tokens.shape[1]]
         if self.config.dropout:  # embedding dropout (GPT-2's embd_pdrop, Megatron's hidden dropout)
             x = F.dropout(x, self.config.dropout, self.training)
-        for layer in self.layers:
+        for layer in self.layers[:self.config.num_layers]:
             x = layer(x)
-        logits = self.lm_head(self.final_norm(x))
+        logits = self._logits(self.final_norm(x))
+        if self.mtp is None:
+            return logits
+        # module k predicts token t+k+2 from position t: the tokens k+1 further ahead, embedded (Megatron's
+        # roll_tensor; the wrapped-around tail is masked out of its loss)
+        out = [logits]
+        for k, module in enumerate(self.mtp):
+            ahead = self.embed_tokens(torch.roll(tokens, shifts=-(k + 1), dims=1))
+            x = self.layers[self.config.num_layers + k](module(x, ahead))
+            out.append(self._logits(module.final_norm(x)))
+        return tuple(out)
+
+    def _logits(self, x):
+        logits = self.lm_head(x)
         if self.config.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         return logits

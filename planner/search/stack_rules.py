@@ -63,6 +63,14 @@ def model_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
     return problems
 
 
+def untrainable_parts(stack: SoftwareStack, graph=None) -> list[str]:
+    """Parts of the model the stack cannot train at all, whatever the layout."""
+    if graph is not None and graph.mtp_layers and not stack.multi_token_prediction:
+        return [f"{graph.name} has {graph.mtp_layers} multi-token prediction module(s), which the {stack.name} "
+                "stack does not train"]
+    return []
+
+
 def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None) -> list[str]:
     """The pins (or a given layout's values) the stack cannot run, each with the rule it breaks."""
     name, problems = stack.name, model_problems(pins, stack, graph)
@@ -88,6 +96,7 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
+    problems += untrainable_parts(stack, graph)
     if precision == Precision.fp8 and not stack.fp8_recipes:
         problems.append(f"precision=fp8: the {name} stack has no FP8 training")
     elif precision == Precision.fp8 and pins.fp8_recipe is not None and pins.fp8_recipe not in stack.fp8_recipes:
