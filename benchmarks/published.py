@@ -149,10 +149,27 @@ def _step_time(run: dict, gbs: int, seq: int) -> tuple[float | None, str]:
     return None, ""
 
 
-def load_runs(path: Path | str = DEFAULT_RUNS) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
-    """Runs that can be predicted, and (id, why not) for the rest."""
+def _filled(run: dict, fills: dict) -> dict:
+    """The row with model fields it leaves null set (`fills`: field -> value; "moe.x" inside the moe section)."""
+    model = dict(run["model"])
+    for key, value in fills.items():
+        if key.startswith("moe."):
+            model["moe"] = {**(model.get("moe") or {}), key[4:]: value}
+        else:
+            model[key] = value
+    return {**run, "model": model}
+
+
+def load_runs(path: Path | str = DEFAULT_RUNS, model_fills: dict[str, dict] | None = None
+              ) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
+    """Runs that can be predicted, and (id, why not) for the rest. `model_fills` (run id -> field -> value)
+    completes rows whose model the source leaves partly unstated; only rows named there are returned."""
     runs, skipped = [], []
     for run in yaml.safe_load(Path(path).read_text()):
+        if model_fills is not None:
+            if run["id"] not in model_fills:
+                continue
+            run = _filled(run, model_fills[run["id"]])
         layout, hardware = run["layout"], run["hardware"]
         gbs = layout.get("global_batch")
         if not gbs:
