@@ -285,7 +285,8 @@ def _check_stack_on(cluster: Cluster, stack: SoftwareStack) -> None:
     if stack.optimizer_swap_chunks and cluster.device.host_link_gbytes_per_s is None:
         raise UserInputError(f"the {stack.name} stack swaps optimizer states to host memory "
                              f"(optimizer_swap_chunks {stack.optimizer_swap_chunks}), and the {cluster.device.name} "
-                             "profile gives no host link bandwidth to cost it", field="host_link_gbytes_per_s",
+                             "profile gives no host link bandwidth to cost it", source=cluster.device.profile,
+                             field="host_link_gbytes_per_s",
                              expected="host_link_gbytes_per_s in the device profile, or a stack that keeps the "
                                       "optimizer on the device (optimizer_swap_chunks: 0)")
 
@@ -301,6 +302,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     _check_time_limit(time_limit_s)
     stack = resolve_stack(stack)
     graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
+    _check_model_on_stack(graph, stack)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     if isinstance(layout, Layout):
         given = layout
@@ -327,7 +329,6 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
     _check_precision_on(resolved, given.precision)
     _check_stack_on(resolved, stack)
-    _check_model_on_stack(graph, stack)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
