@@ -26,6 +26,13 @@ ACTIVATION_BYTES = 2       # bf16 activations on the wire
 ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master/m/v 12, write 12 + bf16 weight 2
 
 
+def compute_slowdown_beside(held_sms: int, sm_count: int) -> float:
+    """Compute seconds lost per second that compute runs beside a kernel holding `held_sms` of the device's
+    `sm_count` SMs: it runs on the rest, f / (1 - f) longer for the share f held (DeepSeek-V3 3.2.2 dedicates
+    SMs to communication for this reason)."""
+    return held_sms / (sm_count - held_sms)
+
+
 @dataclass(frozen=True)
 class LayerWork:
     """One layer's time for one micro-batch on one rank, before ZeRO-2/3 traffic."""
@@ -177,8 +184,17 @@ class MeshCosts:
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer: each
         # pass's all-to-alls hide behind the other's compute; the first forward and last backward are alone
         paired = (lay.num_micro_batches - 1) / lay.num_micro_batches
-        return (per_pass - paired * min(per_pass, compute.backward_s)
-                + per_pass - paired * min(per_pass, compute.forward_s))
+        hidden = paired * (min(per_pass, compute.backward_s) + min(per_pass, compute.forward_s))
+        return 2 * per_pass - hidden + hidden * self.sm_share_lost_beside_dispatch()
+
+    def sm_share_lost_beside_dispatch(self) -> float:
+        """Compute seconds lost per second of dispatch hidden behind it: DeepEP's kernels hold `deepep_sms` of
+        the device's SMs, so the compute beside them runs on the rest (f / (1 - f) longer for the share f they
+        hold); 0 for NCCL's all-to-all, or where the profile gives no SM count (the plan says so)."""
+        sms = self.cluster.device.sm_count
+        if self.stack.moe_dispatcher != "deepep" or sms is None:
+            return 0.0
+        return compute_slowdown_beside(self.stack.deepep_sms, sms)
 
     def _deduplicated_pass_s(self, kind: LayerKind, tokens: float) -> float:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the

@@ -68,6 +68,9 @@ class SoftwareStack(Strict):
     # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
     # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
     moe_dispatcher: MoeDispatcher = "alltoall"
+    # SMs DeepEP's kernels occupy while they run (DeepSeek-V3 3.2.2: 20 SMs saturate IB and NVLink; Megatron-Core
+    # moe_flex_dispatcher_num_sms, historical default 20): compute overlapped with them runs on the rest
+    deepep_sms: int = Field(default=20, gt=0)
     # trains a model's multi-token prediction modules (Megatron-Core --mtp-num-layers, since 0.12)
     multi_token_prediction: bool = False
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction

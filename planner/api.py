@@ -12,14 +12,15 @@ from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
-from .explain import alternatives, reasons
+from .explain import alternatives, dispatch_sm_notes, reasons
 from .capture.graph import ModelGraph
 from .capture.model_capture import capture
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.tree import SearchOutcome, search
 from .search.space import Pins, layout_problems, pin_problems, pins_from
+from .input_checks import check_device_for, check_model_on_stack
 from .search.stack_rules import (layout_stack_problems, recompute_choices, stack_pins, stack_problems,
-                                 uniform_recompute, untrainable_parts)
+                                 uniform_recompute)
 
 
 class InfeasibleError(UserInputError):
@@ -119,7 +120,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
-        alternatives=alternatives(best, ranked[1:]), reasons=reasons(best, cluster, ranked[1:], pairs, twin),
+        alternatives=alternatives(best, ranked[1:]),
+        reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster),
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers)
 
 
@@ -194,9 +196,8 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     precision = resolve_precision(precision, values)
-    _check_precision_on(resolved, precision)
-    _check_stack_on(resolved, stack)
-    _check_model_on_stack(graph, stack)
+    check_model_on_stack(graph, stack)
+    check_device_for(resolved, stack, precision)
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
     problems = stack_problems(pins, stack, precision, graph) + pin_problems(pins, graph, resolved.num_devices,
@@ -268,29 +269,6 @@ def resolve_precision(argument: str | None, values: dict) -> str:
     return Precision(precision)
 
 
-def _check_precision_on(cluster: Cluster, precision: str) -> None:
-    if precision == "fp8" and not cluster.device.peak_tflops.fp8:
-        raise UserInputError(f"{cluster.device.name} has no FP8 matrix units (its profile gives no fp8 peak)",
-                             field="--precision", expected="bf16 on this device, or a device with FP8")
-
-
-def _check_model_on_stack(graph: ModelGraph, stack: SoftwareStack) -> None:
-    refused = untrainable_parts(stack, graph)
-    if refused:
-        raise UserInputError("; ".join(refused), field="--stack",
-                             expected="a stack that trains them (planner stacks show NAME), or the model without them")
-
-
-def _check_stack_on(cluster: Cluster, stack: SoftwareStack) -> None:
-    if stack.optimizer_swap_chunks and cluster.device.host_link_gbytes_per_s is None:
-        raise UserInputError(f"the {stack.name} stack swaps optimizer states to host memory "
-                             f"(optimizer_swap_chunks {stack.optimizer_swap_chunks}), and the {cluster.device.name} "
-                             "profile gives no host link bandwidth to cost it", source=cluster.device.profile,
-                             field="host_link_gbytes_per_s",
-                             expected="host_link_gbytes_per_s in the device profile, or a stack that keeps the "
-                                      "optimizer on the device (optimizer_swap_chunks: 0)")
-
-
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
              seq_len: int | None = None, precision: str | None = None, device: str | None = None,
              num_devices: int | None = None, devices_per_node: int | None = None,
@@ -302,7 +280,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     _check_time_limit(time_limit_s)
     stack = resolve_stack(stack)
     graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
-    _check_model_on_stack(graph, stack)
+    check_model_on_stack(graph, stack)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     if isinstance(layout, Layout):
         given = layout
@@ -327,8 +305,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
-    _check_precision_on(resolved, given.precision)
-    _check_stack_on(resolved, stack)
+    check_device_for(resolved, stack, given.precision)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

@@ -1,6 +1,7 @@
 """Why a plan: the reasons a person reads, and what each alternative loses."""
 from __future__ import annotations
 
+from cost_models.layer_costs import compute_slowdown_beside
 from cost_models.layout import Recompute
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
@@ -88,3 +89,15 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
     if others:
         out.append(f"the next best ({text_of(others[0].layout)}) {_loses(best, others[0])}")
     return out
+
+
+def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
+    """What DeepEP's SMs cost where combined 1F1B hides its kernels behind compute, or that it is not billed."""
+    if not (stack.moe_dispatcher == "deepep" and stack.hides_moe_a2a(best.layout)):
+        return []
+    sms = cluster.device.sm_count
+    if sms is None:
+        return [f"DeepEP's kernels hold {stack.deepep_sms} SMs while combined 1F1B hides them behind compute; the "
+                f"{cluster.device.name} profile gives no SM count, so the compute they slow is not billed"]
+    return [f"DeepEP's kernels hold {stack.deepep_sms} of {sms} SMs while combined 1F1B hides them behind compute: "
+            f"that compute is billed {compute_slowdown_beside(stack.deepep_sms, sms):.0%} slower while they run"]

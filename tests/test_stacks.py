@@ -237,3 +237,23 @@ def test_a_swapping_stack_on_a_device_without_a_host_link_is_refused():
     refused = run("plan --model llama3-8b --device ascend-910c --num-devices 16 --global-batch 16 "
                   "--stack torchtitan-npu")
     assert refused.returncode == 2 and "host_link_gbytes_per_s" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
+    """Combined 1F1B hides DeepEP's dispatch behind another micro-batch's compute, which then runs on the SMs
+    DeepEP leaves (DeepSeek-V3 3.2.2: 20 of the H800's 132): for every second hidden, 20/112 s more compute.
+    Checked against the same plan without an SM count (nothing billed, and the plan says so) and without the
+    overlap (nothing hidden)."""
+    from hardware_profiles.loader import cluster_from_device
+    stack = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "moe_dispatcher": "deepep"})
+    h100 = cluster_from_device("h100-sxm", 16)
+    unknown = h100.model_copy(update={"device": h100.device.model_copy(update={"sm_count": None})})
+    layout = "tp=4,pp=1,dp=4,cp=1,ep=4,etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap={}"
+    billed, unbilled, alone = (
+        api.evaluate("mixtral-8x7b", cluster, layout.format(on), global_batch=64, stack=stack)
+        for cluster, on in ((h100, "true"), (unknown, "true"), (h100, "false")))
+    hidden = alone.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"]
+    assert hidden > 0
+    assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == pytest.approx(hidden * 20 / 112, rel=1e-6)
+    assert any("20 of 132 SMs" in r for r in billed.reasons)
+    assert any("no SM count" in r for r in unbilled.reasons)

@@ -1,0 +1,35 @@
+"""Refusals before any search: what the device must have for the precision and the stack, and what of the
+model the stack cannot train. Each is one paragraph naming the field (exit status 2 from the CLI)."""
+from __future__ import annotations
+
+from hardware_profiles.errors import UserInputError
+from hardware_profiles.schema import Cluster
+from hardware_profiles.stack import SoftwareStack
+
+from .search.stack_rules import untrainable_parts
+
+
+def check_model_on_stack(graph, stack: SoftwareStack) -> None:
+    """The model has parts the stack cannot train (multi-token prediction without it)."""
+    refused = untrainable_parts(stack, graph)
+    if refused:
+        raise UserInputError("; ".join(refused), field="--stack",
+                             expected="a stack that trains them (planner stacks show NAME), or the model without them")
+
+
+def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str) -> None:
+    """The device profile has what the precision and the stack's settings need to be costed."""
+    device = cluster.device
+    if precision == "fp8" and not device.peak_tflops.fp8:
+        raise UserInputError(f"{device.name} has no FP8 matrix units (its profile gives no fp8 peak)",
+                             field="--precision", expected="bf16 on this device, or a device with FP8")
+    if stack.moe_dispatcher == "deepep" and device.sm_count is not None and stack.deepep_sms >= device.sm_count:
+        raise UserInputError(f"deepep_sms {stack.deepep_sms} leaves none of the {device.name}'s {device.sm_count} "
+                             "SMs to compute", field="deepep_sms", expected=f"fewer than {device.sm_count} SMs")
+    if stack.optimizer_swap_chunks and device.host_link_gbytes_per_s is None:
+        raise UserInputError(f"the {stack.name} stack swaps optimizer states to host memory "
+                             f"(optimizer_swap_chunks {stack.optimizer_swap_chunks}), and the {device.name} "
+                             "profile gives no host link bandwidth to cost it", source=device.profile,
+                             field="host_link_gbytes_per_s",
+                             expected="host_link_gbytes_per_s in the device profile, or a stack that keeps the "
+                                      "optimizer on the device (optimizer_swap_chunks: 0)")
