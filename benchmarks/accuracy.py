@@ -209,6 +209,11 @@ def published_layout_check(run) -> tuple | None:
     return check, inside, searched
 
 
+def _layout_cell(lay) -> str:
+    """A plan's layout as the report's tables write it: tp/pp/dp/cp/ep, vp, mbs, zero, recompute."""
+    return f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, {lay.recompute}"
+
+
 def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset(),
                  experts=(), ascend=(), completed=()) -> None:
     errors = [abs(e) for _, _, e, _ in rows]
@@ -246,11 +251,9 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
     lines += ["", "| run | devices | layout predicted (tp/pp/dp/cp/ep, vp, mbs, zero, recompute) | measured s | "
               "predicted s | error | MFU | largest overhead |", "|---|---|---|---|---|---|---|---|"]
     for run, result, error, overhead in rows:
-        lay = result.layout
         lines.append(f"| {run.id} | {run.cluster.num_devices} x {run.cluster.device.name} | "
-                     f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, "
-                     f"{lay.recompute} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | {error:+.1%} | "
-                     f"{result.mfu:.1%} | {overhead} |")
+                     f"{_layout_cell(result.layout)} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | "
+                     f"{error:+.1%} | {result.mfu:.1%} | {overhead} |")
     misses = [(run, error) for run, _, error, _ in rows if abs(error) > 0.25]
     if misses:
         lines += ["", "## Runs beyond 25%", ""]
@@ -270,10 +273,8 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
                   "| run | devices | fields completed | layout predicted (tp/pp/dp/cp/ep, vp, mbs, zero, recompute) | "
                   "measured s | predicted s | error |", "|---|---|---|---|---|---|---|"]
         for run, filled, _, result in completed:
-            lay = result.layout
             lines.append(f"| {run.id} | {run.cluster.num_devices} x {run.cluster.device.name} | {filled} | "
-                         f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, "
-                         f"{lay.recompute} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | "
+                         f"{_layout_cell(result.layout)} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | "
                          f"{result.step_time_s / run.measured_step_s - 1:+.1%} |")
     if experts:
         lines += ["", "## Expert layouts published outside the runs file", "",
