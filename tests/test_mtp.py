@@ -64,3 +64,17 @@ def test_stacks_without_mtp_refuse_the_model_and_megatron_places_it_last(tmp_pat
                              capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "multi-token prediction" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_a_config_json_naming_mtp_modules_says_the_transformers_class_leaves_them_out():
+    """transformers' DeepSeek-V3 class builds no MTP module: a config.json with num_nextn_predict_layers is
+    captured without them, and the capture notes say so rather than dropping them silently."""
+    import json
+
+    pytest.importorskip("transformers")
+    from planner.capture.model_sources import config_from_hf
+    raw = json.loads((Path(__file__).parent / "models" / "hf" / "deepseek-v3.json").read_text())
+    raw.update(num_nextn_predict_layers=1, num_hidden_layers=4)
+    graph = capture(config_from_hf(raw, "deepseek-v3.json"), seq_len=256)
+    assert graph.mtp_layers == 0
+    assert any("num_nextn_predict_layers" in note and "not billed" in note for note in graph.capture_notes)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import time
 from dataclasses import dataclass
 
@@ -255,8 +256,20 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
                       embedding_weights_read=tuple(analyzer.weights_read),
                       capture_seconds=time.perf_counter() - start,
                       front_end=_front_end(front_end, analyzer.kinds.values()), model_class=model_class,
-                      capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())]),
+                      capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())])
+                      + _unbuilt_mtp_notes(source, heads - 1),
                       mtp_layers=heads - 1)
+
+
+def _unbuilt_mtp_notes(source, captured: int) -> tuple[str, ...]:
+    """A config.json that names multi-token prediction modules the transformers class does not build."""
+    named = json.loads(source.hf_config).get("num_nextn_predict_layers") or 0 \
+        if isinstance(source, ModelConfig) and source.hf_config else 0
+    if named <= captured:
+        return ()
+    return (f"config.json names {named} multi-token prediction module(s) (num_nextn_predict_layers), which the "
+            "transformers class does not build: not billed; a model YAML with mtp_layers bills them "
+            "(docs/models.md)",)
 
 
 def _front_end(top: str, kinds) -> str:
