@@ -270,9 +270,10 @@ class MeshCosts:
         if self.layout.pp == 1:
             return 0.0
         size = self.activation_message_bytes / (self.layout.tp if self.layout.sp else 1)
-        share = self.placement[0].of("pp").hop_crossing_share(vp or self.layout.vp)
-        return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds \
-            * (1 - self.stack.pp_hidden)
+        virtual = vp or self.layout.vp
+        share = self.placement[0].of("pp").hop_crossing_share(virtual)
+        hidden = self.stack.pp_hidden_interleaved if virtual > 1 else self.stack.pp_hidden
+        return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds * (1 - hidden)
 
     def optimizer_s(self, params: float) -> float:
         """The update of `params` optimizer-local parameters; where the stack swaps the states to host, each

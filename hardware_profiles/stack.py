@@ -76,6 +76,9 @@ class SoftwareStack(Strict):
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
     cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
     pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute
+    # the same under the interleaved schedule, where a chunk's sends can run beside the next chunk's compute
+    # (Megatron-Core --overlap-p2p-communication, on by default there and off without virtual stages)
+    pp_hidden_interleaved: float = Field(default=0.0, ge=0, le=1)
     causal_attention_work: float = Field(gt=0, le=1)  # share of s x s work a causal fused kernel does
 
     # what it holds (memory model)
