@@ -67,7 +67,10 @@ UNPREDICTED_NOTES = {
         "interleaved rank holds about p micro-batches (p + (p-1-2i)/v on rank i, as torch's and "
         "Megatron-Core's schedules warm up; tests/test_pipeline_layouts.py), plus the extra forward of "
         "combined 1F1B. Megatron fits it by recomputing chosen modules (--recompute-modules), which the "
-        "model does not express. Before the in-flight count was corrected (it had the last rank hold one "
+        "model does not express: Megatron-Bridge's later H100 recipes for these degrees and batch "
+        "(megatron/bridge/perf_recipes, deepseek_v3_pretrain_1024gpu_h100_bf16_config, stored version of 2026) "
+        "recompute [\"mla_up_proj\", \"mlp\"] and place a multi-token prediction layer last "
+        "('Et|(tt|)*30mL'). Before the in-flight count was corrected (it had the last rank hold one "
         "micro-batch) the search fitted the layout by loading the later ranks, and predicted -14.5%."),
 }
 
