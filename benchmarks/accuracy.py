@@ -102,12 +102,11 @@ COMPLETED_MODELS = [
 
 
 def completed_model_rows(path) -> list[tuple]:
-    from benchmarks.published import load_runs as load
     rows = []
     for prefix, fills, source in COMPLETED_MODELS:
         ids = [r["id"] for r in yaml.safe_load(Path(path).read_text())
                if r["id"].startswith(prefix) and r["model"].get("moe") and r["model"]["moe"].get("num_experts") is None]
-        runs, _ = load(path, {run_id: fills for run_id in ids})
+        runs, _ = load_runs(path, {run_id: fills for run_id in ids})
         for run in runs:
             result = predict(run)
             rows.append((run, ", ".join(f"{k}={v}" for k, v in fills.items()), source, result))

@@ -76,8 +76,8 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
     def shard(count: float, group: int, from_stage: int) -> float:
         return count / group if sharding.zero >= from_stage else count
 
-    weight_bytes, optimizer_bytes = (MASTER_BYTES, MOMENT_BYTES) if sharding.fp32_parameters \
-        else (WEIGHT_BYTES, OPTIMIZER_BYTES)
+    weight_bytes = MASTER_BYTES if sharding.fp32_parameters else WEIGHT_BYTES
+    optimizer_bytes = optimizer_state_bytes_per_param(sharding)
     weights = weight_bytes * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
     grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
     optim = optimizer_bytes * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
