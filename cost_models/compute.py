@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from hardware_profiles.schema import Device
 
-from .layout import Fp8Recipe, Precision
+from .layout import MODULE_INDEX, Fp8Recipe, Precision, RecomputeModule
 from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
 
 if TYPE_CHECKING:
@@ -59,7 +59,12 @@ class LayerCompute:
     forward_s: float
     backward_input_s: float
     backward_weight_s: float
-    attention_core_forward_s: float   # what selective recomputation repeats
+    attention_core_forward_s: float   # what context parallelism's exchange can hide behind
+    module_forward_s: tuple[float, ...]   # forward of each recomputable module, in RecomputeModule order
+
+    def selective_forward_s(self, modules: tuple[RecomputeModule, ...]) -> float:
+        """What selective recomputation of `modules` repeats: their forward."""
+        return sum(self.module_forward_s[MODULE_INDEX[m]] for m in modules)
 
     @property
     def backward_s(self) -> float:
@@ -142,6 +147,7 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
     if kind.role != "block":  # Megatron keeps the embedding and output layers in bf16 under FP8 (as memory.py)
         spec = replace(spec, precision=Precision.bf16)
     forward = backward_input = backward_weight = attention = 0.0
+    by_module = [0.0] * len(RecomputeModule)
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)
         forward += f
@@ -149,4 +155,6 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
         backward_weight += bw
         if op.kind in ATTENTION_CORE:
             attention += f
-    return LayerCompute(forward, backward_input, backward_weight, attention)
+        if op.module is not None:
+            by_module[MODULE_INDEX[op.module]] += f
+    return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module))

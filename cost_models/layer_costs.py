@@ -16,10 +16,10 @@ from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
 from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from hardware_profiles.stack import SoftwareStack
 
-from .layout import Layout, Precision, Recompute
+from .layout import Layout, Precision, Recompute, RecomputeModule
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
                      optimizer_state_bytes_per_param, params_on_rank)
-from .records import ATTENTION_MATMUL_KINDS, MATMUL_KINDS, LayerKind, ModelCosts
+from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 ACTIVATION_BYTES = 2       # bf16 activations on the wire
@@ -42,6 +42,7 @@ class LayerWork:
     tp_comm_s: float                               # exposed, forward + backward
     cp_comm_s: float
     ep_comm_s: float
+    module_recompute_s: tuple[float, ...]          # what recomputing each module repeats, RecomputeModule order
 
     def work_before_zero_s(self, recompute: Recompute) -> float:
         return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
@@ -52,6 +53,8 @@ class LayerWork:
 class LayerCost(LayerWork):
     """One layer, one micro-batch, one rank: time and memory."""
     activation_bytes: tuple[float, float, float]   # by RECOMPUTE_ORDER
+    module_freed_bytes: tuple[float, ...]          # what recomputing each module alone frees, RecomputeModule
+    #                                                order: additive, as each saved tensor has one maker
     working_bytes: float                           # a recomputed layer's activations, live during its backward
     states: ModelStateBytes
     grad_reduce_bytes: float                       # dense gradient bytes for the dp x cp reduction
@@ -59,7 +62,7 @@ class LayerCost(LayerWork):
     optimizer_step_s: float                        # its optimizer step on this rank
     weight_bytes_unsharded: float                  # bf16 weights a ZeRO-3 all-gather materialises
     forward_flops_model: float                     # matmul forward FLOPs per sample: what full recompute repeats
-    attention_forward_flops: float
+    selective_forward_flops: float                 # matmul forward FLOPs per sample that selective repeats
 
     zero_exposed_s: float = 0.0                    # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
 
@@ -222,34 +225,39 @@ class MeshCosts:
         """The layer's time without its memory parts: what it costs under every ZeRO stage at least
         (the search bounds whole subtrees with it)."""
         compute = self._compute(kind)
+        selective = compute.selective_forward_s(self.layout.recompute_modules)
         return LayerWork(forward_s=compute.forward_s, backward_s=compute.backward_s,
-                         recompute_s=(0.0, compute.attention_core_forward_s, compute.forward_s),
+                         recompute_s=(0.0, selective, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
-                         ep_comm_s=self.ep_comm_s(kind, compute))
+                         ep_comm_s=self.ep_comm_s(kind, compute), module_recompute_s=compute.module_forward_s)
 
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:
             return self._cache[kind.name]
         lay = self.layout
         compute = self._compute(kind)
-        activations = tuple(activation_bytes(kind, r, lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.precision)
-                            for r in RECOMPUTE_ORDER)
+        shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.precision)
+        activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules) for r in RECOMPUTE_ORDER)
+        freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,))
+                      for module in RecomputeModule)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
             if lay.zero >= 1 else dense_params + expert_params
-        attention_flops = sum(op.forward_flops for op in kind.ops if op.kind in ATTENTION_MATMUL_KINDS)
+        selective_flops = sum(op.forward_flops for op in kind.ops
+                              if op.kind in MATMUL_KINDS and op.module in lay.recompute_modules)
         grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
         (_, dense_slope), (_, expert_slope) = self.dp_lines
         cost = LayerCost(
-            **vars(self.work(kind)), activation_bytes=activations, working_bytes=activations[0],
+            **vars(self.work(kind)), activation_bytes=activations, module_freed_bytes=freed,
+            working_bytes=activations[0],
             states=states, grad_reduce_bytes=grad_bytes,
             dp_reduce_s=dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
             optimizer_step_s=self.optimizer_s(optimizer_params),
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
-            attention_forward_flops=attention_flops)
+            selective_forward_flops=selective_flops)
         if lay.zero >= 2:
             traffic = self.sharded_dp_comm_s(dense_params, expert_params)
             cost = replace(cost, zero_exposed_s=max(0.0, traffic - compute.forward_s - compute.backward_s))

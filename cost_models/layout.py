@@ -26,6 +26,25 @@ class Recompute(TextEnum):
     full = "full"             # keep only the layer input, recompute the whole layer
 
 
+class RecomputeModule(TextEnum):
+    """What selective recomputation repeats, as Megatron-Core names it (TransformerConfig.recompute_modules,
+    default ["core_attn"]): the first three by checkpointing (the module's input kept, everything it saves
+    dropped), the others by output-discarding checkpointing (its output freed once used, remade in backward)."""
+    core_attn = "core_attn"       # the attention core (softmax(q k^T) v, fused or not)
+    mlp = "mlp"                   # a dense layer's MLP: its column -> row pair (not a MoE layer's)
+    moe = "moe"                   # a MoE layer's routed experts, as captured in one expert container
+    layernorm = "layernorm"       # the norms on the residual stream (input and pre-MLP layernorm)
+    mla_up_proj = "mla_up_proj"   # MLA's query and key-value up-projections and RoPE, up to the attention core
+
+    @property
+    def discards_output(self) -> bool:
+        return self in (RecomputeModule.layernorm, RecomputeModule.mla_up_proj)
+
+
+DEFAULT_RECOMPUTE_MODULES = (RecomputeModule.core_attn,)
+MODULE_INDEX = {module: i for i, module in enumerate(RecomputeModule)}   # per-module tuples are in this order
+
+
 class Precision(TextEnum):
     bf16 = "bf16"
     fp8 = "fp8"                 # FP8 GEMMs (Transformer Engine); embedding and output layers stay bf16
@@ -77,6 +96,8 @@ class Layout:
     mesh_order: tuple[str, ...] = MEGATRON_ORDER
     stage_layers: tuple[int, ...] | None = None        # blocks per virtual stage (pp * vp entries)
     layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
+    # what a selectively recomputed layer repeats (Megatron --recompute-modules), in RecomputeModule order
+    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
 
     def __post_init__(self):
         # choices given as their text become the enum; anything else is left for value_problems to name

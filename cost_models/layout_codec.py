@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from hardware_profiles.errors import UserInputError
 
-from .layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute, TextEnum
+from .layout import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute,
+                     RecomputeModule, TextEnum)
 
 # key as users write it -> the Layout attribute it sets
 ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
               "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
               "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision",
               "grad_reduce": "grad_reduce", "fp8_recipe": "fp8_recipe", "order": "mesh_order",
-              "stages": "stage_layers"}
+              "stages": "stage_layers", "recompute_modules": "recompute_modules"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
                                       "fp8_recipe": Fp8Recipe}
@@ -25,6 +26,7 @@ WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "gra
 SWITCHES = ("sp", "a2a_overlap")   # true or false
 FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees
 MAX_CHUNKS = 1 << 14
+MODULES_WHAT = f"modules joined by '+', each one of {', '.join(RecomputeModule.texts())} (Megatron --recompute-modules)"
 
 
 def parse_text(text: str, source: str = "--layout") -> dict:
@@ -63,6 +65,11 @@ def parse_values(given: dict, source: str = "layout") -> dict:
             if not isinstance(value, str):
                 raise UserInputError(f"stages={value!r}", field=source, expected="layer counts per chunk")
             values[key] = _parse_value(key, value, source)
+        elif key == "recompute_modules":
+            names = value.split("+") if isinstance(value, str) else value
+            if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+                raise UserInputError(f"recompute_modules={value!r}", field=source, expected=MODULES_WHAT)
+            values[key] = _parse_value(key, "+".join(names), source)
         elif key == "order":
             dims = value.split("-") if isinstance(value, str) else value
             if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
@@ -98,7 +105,21 @@ def text_of(layout: Layout) -> str:
         parts.append(f"grad_reduce={layout.grad_reduce}")
     if layout.precision == Precision.fp8 and layout.fp8_recipe != Fp8Recipe.delayed:
         parts.append(f"fp8_recipe={layout.fp8_recipe}")
+    if layout.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+        parts.append(f"recompute_modules={modules_text(layout.recompute_modules)}")
     return ",".join(parts)
+
+
+def modules_text(modules: tuple[RecomputeModule, ...]) -> str:
+    return "+".join(map(str, modules))
+
+
+def _parse_modules(raw: str, source: str) -> tuple[RecomputeModule, ...]:
+    """'mla_up_proj+mlp' -> the modules in RecomputeModule order, each once."""
+    names = [n.strip() for n in raw.split("+")]
+    if not all(n in RecomputeModule.texts() for n in names) or len(set(names)) != len(names):
+        raise UserInputError(f"recompute_modules={raw}", field=source, expected=MODULES_WHAT + ", each once")
+    return tuple(m for m in RecomputeModule if m.value in names)
 
 
 def _parse_stages(raw: str, source: str) -> tuple[int, ...]:
@@ -136,6 +157,8 @@ def _parse_value(key: str, raw: str, source: str):
         return order
     if key == "stages":
         return _parse_stages(raw, source)
+    if key == "recompute_modules":
+        return _parse_modules(raw, source)
     if key in SWITCHES:
         if raw.lower() not in ("true", "false", "1", "0"):
             raise UserInputError(f"{key}={raw}", field=source, expected="true or false")

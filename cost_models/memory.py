@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hardware_profiles.schema import Device
 
-from .layout import Recompute
+from .layout import DEFAULT_RECOMPUTE_MODULES, Recompute, RecomputeModule
 from .records import LayerKind, Sharding
 
 WEIGHT_BYTES = 2        # bf16 weights (fp8 training keeps bf16 weights and casts per GEMM)
@@ -90,11 +90,13 @@ def optimizer_state_bytes_per_param(sharding: StateSharding) -> int:
 
 
 def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int,
-                     precision: str = "bf16") -> float:
+                     precision: str = "bf16",
+                     modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES) -> float:
     """Saved-for-backward bytes of one layer and micro-batch (Korthikanti et al. 2022, Table 2 forms).
 
     Tensors inside tensor-parallel pairs are divided by tp; the rest by tp only with sequence
-    parallelism; everything by cp. Selective drops the s x s attention tensors; full keeps the input.
+    parallelism; everything by cp. Selective drops what recomputing `modules` frees (by default the
+    attention core's own tensors: the s x s ones where attention is not fused); full keeps the input.
     FP8 transformer layers keep their weight-GEMM inputs as 1-byte copies (Transformer Engine); the
     embedding and output layers stay in bf16 (Megatron-Core builds them without Transformer Engine).
     """
@@ -103,7 +105,7 @@ def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, c
     fp8 = precision == "fp8" and kind.role == "block"
     total = 0.0
     for saved in kind.saved:
-        if recompute is Recompute.selective and saved.attention_matrix:
+        if recompute is Recompute.selective and saved.dropped_by(modules):
             continue
         divisor = tp if saved.sharding is Sharding.tensor or sp else 1
         total += (saved.fp8_bytes if fp8 else saved.bytes) / divisor

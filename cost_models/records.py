@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
+from .layout import RecomputeModule
+
 
 class OpKind(str, Enum):
     gemm = "gemm"               # a Linear or a matmul with a weight
@@ -21,7 +23,7 @@ class OpKind(str, Enum):
     loss = "loss"               # softmax cross-entropy over the vocabulary
 
 
-# what selective recomputation repeats (Korthikanti et al. 2022): the attention core, fused or not
+# the attention core, fused or not: what selective recomputation repeats by default (Korthikanti et al. 2022)
 ATTENTION_CORE = (OpKind.attention, OpKind.attention_matmul, OpKind.attention_elementwise)
 ATTENTION_MATMUL_KINDS = (OpKind.attention, OpKind.attention_matmul)
 MATMUL_KINDS = (OpKind.gemm, *ATTENTION_MATMUL_KINDS)   # what model FLOPs count
@@ -46,6 +48,8 @@ class OpCost:
     gemm_mnk: tuple[int, int, int] | None   # shape of one GEMM, for the efficiency curve
     gemm_count: int = 1                     # identical GEMMs in this op (experts, heads batched)
     weight_bytes: float = 0.0               # of bytes_accessed, the weights (read whatever the batch)
+    node: str = ""                          # the graph node that ran it
+    module: RecomputeModule | None = None   # the recomputable module it belongs to, if any
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,16 @@ class SavedTensor:
     sharding: Sharding
     attention_matrix: bool      # s x s shaped: dropped by selective recomputation
     fp8_bytes: float            # the same with weight-GEMM inputs kept as 1-byte FP8 copies (Transformer Engine)
+    savers: tuple[str, ...] = ()                    # the graph nodes that keep it
+    producer_module: RecomputeModule | None = None  # the recomputable module that made it, if any
+    saver_modules: frozenset = frozenset()          # the modules of its savers (None: outside any)
+
+    def dropped_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
+        """Whether recomputing `modules` frees it: made inside one of them, and either that module discards
+        its output (output-discarding checkpointing) or only the module itself keeps it (a checkpoint keeps
+        its input and nothing it saves inside)."""
+        made_by = self.producer_module
+        return made_by in modules and (made_by.discards_output or self.saver_modules <= {made_by})
 
 
 @dataclass(frozen=True)

@@ -165,5 +165,5 @@ def _recompute_flops(cost: LayerCost, recompute: Recompute) -> float:
     if recompute is Recompute.full:
         return cost.forward_flops_model
     if recompute is Recompute.selective:
-        return cost.attention_forward_flops
+        return cost.selective_forward_flops
     return 0.0

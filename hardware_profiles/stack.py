@@ -25,6 +25,8 @@ Axis = Literal["tp", "pp", "cp", "ep"]
 Fp8RecipeName = Literal["delayed", "tensorwise"]
 
 
+# cost_models.layout.RecomputeModule's names (profiles do not import the cost models)
+RecomputeModuleName = Literal["core_attn", "mlp", "moe", "layernorm", "mla_up_proj"]
 MoeDispatcher = Literal["alltoall", "deepep"]   # plain all-to-all, or DeepEP's one copy per destination domain
 
 class SoftwareStack(Strict):
@@ -41,7 +43,13 @@ class SoftwareStack(Strict):
     interleaved_schedule: bool               # virtual pipeline stages (interleaved 1F1B)
     sequence_parallel: bool                  # Megatron sequence parallelism beside TP
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
+    # what its selective recomputation can repeat besides the attention core (Megatron-Core's
+    # --recompute-modules); a layout naming others is refused
+    recompute_modules: tuple[RecomputeModuleName, ...] = Field(default=("core_attn",), min_length=1, strict=False)
     per_layer_recompute: bool                # each layer its own method; else every layer checkpoints or none does
+    # selective recomputation is one switch for the whole model: every layer or none, and then no layer
+    # fully (Megatron-Core's --recompute-granularity takes one value, full or selective)
+    selective_every_layer: bool = False
     fp8_recipes: tuple[Fp8RecipeName, ...] = Field(strict=False)   # first is the default; empty: no FP8 training
     context_parallel_attention: Literal["any", "reference", "sdpa"]   # attention it can split by sequence:
     #                                        its own layers' ("any": the model is written for the framework),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Layout, Precision
+from cost_models.layout import Layout, Precision, Recompute
 from cost_models.layout_codec import FULL_KEYS, layout_from, parse_text, parse_values
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
@@ -19,7 +19,7 @@ from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_record
 from .search.tree import SearchOutcome, search
 from .search.space import Pins, layout_problems, pin_problems, pins_from
 from .input_checks import check_device_for, check_model_on_stack
-from .search.stack_rules import (layout_stack_problems, recompute_choices, stack_pins, stack_problems,
+from .search.stack_rules import (layout_stack_problems, module_choices, recompute_choices, stack_pins, stack_problems,
                                  uniform_recompute)
 
 
@@ -210,9 +210,11 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
         else [recompute_choices(pins, stack)]
+    modules = module_choices(pins, stack, graph)
     outcomes = [search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s / len(methods),
                        max(top_k, 1), stack=stack, ep_imbalance=ep_imbalance, graph=graph, progress=progress,
-                       recompute_choices=allowed) for allowed in methods]
+                       recompute_choices=allowed, module_choices=modules if Recompute.none in allowed else ())
+                for allowed in methods]
     found = [o for o in outcomes if o.ranked]
     if not found:
         raise _infeasible(graph, resolved, global_batch, outcomes[0], pins, precision, stack)

@@ -78,8 +78,9 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
     out.append(f"fullest stage {fullest.stage} uses {fullest.total / 1e9:.1f} of {fullest.capacity / 1e9:.1f} GB usable")
     counts = {r: best.layer_recompute.count(r) for r in Recompute}
     if counts[Recompute.full] or counts[Recompute.selective]:
+        modules = f", repeating {', '.join(map(str, lay.recompute_modules))}" if counts[Recompute.selective] else ""
         out.append(f"recomputation on {counts[Recompute.full]} layers (full) and {counts[Recompute.selective]} "
-                   "(selective) is the cheapest way to fit memory")
+                   f"(selective{modules}) is the cheapest way to fit memory")
     if lay.pp > 1:
         uneven = len(set(best.stage_layers)) > 1
         out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual, {lay.num_micro_batches} micro-batches"

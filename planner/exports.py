@@ -93,6 +93,12 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     full = _full_recompute_layers(plan)
     if recompute == {"selective"}:
         args.append("--recompute-granularity selective")
+        if lay.recompute_modules != "core_attn":   # Megatron-Core's default set
+            args.append(f"--recompute-modules {lay.recompute_modules.replace('+', ' ')}")
+    elif "selective" in recompute:
+        notes.append("Megatron recomputes selectively every layer or none: the plan's "
+                     f"{sum(r == 'selective' for s in plan.stages for r in s.recompute)} selective layers beside "
+                     "others cannot be expressed (plan with --stack megatron-core, which never mixes them)")
     elif "full" in recompute:
         per_stage = max(sum(r == "full" for r in s.recompute) for s in plan.stages)
         args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {per_stage}"]
@@ -166,7 +172,7 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
                      "torchtitan model itself (--model file.py:factory) where its names differ")
     if mode == "selective":
         notes.append("torchtitan 0.3's selective checkpointing is op-level (saves matmul outputs, recomputes the "
-                     "rest), not Megatron's attention-core recomputation the plan costs")
+                     f"rest), not the recomputation of {lay.recompute_modules.replace('+', ', ')} the plan costs")
     if lay.zero in (1, 2):
         notes.append(f"torchtitan shards with FSDP2 (ZeRO-3 style); ZeRO-{lay.zero} has no exact equivalent")
     if lay.etp > 1:

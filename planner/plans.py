@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute,
                                  Schedule)
-from cost_models.layout_codec import layout_from, parse_text, values_of
+from cost_models.layout_codec import layout_from, modules_text, parse_text, values_of
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
 from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher, SoftwareStack
@@ -55,6 +55,17 @@ class LayoutRecord(_Frozen):
     moe_dispatcher: MoeDispatcher = "alltoall"   # ... and this MoE token dispatcher
     grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
     fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
+    # what selective recomputation repeats, as the layout text writes it (Megatron --recompute-modules)
+    recompute_modules: str = "core_attn"
+
+    @field_validator("recompute_modules")
+    @classmethod
+    def _known_modules(cls, modules: str) -> str:
+        try:
+            parse_text(f"recompute_modules={modules}", "layout.recompute_modules")
+        except UserInputError as exc:
+            raise ValueError(str(exc).split(". Expected ")[-1]) from None
+        return modules
 
     @field_validator("order")
     @classmethod
@@ -85,7 +96,8 @@ class LayoutRecord(_Frozen):
                    schedule=layout.schedule, order="-".join(layout.mesh_order),
                    tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
                    moe_a2a_overlap=stack.hides_moe_a2a(layout),
-                   moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall")
+                   moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall",
+                   recompute_modules=modules_text(layout.recompute_modules))
 
     @property
     def mesh_order(self) -> tuple[str, ...]:
@@ -189,7 +201,9 @@ class Plan(_Frozen):
         lay = self.layout
         values = {key: getattr(lay, key) for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero",
                                                      "sp", "precision", "grad_reduce", "fp8_recipe")}
+        modules = parse_text(f"recompute_modules={lay.recompute_modules}", "layout")["recompute_modules"]
         return layout_from({**values, "order": lay.mesh_order, "a2a_overlap": lay.moe_a2a_overlap,
+                            "recompute_modules": modules,
                             "recompute": Recompute.none if lay.recompute == "per-layer" else Recompute(lay.recompute)},
                            stage_layers=tuple(len(stage.layers) for stage in self.stages),
                            layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))

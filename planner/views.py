@@ -31,7 +31,8 @@ def _stage_summary(result: Plan) -> Table:
     for column in ("stage", "rank", "layers", "recompute", "first module", "last module"):
         table.add_column(column)
     for stage in result.stages:
-        counts = {r: stage.recompute.count(r) for r in ("none", "selective", "full") if stage.recompute.count(r)}
+        counts = {(f"selective ({result.layout.recompute_modules.replace('+', ', ')})" if r == "selective" else r):
+                  stage.recompute.count(r) for r in ("none", "selective", "full") if stage.recompute.count(r)}
         layers = f"{stage.layers[0]}-{stage.layers[-1]}" if stage.layers else "-"
         table.add_row(str(stage.index), str(stage.pipeline_rank), f"{layers} ({len(stage.layers)})",
                       ", ".join(f"{k} {v}" for k, v in counts.items()), stage.modules[0], stage.modules[-1])

@@ -2,6 +2,7 @@
 the exported flags, read as Megatron's argument parser maps them onto `TransformerConfig` and
 `DistributedDataParallelConfig`, must construct (their __post_init__ checks the combination) and read
 back the plan's degrees, schedule, recomputation, precision, overlaps and dispatcher (issue 18)."""
+import itertools
 import shlex
 import warnings
 
@@ -62,17 +63,21 @@ PLANS = [
      FULL.format(tp=1, pp=2, vp=2, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
     ("mtp-one-stage", MTP_MOE, "h100-sxm", 8, 64,
      FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
+    # selective recomputation of chosen modules (--recompute-modules)
+    ("recompute-modules", "llama3-8b", "h100-sxm", 8, 64,
+     FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="selective")
+     + ",recompute_modules=mlp+layernorm", "bf16", None),
 ]
 
 
 def flags(args: list[str]) -> dict[str, str | bool]:
+    """'--flag value...' -> {flag: the values joined by spaces, or True without one}."""
     words = shlex.split(" ".join(args))
     out, i = {}, 0
     while i < len(words):
-        if i + 1 < len(words) and not words[i + 1].startswith("--"):
-            out[words[i]], i = words[i + 1], i + 2
-        else:
-            out[words[i]], i = True, i + 1
+        values = list(itertools.takewhile(lambda w: not w.startswith("--"), words[i + 1:]))
+        out[words[i]] = " ".join(values) if values else True
+        i += 1 + len(values)
     return out
 
 
@@ -89,6 +94,8 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
     recompute = {}
     if "--recompute-granularity" in exported:
         recompute["recompute_granularity"] = exported["--recompute-granularity"]
+        if "--recompute-modules" in exported:
+            recompute["recompute_modules"] = exported["--recompute-modules"].split()
         if "--recompute-method" in exported:
             recompute.update(recompute_method=exported["--recompute-method"],
                              recompute_num_layers=int(exported["--recompute-num-layers"]))
@@ -149,6 +156,8 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
                                                  "selective" if methods == {"selective"} else "full")
     if methods == {"full"}:
         assert transformer.recompute_num_layers == max(len(s.layers) for s in plan.stages)
+    if methods == {"selective"}:   # Megatron-Core fills its default, ["core_attn"], where none is given
+        assert transformer.recompute_modules == lay.recompute_modules.split("+")
     assert (transformer.fp8 is not None) == (lay.precision == "fp8")
     if lay.precision == "fp8":
         assert transformer.fp8_recipe == lay.fp8_recipe
@@ -189,3 +198,33 @@ def test_torchrun_export_is_what_torch_distributed_run_parses(device, count, per
     assert Path(parsed.training_script).is_absolute() and Path(parsed.training_script).exists()
     plan_arg = parsed.training_script_args[parsed.training_script_args.index("--plan") + 1]
     assert Path(plan_arg).is_absolute() and Path(plan_arg).exists()
+
+
+def test_mla_up_projection_recomputation_is_exported_as_megatron_core_takes_it():
+    """DeepSeek-V3 as Megatron-Bridge's H100 recipes run it: selective recomputation of mla_up_proj and the
+    dense layers' mlp. Megatron-Core 0.16.1's MLATransformerConfig validates the flags (it refuses
+    mla_up_proj without latent attention)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    cfg = resolve_model("deepseek-v3").model_copy(update={"num_layers": 4})
+    plan = evaluate(cfg, device="h100-sxm", num_devices=64, global_batch=64,
+                    layout=FULL.format(tp=2, pp=2, vp=1, dp=16, cp=1, ep=32, etp=1, mbs=1, zero=1, rc="selective")
+                    + ",recompute_modules=mla_up_proj+mlp")
+    args, notes = megatron_args(plan)
+    exported = flags(args)
+    assert exported["--recompute-modules"] == "mlp mla_up_proj" and not notes
+    mla = cfg.mla
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformer = MLATransformerConfig(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+            q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+            qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+            tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+            recompute_granularity=exported["--recompute-granularity"],
+            recompute_modules=exported["--recompute-modules"].split(), bf16=True, params_dtype=torch.bfloat16,
+            pipeline_dtype=torch.bfloat16)
+        assert transformer.recompute_modules == ["mlp", "mla_up_proj"]
+        with pytest.raises(ValueError, match="mla_up_proj"):
+            TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, recompute_granularity="selective",
+                              recompute_modules=["mla_up_proj"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from cost_models.layout import RecomputeModule
 from cost_models.records import LayerKind, ModelCosts
 
 
@@ -50,6 +51,8 @@ class BlockStructure:
     # the axis of their input that holds the heads: under tp each rank normalises its own heads, and the
     # weight's gradient is the sum over the ranks
     head_norms: tuple[tuple[str, int], ...] = ()
+    # the modules selective recomputation can repeat in this block (capture/recompute_regions.py)
+    recompute_modules: tuple[RecomputeModule, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,15 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
+from cost_models.layout import RecomputeModule
+from cost_models.records import ATTENTION_CORE, OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .expert_structure import router_groups, router_topk, stacked_experts
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
                              head_norms, is_expert_container, is_linear_like, is_norm_like, routed_experts)
 from .graph import BlockStructure
+from .recompute_regions import recompute_regions, tag_modules
 from .recording import record
 from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
@@ -128,12 +130,13 @@ class _Savers:
     gemm: bool = False
     other: bool = False
 
-    def add(self, is_weight_gemm: bool) -> None:
+    def add(self, is_weight_gemm: bool, saver: str) -> None:
         self.gemm |= is_weight_gemm
         self.other |= not is_weight_gemm
         record = self.saved[self.index]
         fp8_bytes = (record.bytes if self.other else 0.0) + (self.elements if self.gemm else 0.0)
-        self.saved[self.index] = replace(record, fp8_bytes=float(fp8_bytes))
+        savers = record.savers if saver in record.savers else record.savers + (saver,)
+        self.saved[self.index] = replace(record, fp8_bytes=float(fp8_bytes), savers=savers)
 
 
 @dataclass
@@ -176,7 +179,7 @@ class _Analyzer(fx.Interpreter):
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
         if key in self.savers and self.current is not None:
-            self.savers[key].add(self.gemms.depth_in_weight_gemm > 0)
+            self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         if key in self.state_keys or key in self.seen or self.current is None:
             return t
         self.seen.add(key)
@@ -193,7 +196,7 @@ class _Analyzer(fx.Interpreter):
         saved.append(SavedTensor(producer, float(nbytes), self._sharding(producer_node), attention_matrix,
                                  float(nbytes)))
         self.savers[key] = _Savers(saved, len(saved) - 1, t.untyped_storage().nbytes() // t.element_size())
-        self.savers[key].add(self.gemms.depth_in_weight_gemm > 0)
+        self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         return t
 
     def _is_attention_matrix(self, node: fx.Node, out) -> bool:
@@ -275,7 +278,7 @@ class _Analyzer(fx.Interpreter):
         if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
             ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
                    for op in ops]
-        measured.ops.extend(ops)
+        measured.ops.extend(replace(op, node=node.name) for op in ops)
         if node.op == "output":
             measured.output = out
         return out
@@ -355,6 +358,10 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         raise UserInputError(f"{label}: routed experts in '{experts[0]}' but no top-k over {num_experts} experts "
                              "in its graph and no top_k / num_experts_per_tok attribute",
                              expected="a router that picks experts with torch.topk, or a top_k attribute")
+    regions = recompute_regions(gm.graph, modules, tuple(pairs),
+                                {op.node for op in measured.ops if op.kind in ATTENTION_CORE},
+                                experts[0] if experts else None)
+    measured.ops, measured.saved = tag_modules(measured.ops, measured.saved, regions)
     structure = BlockStructure(
         kind=label, tp_pairs=tuple(pairs), attention_heads=heads,
         kv_groups=groups, head_dim=head_dim,
@@ -366,8 +373,10 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         sliding_window=any(declares_window(m) for m in block.modules()),
         reference_experts=bool(experts) and stacked_experts(experts[1]) and hasattr(experts[1], "routed"),
         **(dict(zip(("router_num_groups", "router_group_topk"), router_groups(experts[1]))) if experts else {}),
-        head_norms=head_norms(gm.graph, modules, measured.shapes))
+        head_norms=head_norms(gm.graph, modules, measured.shapes),
+        recompute_modules=tuple(m for m in RecomputeModule if m in regions.values()))
     return measured, structure, found
+
 
 
 def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, int]:

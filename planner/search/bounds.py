@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
-from cost_models.layout import Layout, Recompute
+from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
@@ -97,9 +97,11 @@ class _Floor:
 class Bounds:
     """Cheap bounds shared across candidates: compute-only work and the memory floor."""
 
-    def __init__(self, model: ModelCosts, cluster: Cluster, stack: SoftwareStack, allowed: tuple[Recompute, ...]):
+    def __init__(self, model: ModelCosts, cluster: Cluster, stack: SoftwareStack, allowed: tuple[Recompute, ...],
+                 module_choices: tuple[RecomputeModule, ...] = ()):
         self.model, self.cluster, self.stack = model, cluster, stack
         self.allowed = allowed
+        self.module_choices = module_choices   # where the solver chooses them, every set's bound must hold
         self.cheapest = max(allowed, key=MEMORY_RANK.get)   # least activation memory
         self.fastest = min(allowed, key=MEMORY_RANK.get)    # least work
         self.work: dict[tuple, float] = {}
@@ -161,11 +163,24 @@ class Bounds:
                       max(w * f for w, f in zip(weights, flights)))
 
     def _activations(self, layout: Layout, recompute: Recompute) -> tuple[float, ...]:
-        key = (recompute, layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.precision)
+        key = (recompute, layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.precision,
+               self._least_memory_modules(layout))
         if key not in self.activations:
             self.activations[key] = tuple(activation_bytes(kind, recompute, *key[1:])
                                           for kind, _ in self.model.block_counts)
         return self.activations[key]
+
+    def _least_memory_modules(self, layout: Layout) -> tuple[RecomputeModule, ...]:
+        """The selective set that frees the most: all the solver may choose (freed bytes only add up)."""
+        return self.module_choices or layout.recompute_modules
+
+    def _selective_prices(self, cost) -> list[tuple[float, float]]:
+        """(seconds, bytes freed) of each unit a selective layer can buy: each module the solver may
+        choose (a set costs and frees their sums), or the layout's set as one."""
+        if not self.module_choices:
+            return [(cost.recompute_s[1], cost.activation_bytes[0] - cost.activation_bytes[1])]
+        return [(cost.module_recompute_s[MODULE_INDEX[m]], cost.module_freed_bytes[MODULE_INDEX[m]])
+                for m in self.module_choices]
 
     def forced_recompute_s(self, layout: Layout, costs: MeshCosts) -> float:
         """Least recomputation work per micro-batch, summed over the ranks, that fitting the memory forces.
@@ -184,12 +199,16 @@ class Bounds:
         for kind, _ in self.model.block_counts:
             cost = costs.layer(kind)
             for method in self.allowed:
-                saved = cost.activation_bytes[RECOMPUTE_ORDER.index(self.fastest)] \
-                    - cost.activation_bytes[RECOMPUTE_ORDER.index(method)]
-                if saved > 0:
-                    seconds = cost.work_s(method) - cost.work_s(self.fastest)
-                    prices.append(seconds / saved)
-                    single.append(seconds)
+                if method is Recompute.selective and self.fastest is Recompute.none:
+                    offers = self._selective_prices(cost)
+                else:
+                    offers = [(cost.work_s(method) - cost.work_s(self.fastest),
+                               cost.activation_bytes[RECOMPUTE_ORDER.index(self.fastest)]
+                               - cost.activation_bytes[RECOMPUTE_ORDER.index(method)])]
+                for seconds, saved in offers:
+                    if saved > 0:
+                        prices.append(seconds / saved)
+                        single.append(seconds)
         if not prices:
             return float("inf")
         # and at least one whole layer recomputes, whatever the LP's fraction
@@ -199,7 +218,9 @@ class Bounds:
         """Peak memory of the layout with every block at the least-memory recomputation of `methods` (those
         its leaf may use: no full recomputation beside combined 1F1B), evenly staged: a need some real plan
         has, where the floor only bounds it from below."""
-        least = replace(layout, recompute=max(methods, key=MEMORY_RANK.get), layer_recompute=None, stage_layers=None)
-        fullest = max(estimate(self.model, self.cluster, least, self.stack, mesh_costs=costs).stage_memory,
-                      key=lambda stage: stage.total)
+        least = replace(layout, recompute=max(methods, key=MEMORY_RANK.get), layer_recompute=None, stage_layers=None,
+                        recompute_modules=self._least_memory_modules(layout))
+        same = least.recompute_modules == layout.recompute_modules
+        fullest = max(estimate(self.model, self.cluster, least, self.stack, mesh_costs=costs if same else None
+                               ).stage_memory, key=lambda stage: stage.total)
         return fullest.total, fullest.parts()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
-from cost_models.layout import Recompute
+from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from cost_models.pipeline import in_flight_micro_batches, least_blocks
 
@@ -27,6 +27,12 @@ FINE_PER_UNIT = 1000        # per-step dp and optimizer terms in 1 ns steps: a l
 
 def _t(seconds: float) -> int:
     return int(round(seconds / TIME_UNIT_S))
+
+
+def _t_extra(seconds: float) -> int:
+    """Time a choice adds (recomputation), at least one unit where it adds any: a choice that costs time
+    never ties with one that costs none (a norm's recomputation in a small model rounds to 0 us)."""
+    return max(_t(seconds), 1) if seconds > 0 else 0
 
 
 def _fine(seconds: float) -> int:
@@ -45,15 +51,18 @@ class PartitionResult:
     status: str
     gap: float
     wall_s: float
+    recompute_modules: tuple[RecomputeModule, ...] = ()   # chosen by the solver where it was given a choice
 
 
-def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...]) -> tuple:
+def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...], module_choices: tuple[RecomputeModule, ...] = ()
+              ) -> tuple:
     """Everything `solve_partition` reads besides the cutoff: layouts with equal keys (e.g. mesh orders
     that move no collective off its links) give the same CP-SAT model and the same answer."""
     lay, model = costs.layout, costs.model
-    return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, model.blocks,
+    return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, module_choices, model.blocks,
             tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_latency_s,
-            costs.stack.dp_window_fraction, costs.cluster.device.name, costs.stack.hides_moe_a2a(lay))
+            costs.stack.dp_window_fraction, costs.cluster.device.name, costs.stack.hides_moe_a2a(lay),
+            costs.stack.selective_every_layer)
 
 
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -73,10 +82,12 @@ LEAF_WORK_LIMIT = 4.0
 
 
 def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 600.0,
-                    cutoff_s: float = float("inf"), work_limit: float = LEAF_WORK_LIMIT) -> PartitionResult:
+                    cutoff_s: float = float("inf"), work_limit: float = LEAF_WORK_LIMIT,
+                    module_choices: tuple[RecomputeModule, ...] = ()) -> PartitionResult:
     """Best partition and recomputation; with `cutoff_s`, only one that beats it (else INFEASIBLE).
-    OPTIMAL and INFEASIBLE are proofs; FEASIBLE (a partition, not proven best) and UNKNOWN mean the work
-    limit stopped the solver first."""
+    With `module_choices`, also the modules selective recomputation repeats (one set for every layer, as
+    Megatron-Core's --recompute-modules), in place of the layout's. OPTIMAL and INFEASIBLE are proofs;
+    FEASIBLE (a partition, not proven best) and UNKNOWN mean the work limit stopped the solver first."""
     start_time = time.perf_counter()
     lay, model = costs.layout, costs.model
     num_blocks, chunks, pp, v = len(model.blocks), lay.pp * lay.vp, lay.pp, lay.vp
@@ -124,6 +135,21 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     redo = {(i, r, k): cp.NewIntVar(0, runs[r][2] - runs[r][1], f"rc{i}_{r}_{k.value}")
             for i in range(pp) for r in range(len(runs)) for k in extra}
     owned_by = [[u for u in range(units) if stage_of(u) == i] for i in range(pp)]
+    # variables: the modules selective recomputation repeats, where the solver chooses them; a module's time
+    # and freed bytes add up over the chosen set (each saved tensor has one maker), so a layer's selective
+    # cost is linear in `part`: its run's selective blocks on a rank that recompute that module
+    choose = bool(module_choices) and Recompute.selective in extra
+    chosen = {mod: cp.NewBoolVar(f"module_{mod.value}") for mod in module_choices} if choose else {}
+    part = {}
+    if choose:
+        cp.Add(sum(chosen.values()) >= 1)   # selective recomputation repeats something
+        for (i, r, k), var in redo.items():
+            if k is not Recompute.selective:
+                continue
+            for mod, on in chosen.items():
+                part[i, r, mod] = cp.NewIntVar(0, runs[r][2] - runs[r][1], f"part{i}_{r}_{mod.value}")
+                cp.Add(part[i, r, mod] == var).OnlyEnforceIf(on)
+                cp.Add(part[i, r, mod] == 0).OnlyEnforceIf(on.Not())
 
     # constraints: units tile the blocks
     cp.Add(sum(size) == num_blocks)
@@ -135,6 +161,19 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 cp.Add(sum(redo[i, r, k] for k in extra) <= held)
             elif extra:  # recomputation pinned: every block takes one of the allowed methods
                 cp.Add(sum(redo[i, r, k] for k in extra) == held)
+
+    # constraint: where the stack's selective recomputation is one switch for the model (Megatron-Core's
+    # --recompute-granularity takes one value), every block recomputes selectively or none does, and then
+    # none fully
+    if Recompute.selective in extra and len(allowed) > 1 and costs.stack.selective_every_layer:
+        everywhere = cp.NewBoolVar("selective_everywhere")
+        for i in range(pp):
+            for r in range(len(runs)):
+                held_blocks = sum(count[j][r] for j in owned_by[i])
+                cp.Add(redo[i, r, Recompute.selective] == held_blocks).OnlyEnforceIf(everywhere)
+                cp.Add(redo[i, r, Recompute.selective] == 0).OnlyEnforceIf(everywhere.Not())
+                if Recompute.full in extra:
+                    cp.Add(redo[i, r, Recompute.full] == 0).OnlyEnforceIf(everywhere)
 
     capacity = usable_bytes(costs.cluster.device)
     # gradients that backward allocates (one micro-batch per step) are not held at the activation peak:
@@ -164,7 +203,12 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
         for r, (kind, _, _) in enumerate(runs):
             c = layer[kind]
             for k in extra:
-                w_terms.append(_t(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
+                if choose and k is Recompute.selective:
+                    for mod in chosen:
+                        w_terms.append(_t_extra(c.module_recompute_s[MODULE_INDEX[mod]]) * part[i, r, mod])
+                        mem_terms.append(-_m(flight * c.module_freed_bytes[MODULE_INDEX[mod]]) * part[i, r, mod])
+                    continue
+                w_terms.append(_t_extra(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
                 mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
@@ -225,7 +269,9 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     objective = solver.ObjectiveValue() * TIME_UNIT_S / v
     bound = solver.BestObjectiveBound() * TIME_UNIT_S / v
     gap = (objective - bound) / objective if objective else 0.0
-    return PartitionResult(sizes, recompute, objective, name, max(0.0, gap), wall)
+    modules = tuple(mod for mod, on in chosen.items() if solver.Value(on)) \
+        if Recompute.selective in recompute else ()
+    return PartitionResult(sizes, recompute, objective, name, max(0.0, gap), wall, modules)
 
 
 def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], pp: int,

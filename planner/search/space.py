@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute
+from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule
 from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
 from cost_models.pipeline import most_chunks, partition_problem
 
@@ -28,6 +28,7 @@ class Pins:
     grad_reduce: GradReduce | None = None   # not searched: fp32 unless given
     fp8_recipe: Fp8Recipe | None = None     # not searched: delayed unless given
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
+    recompute_modules: tuple[RecomputeModule, ...] | None = None   # not searched: core_attn unless given
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)   # what the software stack runs (`stack_rules.stack_pins`)
 
     def allows(self, name: str, value) -> bool:
@@ -68,7 +69,7 @@ def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list
 
 def pins_of(layout: Layout) -> Pins:
     """A whole layout as pins: every degree fixed."""
-    return pins_from(values_of(layout, FULL_KEYS))
+    return pins_from(values_of(layout, FULL_KEYS + ("recompute_modules",)))
 
 
 def value_problems(layout: Layout) -> list[str]:
@@ -83,6 +84,10 @@ def value_problems(layout: Layout) -> list[str]:
         value = getattr(layout, key)
         if not isinstance(value, kind):
             problems.append(f"{key}={str(value)!r} is not one of {', '.join(kind.texts())}")
+    modules = layout.recompute_modules
+    if not isinstance(modules, tuple) or not modules or not all(isinstance(m, RecomputeModule) for m in modules):
+        problems.append(f"recompute_modules={modules!r} is not a non-empty tuple of "
+                        f"{', '.join(RecomputeModule.texts())}")
     return problems
 
 
@@ -116,6 +121,11 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
     if (pins.pp or 1) * (pins.vp or 1) > most_chunks(graph.num_blocks):
         problems.append(f"{graph.num_blocks} layers, the embedding and the loss cannot fill pp*vp = "
                         f"{(pins.pp or 1) * (pins.vp or 1)} chunks")
+    found = {m for block in graph.structures for m in block.recompute_modules}
+    absent = [str(m) for m in pins.recompute_modules or () if m not in found]
+    if absent:
+        problems.append(f"recompute_modules={'+'.join(absent)}: no block of {graph.name} has it (capture found "
+                        f"{', '.join(str(m) for m in RecomputeModule if m in found) or 'none'})")
     if pins.cp and pins.cp > 1 and graph.seq_len % (2 * pins.cp):
         problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * pins.cp} causal chunks")
     if pins.dp and global_batch % (pins.dp * (pins.mbs or 1)):
@@ -192,7 +202,7 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
                 a2a_overlap: bool = False) -> Layout:
-    chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute")
+    chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules")
               if getattr(pins, key) is not None}
     chosen["a2a_overlap"] = a2a_overlap
     return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Fp8Recipe, GradReduce, Layout, Precision, Recompute
+from cost_models.layout import Fp8Recipe, GradReduce, Layout, Precision, Recompute, RecomputeModule
 from cost_models.layout_codec import FULL_KEYS, values_of
 from hardware_profiles.stack import SoftwareStack
 
@@ -93,6 +93,10 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
         problems.append(f"sp=true: the {name} stack has no sequence parallelism")
     if pins.recompute is Recompute.selective and not stack.selective_recompute:
         problems.append(f"recompute=selective: the {name} stack has no selective recomputation")
+    unrun = [str(m) for m in pins.recompute_modules or () if str(m) not in stack.recompute_modules]
+    if unrun:
+        problems.append(f"recompute_modules={'+'.join(unrun)}: the {name} stack recomputes selectively only "
+                        f"{', '.join(stack.recompute_modules)}")
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
@@ -107,7 +111,8 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
-    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "fp8_recipe"))), stack,
+    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "fp8_recipe",
+                                                                       "recompute_modules"))), stack,
                               layout.precision, graph)
     methods = set(layout.layer_recompute or ())
     if len(methods) > 1 and not stack.per_layer_recompute:
@@ -115,6 +120,9 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> l
                         "stack recomputes every layer or none")
     if Recompute.selective in methods and not stack.selective_recompute and layout.recompute is not Recompute.selective:
         problems.append(f"recompute=selective: the {stack.name} stack has no selective recomputation")
+    elif Recompute.selective in methods and len(methods) > 1 and stack.selective_every_layer:
+        problems.append(f"selective recomputation on some layers only: the {stack.name} stack recomputes "
+                        "selectively every layer or none (one recompute granularity for the model)")
     return problems
 
 
@@ -141,6 +149,17 @@ def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]
     if pins.recompute is not None:
         return (pins.recompute,)
     return tuple(r for r in Recompute if r is not Recompute.selective or stack.selective_recompute)
+
+
+def module_choices(pins: Pins, stack: SoftwareStack, graph) -> tuple[RecomputeModule, ...]:
+    """The modules the search may have selective recomputation repeat, chosen with each partition: those
+    the stack can recompute and the model has, where neither the modules nor the method are pinned (a
+    pinned recompute=selective alone means Megatron-Core's default, core_attn). Empty: the layout's set."""
+    if pins.recompute_modules is not None or pins.recompute is not None or not stack.selective_recompute:
+        return ()
+    found = {m for block in graph.structures for m in block.recompute_modules}
+    choices = tuple(m for m in RecomputeModule if m in found and m.value in stack.recompute_modules)
+    return choices if len(choices) > 1 else ()
 
 
 def uniform_recompute(pins: Pins, stack: SoftwareStack) -> bool:

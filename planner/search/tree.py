@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, replace
 
 from cost_models.layer_costs import MeshCosts, SharedCosts
-from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
+from cost_models.layout import MEGATRON_ORDER, Layout, Recompute, RecomputeModule
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import SoftwareStack
 from cost_models.layout_codec import text_of
@@ -210,14 +210,17 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
            precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3, *,
            stack: SoftwareStack | None = None, ep_imbalance: float = 1.0, graph=None,
            progress=None, recompute_choices: tuple[Recompute, ...] | None = None,
-           leaf_work_limit: float = LEAF_WORK_LIMIT) -> SearchOutcome:
+           leaf_work_limit: float = LEAF_WORK_LIMIT,
+           module_choices: tuple[RecomputeModule, ...] = ()) -> SearchOutcome:
+    """`module_choices`: the modules selective recomputation may repeat, chosen with each leaf's partition
+    (empty: the pinned layout's, Megatron-Core's core_attn by default)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     stack = stack or load_stack()   # Megatron-Core's defaults (the API always names its stack)
     allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
     problem = _Problem(cluster, global_batch, pins, precision, graph, zero_choices(pins), stack)
     tree = _Tree(problem)
     capacity = usable_bytes(cluster.device)
-    bounds = Bounds(model, cluster, stack, allowed)
+    bounds = Bounds(model, cluster, stack, allowed, module_choices)
     shared = SharedCosts()
     heap: list = []
     solved_models = _SolvedModels()
@@ -291,13 +294,13 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         methods = tuple(r for r in allowed if r is not Recompute.full) if stack.hides_moe_a2a(layout) else allowed
         if not methods:
             continue
-        key = model_key(costs, methods)
+        key = model_key(costs, methods, module_choices)
         result = solved_models.answer(key, cutoff)
         if result is None:
             # the leaf's work limit (not the wall clock) decides when it stops unproven, so that a complete
             # search gives the same plan on a busy machine; the wall limit only guards the whole search
             result = solve_partition(costs, methods, time_limit_s=remaining, cutoff_s=cutoff,
-                                     work_limit=leaf_work_limit)
+                                     work_limit=leaf_work_limit, module_choices=module_choices)
             solved_models.record(key, cutoff, result)
             solved += 1
             unproven += result.status not in ("OPTIMAL", "INFEASIBLE")
@@ -307,7 +310,10 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
                 if need < least_need:
                     least_need, least_parts = need, parts
             continue
-        full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute)
+        full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute,
+                       recompute_modules=result.recompute_modules or layout.recompute_modules)
+        if full.recompute_modules != layout.recompute_modules:   # the solver chose them: their costs
+            costs = MeshCosts(model, cluster, full, stack, ep_imbalance, shared)
         scored = Scored(estimate(model, cluster, full, stack, ep_imbalance, mesh_costs=costs), result)
         if scored.estimate.fits:
             ranked.append(scored)

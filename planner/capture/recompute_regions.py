@@ -1,0 +1,117 @@
+"""The modules selective recomputation can repeat, found in a block's graph (Megatron-Core's names).
+
+Each node of a block belongs to at most one recomputable module (`cost_models.layout.RecomputeModule`):
+
+- core_attn: the attention core, as capture billed it (fused kernel, or q k^T, softmax and probs x v).
+- mlp: a dense block's MLP, its column -> row pair (Megatron-Core's "mlp" skips MoE layers).
+- moe: a MoE block's expert container (the router, experts and shared experts it holds).
+- mla_up_proj: where the attention pair's columns take a low-rank latent made by another linear (MLA), the
+  up-projections and everything after them on the way into the attention core, RoPE of the shared key part
+  included (Megatron-Core's `qkv_up_proj_and_rope_apply`).
+- layernorm: the norms on the residual stream: norm modules whose input no linear made.
+
+The cost models then drop, for each recomputed module, what it makes and keeps itself (or everything it
+makes, for an output-discarding one): `SavedTensor.dropped_by`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from torch import fx, nn
+
+from cost_models.layout import RecomputeModule
+from cost_models.records import OpCost, SavedTensor
+
+from .graph import TensorParallelPair
+from .graph_analysis import is_linear_node, is_norm_like, is_view_node, node_module
+
+GRAPH_EDGES = ("placeholder", "get_attr", "output")
+
+
+def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tuple[TensorParallelPair, ...],
+                      core: set[str], expert_container: str | None) -> dict[str, RecomputeModule]:
+    """Node name -> the recomputable module it belongs to (nodes in none are left out)."""
+    nodes = [n for n in graph.nodes if n.op not in GRAPH_EDGES]
+    linears: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        if is_linear_node(node, modules):
+            linears.setdefault(node.target if node.op == "call_module" else node.name, []).append(node)
+    regions = {name: RecomputeModule.core_attn for name in core}
+    for pair in pairs:
+        columns = [n for name in pair.columns for n in linears.get(name, [])]
+        span = _descendants(columns) & _ancestors(linears.get(pair.row, []))
+        if span & core:
+            if any(_takes_latent(column, modules) for column in columns):
+                _claim(regions, _up_projection(nodes, columns, core), RecomputeModule.mla_up_proj)
+        elif expert_container is None:
+            _claim(regions, span, RecomputeModule.mlp)
+    if expert_container is not None:
+        _claim(regions, (n.name for n in nodes if n.op == "call_module" and n.target == expert_container),
+               RecomputeModule.moe)
+    _claim(regions, (n.name for n in nodes if _is_residual_norm(n, modules)), RecomputeModule.layernorm)
+    return regions
+
+
+def tag_modules(ops: list[OpCost], saved: list[SavedTensor], regions: dict[str, RecomputeModule]
+                ) -> tuple[list[OpCost], list[SavedTensor]]:
+    """Each op and saved tensor with the recomputable module of the nodes that ran, made and keep it."""
+    return ([replace(op, module=regions.get(op.node)) for op in ops],
+            [replace(t, producer_module=regions.get(t.producer),
+                     saver_modules=frozenset(regions.get(name) for name in t.savers)) for t in saved])
+
+
+def _claim(regions: dict[str, RecomputeModule], names: Iterable[str], module: RecomputeModule) -> None:
+    for name in names:
+        regions.setdefault(name, module)
+
+
+def _descendants(starts: list[fx.Node]) -> set[str]:
+    """The names of `starts` and every node fed by them."""
+    return _walk(starts, lambda n: n.users)
+
+
+def _ancestors(starts: list[fx.Node]) -> set[str]:
+    """The names of `starts` and every node that feeds them."""
+    return _walk(starts, lambda n: n.all_input_nodes)
+
+
+def _walk(starts: list[fx.Node], step) -> set[str]:
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node.name not in seen:
+            seen.add(node.name)
+            stack.extend(step(node))
+    return seen
+
+
+def _up_projection(nodes: list[fx.Node], columns: list[fx.Node], core: set[str]) -> set[str]:
+    """What feeds the attention core and is not on the way into the up-projections: the up-projections
+    themselves, the splits, RoPE and concatenations after them, and RoPE of the key part that skips them."""
+    into_core = _ancestors([n for n in nodes if n.name in core]) - core
+    into_columns = _ancestors(columns) - {n.name for n in columns}
+    return {n.name for n in nodes if n.name in into_core and n.name not in into_columns}
+
+
+def _source(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """Step back from a node's first input over views and norms to what made it (None at the graph input)."""
+    current = node.all_input_nodes[0] if node.all_input_nodes else None
+    while current is not None and (is_view_node(current) or is_norm_like(node_module(current, modules) or nn.Module())):
+        current = current.all_input_nodes[0] if current.all_input_nodes else None
+    return current
+
+
+def _takes_latent(column: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """A column linear whose input another linear made (through norms and views): a low-rank latent."""
+    source = _source(column, modules)
+    return source is not None and is_linear_node(source, modules)
+
+
+def _is_residual_norm(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    module = node_module(node, modules)
+    if module is None or not (is_norm_like(module) or isinstance(module, nn.LayerNorm)):
+        return False
+    source = _source(node, modules)
+    return source is None or not is_linear_node(source, modules)

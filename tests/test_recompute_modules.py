@@ -1,0 +1,167 @@
+"""Selective recomputation of chosen modules (Megatron-Core --recompute-modules), checked against torch's own
+checkpointing, closed forms of what each module keeps, and a brute force over the module sets."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+import planner
+from hardware_profiles.errors import UserInputError
+from cost_models.layout import Recompute, RecomputeModule
+from cost_models.memory import activation_bytes
+from planner.capture.model_capture import capture
+from planner.capture.model_sources import resolve_model
+from planner.capture.reference_model import build_model
+
+SEQ = 32
+
+
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> float:
+    """Bytes of the distinct storages autograd keeps for backward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return float(sum(seen.values()))
+
+
+def _freed_by_torch_checkpoint(cfg, layer_index: int, submodule: str) -> float:
+    """What torch's reentrant checkpoint of one submodule (Megatron's tensor_parallel.checkpoint keeps the
+    input and runs the module without saving) frees in a block, measured on CPU."""
+    torch.manual_seed(0)
+    block = build_model(cfg, device="cpu", dtype=torch.bfloat16).layers[layer_index]
+    x = torch.randn(1, SEQ, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    plain = _saved_bytes(block, x)
+    inner = getattr(block, submodule)
+    wrapped = type("Checkpointed", (torch.nn.Module,), {
+        "forward": lambda self, h: checkpoint(inner, h, use_reentrant=True)})()
+    setattr(block, submodule, wrapped)
+    return plain - _saved_bytes(block, x)
+
+
+def _freed_by_plan(kind, module: RecomputeModule) -> float:
+    none = activation_bytes(kind, Recompute.none, 1, False, 1, 1)
+    return none - activation_bytes(kind, Recompute.selective, 1, False, 1, 1, modules=(module,))
+
+
+def _kind(graph, index: int):
+    return graph.kind(graph.blocks[index].kind)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_a_checkpointed_mlp_frees_what_torch_checkpoint_frees(activation):
+    cfg = resolve_model("tiny-llama").model_copy(update=dict(activation=activation))
+    graph = capture(cfg, seq_len=SEQ)
+    expected = _freed_by_torch_checkpoint(cfg, 0, "mlp")
+    assert expected > 0
+    assert _freed_by_plan(_kind(graph, 0), RecomputeModule.mlp) == pytest.approx(expected, rel=1e-6)
+
+
+def test_moe_recomputation_keeps_the_expert_container_input_and_nothing_it_made():
+    """Megatron's "moe" checkpoints the whole MoE layer; its "mlp" skips MoE layers. (Real routing on CPU
+    saves other index tensors than capture's balanced routing, so torch cannot be the reference here.)"""
+    graph = capture(resolve_model("tiny-moe"), seq_len=SEQ)
+    dense, moe = (graph.structure(graph.blocks[i].kind) for i in (0, 1))
+    assert RecomputeModule.mlp in dense.recompute_modules and RecomputeModule.moe not in dense.recompute_modules
+    assert RecomputeModule.moe in moe.recompute_modules and RecomputeModule.mlp not in moe.recompute_modules
+    kind = _kind(graph, 1)
+    container_input = [t for t in kind.saved if RecomputeModule.moe in t.saver_modules and t.producer_module is None
+                       or t.producer == "post_attention_norm" and t.saver_modules == {RecomputeModule.moe}]
+    made_inside = sum(t.bytes for t in kind.saved if t.producer_module is RecomputeModule.moe)
+    assert container_input and made_inside > 0
+    assert _freed_by_plan(kind, RecomputeModule.moe) == pytest.approx(made_inside)
+
+
+def test_layernorm_recomputation_frees_each_residual_norms_output_and_statistics():
+    """Output-discarding checkpointing of the input and pre-MLP norms (fused kernels: each keeps its input
+    and fp32 row statistics): both outputs (s x h bf16) and both statistics (s fp32) go."""
+    cfg = resolve_model("tiny-llama")
+    graph = capture(cfg, seq_len=SEQ, fused_kernels=True)
+    expected = 2 * (SEQ * cfg.hidden_size * 2 + SEQ * 4)
+    assert _freed_by_plan(_kind(graph, 0), RecomputeModule.layernorm) == pytest.approx(expected)
+
+
+def _tiny_mla():
+    base = resolve_model("deepseek-v3")
+    mla = base.mla.model_copy(update=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                                          qk_rope_head_dim=4, v_head_dim=8))
+    moe = base.moe.model_copy(update=dict(num_experts=4, router_topk=2, moe_ffn_hidden_size=32,
+                                          first_k_dense_layers=1, router_num_groups=2, router_group_topk=1))
+    return base.model_copy(update=dict(name="tiny-mla", num_layers=2, hidden_size=64, num_attention_heads=4,
+                                       ffn_hidden_size=96, vocab_size=128, seq_length=SEQ, mla=mla, moe=moe))
+
+
+def test_mla_up_projection_recomputation_frees_the_query_key_and_value_heads():
+    """DeepSeek-V3's mla_up_proj (output-discarding): the attention core's q and k (nope + rope dims per head)
+    and the up-projected key-value heads (nope + v dims, v a view of them) are remade in backward."""
+    cfg = _tiny_mla()
+    graph = capture(cfg, seq_len=SEQ)
+    m, heads = cfg.mla, cfg.num_attention_heads
+    q = k = SEQ * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * 2
+    kv = SEQ * heads * (m.qk_nope_head_dim + m.v_head_dim) * 2
+    for index in (0, 1):
+        assert RecomputeModule.mla_up_proj in graph.structure(graph.blocks[index].kind).recompute_modules
+        assert _freed_by_plan(_kind(graph, index), RecomputeModule.mla_up_proj) == pytest.approx(q + k + kv)
+
+
+def test_mla_up_proj_is_refused_for_a_model_without_latent_attention():
+    with pytest.raises(UserInputError, match="recompute_modules=mla_up_proj: no block of tiny-llama"):
+        planner.evaluate("tiny-llama", device="h100-sxm", num_devices=8, global_batch=8,
+                         layout="tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=selective,"
+                                "recompute_modules=mla_up_proj")
+
+
+def test_a_stack_without_module_recomputation_refuses_it():
+    with pytest.raises(UserInputError, match="the torchtitan stack recomputes selectively only core_attn"):
+        planner.evaluate("tiny-llama", device="h100-sxm", num_devices=8, global_batch=8, stack="torchtitan",
+                         layout="tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=selective,"
+                                "recompute_modules=mlp")
+
+
+def test_the_solver_chooses_the_best_module_set_a_brute_force_finds():
+    """Where memory forces recomputation, the search's free choice of modules (one set for every layer, and
+    then no layer recomputed fully, as Megatron-Core runs it) is as fast as the best of every set pinned in
+    turn, and takes a set other than the default."""
+    common = dict(device="h100-sxm", num_devices=8, global_batch=64, seq_len=4096, time_limit_s=60,
+                  tp=1, pp=1, cp=1, ep=1, mbs=2, zero=1)
+    free = planner.plan("llama3-8b", **common)
+    choices = (RecomputeModule.core_attn, RecomputeModule.mlp, RecomputeModule.layernorm)
+    pinned = {}
+    for size in range(1, len(choices) + 1):
+        for subset in itertools.combinations(choices, size):
+            text = "+".join(map(str, subset))
+            pinned[text] = planner.plan("llama3-8b", **common, recompute_modules=text).step_time_s
+    best = min(pinned, key=pinned.get)
+    assert free.step_time_s == pytest.approx(pinned[best], rel=1e-5)
+    assert free.layout.recompute_modules != "core_attn" and free.layout.recompute == "selective"
+    assert pinned[free.layout.recompute_modules] == pytest.approx(free.step_time_s, rel=1e-5)
+
+
+def test_one_rule_set_refuses_what_a_stack_cannot_recompute():
+    """This runtime recomputes the attention core only (its stack, checked before step 1 by ParallelModel);
+    Megatron-Core's selective recomputation is one switch for every layer, so a plan file mixing it with
+    other methods is refused there and accepted by the runtime, which checkpoints each block on its own."""
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import load_stack
+    from hardware_profiles.stack import RUNTIME_STACK
+    from planner.search.stack_rules import layout_stack_problems
+
+    graph = capture(resolve_model("tiny-llama"), seq_len=SEQ)
+    runtime, megatron = load_stack(RUNTIME_STACK), load_stack("megatron-core")
+    modules = Layout(dp=8, recompute=Recompute.selective, recompute_modules=(RecomputeModule.mlp,))
+    assert any("recomputes selectively only core_attn" in p for p in layout_stack_problems(modules, runtime, graph))
+    assert not layout_stack_problems(modules, megatron, graph)
+    mixed = Layout(dp=8, layer_recompute=(Recompute.selective, Recompute.none, Recompute.full, Recompute.none))
+    assert any("every layer or none" in p for p in layout_stack_problems(mixed, megatron, graph))
+    assert not layout_stack_problems(mixed, runtime, graph)
