@@ -27,12 +27,18 @@ from benchmarks.calibrate import split_runs  # noqa: E402
 from benchmarks.ascend_runs import ascend_rows, report_lines as ascend_report_lines  # noqa: E402
 
 
-PREC_NA_NOTE = (
-    "The 25.09 tables have no precision column (the row's precision is null, so it is predicted in BF16); "
-    "their footnote suggests FP8 current scaling. The rows' 1,791 (70B) and 1,840 (405B) model TFLOP/s per "
-    "GPU are 72% and 74% of GB200's 2,500 BF16 dense peak; no row the runs file states as BF16 reaches more "
-    "than 48% of its device's BF16 peak. Predicted in FP8 the same way (table below) they come within "
-    "15%. The runs file keeps what the source states, so the miss stands.")
+# Why rows whose precision is not stated are predicted apart (`load_runs`: not in the figures, never fitted)
+UNSTATED_PRECISION_NOTE = (
+    "A prediction needs the precision the run trained in; these rows leave it open on devices that train in "
+    "BF16 or FP8, where it moves the step time by up to twice, so each is predicted both ways, never fitted and "
+    "not in the figures above. Megatron-Bridge's 25.09 tables have no precision column (their footnote suggests "
+    "FP8 current scaling). The GB200 Llama rows' 1,791 (70B) and 1,840 (405B) model TFLOP/s per GPU are 72% "
+    "and 74% of GB200's 2,500 BF16 dense peak, where no row the runs file states as BF16 reaches more than 48% "
+    "of its device's BF16 peak: FP8 is the likelier reading. For DeepSeek-V3 on 1,024 H100 the launcher line of "
+    "the same release sets combined 1F1B and DeepEP (RUN_STACK_SETTINGS); Megatron-Bridge's later H100 recipes "
+    "for its degrees and batch (megatron/bridge/perf_recipes, stored version of 2026) are named "
+    "deepseek_v3_pretrain_1024gpu_h100_bf16_config and fp8 alike, and recompute [\"mla_up_proj\", \"mlp\"] "
+    "(the search chooses its own set: the layout column).")
 
 # What is known of each run the model misses by more than 25%, with sources; no figure here enters a prediction
 MISS_NOTES = {
@@ -48,31 +54,17 @@ MISS_NOTES = {
         "host time for launches and casts that the model does not bill. What the 25.11 FP8 recipe spent is "
         "in no source, and a per-run factor is not allowed: the miss stands."),
     "dgxc-250504-dsv3-bf16-h100-512gpu": (
-        "Predicted 25% fast. The published layout (TP2 PP8 EP64, no virtual stages) fits only with full "
-        "recomputation in the memory model, and the search picks per-layer recomputation. NeMo's DeepSeek-V3 "
-        "pretraining recipe (NVIDIA/NeMo nemo/collections/llm/recipes/deepseek_v3.py, stored version "
-        "00f65dd, date unknown) trains with multi-token prediction and recomputes mla_up_proj, layernorm, "
-        "moe and mlp, work this prediction does not bill (the row does not say MTP, so its model has none; "
-        "the model has no module-list recompute); which recipe the 25.04 benchmark ran is not stated, so "
+        "The published layout (TP2 PP8 EP64, no virtual stages) fits only with full recomputation in the memory "
+        "model, and the search picks per-layer recomputation. NeMo's DeepSeek-V3 pretraining recipe "
+        "(NVIDIA/NeMo nemo/collections/llm/recipes/deepseek_v3.py, stored version 00f65dd, date unknown) trains "
+        "with multi-token prediction and recomputes mla_up_proj, layernorm, moe and mlp; the row does not say "
+        "MTP, so its model has none, and the nemo stack (NeMo 24.x's recipes) recomputes the attention core "
+        "alone, so the search does not choose that set; which recipe the 25.04 benchmark ran is not stated, so "
         "nothing is changed for it."),
-    "mbridge-25p09-gb200-llama3-70b-prec-na-64gpu": PREC_NA_NOTE,
-    "mbridge-25p09-gb200-llama3p1-405b-prec-na-128gpu": PREC_NA_NOTE,
 }
 
 # Why a run the API cannot predict is not predictable, beyond the API's own message
-UNPREDICTED_NOTES = {
-    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": (
-        "Its launcher sets combined 1F1B (pinned: a2a_overlap=true), beside which no layer recomputes fully, "
-        "and no partition of the published TP2 PP8 VP4 EP64 layout fits without full recomputation: every "
-        "interleaved rank holds about p micro-batches (p + (p-1-2i)/v on rank i, as torch's and "
-        "Megatron-Core's schedules warm up; tests/test_pipeline_layouts.py), plus the extra forward of "
-        "combined 1F1B. Megatron fits it by recomputing chosen modules (--recompute-modules), which the "
-        "model does not express: Megatron-Bridge's later H100 recipes for these degrees and batch "
-        "(megatron/bridge/perf_recipes, deepseek_v3_pretrain_1024gpu_h100_bf16_config, stored version of 2026) "
-        "recompute [\"mla_up_proj\", \"mlp\"] and place a multi-token prediction layer last "
-        "('Et|(tt|)*30mL'). Before the in-flight count was corrected (it had the last rank hold one "
-        "micro-batch) the search fitted the layout by loading the later ranks, and predicted -14.5%."),
-}
+UNPREDICTED_NOTES: dict[str, str] = {}
 
 # Other measurements of a missed run's model on the same devices and batch: (run, source, layout given
 # to `evaluate` (fields left out are searched), precision, measured step seconds)
@@ -83,10 +75,6 @@ OTHER_MEASUREMENTS = [
     ("mbridge-25p11-h100-qwen3-30b-a3b-fp8-16gpu",
      "a user, dropless, mean of steps 5-2999 (NVIDIA-NeMo/Megatron-Bridge issue 949)",
      "tp=1,pp=2,vp=2,cp=1,ep=2,mbs=8,recompute=full", "bf16", 14.44),
-    ("mbridge-25p09-gb200-llama3-70b-prec-na-64gpu", "the same row read as FP8 (the 25.09 tables' footnote)",
-     "tp=1,pp=1,cp=1,ep=1,mbs=2", "fp8", 4.11),
-    ("mbridge-25p09-gb200-llama3p1-405b-prec-na-128gpu", "the same row read as FP8 (the 25.09 tables' footnote)",
-     "tp=2,pp=1,cp=1,ep=1,mbs=1", "fp8", 5.619),
 ]
 
 
@@ -99,6 +87,13 @@ COMPLETED_MODELS = [
      "matrices (4.4e15 counted so, 3.2e15 with two). dgxc's 25.03 and 25.05 releases measured the same BF16 "
      "layout on 512 H100 at 21.01 and 15.93 s, 24% apart: one prediction sits between them"),
 ]
+
+
+def unstated_precision_rows(path) -> list[tuple]:
+    """(run, BF16 plan, FP8 plan) of each row whose precision is not stated (`load_runs`)."""
+    bf16, _ = load_runs(path, unstated_precision="bf16")
+    fp8, _ = load_runs(path, unstated_precision="fp8")
+    return [(run, predict(run), predict(run_fp8)) for run, run_fp8 in zip(bf16, fp8)]
 
 
 def completed_model_rows(path) -> list[tuple]:
@@ -185,11 +180,13 @@ def main(argv=None) -> int:
     experts = [] if args.only else expert_layout_rows()
     ascend = [] if args.only else ascend_rows(args.runs)
     completed = [] if args.only else completed_model_rows(args.runs)
+    unstated = [] if args.only else unstated_precision_rows(args.runs)
     predicted_elsewhere = {row.run_id for row in ascend if row.predicted_tokens_per_device_s is not None}
     skipped = [(rid, why + (" (predicted with its recipe's batch under 'Ascend rows')" if rid in predicted_elsewhere
+                            else " (predicted both ways in the table above)" if rid in {r.id for r, _, _ in unstated}
                             else "")) for rid, why in skipped]
     write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids, experts,
-                 ascend, completed)
+                 ascend, completed, unstated)
     errors = [abs(e) for _, _, e, _ in rows]
     print(f"MAPE {statistics.mean(errors):.1%} over {len(rows)} runs, worst {max(errors):.1%}")
     return 0
@@ -212,12 +209,15 @@ def published_layout_check(run) -> tuple | None:
 
 
 def _layout_cell(lay) -> str:
-    """A plan's layout as the report's tables write it: tp/pp/dp/cp/ep, vp, mbs, zero, recompute."""
-    return f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, {lay.recompute}"
+    """A plan's layout as the report's tables write it: tp/pp/dp/cp/ep, vp, mbs, zero, recompute (with the
+    modules selective recomputation repeats where they are not the attention core alone)."""
+    modules = f" ({lay.recompute_modules.replace('+', ', ')})" \
+        if lay.recompute in ("selective", "per-layer") and lay.recompute_modules != "core_attn" else ""
+    return f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, {lay.recompute}{modules}"
 
 
 def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset(),
-                 experts=(), ascend=(), completed=()) -> None:
+                 experts=(), ascend=(), completed=(), unstated=()) -> None:
     errors = [abs(e) for _, _, e, _ in rows]
     by_device: dict[str, list[float]] = {}
     by_class: dict[str, list[float]] = {}
@@ -278,6 +278,16 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
             lines.append(f"| {run.id} | {run.cluster.num_devices} x {run.cluster.device.name} | {filled} | "
                          f"{_layout_cell(result.layout)} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | "
                          f"{result.step_time_s / run.measured_step_s - 1:+.1%} |")
+    if unstated:
+        lines += ["", "Rows whose precision is not stated, predicted in BF16 and in FP8 the same way: "
+                  + UNSTATED_PRECISION_NOTE, "",
+                  "| run | devices | layout predicted in BF16 (tp/pp/dp/cp/ep, vp, mbs, zero, recompute) | measured s | "
+                  "BF16 s | error | FP8 s | error |", "|---|---|---|---|---|---|---|---|"]
+        for run, bf16, fp8 in unstated:
+            lines.append(f"| {run.id} | {run.cluster.num_devices} x {run.cluster.device.name} | "
+                         f"{_layout_cell(bf16.layout)} | {run.measured_step_s:.3f} | {bf16.step_time_s:.3f} | "
+                         f"{bf16.step_time_s / run.measured_step_s - 1:+.1%} | {fp8.step_time_s:.3f} | "
+                         f"{fp8.step_time_s / run.measured_step_s - 1:+.1%} |")
     if experts:
         lines += ["", "## Expert layouts published outside the runs file", "",
                   "Predicted through `planner.evaluate` with the megatron-core stack and the flags shown (never "

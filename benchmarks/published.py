@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from cost_models.layout_codec import LAYOUT_KEYS
-from hardware_profiles.loader import cluster_from_device, list_devices, load_stack
+from hardware_profiles.loader import cluster_from_device, list_devices, load_device, load_stack
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
@@ -160,10 +160,23 @@ def _filled(run: dict, fills: dict) -> dict:
     return {**run, "model": model}
 
 
-def load_runs(path: Path | str = DEFAULT_RUNS, model_fills: dict[str, dict] | None = None
-              ) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
+UNSTATED_PRECISION = "precision not stated, on a device that trains in BF16 or FP8"
+
+
+def precision_unstated(run: dict) -> bool:
+    """The row leaves its precision open where it matters: the device has an FP8 peak (an A100 row's null
+    means 16-bit, the only way that device trains)."""
+    device = run["hardware"]["device"]
+    return run["layout"].get("precision") is None and device in list_devices() \
+        and bool(load_device(device).peak_tflops.fp8)
+
+
+def load_runs(path: Path | str = DEFAULT_RUNS, model_fills: dict[str, dict] | None = None,
+              unstated_precision: str | None = None) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
     """Runs that can be predicted, and (id, why not) for the rest. `model_fills` (run id -> field -> value)
-    completes rows whose model the source leaves partly unstated; only rows named there are returned."""
+    completes rows whose model the source leaves partly unstated; only rows named there are returned.
+    A row whose precision is unstated where the device could train in BF16 or FP8 is not predicted (a
+    prediction would assume it); `unstated_precision` ("bf16" or "fp8") returns those rows alone, read so."""
     runs, skipped = [], []
     for run in yaml.safe_load(Path(path).read_text()):
         if model_fills is not None:
@@ -192,6 +205,10 @@ def load_runs(path: Path | str = DEFAULT_RUNS, model_fills: dict[str, dict] | No
         except Exception as exc:  # an incomplete model row
             skipped.append((run["id"], f"model incomplete: {str(exc).splitlines()[0]}"))
             continue
+        if (unstated_precision is not None) != precision_unstated(run):
+            if unstated_precision is None:
+                skipped.append((run["id"], UNSTATED_PRECISION))
+            continue
         known = {key: layout[src] for src, key in LAYOUT_FIELDS.items() if layout.get(src) is not None}
         if layout.get("recompute"):
             known["recompute"] = layout["recompute"]
@@ -204,7 +221,7 @@ def load_runs(path: Path | str = DEFAULT_RUNS, model_fills: dict[str, dict] | No
         # as a user passes --segment-devices: the same check, the same cluster
         cluster = resolve_cluster(cluster, segment_devices=launcher_segment_devices(
             run["id"], cluster.num_devices, cluster.devices_per_node))
-        precision = "fp8" if layout.get("precision") == "fp8" else "bf16"
+        precision = unstated_precision or ("fp8" if layout.get("precision") == "fp8" else "bf16")
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
                                  run["measured"].get("flops_convention", ""), precision))
     return runs, skipped

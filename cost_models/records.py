@@ -58,7 +58,7 @@ class SavedTensor:
     producer: str
     bytes: float
     sharding: Sharding
-    attention_matrix: bool      # s x s shaped: dropped by selective recomputation
+    attention_matrix: bool      # s x s shaped (what fused attention never stores)
     fp8_bytes: float            # the same with weight-GEMM inputs kept as 1-byte FP8 copies (Transformer Engine)
     savers: tuple[str, ...] = ()                    # the graph nodes that keep it
     producer_module: RecomputeModule | None = None  # the recomputable module that made it, if any

@@ -311,7 +311,8 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
-                             expected="degrees whose product is the device count and that divide the model")
+                             expected="degrees whose product is the device count and that divide the model, "
+                             "and recompute modules it has")
     result = estimate(graph.costs_record, resolved, given, stack, ep_imbalance)
     plan_ = build_plan(graph, resolved, result, None, stack, ep_imbalance)
     if given.pp > 1 and given.stage_layers is None:

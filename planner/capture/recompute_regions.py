@@ -21,7 +21,7 @@ from dataclasses import replace
 from torch import fx, nn
 
 from cost_models.layout import RecomputeModule
-from cost_models.records import OpCost, SavedTensor
+from cost_models.records import ATTENTION_CORE, OpCost, SavedTensor
 
 from .graph import TensorParallelPair
 from .graph_analysis import is_linear_node, is_norm_like, is_view_node, node_module
@@ -30,8 +30,10 @@ GRAPH_EDGES = ("placeholder", "get_attr", "output")
 
 
 def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tuple[TensorParallelPair, ...],
-                      core: set[str], expert_container: str | None) -> dict[str, RecomputeModule]:
-    """Node name -> the recomputable module it belongs to (nodes in none are left out)."""
+                      ops: list[OpCost], expert_container: str | None) -> dict[str, RecomputeModule]:
+    """Node name -> the recomputable module it belongs to (nodes in none are left out); `ops` as measured,
+    their kinds naming the attention core's nodes."""
+    core = {op.node for op in ops if op.kind in ATTENTION_CORE}
     nodes = [n for n in graph.nodes if n.op not in GRAPH_EDGES]
     linears: dict[str, list[fx.Node]] = {}
     for node in nodes:
@@ -51,6 +53,10 @@ def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tup
                RecomputeModule.moe)
     _claim(regions, (n.name for n in nodes if _is_residual_norm(n, modules)), RecomputeModule.layernorm)
     return regions
+
+
+def found_modules(regions: dict[str, RecomputeModule]) -> tuple[RecomputeModule, ...]:
+    return tuple(m for m in RecomputeModule if m in regions.values())
 
 
 def tag_modules(ops: list[OpCost], saved: list[SavedTensor], regions: dict[str, RecomputeModule]

@@ -18,15 +18,14 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_models.layout import RecomputeModule
-from cost_models.records import ATTENTION_CORE, OpCost, OpKind, SavedTensor, Sharding
+from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .expert_structure import router_groups, router_topk, stacked_experts
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
                              head_norms, is_expert_container, is_linear_like, is_norm_like, routed_experts)
 from .graph import BlockStructure
-from .recompute_regions import recompute_regions, tag_modules
+from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .recording import record
 from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
@@ -358,9 +357,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         raise UserInputError(f"{label}: routed experts in '{experts[0]}' but no top-k over {num_experts} experts "
                              "in its graph and no top_k / num_experts_per_tok attribute",
                              expected="a router that picks experts with torch.topk, or a top_k attribute")
-    regions = recompute_regions(gm.graph, modules, tuple(pairs),
-                                {op.node for op in measured.ops if op.kind in ATTENTION_CORE},
-                                experts[0] if experts else None)
+    regions = recompute_regions(gm.graph, modules, tuple(pairs), measured.ops, experts[0] if experts else None)
     measured.ops, measured.saved = tag_modules(measured.ops, measured.saved, regions)
     structure = BlockStructure(
         kind=label, tp_pairs=tuple(pairs), attention_heads=heads,
@@ -374,7 +371,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         reference_experts=bool(experts) and stacked_experts(experts[1]) and hasattr(experts[1], "routed"),
         **(dict(zip(("router_num_groups", "router_group_topk"), router_groups(experts[1]))) if experts else {}),
         head_norms=head_norms(gm.graph, modules, measured.shapes),
-        recompute_modules=tuple(m for m in RecomputeModule if m in regions.values()))
+        recompute_modules=found_modules(regions))
     return measured, structure, found
 
 

@@ -8,6 +8,7 @@ costs the estimate and the partition solver read.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
@@ -189,16 +190,41 @@ class Bounds:
         sum_l w_i(l) (s_l + f_i(l) a_l) must come down to the usable bytes C, so the layers recomputed
         save sum_l w_i(l) f_i(l) da_l >= D = floor - C, hence sum_l da_l >= D / max_i w_i f_i; no
         layer buys a byte for less than the cheapest seconds-per-byte of any kind and method (an LP
-        bound), and at least one layer recomputes. Infinite when no allowed method saves memory and the
-        floor does not fit."""
+        bound), and at least one layer recomputes. Where selective recomputation is one switch for the
+        model, the cheaper of two routes: without it, or with it in every layer. Infinite when no allowed
+        method saves memory and the floor does not fit."""
         floor = self._floor(layout, self.fastest)
         deficit = floor.bytes - usable_bytes(self.cluster.device)
         if deficit <= 0:
             return 0.0
+        if not self._selective_everywhere():
+            return self._least_priced_s(costs, floor, deficit, self.allowed)
+        # a stack whose selective recomputation is one switch (Megatron): either no layer recomputes
+        # selectively, or every layer does with one set of modules, whose time and freed bytes are its
+        # modules' sums over all layers; that set must free the deficit at the heaviest stage weight
+        others = tuple(m for m in self.allowed if m is not Recompute.selective)
+        offers = [(n, self._selective_prices(costs.layer(kind))) for kind, n in self.model.block_counts]
+        units = [(sum(n * o[unit][0] for n, o in offers), sum(n * o[unit][1] for n, o in offers))
+                 for unit in range(len(offers[0][1]))]
+        needed = deficit / floor.heaviest_weight
+        selective = min((sum(units[u][0] for u in subset) for size in range(1, len(units) + 1)
+                         for subset in itertools.combinations(range(len(units)), size)
+                         if sum(units[u][1] for u in subset) >= needed), default=float("inf"))
+        return min(self._least_priced_s(costs, floor, deficit, others), selective)
+
+    def _selective_everywhere(self) -> bool:
+        """The partition's rule (`solve_partition`): every layer selective or none, where the stack says so."""
+        return (self.stack.selective_every_layer and Recompute.selective in self.allowed
+                and self.fastest is Recompute.none)
+
+    def _least_priced_s(self, costs: MeshCosts, floor: "_Floor", deficit: float,
+                        methods: tuple[Recompute, ...]) -> float:
+        """The LP bound over `methods`: the deficit at the cheapest seconds per byte, and at least one
+        layer's recomputation; infinite where none of them saves memory."""
         prices, single = [], []
         for kind, _ in self.model.block_counts:
             cost = costs.layer(kind)
-            for method in self.allowed:
+            for method in methods:
                 if method is Recompute.selective and self.fastest is Recompute.none:
                     offers = self._selective_prices(cost)
                 else:

@@ -9,7 +9,7 @@ step-time estimate uses, so the solver's optimum is the estimate's optimum.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
@@ -18,7 +18,7 @@ from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from cost_models.pipeline import in_flight_micro_batches, least_blocks
 
-TIME_UNIT_S = 1e-6          # integer scaling: solver times are multiples of 1 us
+TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
 
 
@@ -31,7 +31,7 @@ def _t(seconds: float) -> int:
 
 def _t_extra(seconds: float) -> int:
     """Time a choice adds (recomputation), at least one unit where it adds any: a choice that costs time
-    never ties with one that costs none (a norm's recomputation in a small model rounds to 0 us)."""
+    never ties with one that costs none (a norm's recomputation in a small model rounds to 0)."""
     return max(_t(seconds), 1) if seconds > 0 else 0
 
 
@@ -81,13 +81,37 @@ def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
 LEAF_WORK_LIMIT = 4.0
 
 
+PROOFS = ("OPTIMAL", "INFEASIBLE")
+
+
 def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 600.0,
                     cutoff_s: float = float("inf"), work_limit: float = LEAF_WORK_LIMIT,
                     module_choices: tuple[RecomputeModule, ...] = ()) -> PartitionResult:
     """Best partition and recomputation; with `cutoff_s`, only one that beats it (else INFEASIBLE).
     With `module_choices`, also the modules selective recomputation repeats (one set for every layer, as
     Megatron-Core's --recompute-modules), in place of the layout's. OPTIMAL and INFEASIBLE are proofs;
-    FEASIBLE (a partition, not proven best) and UNKNOWN mean the work limit stopped the solver first."""
+    FEASIBLE (a partition, not proven best) and UNKNOWN mean the work limit stopped the solver first.
+
+    Where the stack's selective recomputation is one switch for the model (Megatron-Core's
+    --recompute-granularity takes one value), a plan recomputes selectively every block or none, and then
+    none fully: two models, each simpler than their disjunction, the better answer kept."""
+    if not (Recompute.selective in allowed and len(allowed) > 1 and costs.stack.selective_every_layer):
+        return _solve(costs, allowed, time_limit_s, cutoff_s, work_limit, module_choices)
+    start = time.perf_counter()
+    # the selective model first: it has no per-layer choice, and its answer bounds the other
+    everywhere = _solve(costs, (Recompute.selective,), time_limit_s, cutoff_s, work_limit, module_choices)
+    bar = min(cutoff_s, everywhere.objective_s) if everywhere.stage_layers else cutoff_s
+    without = _solve(costs, tuple(r for r in allowed if r is not Recompute.selective),
+                     max(0.0, time_limit_s - (time.perf_counter() - start)), bar, work_limit, ())
+    best = without if without.stage_layers else everywhere
+    proven = without.status in PROOFS and everywhere.status in PROOFS
+    status = ("OPTIMAL" if best.stage_layers else "INFEASIBLE") if proven else (
+        "FEASIBLE" if best.stage_layers else "UNKNOWN")
+    return replace(best, status=status, gap=best.gap if not proven else 0.0, wall_s=time.perf_counter() - start)
+
+
+def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float, cutoff_s: float,
+           work_limit: float, module_choices: tuple[RecomputeModule, ...]) -> PartitionResult:
     start_time = time.perf_counter()
     lay, model = costs.layout, costs.model
     num_blocks, chunks, pp, v = len(model.blocks), lay.pp * lay.vp, lay.pp, lay.vp
@@ -161,19 +185,6 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
                 cp.Add(sum(redo[i, r, k] for k in extra) <= held)
             elif extra:  # recomputation pinned: every block takes one of the allowed methods
                 cp.Add(sum(redo[i, r, k] for k in extra) == held)
-
-    # constraint: where the stack's selective recomputation is one switch for the model (Megatron-Core's
-    # --recompute-granularity takes one value), every block recomputes selectively or none does, and then
-    # none fully
-    if Recompute.selective in extra and len(allowed) > 1 and costs.stack.selective_every_layer:
-        everywhere = cp.NewBoolVar("selective_everywhere")
-        for i in range(pp):
-            for r in range(len(runs)):
-                held_blocks = sum(count[j][r] for j in owned_by[i])
-                cp.Add(redo[i, r, Recompute.selective] == held_blocks).OnlyEnforceIf(everywhere)
-                cp.Add(redo[i, r, Recompute.selective] == 0).OnlyEnforceIf(everywhere.Not())
-                if Recompute.full in extra:
-                    cp.Add(redo[i, r, Recompute.full] == 0).OnlyEnforceIf(everywhere)
 
     capacity = usable_bytes(costs.cluster.device)
     # gradients that backward allocates (one micro-batch per step) are not held at the activation peak:
