@@ -165,3 +165,53 @@ def test_one_rule_set_refuses_what_a_stack_cannot_recompute():
     mixed = Layout(dp=8, layer_recompute=(Recompute.selective, Recompute.none, Recompute.full, Recompute.none))
     assert any("every layer or none" in p for p in layout_stack_problems(mixed, megatron, graph))
     assert not layout_stack_problems(mixed, runtime, graph)
+
+
+@pytest.mark.parametrize("pp,vp,dp,ep", [(2, 1, 16, 2), (2, 2, 8, 4), (4, 1, 8, 8)])
+def test_the_leaf_bound_stays_below_the_best_plan_when_modules_are_chosen(pp, vp, dp, ep):
+    """The search prunes a leaf by a bound that adds the recomputation memory forces; with Megatron's one
+    switch (every layer selective with one module set, or none/full per layer) the bound takes the
+    cheaper route, the selective one as the cheapest module subset that frees the deficit. At several
+    memory sizes that force recomputation, it never exceeds the estimate of the solver's proven optimum
+    (the solver's own optimality is checked by the brute force above)."""
+    from dataclasses import replace
+
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from cost_models.step_time import estimate
+    from hardware_profiles.loader import load_stack
+    from planner.search.bounds import Bounds, balanced_bound
+    from planner.search.partition import solve_partition
+    from tests.test_search import GB, mixed_moe_model, small_cluster
+
+    stack = load_stack("megatron-core")
+    graph = capture(mixed_moe_model(seq=4096), fused_kernels=True)
+    model = graph.costs()
+    allowed = (Recompute.none, Recompute.selective, Recompute.full)
+    choices = tuple(m for m in RecomputeModule if any(m in s.recompute_modules for s in graph.structures))
+    assert len(choices) >= 3
+    base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=vp, ep=ep, global_batch=64, zero=1)
+    roomy = small_cluster(32, 80)
+    floor = Bounds(model, roomy, stack, allowed, choices)._floor(base, Recompute.none).bytes
+    reserve = roomy.device.memory_reserve
+    solved = selective = 0
+    for share in (0.99, 0.9, 0.75):
+        cluster = small_cluster(32, (share * floor / (1 - reserve.fragmentation_fraction)
+                                     + reserve.runtime_context_bytes) / GB)
+        costs = MeshCosts(model, cluster, base, stack)
+        forced = Bounds(model, cluster, stack, allowed, choices).forced_recompute_s(base, costs)
+        assert forced > 0
+        result = solve_partition(costs, allowed, module_choices=choices)
+        if not result.stage_layers:
+            assert result.status == "INFEASIBLE"
+            continue
+        assert result.status == "OPTIMAL"
+        best = estimate(model, cluster, replace(base, stage_layers=result.stage_layers,
+                                                layer_recompute=result.layer_recompute,
+                                                recompute_modules=result.recompute_modules or base.recompute_modules),
+                        stack)
+        assert best.fits
+        assert balanced_bound(costs, base, Recompute.none, forced) <= best.step_time_s * (1 + 1e-9)
+        solved += 1
+        selective += Recompute.selective in result.layer_recompute
+    assert solved >= 2 and selective
