@@ -183,7 +183,8 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     `segment_devices`: the devices the job takes in each scale-up domain, in equal segments (Slurm --segment).
     `stack`: the software stack that will train it (a name such as "torchtitan", a YAML path or a
     `SoftwareStack`; Megatron-Core's defaults when omitted). The search stays inside what it can run.
-    `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe).
+    `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe,
+    recompute_modules: else chosen with the partition where the stack has more than core_attn).
     `strict_capture`: refuse a model that capture could only bill in part (see Plan.capture_notes).
     """
     _check_batch(global_batch)
