@@ -22,6 +22,8 @@ from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
 
+from .partition import selective_is_one_switch
+
 MEMORY_RANK = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
 
 
@@ -214,8 +216,7 @@ class Bounds:
 
     def _selective_everywhere(self) -> bool:
         """The partition's rule (`solve_partition`): every layer selective or none, where the stack says so."""
-        return (self.stack.selective_every_layer and Recompute.selective in self.allowed
-                and self.fastest is Recompute.none)
+        return selective_is_one_switch(self.stack, self.allowed) and self.fastest is Recompute.none
 
     def _least_priced_s(self, costs: MeshCosts, floor: "_Floor", deficit: float,
                         methods: tuple[Recompute, ...]) -> float:

@@ -84,6 +84,12 @@ LEAF_WORK_LIMIT = 4.0
 PROOFS = ("OPTIMAL", "INFEASIBLE")
 
 
+def selective_is_one_switch(stack, allowed: tuple[Recompute, ...]) -> bool:
+    """Whether a plan must recompute selectively every block or none (and then none fully): the stack's
+    selective recomputation is one switch for the model and the leaf may choose among methods."""
+    return stack.selective_every_layer and Recompute.selective in allowed and len(allowed) > 1
+
+
 def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 600.0,
                     cutoff_s: float = float("inf"), work_limit: float = LEAF_WORK_LIMIT,
                     module_choices: tuple[RecomputeModule, ...] = ()) -> PartitionResult:
@@ -95,7 +101,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     Where the stack's selective recomputation is one switch for the model (Megatron-Core's
     --recompute-granularity takes one value), a plan recomputes selectively every block or none, and then
     none fully: two models, each simpler than their disjunction, the better answer kept."""
-    if not (Recompute.selective in allowed and len(allowed) > 1 and costs.stack.selective_every_layer):
+    if not selective_is_one_switch(costs.stack, allowed):
         return _solve(costs, allowed, time_limit_s, cutoff_s, work_limit, module_choices)
     start = time.perf_counter()
     # the selective model first: it has no per-layer choice, and its answer bounds the other
