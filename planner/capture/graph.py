@@ -113,6 +113,12 @@ class ModelGraph:
         return min((s.kv_groups for s in self.structures if s.kv_groups), default=0)
 
     @cached_property
+    def recompute_modules(self) -> tuple[RecomputeModule, ...]:
+        """The modules selective recomputation can repeat in some block, in RecomputeModule order."""
+        found = {m for s in self.structures for m in s.recompute_modules}
+        return tuple(m for m in RecomputeModule if m in found)
+
+    @cached_property
     def num_experts(self) -> int:
         return max((s.num_experts for s in self.structures), default=0)
 

@@ -121,11 +121,10 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
     if (pins.pp or 1) * (pins.vp or 1) > most_chunks(graph.num_blocks):
         problems.append(f"{graph.num_blocks} layers, the embedding and the loss cannot fill pp*vp = "
                         f"{(pins.pp or 1) * (pins.vp or 1)} chunks")
-    found = {m for block in graph.structures for m in block.recompute_modules}
-    absent = [str(m) for m in pins.recompute_modules or () if m not in found]
+    absent = [str(m) for m in pins.recompute_modules or () if m not in graph.recompute_modules]
     if absent:
         problems.append(f"recompute_modules={'+'.join(absent)}: no block of {graph.name} has it (capture found "
-                        f"{', '.join(str(m) for m in RecomputeModule if m in found) or 'none'})")
+                        f"{', '.join(map(str, graph.recompute_modules)) or 'none'})")
     if pins.cp and pins.cp > 1 and graph.seq_len % (2 * pins.cp):
         problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * pins.cp} causal chunks")
     if pins.dp and global_batch % (pins.dp * (pins.mbs or 1)):

@@ -157,8 +157,7 @@ def module_choices(pins: Pins, stack: SoftwareStack, graph) -> tuple[RecomputeMo
     pinned recompute=selective alone means Megatron-Core's default, core_attn). Empty: the layout's set."""
     if pins.recompute_modules is not None or pins.recompute is not None or not stack.selective_recompute:
         return ()
-    found = {m for block in graph.structures for m in block.recompute_modules}
-    choices = tuple(m for m in RecomputeModule if m in found and m.value in stack.recompute_modules)
+    choices = tuple(m for m in graph.recompute_modules if m.value in stack.recompute_modules)
     return choices if len(choices) > 1 else ()
 
 
