@@ -41,12 +41,26 @@ class LayerWork:
     recompute_s: tuple[float, float, float]        # by RECOMPUTE_ORDER
     tp_comm_s: float                               # exposed, forward + backward
     cp_comm_s: float
-    ep_comm_s: float
+    ep_comm_s: float                               # as the steady state pays it (hidden where passes pair)
     module_recompute_s: tuple[float, ...]          # what recomputing each module repeats, RecomputeModule order
+    backward_weight_s: float                       # the weight-gradient part of backward_s
+    ep_comm_alone_s: float                         # the all-to-alls of a forward and backward run alone
 
     def work_before_zero_s(self, recompute: Recompute) -> float:
         return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
                 + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s)
+
+    @property
+    def unpaired_extra_s(self) -> float:
+        """What a forward and backward run alone pay beyond the steady state's pair (DualPipeV's warm-up and
+        cooldown): the all-to-alls the pair hid."""
+        return self.ep_comm_alone_s - self.ep_comm_s
+
+    def backward_alone_s(self, recompute: Recompute) -> float:
+        """The backward run alone: its compute, recomputation and its half of the exposed communication
+        (forward and backward each run the layer's collectives once)."""
+        return (self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
+                + (self.tp_comm_s + self.cp_comm_s + self.ep_comm_alone_s) / 2)
 
 
 @dataclass(frozen=True)
@@ -171,22 +185,30 @@ class MeshCosts:
         hidden_bwd = self.stack.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
-    def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
-        # dispatch and combine all-to-alls, forward and backward, of the tokens times top-k
+    def ep_pass_s(self, kind: LayerKind) -> float:
+        """One pass's dispatch and combine all-to-alls of the tokens times top-k (0 without experts spread)."""
         if not kind.num_experts or self.layout.ep == 1:
             return 0.0
         lay = self.layout
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
         if self.stack.moe_dispatcher == "deepep":
-            per_pass = self._deduplicated_pass_s(kind, tokens)
+            return self._deduplicated_pass_s(kind, tokens)
+        size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
+        return 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+
+    def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
+        """The all-to-alls of a forward and a backward as the steady state pays them."""
+        per_pass = self.ep_pass_s(kind)
+        lay = self.layout
+        if self.stack.dualpipev_hides(lay):
+            paired = 1.0   # every steady-state pass runs beside another; the rest `dualpipev_seconds` bills alone
+        elif self.stack.hides_moe_a2a(lay):
+            # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer; the
+            # first forward and last backward are alone
+            paired = (lay.num_micro_batches - 1) / lay.num_micro_batches
         else:
-            size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
-            per_pass = 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
-        if not self.stack.hides_moe_a2a(lay):
             return 2 * per_pass
-        # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer: each
-        # pass's all-to-alls hide behind the other's compute; the first forward and last backward are alone
-        paired = (lay.num_micro_batches - 1) / lay.num_micro_batches
+        # each pass's all-to-alls hide behind the other's compute
         hidden = paired * (min(per_pass, compute.backward_s) + min(per_pass, compute.forward_s))
         return 2 * per_pass - hidden + hidden * self.sm_share_lost_beside_dispatch()
 
@@ -230,7 +252,8 @@ class MeshCosts:
                          recompute_s=(0.0, selective, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
-                         ep_comm_s=self.ep_comm_s(kind, compute), module_recompute_s=compute.module_forward_s)
+                         ep_comm_s=self.ep_comm_s(kind, compute), module_recompute_s=compute.module_forward_s,
+                         backward_weight_s=compute.backward_weight_s, ep_comm_alone_s=2 * self.ep_pass_s(kind))
 
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:
@@ -272,13 +295,15 @@ class MeshCosts:
             buffers += 2 * max(self.layer(kind).weight_bytes_unsharded for kind in self.model.kinds)
         return buffers
 
-    def p2p_s(self, vp: int | None = None) -> float:
+    def p2p_s(self, vp: int | None = None, v_shape: bool | None = None) -> float:
         """One pipeline hop's exposed seconds, its tier mixed as the chain's hops cross it (at the layout's
-        virtual stages, or at `vp` for a bound over several)."""
+        schedule, or at `vp` and `v_shape` for a bound over several)."""
         if self.layout.pp == 1:
             return 0.0
         size = self.activation_message_bytes / (self.layout.tp if self.layout.sp else 1)
         virtual = vp or self.layout.vp
+        if self.layout.dualpipev if v_shape is None else v_shape:
+            virtual = 1    # a V hops between neighbours only, with no wrap-around
         share = self.placement[0].of("pp").hop_crossing_share(virtual)
         hidden = self.stack.pp_hidden_interleaved if virtual > 1 else self.stack.pp_hidden
         return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds * (1 - hidden)

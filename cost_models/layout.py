@@ -63,6 +63,9 @@ class Fp8Recipe(TextEnum):
 class Schedule(TextEnum):
     one_f_one_b = "1f1b"
     interleaved = "interleaved-1f1b"
+    # DeepSeek's DualPipe cut in half (torch ScheduleDualPipeV): two chunks per rank placed as a V, each
+    # forward run beside another micro-batch's backward in the steady state
+    dualpipev = "dualpipev"
 
 
 MEGATRON_ORDER = ("tp", "cp", "ep", "dp", "pp")  # innermost first (design-notes: tp-cp-ep-dp-pp)
@@ -89,6 +92,9 @@ class Layout:
     # Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm): MoE all-to-alls beside another
     # micro-batch's compute, where the stack has it and the layout pairs passes (SoftwareStack.hides_moe_a2a)
     moe_a2a_overlap: bool = False
+    # the DualPipeV schedule (layout text `schedule=dualpipev`, vp = 2): chunk j < pp on rank j, chunk j >= pp
+    # on rank 2 pp - 1 - j; where the stack has it (SoftwareStack.dualpipev_schedule)
+    dualpipev: bool = False
     recompute: Recompute = Recompute.none
     precision: Precision = Precision.bf16
     grad_reduce: GradReduce = GradReduce.fp32
@@ -114,7 +120,7 @@ class Layout:
     @property
     def pairs_passes_across_micro_batches(self) -> bool:
         """Megatron's combined 1F1B (MoE A2A overlap) runs without a pipeline or with virtual stages."""
-        return self.pp == 1 or self.vp > 1
+        return (self.pp == 1 or self.vp > 1) and not self.dualpipev
 
     @property
     def num_micro_batches(self) -> int:
@@ -122,7 +128,16 @@ class Layout:
 
     @property
     def schedule(self) -> Schedule:
+        if self.dualpipev:
+            return Schedule.dualpipev
         return Schedule.interleaved if self.vp > 1 else Schedule.one_f_one_b
+
+    def chunk_rank(self, chunk: int) -> int:
+        """The pipeline rank that runs chunk `chunk` of pp * vp: round robin (Megatron's and torch's
+        interleaving), or a V under DualPipeV (torch generate_stage_to_rank_mapping style "v")."""
+        if self.dualpipev:
+            return chunk if chunk < self.pp else 2 * self.pp - 1 - chunk
+        return chunk % self.pp
 
     @property
     def expert_data_parallel(self) -> int:

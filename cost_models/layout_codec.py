@@ -10,19 +10,20 @@ from __future__ import annotations
 from hardware_profiles.errors import UserInputError
 
 from .layout import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute,
-                     RecomputeModule, TextEnum)
+                     RecomputeModule, Schedule, TextEnum)
 
 # key as users write it -> the Layout attribute it sets
 ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
               "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
               "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision",
               "grad_reduce": "grad_reduce", "fp8_recipe": "fp8_recipe", "order": "mesh_order",
-              "stages": "stage_layers", "recompute_modules": "recompute_modules"}
+              "stages": "stage_layers", "recompute_modules": "recompute_modules", "schedule": "schedule"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
-                                      "fp8_recipe": Fp8Recipe}
+                                      "fp8_recipe": Fp8Recipe, "schedule": Schedule}
 WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",
-        "fp8_recipe": "delayed or tensorwise (Megatron --fp8-recipe)"}
+        "fp8_recipe": "delayed or tensorwise (Megatron --fp8-recipe)",
+        "schedule": "1f1b (vp=1), interleaved-1f1b (vp > 1) or dualpipev (vp=2, two chunks per rank as a V)"}
 SWITCHES = ("sp", "a2a_overlap")   # true or false
 FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees
 MAX_CHUNKS = 1 << 14
@@ -85,8 +86,19 @@ def parse_values(given: dict, source: str = "layout") -> dict:
 
 def layout_from(values: dict, **fixed) -> Layout:
     """Typed values by key (and `fixed` Layout attributes, e.g. global_batch=...) -> a Layout; keys left
-    out take Layout's defaults (Megatron's)."""
-    return Layout(**{ATTRIBUTES[key]: value for key, value in values.items()}, **fixed)
+    out take Layout's defaults (Megatron's). `schedule` is read from vp unless it is DualPipeV (vp = 2,
+    set where not given); a schedule that vp contradicts is refused."""
+    values = dict(values)
+    schedule = values.pop("schedule", None)
+    if schedule == Schedule.dualpipev:
+        values.setdefault("vp", 2)
+    vp = values.get("vp", 1)
+    implied = Schedule.dualpipev if schedule == Schedule.dualpipev and vp == 2 else \
+        Schedule.interleaved if vp > 1 else Schedule.one_f_one_b
+    if schedule is not None and schedule != implied:
+        raise UserInputError(f"schedule={schedule} with vp={vp}", field="schedule", expected=WHAT["schedule"])
+    return Layout(**{ATTRIBUTES[key]: value for key, value in values.items()}, **fixed,
+                  **({"dualpipev": True} if schedule == Schedule.dualpipev else {}))
 
 
 def values_of(layout: Layout, keys: tuple[str, ...] = LAYOUT_KEYS) -> dict:
@@ -99,6 +111,8 @@ def text_of(layout: Layout) -> str:
     parts = [f"{key}={value}" for key, value in values_of(layout, FULL_KEYS).items()]
     if layout.mesh_order != MEGATRON_ORDER:
         parts.append("order=" + "-".join(layout.mesh_order))
+    if layout.dualpipev:
+        parts.append(f"schedule={Schedule.dualpipev}")
     if layout.moe_a2a_overlap:
         parts.append("a2a_overlap=true")
     if layout.grad_reduce != GradReduce.fp32:

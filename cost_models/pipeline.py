@@ -1,6 +1,8 @@
 """Pipeline schedules: critical path and in-flight micro-batches per stage, and the partitions allowed."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # Megatron-Core's flexible layout (--pipeline-model-parallel-layout, or account_for_embedding/loss_in_
 # pipeline_split) and torchtitan's module names per stage let a chunk hold no decoder layer beside the
 # embedding (first chunk) or the loss (last chunk); the planner allows that, and no other empty chunk.
@@ -57,6 +59,40 @@ def pipeline_seconds(stage_work_s: list[float], num_micro_batches: int, virtual_
     return (num_micro_batches - 1) * slowest + (total + (v - 1) * slowest) / v
 
 
+@dataclass(frozen=True)
+class RankPasses:
+    """One pipeline rank's work for one micro-batch through both its chunks (DualPipeV), in seconds."""
+    paired_s: float     # forward and backward, each forward beside another micro-batch's backward (F&B)
+    alone_s: float      # forward and backward run alone: their communication exposed (F + B)
+    backward_s: float   # the backward alone, its recomputation included (B)
+    weight_s: float     # the part of the backward that computes weight gradients (W)
+
+
+def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int, weight_split_in_cooldown: bool = True) -> float:
+    """Critical path of DualPipeV (torch ScheduleDualPipeV) over p ranks and m >= 2p micro-batches.
+
+    In chunk units (half a rank's work), torch's action list run with each action waiting for its inputs
+    gives T = (2m - p - 2) F&B + (p + 2)(F + B) + (p - 1)(F + 2B - 3W): 2m - p - 2 overlapped pairs per
+    rank, the rest alone, and the bubble of DeepSeek's DualPipe table, (p - 1)(F&B + B - 3W) with F&B =
+    F + B; a cooldown without the weight split (MindSpeed's default) gives - W for - 3W. Per rank (both
+    chunks): (m - p/2 - 1) X + (p + 2)/2 A + (p - 1)/2 (A + B - 3W); uneven ranks take the slowest in each
+    term (tests/test_dualpipev.py replays the action list).
+    """
+    p, m = len(ranks), num_micro_batches
+    split = 3 if weight_split_in_cooldown else 1
+    paired = max(r.paired_s for r in ranks)
+    alone = max(r.alone_s for r in ranks)
+    bubble = max(0.0, max(r.alone_s + r.backward_s - split * r.weight_s for r in ranks))
+    return (m - p / 2 - 1) * paired + (p + 2) / 2 * alone + (p - 1) / 2 * bubble
+
+
+def dualpipev_in_flight(stages: int) -> float:
+    """Micro-batches whose activations a DualPipeV rank holds at its peak, in units of its layers for one
+    micro-batch: 2p + 1 chunk activations on every rank (torch's action list: 2p forwards before the first
+    backward, one more while an overlapped pair runs; DualPipe's table: PP + 1)."""
+    return (2 * stages + 1) / 2
+
+
 def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, virtual_stages: int = 1,
                             paired: bool = False) -> float:
     """Micro-batches whose activations a stage holds at its peak, in units of the stage's layers for one
@@ -81,8 +117,11 @@ def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, vir
     return min(float(num_micro_batches), float(base))
 
 
-def p2p_transfers_on_critical_path(stages: int, virtual_stages: int) -> int:
-    """Sends that fill and drain the pipeline: 2 (p - 1), and v times as many chunk hops interleaved."""
+def p2p_transfers_on_critical_path(stages: int, virtual_stages: int, v_shape: bool = False) -> int:
+    """Sends that fill and drain the pipeline: 2 (p - 1), and v times as many chunk hops interleaved; a V
+    (DualPipeV) passes its middle chunk to itself: 2 (2p - 2)."""
     if stages <= 1:
         return 0
+    if v_shape:
+        return 4 * (stages - 1)
     return 2 * (stages * virtual_stages - 1)

@@ -11,7 +11,8 @@ from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Recompute
 from .memory import StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
-from .pipeline import even_partition, in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds
+from .pipeline import (RankPasses, dualpipev_in_flight, dualpipev_seconds, even_partition, in_flight_micro_batches,
+                       p2p_transfers_on_critical_path, pipeline_seconds)
 from .records import ModelCosts
 
 
@@ -71,6 +72,7 @@ class StageTotals:
     memory: StageMemory
     dp_reduce_s: float
     optimizer_s: float
+    passes: RankPasses       # per micro-batch, for DualPipeV's critical path
 
 
 def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:
@@ -93,7 +95,8 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
     compute = sum(c.forward_s + c.backward_s for c, _ in items)
     recomputed = sum(c.recompute_s[index[r]] for c, r in items)
-    in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay))
+    in_flight = dualpipev_in_flight(lay.pp) if lay.dualpipev else \
+        in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay))
     activations = in_flight * sum(c.activation_bytes[index[r]] for c, r in items)
     working = max((c.working_bytes for c, r in items if r is not Recompute.none), default=0.0)
     states = sum((c.states for c, _ in items[1:]), items[0][0].states) if items else None
@@ -105,8 +108,12 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         if with_head else 0.0,
         recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device),
         gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer, micro_batches))
+    work = sum(c.work_s(r) for c, r in items)
+    alone = work + sum(c.unpaired_extra_s for c, _ in items)
+    passes = RankPasses(paired_s=work, alone_s=alone, backward_s=sum(c.backward_alone_s(r) for c, r in items),
+                        weight_s=sum(c.backward_weight_s for c, _ in items))
     return StageTotals(
-        work_s=sum(c.work_s(r) for c, r in items), compute_s=compute, recompute_s=recomputed,
+        work_s=work, compute_s=compute, recompute_s=recomputed, passes=passes,
         tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),
         ep_s=sum(c.ep_comm_s for c, _ in items), zero_s=sum(c.zero_exposed_s for c, _ in items),
         memory=memory, dp_reduce_s=sum(c.dp_reduce_s for c, _ in items),
@@ -114,13 +121,13 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
 
 
 def physical_stages(costs: MeshCosts, stage_layers: tuple[int, ...], recompute: tuple[Recompute, ...]) -> list[StageTotals]:
-    """Chunk j of the pp * vp chunks runs on stage j mod pp (Megatron's interleaved assignment)."""
+    """Chunk j of the pp * vp chunks runs on stage `Layout.chunk_rank(j)`: j mod pp (interleaved), or the V."""
     lay = costs.layout
     ranges = chunk_blocks(stage_layers)
     chunks = len(stage_layers)
     stages = []
     for stage in range(lay.pp):
-        owned = [j for j in range(chunks) if j % lay.pp == stage]
+        owned = [j for j in range(chunks) if lay.chunk_rank(j) == stage]
         blocks = [b for j in owned for b in ranges[j]]
         stages.append(stage_totals(costs, stage, blocks, recompute, 0 in owned, chunks - 1 in owned,
                                    lay.num_micro_batches))
@@ -137,9 +144,12 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
     recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(num_blocks))
     stages = physical_stages(costs, stage_layers, recompute)
     m = layout.num_micro_batches
-    pipeline = pipeline_seconds([s.work_s for s in stages], m, layout.vp)
+    if layout.dualpipev:
+        pipeline = dualpipev_seconds([s.passes for s in stages], m, costs.stack.dualpipev_weight_split_in_cooldown)
+    else:
+        pipeline = pipeline_seconds([s.work_s for s in stages], m, layout.vp)
     slowest = max(stages, key=lambda s: s.work_s)
-    pp_comm = p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
+    pp_comm = p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
     dp_exposed = max(costs.dp_exposed_s(s.dp_reduce_s, s.compute_s) for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
     breakdown = StepBreakdown(

@@ -41,6 +41,19 @@ class SoftwareStack(Strict):
     # one of zero_stages); this project's runtime shards them with FSDP2 there, ZeRO-2/3 only
     zero_stages_beside_model_parallel: tuple[int, ...] | None = Field(default=None, min_length=1, strict=False)
     interleaved_schedule: bool               # virtual pipeline stages (interleaved 1F1B)
+    # DualPipeV: two chunks per pipeline rank placed as a V, a forward beside another micro-batch's backward
+    # in the steady state (torch ScheduleDualPipeV; MindSpeed --schedules-method dualpipev)
+    dualpipev_schedule: bool = False
+    # its overlapped pairs hide each other's MoE all-to-alls (MindSpeed --moe-fb-overlap); false where the
+    # pair runs one pass after the other (torch runs OVERLAP_F_B's sub-actions in turn unless a function is
+    # registered for it)
+    dualpipev_hides_moe_a2a: bool = False
+    # the cooldown splits backward into input and weight gradients as the warm-up does (torch's action list;
+    # MindSpeed only with --dualpipev-dw-detach): the bubble is (p - 1)(F + 2B - 3W) per chunk, else - W
+    dualpipev_weight_split_in_cooldown: bool = True
+    # layers a multiple of 2 pp, split evenly over the chunks (MindSpeed's DualPipeV), else any split
+    dualpipev_even_split: bool = False
+    dualpipev_beside_cp: bool = True         # DualPipeV and context parallelism together
     sequence_parallel: bool                  # Megatron sequence parallelism beside TP
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
     # what its selective recomputation can repeat besides the attention core (Megatron-Core's
@@ -114,6 +127,10 @@ class SoftwareStack(Strict):
             raise ValueError("sequence_parallel needs tp in parallelism")
         if self.interleaved_schedule and "pp" not in self.parallelism:
             raise ValueError("interleaved_schedule needs pp in parallelism")
+        if self.dualpipev_schedule and "pp" not in self.parallelism:
+            raise ValueError("dualpipev_schedule needs pp in parallelism")
+        if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
+            raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
         return self
 
     def zero_stages_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
@@ -128,6 +145,11 @@ class SoftwareStack(Strict):
         (Megatron-Core's TransformerConfig refuses the overlap beside full recomputation)."""
         fully = layout.recompute == "full" or "full" in (layout.layer_recompute or ())
         return self.moe_a2a_overlap and layout.moe_a2a_overlap and self.pairs_moe_a2a(layout) and not fully
+
+    def dualpipev_hides(self, layout) -> bool:
+        """DualPipeV's overlapped pairs hide this layout's MoE all-to-alls (experts spread, the stack's
+        pairs run their passes together)."""
+        return layout.dualpipev and self.dualpipev_hides_moe_a2a and layout.ep > 1
 
     def pairs_moe_a2a(self, layout) -> bool:
         """The layout is one where the stack's combined 1F1B can pair MoE passes (the search's choice)."""

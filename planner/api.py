@@ -116,7 +116,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         device_profile=cluster.device.profile,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
         layout=LayoutRecord.of(best.layout, best.layer_recompute, stack),
-        stages=stage_records(best, block_names, best.layout.pp, graph.embedding_modules, graph.head_modules),
+        stages=stage_records(best, block_names, graph.embedding_modules, graph.head_modules),
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,

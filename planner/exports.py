@@ -89,6 +89,12 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     else:
         args.append("--bf16")
     notes = []
+    if lay.schedule == "dualpipev":
+        notes.append("Megatron-Core has no DualPipeV schedule: these arguments run its chunks interleaved (chunk j "
+                     f"on pipeline rank j mod {lay.pp}), not as DualPipeV's V, and the prediction does not hold; "
+                     "MindSpeed-LLM runs it with --schedules-method dualpipev"
+                     + (" --moe-fb-overlap" if lay.ep > 1 and plan.stack == "mindspeed" else "")
+                     + " (plan with --stack megatron-core for a Megatron schedule)")
     recompute = {r for stage in plan.stages for r in stage.recompute}
     full = _full_recompute_layers(plan)
     if recompute == {"selective"}:
@@ -154,7 +160,8 @@ def torchtitan_args(plan: Plan) -> tuple[list[str], list[str]]:
             f"--training.local_batch_size {local}", f"--training.global_batch_size {lay.gbs}",
             f"--training.seq_len {plan.seq_len}"]
     if lay.pp > 1:
-        args += [f"--parallelism.pipeline_parallel_schedule {'Interleaved1F1B' if lay.vp > 1 else '1F1B'}",
+        schedule = {"dualpipev": "DualPipeV", "interleaved-1f1b": "Interleaved1F1B"}.get(str(lay.schedule), "1F1B")
+        args += [f"--parallelism.pipeline_parallel_schedule {schedule}",
                  f"--parallelism.pipeline_parallel_microbatch_size {lay.mbs}",
                  # the modules of each virtual stage in chunk order: any chunk sizes, embedding and output by name
                  "--parallelism.module_fqns_per_model_part "
@@ -225,7 +232,8 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
         notes.append(f"DeepSpeed's PipelineEngine runs ZeRO-0/1 only: ZeRO-{lay.zero} with pp={lay.pp} is refused "
                      "by DeepSpeed; plan with zero<=1 or --stack deepspeed")
     if lay.vp > 1:
-        notes.append(f"DeepSpeed's PipelineModule has no interleaved schedule: vp={lay.vp} has no equivalent "
+        what = "DualPipeV schedule" if lay.schedule == "dualpipev" else "interleaved schedule"
+        notes.append(f"DeepSpeed's PipelineModule has no {what}: vp={lay.vp} has no equivalent "
                      "(plan with --stack deepspeed)")
     if lay.moe_dispatcher == "deepep":
         notes.append("the prediction dispatched MoE tokens DeepEP-style (one copy per node); DeepSpeed's MoE "

@@ -80,7 +80,10 @@ class LayoutRecord(_Frozen):
     def _consistent(self):
         if self.vp > 1 and self.pp == 1:
             raise ValueError(f"vp={self.vp} needs pp > 1")
-        if self.schedule != (Schedule.interleaved if self.vp > 1 else Schedule.one_f_one_b):
+        if self.schedule == Schedule.dualpipev:
+            if self.vp != 2:
+                raise ValueError(f"schedule dualpipev runs two chunks per rank, not vp={self.vp}")
+        elif self.schedule != (Schedule.interleaved if self.vp > 1 else Schedule.one_f_one_b):
             raise ValueError(f"schedule {self.schedule} does not match vp={self.vp}")
         if self.gbs % (self.dp * self.mbs):
             raise ValueError(f"gbs={self.gbs} is not a multiple of dp*mbs = {self.dp * self.mbs}")
@@ -105,7 +108,7 @@ class LayoutRecord(_Frozen):
 
 
 class StageRecord(_Frozen):
-    index: int = Field(ge=0)               # virtual stage (chunk); runs on pipeline rank index % pp
+    index: int = Field(ge=0)               # virtual stage (chunk); runs on pipeline rank index % pp (a V: DualPipeV)
     pipeline_rank: int = Field(ge=0)
     layers: list[int]        # block indices
     modules: list[str] = Field(min_length=1)   # module names, as torchtitan's pipeline splitting takes them
@@ -203,7 +206,7 @@ class Plan(_Frozen):
                                                      "sp", "precision", "grad_reduce", "fp8_recipe")}
         modules = parse_text(f"recompute_modules={lay.recompute_modules}", "layout")["recompute_modules"]
         return layout_from({**values, "order": lay.mesh_order, "a2a_overlap": lay.moe_a2a_overlap,
-                            "recompute_modules": modules,
+                            "recompute_modules": modules, "schedule": lay.schedule,
                             "recompute": Recompute.none if lay.recompute == "per-layer" else Recompute(lay.recompute)},
                            stage_layers=tuple(len(stage.layers) for stage in self.stages),
                            layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))
@@ -253,7 +256,7 @@ class Plan(_Frozen):
             raise format_pydantic_error(str(path), exc, "plan") from None
 
 
-def stage_records(estimate: Estimate, block_names: tuple[str, ...], pp: int, first: tuple[str, ...] = (),
+def stage_records(estimate: Estimate, block_names: tuple[str, ...], first: tuple[str, ...] = (),
                   last: tuple[str, ...] = ()) -> list[StageRecord]:
     records, start = [], 0
     chunks = len(estimate.stage_layers)
@@ -261,7 +264,7 @@ def stage_records(estimate: Estimate, block_names: tuple[str, ...], pp: int, fir
         blocks = list(range(start, start + count))
         modules = (list(first) if j == 0 else []) + [block_names[b] for b in blocks] + \
             (list(last) if j == chunks - 1 else [])
-        records.append(StageRecord(index=j, pipeline_rank=j % pp, layers=blocks, modules=modules,
+        records.append(StageRecord(index=j, pipeline_rank=estimate.layout.chunk_rank(j), layers=blocks, modules=modules,
                                    recompute=[estimate.layer_recompute[b].value for b in blocks]))
         start += count
     return records

@@ -14,10 +14,20 @@ from torchtitan.config.manager import ConfigManager, custom_registry  # noqa: E4
 from torchtitan.distributed.activation_checkpoint import (ActivationCheckpointingConfig, FullAC,  # noqa: E402
                                                            SelectiveAC)
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping  # noqa: E402
 
 from planner.api import evaluate  # noqa: E402
 from planner.exports import torchtitan_args  # noqa: E402
-from test_exports_megatron import PLANS  # noqa: E402
+from hardware_profiles.loader import load_stack  # noqa: E402
+from test_exports_megatron import FULL, PLANS  # noqa: E402
+
+# DualPipeV, which torchtitan runs (torch ScheduleDualPipeV) and Megatron-Core does not
+TORCHTITAN_PLANS = PLANS + [
+    ("dualpipev", "llama3-8b", "h100-sxm", 16, 64,
+     FULL.format(tp=1, pp=4, vp=2, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=2, rc="none") + ",schedule=dualpipev", "bf16",
+     load_stack("torchtitan")),
+]
+SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "dualpipev": "DualPipeV"}
 
 ConfigManager.register_tyro_rules(custom_registry)   # what ConfigManager() does: comma-separated lists
 
@@ -34,7 +44,7 @@ class TrainerSections:
 AC_KIND = {"none": type(None), "full": FullAC.Config, "selective": SelectiveAC.Config}
 
 
-@pytest.mark.parametrize("case", PLANS, ids=[c[0] for c in PLANS])
+@pytest.mark.parametrize("case", TORCHTITAN_PLANS, ids=[c[0] for c in TORCHTITAN_PLANS])
 def test_torchtitan_reads_the_export_as_the_plan(case):
     name, model, device, count, batch, layout, precision, stack = case
     per_node = 4 if count % 8 else None
@@ -58,8 +68,13 @@ def test_torchtitan_reads_the_export_as_the_plan(case):
     else:
         assert accumulation == 1 and par.pipeline_parallel_microbatch_size == lay.mbs
         assert training.local_batch_size // par.pipeline_parallel_microbatch_size == micro_batches
-        assert par.pipeline_parallel_schedule == ("Interleaved1F1B" if lay.vp > 1 else "1F1B")
+        assert par.pipeline_parallel_schedule == SCHEDULES[lay.schedule]
         assert par.module_fqns_per_model_part == [stage.modules for stage in plan.stages]
+        # torchtitan places the stages on pipeline ranks (looped, or as a V) where the plan costed them
+        for rank in range(lay.pp):
+            assert list(_get_pp_rank_to_stage_indices_mapping(rank, lay.pp, par.pipeline_parallel_schedule,
+                                                              len(plan.stages))) \
+                == [stage.index for stage in plan.stages if stage.pipeline_rank == rank]
     kinds = {r for stage in plan.stages for r in stage.recompute}
     expected = "none" if kinds == {"none"} else ("selective" if kinds == {"selective"} else "full")
     assert isinstance(parsed.activation_checkpoint, AC_KIND[expected])

@@ -17,7 +17,7 @@ from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
-from cost_models.pipeline import in_flight_micro_batches, p2p_transfers_on_critical_path
+from cost_models.pipeline import dualpipev_in_flight, in_flight_micro_batches, p2p_transfers_on_critical_path
 from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
@@ -35,8 +35,9 @@ class WorkFloor:
     busiest_rank_floor_s: float
 
 
-def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int, vp: int) -> WorkFloor:
-    """`block_work_s`: (blocks, seconds each) per block kind."""
+def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int, vp: int,
+               v_shape: bool = False) -> WorkFloor:
+    """`block_work_s`: (blocks, seconds each) per block kind; `v_shape`: DualPipeV's placement."""
     items = sorted([w for n, w in block_work_s for _ in range(n)] + list(edge_work_s), reverse=True)
     total = sum(items)
     if pp == 1:
@@ -45,8 +46,9 @@ def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[f
     # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
     packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
         if len(items) > pp else 0.0
-    # the ranks with the embedding or the head hold a block in each of their chunks but the one beside it
-    edge_rank = max(edge_work_s) + (vp - 1) * min(w for _, w in block_work_s)
+    # the ranks with the embedding or the head hold a block in each of their chunks but the one beside it;
+    # a V puts the first and the last chunk, so both, on rank 0
+    edge_rank = sum(edge_work_s) if v_shape else max(edge_work_s) + (vp - 1) * min(w for _, w in block_work_s)
     return WorkFloor(total, max(packing, edge_rank))
 
 
@@ -61,7 +63,7 @@ def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple
 def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout) -> float:
     """Pipeline of compute and exposed per-layer communication as balanced as integers allow."""
     return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s)
-            + p2p_transfers_on_critical_path(layout.pp, layout.vp) * p2p_s)
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * p2p_s)
 
 
 def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recompute.none,
@@ -78,15 +80,28 @@ def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recomp
     dp = costs.dp_exposed_s(mean("dp_reduce_s"), mean("forward_s") + mean("backward_s"))
     optimizer = mean("optimizer_step_s")
     work = work_floor(tuple((n, costs.layer(kind).work_s(fastest)) for kind, n in model.block_counts),
-                      tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp)
+                      tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp, layout.dualpipev)
     work = WorkFloor(work.total_s + forced_recompute_s, work.busiest_rank_floor_s)
-    return communication_bound(work, costs.p2p_s(), layout) + dp + optimizer
+    bubble = 0.0
+    if layout.dualpipev:   # DualPipeV's bubble term at its least: the ranks' mean (a max is at least it)
+        split = 3 if costs.stack.dualpipev_weight_split_in_cooldown else 1
+        layers = [(n, costs.layer(kind), fastest) for kind, n in model.block_counts] + \
+            [(1, c, Recompute.none) for c in edges]
+        bubble = max(0.0, sum(n * (c.work_s(r) + c.unpaired_extra_s + c.backward_alone_s(r) - split * c.backward_weight_s)
+                              for n, c, r in layers) / layout.pp)
+    return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s, bubble)
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s() + dp + optimizer)
 
 
-def pipeline_bound(total_work_s: float, layout: Layout, busiest_floor_s: float = 0.0) -> float:
-    """pipeline_seconds with max W_i at its least possible value: the mean, or the floor if higher."""
+def pipeline_bound(total_work_s: float, layout: Layout, busiest_floor_s: float = 0.0,
+                   dualpipev_bubble_s: float = 0.0) -> float:
+    """pipeline_seconds with max W_i at its least possible value: the mean, or the floor if higher. Under
+    DualPipeV, m times it (each rank's pairs take X, and F + B >= X) plus its bubble term at
+    `dualpipev_bubble_s`, a floor of the slowest rank's A + B - 3W (`cost_models.pipeline.dualpipev_seconds`)."""
     p, v, m = layout.pp, layout.vp, layout.num_micro_batches
     slowest = max(total_work_s / p, busiest_floor_s)
+    if layout.dualpipev:
+        return m * slowest + (p - 1) / 2 * dualpipev_bubble_s
     return (m - 1) * slowest + (total_work_s + (v - 1) * slowest) / v
 
 
@@ -143,7 +158,8 @@ class Bounds:
         kinds = [(n, states_at_peak(kind), act)
                  for (kind, n), act in zip(self.model.block_counts, self._activations(layout, recompute))]
         paired = self.stack.hides_moe_a2a(layout)   # every leaf below: full recomputation is then not chosen
-        flights = [in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp, paired)
+        flights = [dualpipev_in_flight(layout.pp) if layout.dualpipev else
+                   in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp, paired)
                    for i in range(layout.pp)]
         total_states = sum(n * state for n, state, _ in kinds)
         total_activations = sum(n * act for n, _, act in kinds)
@@ -155,10 +171,11 @@ class Bounds:
             stage = min(range(layout.pp), key=lambda i: weights[i] * (state + flights[i] * act))
             states += n * weights[stage] * state
             activations += n * weights[stage] * flights[stage] * act
-        # the first stage holds the embedding, the last the output layer and its fp32 logits
+        # the first stage holds the embedding, the last chunk's rank the output layer and its fp32 logits
         model = self.model
-        states += weights[0] * states_at_peak(model.embedding) + weights[-1] * states_at_peak(model.head)
-        logits = weights[-1] * (logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch)
+        head = weights[layout.chunk_rank(layout.pp * layout.vp - 1)]
+        states += weights[0] * states_at_peak(model.embedding) + head * states_at_peak(model.head)
+        logits = head * (logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch)
                                 + loss_gradient_bytes(model.head, layout.tp, layout.cp, layout.micro_batch,
                                                       self.stack.loss_gradient))
         return _Floor(states + activations + logits,

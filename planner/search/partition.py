@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
-from cost_models.pipeline import in_flight_micro_batches, least_blocks
+from cost_models.pipeline import dualpipev_in_flight, in_flight_micro_batches, least_blocks
 
 TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
@@ -62,7 +62,8 @@ def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...], module_choices: 
     return (lay.pp, lay.vp, lay.num_micro_batches, lay.tp, lay.cp, lay.micro_batch, allowed, module_choices, model.blocks,
             tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_latency_s,
             costs.stack.dp_window_fraction, costs.cluster.device.name, costs.stack.hides_moe_a2a(lay),
-            costs.stack.selective_every_layer)
+            costs.stack.selective_every_layer, lay.dualpipev, costs.stack.dualpipev_hides(lay),
+            costs.stack.dualpipev_weight_split_in_cooldown, costs.stack.dualpipev_even_split)
 
 
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -130,16 +131,22 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     cp = cp_model.CpModel()
 
     # one kind of block: only blocks per pipeline rank matter (any split of them into vp chunks is
-    # contiguous), so the units are ranks; several kinds: the units are the pp * vp chunks in order
+    # contiguous), so the units are ranks; several kinds: the units are the pp * vp chunks in order, chunk j
+    # on rank `Layout.chunk_rank(j)` (round robin, or DualPipeV's V)
     single_kind = len(runs) == 1
     units = pp if single_kind else chunks
-    stage_of = (lambda u: u) if single_kind else (lambda u: u % pp)
+    stage_of = (lambda u: u) if single_kind else lay.chunk_rank
     # a chunk holds a layer, or the embedding (first chunk) or the loss (last) alone (cost_models.pipeline)
     chunk_min = [least_blocks(j, chunks) for j in range(chunks)]
-    unit_min = [sum(chunk_min[c * pp + i] for c in range(v)) for i in range(pp)] if single_kind else chunk_min
+    unit_min = [sum(chunk_min[j] for j in range(chunks) if lay.chunk_rank(j) == i) for i in range(pp)] \
+        if single_kind else chunk_min
 
     # variables: blocks per unit and blocks of each run in each unit
     size = [cp.NewIntVar(unit_min[u], num_blocks, f"size{u}") for u in range(units)]
+    if lay.dualpipev and costs.stack.dualpipev_even_split:
+        # constraint: the stack splits the layers evenly over the chunks (MindSpeed's DualPipeV)
+        for u in range(units):
+            cp.Add(size[u] == num_blocks * (chunks // units) // chunks)
     count = [[size[j]] if single_kind else
              [cp.NewIntVar(0, r1 - r0, f"n{j}_{r}") for r, (_, r0, r1) in enumerate(runs)]
              for j in range(units)]
@@ -197,21 +204,29 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     # the stage then fits when both peaks fit (`StageMemory.total`)
     held = gradients_held_at_peak(costs.stack.gradient_buffer, m)
     paired = costs.stack.hides_moe_a2a(lay)   # combined 1F1B holds one more forward's activations
+    split = 3 if costs.stack.dualpipev_weight_split_in_cooldown else 1
 
     def peak_states(c) -> float:
         return c.states.total if held else c.states.total - c.states.gradients
 
-    work, compute, reduce, optimizer_steps = [], [], [], []
+    def bubble_part(c) -> float:
+        """A layer's share of DualPipeV's bubble term beyond its work: A - X + B - 3W (`dualpipev_seconds`)."""
+        return c.unpaired_extra_s + c.backward_alone_s(Recompute.none) - split * c.backward_weight_s
+
+    work, compute, reduce, optimizer_steps, alone, bubble = [], [], [], [], [], []
     for i in range(pp):
         owned = owned_by[i]
-        first, last = i == 0, i == (chunks - 1) % pp
-        flight = in_flight_micro_batches(i, pp, m, v, paired)
+        first, last = i == 0, i == lay.chunk_rank(chunks - 1)
+        flight = dualpipev_in_flight(pp) if lay.dualpipev else in_flight_micro_batches(i, pp, m, v, paired)
         w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
+        r_terms, a_terms, b_terms = [], [], []   # recomputation's time; DualPipeV's terms beyond the work
         for j in owned:
             for r, (kind, _, _) in enumerate(runs):
                 c = layer[kind]
                 n = count[j][r]
                 w_terms.append(_t(c.work_s(Recompute.none)) * n)
+                a_terms.append(_t(c.unpaired_extra_s) * n)
+                b_terms.append(_t(bubble_part(c)) * n)
                 c_terms.append(_t(c.forward_s + c.backward_s) * n)
                 mem_terms.append(_m(peak_states(c) + flight * c.activation_bytes[0]) * n)
                 grad_terms.append(_m(c.states.total) * n)
@@ -222,13 +237,19 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
             for k in extra:
                 if choose and k is Recompute.selective:
                     for mod in chosen:
-                        w_terms.append(_t_extra(c.module_recompute_s[MODULE_INDEX[mod]]) * part[i, r, mod])
+                        r_terms.append(_t_extra(c.module_recompute_s[MODULE_INDEX[mod]]) * part[i, r, mod])
                         mem_terms.append(-_m(flight * c.module_freed_bytes[MODULE_INDEX[mod]]) * part[i, r, mod])
                     continue
-                w_terms.append(_t_extra(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
+                r_terms.append(_t_extra(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
                 mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
+        # DualPipeV: the rank alone (A = X + what the pair hid) and its bubble term (A + B - 3W), where
+        # recomputation lengthens the backward as it lengthens the work
+        alone.append(sum(w_terms) + sum(r_terms) + fixed_work + sum(a_terms) + sum(_t(c.unpaired_extra_s) for c in fixed))
+        bubble.append(alone[-1] + sum(r_terms) + sum(b_terms) - sum(a_terms)
+                      + sum(_t(bubble_part(c) - c.unpaired_extra_s) for c in fixed))
+        w_terms += r_terms
         fixed_mem = sum(peak_states(c) + flight * c.activation_bytes[0] for c in fixed)
         fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) + loss_gradient_bytes(
             model.head, lay.tp, lay.cp, lay.micro_batch, costs.stack.loss_gradient) if last else 0.0
@@ -263,10 +284,23 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
         # plus the layers' dp_reduce_s, less the window of the stage's last micro-batch
         cp.Add(dp_exposed * FINE_PER_UNIT >= _fine(costs.dp_latency_s) + reduce[i] - window * compute[i])
 
-    # objective: v * step = v (m - 1) max W + sum W + (v - 1) max W + v (dp + optimizer)
-    objective = v * (m - 1) * slowest + sum(work) + (v - 1) * slowest + v * (dp_exposed + optimizer)
+    if lay.dualpipev:
+        # constraints: DualPipeV's slowest rank alone and largest bubble term (at least 0)
+        slowest_alone = cp.NewIntVar(0, horizon, "slowest_alone")
+        largest_bubble = cp.NewIntVar(0, horizon, "largest_bubble")
+        for i in range(pp):
+            cp.Add(slowest_alone >= alone[i])
+            cp.Add(largest_bubble >= bubble[i])
+        # objective: 2 step = (2m - p - 2) max X + (p + 2) max A + (p - 1) max(A + B - 3W) + 2 (dp + optimizer)
+        scale = 2
+        objective = ((2 * m - pp - 2) * slowest + (pp + 2) * slowest_alone + (pp - 1) * largest_bubble
+                     + scale * (dp_exposed + optimizer))
+    else:
+        # objective: v * step = v (m - 1) max W + sum W + (v - 1) max W + v (dp + optimizer)
+        scale = v
+        objective = v * (m - 1) * slowest + sum(work) + (v - 1) * slowest + v * (dp_exposed + optimizer)
     if cutoff_s < float("inf"):  # branch and bound: a plan no better than the incumbent is of no use
-        cp.Add(objective <= _t(cutoff_s * v))
+        cp.Add(objective <= _t(cutoff_s * scale))
     cp.Minimize(objective)
 
     solver = cp_model.CpSolver()
@@ -282,39 +316,35 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     sizes = tuple(solver.Value(s) for s in size)
     recompute = _decode_recompute(solver, runs, sizes, redo, extra, count, stage_of)
     if single_kind:
-        sizes, recompute = _split_ranks_into_chunks(sizes, recompute, pp, v)
-    objective = solver.ObjectiveValue() * TIME_UNIT_S / v
-    bound = solver.BestObjectiveBound() * TIME_UNIT_S / v
+        sizes, recompute = _split_ranks_into_chunks(sizes, recompute, chunks, lay.chunk_rank)
+    objective = solver.ObjectiveValue() * TIME_UNIT_S / scale
+    bound = solver.BestObjectiveBound() * TIME_UNIT_S / scale
     gap = (objective - bound) / objective if objective else 0.0
     modules = tuple(mod for mod, on in chosen.items() if solver.Value(on)) \
         if Recompute.selective in recompute else ()
     return PartitionResult(sizes, recompute, objective, name, max(0.0, gap), wall, modules)
 
 
-def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], pp: int,
-                             v: int) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
-    """Blocks per rank -> blocks per chunk (chunk c * pp + i on rank i), recomputation kept per rank; the
-    chunks that may hold no layer (the first, beside the embedding, and the last) take their share last."""
-    chunks = pp * v
-    shares = []
+def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], chunks: int,
+                             chunk_rank) -> tuple[tuple[int, ...], tuple[Recompute, ...]]:
+    """Blocks per rank -> blocks per chunk (chunk j on rank `chunk_rank(j)`), recomputation kept per rank;
+    the chunks that may hold no layer (the first, beside the embedding, and the last) take their share last."""
+    owned = [[j for j in range(chunks) if chunk_rank(j) == i] for i in range(len(per_rank))]
+    share = [0] * chunks
     for i, n in enumerate(per_rank):
-        order = sorted(range(v), key=lambda c: (least_blocks(c * pp + i, chunks) == 0, c))
-        share = [0] * v
-        for rank_in_order, c in enumerate(order):
-            share[c] = n // v + (1 if rank_in_order < n % v else 0)
-        shares.append(share)
+        order = sorted(owned[i], key=lambda j: (least_blocks(j, chunks) == 0, j))
+        for rank_in_order, j in enumerate(order):
+            share[j] = n // len(order) + (1 if rank_in_order < n % len(order) else 0)
     by_rank, start = [], 0
     for n in per_rank:
         by_rank.append(list(recompute[start:start + n]))
         start += n
-    sizes, layers = [], []
-    for c in range(v):
-        for i in range(pp):
-            take = shares[i][c]
-            sizes.append(take)
-            layers += by_rank[i][:take]
-            by_rank[i] = by_rank[i][take:]
-    return tuple(sizes), tuple(layers)
+    layers = []
+    for j in range(chunks):
+        i = chunk_rank(j)
+        layers += by_rank[i][:share[j]]
+        by_rank[i] = by_rank[i][share[j]:]
+    return tuple(share), tuple(layers)
 
 
 def _decode_recompute(solver, runs, sizes, redo, extra, count, stage_of) -> tuple[Recompute, ...]:

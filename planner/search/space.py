@@ -3,11 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule
+from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule, Schedule
 from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
 from cost_models.pipeline import most_chunks, partition_problem
 
 from ..capture.graph import ModelGraph
+
+
+@dataclass(frozen=True)
+class DualPipeVRules:
+    """Where the software stack runs DualPipeV (`SoftwareStack.dualpipev_*`)."""
+    even_split: bool = False     # layers a multiple of 2 pp, split evenly
+    beside_cp: bool = True       # with context parallelism
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,10 @@ class Pins:
     fp8_recipe: Fp8Recipe | None = None     # not searched: delayed unless given
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
     recompute_modules: tuple[RecomputeModule, ...] | None = None   # not searched: core_attn unless given
+    schedule: Schedule | None = None        # the pipeline schedule, where pinned ('schedule=dualpipev')
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)   # what the software stack runs (`stack_rules.stack_pins`)
+    dualpipev: DualPipeVRules | None = None       # ... and its DualPipeV, None where it has none
+    interleaved_schedule: bool = True             # ... and whether it interleaves virtual stages
 
     def allows(self, name: str, value) -> bool:
         if name == "zero" and value not in self.zero_stages:
@@ -39,7 +49,7 @@ class Pins:
 
 
 def pins_from(values: dict) -> Pins:
-    known = {f.name for f in fields(Pins)} - {"zero_stages"}
+    known = {f.name for f in fields(Pins)} - {"zero_stages", "dualpipev", "interleaved_schedule"}
     return Pins(**{k: v for k, v in values.items() if k in known})
 
 
@@ -69,7 +79,7 @@ def layout_problems(layout: Layout, graph: ModelGraph, num_devices: int) -> list
 
 def pins_of(layout: Layout) -> Pins:
     """A whole layout as pins: every degree fixed."""
-    return pins_from(values_of(layout, FULL_KEYS + ("recompute_modules",)))
+    return pins_from(values_of(layout, FULL_KEYS + ("recompute_modules", "schedule")))
 
 
 def value_problems(layout: Layout) -> list[str]:
@@ -84,6 +94,11 @@ def value_problems(layout: Layout) -> list[str]:
         value = getattr(layout, key)
         if not isinstance(value, kind):
             problems.append(f"{key}={str(value)!r} is not one of {', '.join(kind.texts())}")
+    if not isinstance(layout.dualpipev, bool):
+        problems.append(f"dualpipev={layout.dualpipev!r} is not True or False")
+    elif layout.dualpipev and (layout.vp != 2 or layout.pp < 2):
+        problems.append(f"schedule=dualpipev with pp={layout.pp}, vp={layout.vp}: DualPipeV runs two chunks "
+                        "per rank (vp=2) on pp > 1 ranks")
     modules = layout.recompute_modules
     if not isinstance(modules, tuple) or not modules or not all(isinstance(m, RecomputeModule) for m in modules):
         problems.append(f"recompute_modules={modules!r} is not a non-empty tuple of "
@@ -118,6 +133,7 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
         problems.append(f"etp={pins.etp} exceeds tp={pins.tp}")
     if pins.vp and pins.vp > 1 and pins.pp == 1:
         problems.append(f"vp={pins.vp} needs pp > 1 (interleaving splits a pipeline rank's layers into chunks)")
+    problems += _schedule_pin_problems(pins, global_batch)
     if (pins.pp or 1) * (pins.vp or 1) > most_chunks(graph.num_blocks):
         problems.append(f"{graph.num_blocks} layers, the embedding and the loss cannot fill pp*vp = "
                         f"{(pins.pp or 1) * (pins.vp or 1)} chunks")
@@ -129,12 +145,30 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
         problems.append(f"the sequence {graph.seq_len} does not split into 2*cp = {2 * pins.cp} causal chunks")
     if pins.dp and global_batch % (pins.dp * (pins.mbs or 1)):
         problems.append(f"global batch {global_batch} is not a multiple of dp*mbs = {pins.dp}*{pins.mbs or 1}")
-    elif pins.dp and pins.mbs and pins.pp and pins.vp and pins.vp > 1:
+    elif pins.dp and pins.mbs and pins.pp and pins.vp and pins.vp > 1 and pins.schedule != Schedule.dualpipev:
         micro = global_batch // (pins.dp * pins.mbs)
         if micro % pins.pp:
             problems.append(f"interleaving needs {micro} micro-batches divisible by pp={pins.pp}")
     elif pins.mbs and global_batch % pins.mbs:
         problems.append(f"global batch {global_batch} is not a multiple of mbs={pins.mbs}")
+    return problems
+
+
+def _schedule_pin_problems(pins: Pins, global_batch: int) -> list[str]:
+    if pins.schedule == Schedule.one_f_one_b and pins.vp and pins.vp > 1 or \
+            pins.schedule == Schedule.interleaved and pins.vp == 1:
+        return [f"schedule={pins.schedule} with vp={pins.vp}: 1f1b runs one chunk per rank, interleaved-1f1b more"]
+    if pins.schedule != Schedule.dualpipev:
+        return []
+    problems = []
+    if pins.pp == 1:
+        problems.append("schedule=dualpipev needs pp > 1")
+    if pins.vp and pins.vp != 2:
+        problems.append(f"schedule=dualpipev with vp={pins.vp}: DualPipeV runs two chunks per rank (vp=2)")
+    if pins.dp and pins.mbs and pins.pp and global_batch % (pins.dp * pins.mbs) == 0 \
+            and global_batch // (pins.dp * pins.mbs) < 2 * pins.pp:
+        problems.append(f"schedule=dualpipev with {global_batch // (pins.dp * pins.mbs)} micro-batches: it needs at "
+                        f"least 2 pp = {2 * pins.pp} (torch ScheduleDualPipeV)")
     return problems
 
 
@@ -166,19 +200,45 @@ def mesh_shapes(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pi
     return out
 
 
-def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pins: Pins) -> list[tuple[int, int]]:
-    """(virtual stages, micro-batch size) pairs: interleaving needs micro-batches divisible by pp. Virtual
-    stages go up to 8, and beyond where they split the layers evenly (NeMo runs use up to 24)."""
+@dataclass(frozen=True)
+class ScheduleChoice:
+    vp: int
+    mbs: int
+    dualpipev: bool = False
+
+
+def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pins: Pins) -> list[ScheduleChoice]:
+    """Virtual stages, micro-batch size and schedule: interleaving needs micro-batches divisible by pp.
+    Virtual stages go up to 8, and beyond where they split the layers evenly (NeMo runs use up to 24).
+    DualPipeV (vp = 2 as a V) where the stack runs it, with at least 2 pp micro-batches."""
     out = []
     blocks = graph.num_blocks
     # a chunk may hold just the embedding or the loss beside its layers (Megatron-Core, torchtitan)
     vps = [v for v in range(1, most_chunks(blocks) // shape.pp + 1)
            if v <= 8 or blocks % (shape.pp * v) == 0 or most_chunks(blocks) % (shape.pp * v) == 0]
-    for vp in (v for v in vps if (shape.pp > 1 or v == 1) and pins.allows("vp", v)):
-        for mbs in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
-            if vp == 1 or (global_batch // (shape.dp * mbs)) % shape.pp == 0:
-                out.append((vp, mbs))
-    return out
+    interleaved = pins.interleaved_schedule and pins.schedule in (None, Schedule.interleaved)
+    for mbs in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
+        micro = global_batch // (shape.dp * mbs)
+        for vp in (v for v in vps if (shape.pp > 1 or v == 1) and pins.allows("vp", v)):
+            if vp == 1 and pins.schedule in (None, Schedule.one_f_one_b):
+                out.append(ScheduleChoice(vp, mbs))
+            elif vp > 1 and interleaved and micro % shape.pp == 0:
+                out.append(ScheduleChoice(vp, mbs))
+        if _dualpipev_allowed(graph, shape, micro, pins):
+            out.append(ScheduleChoice(2, mbs, dualpipev=True))
+    return sorted(out, key=lambda c: (c.dualpipev, c.vp, c.mbs))
+
+
+def _dualpipev_allowed(graph: ModelGraph, shape: MeshShape, micro_batches: int, pins: Pins) -> bool:
+    rules = pins.dualpipev
+    # a pinned vp without a schedule means the interleaved one (as the layout text reads it)
+    if rules is None or not (pins.schedule == Schedule.dualpipev or (pins.schedule is None and pins.vp is None)):
+        return False
+    if shape.pp < 2 or micro_batches < 2 * shape.pp or 2 * shape.pp > most_chunks(graph.num_blocks):
+        return False
+    if rules.even_split and graph.num_blocks % (2 * shape.pp):
+        return False
+    return rules.beside_cp or shape.cp == 1
 
 
 def placement_choices(graph: ModelGraph, shape: MeshShape, pins: Pins,
@@ -200,10 +260,12 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
-                a2a_overlap: bool = False) -> Layout:
+                a2a_overlap: bool = False, dualpipev: bool = False) -> Layout:
     chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules")
               if getattr(pins, key) is not None}
     chosen["a2a_overlap"] = a2a_overlap
+    if dualpipev:
+        chosen["schedule"] = Schedule.dualpipev
     return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,
                         "etp": etp, "mbs": mbs, "gbs": global_batch, "zero": zero, "precision": precision,
                         "order": order, **chosen})
@@ -215,10 +277,11 @@ def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pi
     out = []
     for shape in mesh_shapes(graph, num_devices, global_batch, pins, fast_domain):
         placements = placement_choices(graph, shape, pins, fast_domain)
-        for vp, mbs in schedule_choices(graph, shape, global_batch, pins):
+        for choice in schedule_choices(graph, shape, global_batch, pins):
             for etp, ep, order in placements:
-                out.extend(make_layout(shape, global_batch, pins, precision, vp=vp, mbs=mbs, etp=etp, ep=ep,
-                                       order=order, zero=zero) for zero in zero_choices(pins))
+                out.extend(make_layout(shape, global_batch, pins, precision, vp=choice.vp, mbs=choice.mbs, etp=etp,
+                                       ep=ep, order=order, zero=zero, dualpipev=choice.dualpipev)
+                           for zero in zero_choices(pins))
     return out
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Fp8Recipe, GradReduce, Layout, Precision, Recompute, RecomputeModule
+from cost_models.layout import Fp8Recipe, GradReduce, Layout, Precision, Recompute, RecomputeModule, Schedule
 from cost_models.layout_codec import FULL_KEYS, values_of
 from hardware_profiles.stack import SoftwareStack
 
-from .space import Pins, pins_from
+from .space import DualPipeVRules, Pins, pins_from
 
 AXES = ("tp", "pp", "cp", "ep")
 
@@ -87,8 +87,9 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
         if pins.zero not in stages:
             problems.append(f"zero={pins.zero} with dp={pins.dp} beside tensor or expert parallelism: the {name} "
                             f"stack runs ZeRO stages {list(stages)} there")
-    if pins.vp and pins.vp > 1 and not stack.interleaved_schedule:
+    if pins.vp and pins.vp > 1 and not stack.interleaved_schedule and pins.schedule != Schedule.dualpipev:
         problems.append(f"vp={pins.vp}: the {name} stack has no interleaved pipeline schedule")
+    problems += _dualpipev_problems(pins, stack, graph)
     if pins.sp and not stack.sequence_parallel:
         problems.append(f"sp=true: the {name} stack has no sequence parallelism")
     if pins.recompute is Recompute.selective and not stack.selective_recompute:
@@ -108,12 +109,38 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     return problems
 
 
+def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
+    """A pinned DualPipeV the stack cannot run: it lacks the schedule, or it lacks it for these degrees."""
+    if pins.schedule != Schedule.dualpipev:
+        return []
+    name = stack.name
+    if not stack.dualpipev_schedule:
+        return [f"schedule=dualpipev: the {name} stack has no DualPipeV schedule (torch ScheduleDualPipeV, "
+                "torchtitan's DualPipeV, MindSpeed's --schedules-method dualpipev)"]
+    problems = []
+    if pins.cp and pins.cp > 1 and not stack.dualpipev_beside_cp:
+        problems.append(f"schedule=dualpipev with cp={pins.cp}: the {name} stack runs DualPipeV without context "
+                        "parallelism")
+    if stack.dualpipev_even_split and pins.pp and graph is not None and graph.num_blocks % (2 * pins.pp):
+        problems.append(f"schedule=dualpipev with pp={pins.pp}: the {name} stack splits the layers evenly over "
+                        f"2 pp = {2 * pins.pp} chunks, and {graph.name} has {graph.num_blocks}")
+    if pins.a2a_overlap:
+        problems.append("a2a_overlap=true with schedule=dualpipev: combined 1F1B is another schedule; DualPipeV's "
+                        f"own pairs {'hide' if stack.dualpipev_hides_moe_a2a else 'do not hide'} MoE all-to-alls "
+                        f"in the {name} stack")
+    return problems
+
+
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
     problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "fp8_recipe",
-                                                                       "recompute_modules"))), stack,
+                                                                       "recompute_modules", "schedule"))), stack,
                               layout.precision, graph)
+    stages = layout.stage_layers
+    if layout.dualpipev and stack.dualpipev_even_split and stages and len(set(stages)) > 1:
+        problems.append(f"stages {'-'.join(map(str, stages))} with schedule=dualpipev: the {stack.name} stack splits "
+                        "the layers evenly over the chunks")
     methods = set(layout.layer_recompute or ())
     if len(methods) > 1 and not stack.per_layer_recompute:
         problems.append(f"per-layer recomputation ({', '.join(sorted(map(str, methods)))}): the {stack.name} "
@@ -133,7 +160,7 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
         axis not in stack.parallelism or model_problems(replace(pins, **{axis: 2}), stack, graph))}
     if pins.etp is None and ("ep" not in stack.parallelism or model_problems(replace(pins, etp=2), stack, graph)):
         fixed["etp"] = 1
-    if not stack.interleaved_schedule and pins.vp is None:
+    if not stack.interleaved_schedule and not stack.dualpipev_schedule and pins.vp is None:
         fixed["vp"] = 1
     if not stack.sequence_parallel and pins.sp is None:
         fixed["sp"] = False
@@ -141,7 +168,10 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
         fixed["grad_reduce"] = GradReduce(stack.gradient_reduce)
     if pins.fp8_recipe is None and stack.fp8_recipes:
         fixed["fp8_recipe"] = Fp8Recipe(stack.fp8_recipes[0])
-    return replace(pins, zero_stages=stack.zero_stages, **fixed)
+    dualpipev = DualPipeVRules(stack.dualpipev_even_split, stack.dualpipev_beside_cp) \
+        if stack.dualpipev_schedule else None
+    return replace(pins, zero_stages=stack.zero_stages, dualpipev=dualpipev,
+                   interleaved_schedule=stack.interleaved_schedule, **fixed)
 
 
 def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]:

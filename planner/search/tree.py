@@ -106,6 +106,7 @@ class _Node:
     shape: MeshShape
     vp: int
     mbs: int
+    dualpipev: bool = False             # the DualPipeV schedule (vp = 2 as a V)
     placement: tuple | None = None      # (etp, ep, mesh order) from the second level on
     a2a_overlap: bool = False           # combined 1F1B, chosen with the placement where the stack pairs it
     zero: int | None = None             # set on leaves
@@ -114,12 +115,12 @@ class _Node:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
         return make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
                            mbs=self.mbs, etp=etp, ep=ep, order=order, zero=self.zero or 0,
-                           a2a_overlap=self.a2a_overlap)
+                           a2a_overlap=self.a2a_overlap, dualpipev=self.dualpipev)
 
     def tie_key(self) -> tuple:
         etp, ep, order = self.placement or (0, 0, ())
         s = self.shape
-        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.mbs, self.a2a_overlap,
+        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.dualpipev, self.mbs, self.a2a_overlap,
                 -1 if self.zero is None else self.zero, order)
 
 
@@ -142,19 +143,21 @@ class _Tree:
         self.problem = problem
         self.fast = problem.cluster.fast_domain_devices
         self._placements: dict[MeshShape, list] = {}
-        self._virtual_stages: dict[MeshShape, set[int]] = {}
+        self._virtual_stages: dict[MeshShape, set[tuple[int, bool]]] = {}
         self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
 
     def roots(self) -> list[_Node]:
         p = self.problem
-        return [_Node(shape, vp, mbs)
+        return [_Node(shape, choice.vp, choice.mbs, choice.dualpipev)
                 for shape in mesh_shapes(p.graph, p.cluster.num_devices, p.global_batch, p.pins, self.fast)
-                for vp, mbs in schedule_choices(p.graph, shape, p.global_batch, p.pins)]
+                for choice in schedule_choices(p.graph, shape, p.global_batch, p.pins)]
 
-    def virtual_stage_choices(self, shape: MeshShape) -> set[int]:
+    def virtual_stage_choices(self, shape: MeshShape) -> set[tuple[int, bool]]:
+        """(vp, DualPipeV) pairs of the shape's schedules: which pipeline hops leave a domain depends on them."""
         if shape not in self._virtual_stages:
             p = self.problem
-            self._virtual_stages[shape] = {vp for vp, _ in schedule_choices(p.graph, shape, p.global_batch, p.pins)}
+            self._virtual_stages[shape] = {(c.vp, c.dualpipev)
+                                           for c in schedule_choices(p.graph, shape, p.global_batch, p.pins)}
         return self._virtual_stages[shape]
 
     def placements(self, shape: MeshShape) -> list:
@@ -224,18 +227,19 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
     shared = SharedCosts()
     heap: list = []
     solved_models = _SolvedModels()
-    # (shape, mbs, placement, MoE overlap): the work before ZeRO, any vp; and a pipeline hop's seconds at
-    # each vp (which hops leave a domain depends on it), from the costs of the placement's first layout
-    placement_work: dict[tuple, tuple[tuple, tuple, dict[int, float]]] = {}
+    # (shape, mbs, placement, MoE overlaps): the work before ZeRO, any vp; and a pipeline hop's seconds at
+    # each (vp, DualPipeV) (which hops leave a domain depends on them), from the placement's first layout
+    placement_work: dict[tuple, tuple[tuple, tuple, dict[tuple[int, bool], float]]] = {}
 
     def node_communication_bound(node: _Node, layout: Layout) -> float:
-        key = (node.shape, node.mbs, node.placement, stack.hides_moe_a2a(layout))
-        if key not in placement_work:  # the last entry: whether MoE all-to-alls overlap (vp-dependent)
+        key = (node.shape, node.mbs, node.placement, stack.hides_moe_a2a(layout), stack.dualpipev_hides(layout))
+        if key not in placement_work:  # the last entries: whether MoE all-to-alls overlap (schedule-dependent)
             costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
-            hops = {vp: costs.p2p_s(vp) for vp in tree.virtual_stage_choices(node.shape)}
+            hops = {(vp, v_shape): costs.p2p_s(vp, v_shape) for vp, v_shape in tree.virtual_stage_choices(node.shape)}
             placement_work[key] = (*work_before_zero(costs, bounds.fastest), hops)
         blocks, edges, hops = placement_work[key]
-        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp), hops[layout.vp], layout)
+        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp, layout.dualpipev),
+                                   hops[layout.vp, layout.dualpipev], layout)
 
     def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
         heapq.heappush(heap, (bound, node.tie_key(), node, costs))
@@ -288,7 +292,8 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
             progress(visited + pruned_memory + pruned_bound, candidates)
         layout = node.layout(problem)
         # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
-        cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(layout.pp, layout.vp) * costs.p2p_s()
+        cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(
+            layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
         # where the stack hides MoE all-to-alls for this layout, no layer may recompute fully (Megatron-Core
         # refuses the pair), so the partition does not choose it and the costs' overlap stays true
         methods = tuple(r for r in allowed if r is not Recompute.full) if stack.hides_moe_a2a(layout) else allowed

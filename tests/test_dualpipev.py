@@ -1,0 +1,234 @@
+"""DualPipeV (torch ScheduleDualPipeV, torchtitan's DualPipeV, MindSpeed's --schedules-method dualpipev):
+the critical path and the activations in flight against a replay of torch's own action list, the search's
+partition against an enumeration of every split, its bounds, and the rules that refuse what a stack lacks."""
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _Action, _ComputationType as Op
+
+from cost_models.layer_costs import MeshCosts
+from cost_models.layout import Layout, Recompute
+from cost_models.pipeline import RankPasses, dualpipev_in_flight, dualpipev_seconds
+from cost_models.step_time import estimate
+from hardware_profiles import UserInputError
+from hardware_profiles.loader import load_stack
+from planner.api import evaluate, plan
+from planner.capture.model_capture import capture
+from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
+from planner.search.space import Pins
+from planner.search.stack_rules import stack_pins
+from planner.search.tree import search
+from test_search import compositions, mixed_moe_model, small_cluster
+
+TORCHTITAN = load_stack("torchtitan")
+MINDSPEED = load_stack("mindspeed")
+
+
+def torch_actions(ranks: int, micro_batches: int, weight_split_in_cooldown: bool = True) -> dict[int, list]:
+    """torch's DualPipeV action list per rank (its `_calculate_single_rank_operations`, which needs no process
+    group); without the cooldown's split (MindSpeed's default), the backward after the last overlapped pair
+    runs whole and its weight action goes."""
+    schedule = ScheduleDualPipeV.__new__(ScheduleDualPipeV)
+    schedule.pp_group_size, schedule._n_microbatches = ranks, micro_batches
+    order = {rank: schedule._calculate_single_rank_operations(rank) for rank in range(ranks)}
+    if weight_split_in_cooldown:
+        return order
+    for rank, actions in order.items():
+        last_pair = max(i for i, a in enumerate(actions) if a.computation_type == Op.OVERLAP_F_B)
+        whole = {(a.stage_index, a.microbatch_index) for a in actions[last_pair:]
+                 if a.computation_type == Op.BACKWARD_INPUT}
+        order[rank] = [_Action(a.stage_index, Op.FULL_BACKWARD, a.microbatch_index) if i > last_pair and
+                       a.computation_type == Op.BACKWARD_INPUT else a for i, a in enumerate(actions)
+                       if not (a.computation_type == Op.BACKWARD_WEIGHT and (a.stage_index, a.microbatch_index) in whole)]
+    return order
+
+
+def replay(order: dict[int, list], ranks: int, forward: float, backward_input: float, weight: float,
+           pair: float) -> float:
+    """Each rank runs its actions in order, each as soon as its inputs exist (the previous stage's forward,
+    the next stage's input gradient); an overlapped pair takes `pair` seconds. Returns the last finish."""
+    stages, done, free, position = 2 * ranks, {}, [0.0] * ranks, [0] * ranks
+    seconds = {Op.FORWARD: forward, Op.BACKWARD_INPUT: backward_input, Op.BACKWARD_WEIGHT: weight,
+               Op.FULL_BACKWARD: backward_input + weight}
+
+    def needs(a):
+        s, i = a.stage_index, a.microbatch_index
+        if a.computation_type == Op.FORWARD:
+            return [] if s == 0 else [("F", s - 1, i)]
+        if a.computation_type == Op.BACKWARD_WEIGHT:
+            return [("I", s, i)]
+        return [("F", s, i)] + ([] if s == stages - 1 else [("I", s + 1, i)])
+
+    def makes(a):
+        s, i = a.stage_index, a.microbatch_index
+        return {Op.FORWARD: ["F"], Op.BACKWARD_INPUT: ["I"], Op.FULL_BACKWARD: ["I", "W"],
+                Op.BACKWARD_WEIGHT: ["W"]}[a.computation_type], s, i
+
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(ranks):
+            while position[rank] < len(order[rank]):
+                action = order[rank][position[rank]]
+                parts = action.sub_actions if action.computation_type == Op.OVERLAP_F_B else (action,)
+                inputs = [key for part in parts for key in needs(part)]
+                if not all(key in done for key in inputs):
+                    break
+                start = max([free[rank]] + [done[key] for key in inputs])
+                free[rank] = start + (pair if action.computation_type == Op.OVERLAP_F_B else seconds[action.computation_type])
+                for part in parts:
+                    kinds, s, i = makes(part)
+                    done.update({(k, s, i): free[rank] for k in kinds})
+                position[rank] += 1
+                moved = True
+    assert all(position[r] == len(order[r]) for r in range(ranks)), "the action list deadlocked"
+    return max(free)
+
+
+def closed_form(ranks, micro_batches, forward, backward_input, weight, pair, split=True) -> float:
+    """`dualpipev_seconds` for uniform chunks: a rank's two chunks are twice one chunk's times."""
+    backward = backward_input + weight
+    rank = RankPasses(paired_s=2 * pair, alone_s=2 * (forward + backward), backward_s=2 * backward, weight_s=2 * weight)
+    return dualpipev_seconds([rank] * ranks, micro_batches, split)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("ranks,micro_batches", [(2, 4), (2, 9), (4, 8), (4, 16), (8, 16), (8, 35), (16, 32)])
+def test_critical_path_is_torchs_action_list_replayed(ranks, micro_batches, split):
+    """Equal forward, input-gradient and weight-gradient chunks (and the weight part at half): the closed form
+    is the replay of torch's own list exactly, for every overlapped pair's time from none of it hidden
+    (F + B) to all (max(F, B))."""
+    order = torch_actions(ranks, micro_batches, split)
+    for forward, backward_input, weight in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5)):
+        backward = backward_input + weight
+        for pair in (forward + backward, forward + backward - 0.4, max(forward, backward) + 0.1):
+            truth = replay(order, ranks, forward, backward_input, weight, pair)
+            assert closed_form(ranks, micro_batches, forward, backward_input, weight, pair, split) \
+                == pytest.approx(truth, rel=1e-12)
+
+
+def test_critical_path_stays_within_three_percent_of_the_replay_at_other_ratios():
+    """Input and weight gradients 0.8-1.3 and 0.7-1.2 of the forward, any share of a pair hidden, 2p to 6p
+    micro-batches: the closed form the solver can use is within 3% of torch's list replayed (it is exact at
+    equal parts; the largest misses are at the fewest micro-batches)."""
+    rng = random.Random(7)
+    worst = 0.0
+    for _ in range(150):
+        ranks = rng.choice((2, 3, 4, 6, 8))
+        micro_batches = rng.randint(2 * ranks, 6 * ranks)
+        backward_input, weight = rng.uniform(0.8, 1.3), rng.uniform(0.7, 1.2)
+        pair = rng.uniform(max(1.0, backward_input + weight), 1.0 + backward_input + weight)
+        truth = replay(torch_actions(ranks, micro_batches), ranks, 1.0, backward_input, weight, pair)
+        worst = max(worst, abs(closed_form(ranks, micro_batches, 1.0, backward_input, weight, pair) / truth - 1))
+    assert worst < 0.03
+
+
+@pytest.mark.parametrize("ranks,micro_batches", [(2, 4), (4, 8), (4, 17), (8, 16), (16, 40)])
+def test_every_rank_holds_2p_plus_1_chunks_of_activations(ranks, micro_batches):
+    """Counting forwards made and backwards done in torch's list (a pair's forward allocates before its
+    backward frees; a split backward frees at its weight action): every rank peaks at 2p + 1 chunks, p + 1/2
+    of its layers' activations (DualPipe's table: PP + 1 stages)."""
+    for actions in torch_actions(ranks, micro_batches).values():
+        live = peak = 0
+        for action in actions:
+            parts = action.sub_actions if action.computation_type == Op.OVERLAP_F_B else (action,)
+            for part in parts:
+                live += part.computation_type == Op.FORWARD
+                peak = max(peak, live)
+            live -= sum(part.computation_type in (Op.FULL_BACKWARD, Op.BACKWARD_WEIGHT) for part in parts)
+        assert peak == 2 * ranks + 1 == 2 * dualpipev_in_flight(ranks)
+
+
+def dualpipev_stack(hides: bool):
+    """torchtitan's DualPipeV, its pairs hiding MoE all-to-alls or not (the rest of the stack unchanged)."""
+    return TORCHTITAN.model_copy(update={"dualpipev_hides_moe_a2a": hides})
+
+
+@pytest.mark.parametrize("hides", [False, True])
+@pytest.mark.parametrize("pp,dp,ep,zero", [(2, 16, 2, 2), (4, 8, 8, 0)])
+def test_pinned_search_equals_the_best_split_by_enumeration(pp, dp, ep, zero, hides):
+    """DualPipeV pinned on a model of dense and expert layers, memory a quarter of the way from the even
+    split's need with full recomputation to its need without: the search's plan is the best of every split into 2 pp chunks placed as a V
+    and every per-layer recomputation, enumerated through `estimate`; every bound of the search's levels is
+    at or below it."""
+    graph, stack = capture(mixed_moe_model(seq=4096)), dualpipev_stack(hides)
+    choices = (Recompute.none, Recompute.full)
+    base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=2, ep=ep, global_batch=64, zero=zero, dualpipev=True)
+    roomy = small_cluster(32, 80)
+    need = [estimate(graph.costs(), roomy, replace(base, recompute=r), stack).peak_memory_bytes for r in choices]
+    reserve = roomy.device.memory_reserve
+    cluster = small_cluster(32, ((need[1] + (need[0] - need[1]) / 4) / (1 - reserve.fragmentation_fraction)
+                                 + reserve.runtime_context_bytes) / 1e9)
+    costs = MeshCosts(graph.costs(), cluster, base, stack)
+    best = None
+    for parts in compositions(graph.num_blocks, 2 * pp):
+        for rec in itertools.product(choices, repeat=graph.num_blocks):
+            result = estimate(graph.costs(), cluster, replace(base, stage_layers=parts, layer_recompute=rec),
+                              mesh_costs=costs)
+            if result.fits and (best is None or result.step_time_s < best.step_time_s):
+                best = result
+    pins = stack_pins(Pins(dp=dp, tp=base.tp, pp=pp, cp=1, ep=ep, etp=1, mbs=1, zero=zero, schedule="dualpipev"),
+                      stack, graph)
+    outcome = search(graph.costs(), cluster, 64, pins, stack=stack, graph=graph, top_k=1, recompute_choices=choices)
+    assert best is not None and outcome.unexplored == 0
+    found = outcome.ranked[0].estimate
+    assert found.layout.dualpipev and found.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
+    assert Recompute.full in best.layer_recompute   # memory made recomputation part of the answer
+    bounds = Bounds(graph.costs(), cluster, stack, choices)
+    work = work_floor(*work_before_zero(costs, Recompute.none), pp, 2, True)
+    tol = 1 + 1e-9
+    assert pipeline_bound(bounds.compute_work_s(base), base) <= communication_bound(work, costs.p2p_s(), base) * tol
+    assert communication_bound(work, costs.p2p_s(), base) <= balanced_bound(costs, base) * tol
+    assert balanced_bound(costs, base) <= best.step_time_s * tol
+    assert bounds.memory_floor(base)[0] <= max(m.total for m in best.stage_memory)
+
+
+def test_the_search_chooses_dualpipev_where_it_is_faster_and_says_so(tmp_path):
+    """torchtitan on 16 H100 with four pipeline ranks, 16 micro-batches: DualPipeV's bubble (p - 1)/2 (F + 2B -
+    3W) is below interleaving's at two chunks, and the search weighs both; the plan file keeps the schedule
+    and the V (stage j < p on rank j, the others mirrored) and loads back to the same layout."""
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, seq_len=4096, stack="torchtitan")
+    fixed = dict(tp=1, pp=4, cp=1, mbs=1, zero=2)
+    v = evaluate("llama3-8b", layout="tp=1,pp=4,dp=4,cp=1,mbs=1,zero=2,schedule=dualpipev", **common)
+    interleaved = evaluate("llama3-8b", layout="tp=1,pp=4,dp=4,cp=1,mbs=1,zero=2,vp=2", **common)
+    assert v.layout.schedule == "dualpipev" and interleaved.layout.schedule == "interleaved-1f1b"
+    assert v.breakdown["pipeline_bubble_s"] < interleaved.breakdown["pipeline_bubble_s"]
+    assert [s.pipeline_rank for s in v.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    chosen = plan("llama3-8b", vp=2, **fixed, **common)   # a pinned vp reads as interleaving, as the text does
+    assert chosen.layout.schedule == "interleaved-1f1b"
+    free = plan("llama3-8b", schedule="dualpipev", **fixed, **common)
+    assert free.layout.schedule == "dualpipev" and free.step_time_s <= v.step_time_s * (1 + 1e-9)
+    path = tmp_path / "plan.yaml"
+    free.save(path)
+    loaded = type(free).load(path)
+    assert loaded.to_layout().dualpipev and loaded.to_layout().chunk_rank(7) == 0
+
+
+@pytest.mark.parametrize("stack,layout,said", [
+    ("megatron-core", "tp=1,pp=4,dp=4,cp=1,mbs=1,schedule=dualpipev", "no DualPipeV"),
+    ("parallel-planner", "tp=1,pp=4,dp=4,cp=1,mbs=1,schedule=dualpipev", "no DualPipeV"),
+    ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=1,vp=3,schedule=dualpipev", "vp=2"),
+    ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=4,schedule=dualpipev", "at least 2 pp"),
+    ("mindspeed", "tp=1,pp=2,dp=4,cp=2,mbs=1,schedule=dualpipev", "without context parallelism"),
+    ("mindspeed", "tp=1,pp=8,dp=2,cp=1,ep=1,etp=1,vp=2,mbs=1,zero=1,recompute=none,schedule=dualpipev,stages=1-2*14-3", "splits the layers evenly"),
+    ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=1,schedule=1f1b,vp=2", "schedule=1f1b with vp=2"),
+])
+def test_what_a_stack_cannot_run_is_refused(stack, layout, said):
+    """A stack without DualPipeV (Megatron-Core, this runtime), a V that is not two chunks per rank, fewer than
+    2 pp micro-batches (torch refuses them), MindSpeed's rules (no context parallelism beside it, the layers
+    split evenly over the chunks), a schedule that vp contradicts."""
+    with pytest.raises(UserInputError, match=said):
+        evaluate("llama3-8b", device="h100-sxm", num_devices=16, global_batch=64, seq_len=4096, stack=stack,
+                 layout=layout)
+
+
+def test_megatron_export_says_it_cannot_run_the_v():
+    """Megatron-Core has no DualPipeV: the export of such a plan says its chunks would run interleaved and names
+    MindSpeed-LLM's flags, which run it."""
+    from planner.exports import megatron_args
+    result = evaluate("mixtral-8x7b", device="h100-sxm", num_devices=32, global_batch=64, seq_len=4096,
+                      stack="mindspeed", layout="tp=1,pp=4,dp=8,cp=1,ep=8,mbs=1,schedule=dualpipev")
+    _, notes = megatron_args(result)
+    assert any("no DualPipeV" in n and "--schedules-method dualpipev --moe-fb-overlap" in n for n in notes)
