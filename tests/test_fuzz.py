@@ -36,11 +36,13 @@ FLAG_VALUES = {
     "--devices-per-node": (["4", "8"], ["0", "-1", "3", "abc"]),
     "--top": (["1", "3"], ["abc"]),
     "--objective": (["step-time", "goodput"], ["speed", ""]),
+    "--stack": (["megatron-core", "torchtitan", "mindspeed"], ["", "megatron", "no/such.yaml"]),
 }
 LAYOUT_KEYS = ["dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "recompute", "sp", "precision",
-               "grad_reduce", "fp8_recipe", "order", "tq", ""]
+               "grad_reduce", "fp8_recipe", "order", "schedule", "tq", ""]
 LAYOUT_VALUES = ["1", "2", "4", "8", "0", "-1", "3", "1.5", "x", "", "none", "full", "selective", "bf16", "fp8",
-                 "true", "false", "tp-cp-ep-dp-pp", "tp-pp", "9" * 30, "delayed", "tensorwise"]
+                 "true", "false", "tp-cp-ep-dp-pp", "tp-pp", "9" * 30, "delayed", "tensorwise", "dualpipev", "1f1b",
+                 "interleaved-1f1b"]
 
 
 @dataclass
@@ -134,7 +136,8 @@ def cases(rng: random.Random, inputs: dict):
         if rng.random() < 0.1:
             items.append(rng.choice(BAD_TEXT))
         text = ",".join(items)
-        yield f"layout {text[:60]!r}", [rng.choice(["plan", "evaluate"]), *TINY,
+        stack = ["--stack", "torchtitan"] if rng.random() < 0.3 else []   # it has DualPipeV
+        yield f"layout {text[:60]!r}", [rng.choice(["plan", "evaluate"]), *TINY, *stack,
                                          "--fix" if rng.random() < 0.5 else "--layout", text], None
     for name, key, pool, writer in (("model", "model", BAD_INTS + BAD_TEXT, "yaml"),
                                     ("hf", "hf", BAD_INTS + BAD_TEXT + [False], "json"),
@@ -210,14 +213,14 @@ def test_cli_never_crashes_hangs_or_accepts_silently(inputs, capsys, monkeypatch
     assert seen >= 1000
 
 
-API_VALUES = BAD_INTS + BAD_TEXT + [1, 2, 4, 8, "full", "none", "fp8", ("tp", "cp")]
+API_VALUES = BAD_INTS + BAD_TEXT + [1, 2, 4, 8, "full", "none", "fp8", ("tp", "cp"), "dualpipev", "1f1b"]
 
 
 def test_api_raises_only_user_input_errors():
     """The API's bad input raises UserInputError, never KeyError, TypeError or ZeroDivisionError."""
     rng = random.Random(SEED + 1)
     keys = ["dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "zero", "recompute", "sp", "precision", "order",
-            "grad_reduce", "fp8_recipe", "gbs", "tq"]
+            "grad_reduce", "fp8_recipe", "gbs", "schedule", "tq"]
     for _ in range(300):
         kwargs = {rng.choice(keys): rng.choice(API_VALUES) for _ in range(rng.randint(1, 3))}
         shape = dict(device="h100-sxm", num_devices=rng.choice([8, 8, 8, 0, -1, 1.5, "8"]),
