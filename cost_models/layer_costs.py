@@ -83,6 +83,12 @@ class LayerCost(LayerWork):
     def work_s(self, recompute: Recompute) -> float:
         return self.work_before_zero_s(recompute) + self.zero_exposed_s
 
+    def dualpipev_bubble_s(self, recompute: Recompute, weight_factor: int) -> float:
+        """This layer's part of DualPipeV's bubble term A + B - kW (`cost_models.pipeline.dualpipev_seconds`):
+        recomputation lengthens both the work alone and the backward."""
+        return (self.work_s(recompute) + self.unpaired_extra_s + self.backward_alone_s(recompute)
+                - weight_factor * self.backward_weight_s)
+
 
 @dataclass
 class SharedCosts:

@@ -68,6 +68,12 @@ class RankPasses:
     weight_s: float     # the part of the backward that computes weight gradients (W)
 
 
+def dualpipev_weight_factor(weight_split_in_cooldown: bool) -> int:
+    """W's coefficient in DualPipeV's bubble term: 3 where the cooldown splits the backward (torch's action
+    list), 1 where it runs whole (MindSpeed without --dualpipev-dw-detach): replays in tests/test_dualpipev.py."""
+    return 3 if weight_split_in_cooldown else 1
+
+
 def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int, weight_split_in_cooldown: bool = True) -> float:
     """Critical path of DualPipeV (torch ScheduleDualPipeV) over p ranks and m >= 2p micro-batches.
 
@@ -79,10 +85,10 @@ def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int, weight_sp
     term (tests/test_dualpipev.py replays the action list).
     """
     p, m = len(ranks), num_micro_batches
-    split = 3 if weight_split_in_cooldown else 1
+    weight = dualpipev_weight_factor(weight_split_in_cooldown)
     paired = max(r.paired_s for r in ranks)
     alone = max(r.alone_s for r in ranks)
-    bubble = max(0.0, max(r.alone_s + r.backward_s - split * r.weight_s for r in ranks))
+    bubble = max(0.0, max(r.alone_s + r.backward_s - weight * r.weight_s for r in ranks))
     return (m - p / 2 - 1) * paired + (p + 2) / 2 * alone + (p - 1) / 2 * bubble
 
 

@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
-from cost_models.pipeline import dualpipev_in_flight, in_flight_micro_batches, least_blocks
+from cost_models.pipeline import dualpipev_in_flight, dualpipev_weight_factor, in_flight_micro_batches, least_blocks
 
 TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
@@ -204,14 +204,16 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     # the stage then fits when both peaks fit (`StageMemory.total`)
     held = gradients_held_at_peak(costs.stack.gradient_buffer, m)
     paired = costs.stack.hides_moe_a2a(lay)   # combined 1F1B holds one more forward's activations
-    split = 3 if costs.stack.dualpipev_weight_split_in_cooldown else 1
+    weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
 
     def peak_states(c) -> float:
         return c.states.total if held else c.states.total - c.states.gradients
 
-    def bubble_part(c) -> float:
-        """A layer's share of DualPipeV's bubble term beyond its work: A - X + B - 3W (`dualpipev_seconds`)."""
-        return c.unpaired_extra_s + c.backward_alone_s(Recompute.none) - split * c.backward_weight_s
+    def alone_s(c) -> float:   # DualPipeV: the layer's forward and backward run alone (A)
+        return c.work_s(Recompute.none) + c.unpaired_extra_s
+
+    def bubble_s(c) -> float:  # ... and its part of the bubble term (A + B - kW)
+        return c.dualpipev_bubble_s(Recompute.none, weight_factor)
 
     work, compute, reduce, optimizer_steps, alone, bubble = [], [], [], [], [], []
     for i in range(pp):
@@ -219,14 +221,14 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
         first, last = i == 0, i == lay.chunk_rank(chunks - 1)
         flight = dualpipev_in_flight(pp) if lay.dualpipev else in_flight_micro_batches(i, pp, m, v, paired)
         w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
-        r_terms, a_terms, b_terms = [], [], []   # recomputation's time; DualPipeV's terms beyond the work
+        r_terms, a_terms, b_terms = [], [], []   # recomputation's time; DualPipeV's A and bubble term
         for j in owned:
             for r, (kind, _, _) in enumerate(runs):
                 c = layer[kind]
                 n = count[j][r]
                 w_terms.append(_t(c.work_s(Recompute.none)) * n)
-                a_terms.append(_t(c.unpaired_extra_s) * n)
-                b_terms.append(_t(bubble_part(c)) * n)
+                a_terms.append(_t(alone_s(c)) * n)
+                b_terms.append(_t(bubble_s(c)) * n)
                 c_terms.append(_t(c.forward_s + c.backward_s) * n)
                 mem_terms.append(_m(peak_states(c) + flight * c.activation_bytes[0]) * n)
                 grad_terms.append(_m(c.states.total) * n)
@@ -244,11 +246,9 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
                 mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
-        # DualPipeV: the rank alone (A = X + what the pair hid) and its bubble term (A + B - 3W), where
-        # recomputation lengthens the backward as it lengthens the work
-        alone.append(sum(w_terms) + sum(r_terms) + fixed_work + sum(a_terms) + sum(_t(c.unpaired_extra_s) for c in fixed))
-        bubble.append(alone[-1] + sum(r_terms) + sum(b_terms) - sum(a_terms)
-                      + sum(_t(bubble_part(c) - c.unpaired_extra_s) for c in fixed))
+        # DualPipeV: the rank alone (A) and its bubble term (A + B - kW); recomputation lengthens A and B
+        alone.append(sum(a_terms) + sum(r_terms) + sum(_t(alone_s(c)) for c in fixed))
+        bubble.append(sum(b_terms) + 2 * sum(r_terms) + sum(_t(bubble_s(c)) for c in fixed))
         w_terms += r_terms
         fixed_mem = sum(peak_states(c) + flight * c.activation_bytes[0] for c in fixed)
         fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) + loss_gradient_bytes(
