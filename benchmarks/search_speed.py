@@ -12,29 +12,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planner.api import plan  # noqa: E402
 from planner.capture.model_capture import _capture_cached  # noqa: E402
 
+# (model, device, devices, global batch, stack): Megatron-Core's defaults, and torchtitan, whose space adds DualPipeV
 CASES = [
-    ("llama3-8b", "h100-sxm", 64, 512),
-    ("llama3-70b", "h100-sxm", 1024, 1024),
-    ("gpt3-175b", "a100-80g", 1024, 1536),
-    ("llama3-405b", "h100-sxm", 16384, 2048),
-    ("deepseek-v3", "h800", 2048, 4096),
-    ("kimi-k2", "h800", 8192, 8192),
+    ("llama3-8b", "h100-sxm", 64, 512, "megatron-core"),
+    ("llama3-70b", "h100-sxm", 1024, 1024, "megatron-core"),
+    ("gpt3-175b", "a100-80g", 1024, 1536, "megatron-core"),
+    ("llama3-405b", "h100-sxm", 16384, 2048, "megatron-core"),
+    ("deepseek-v3", "h800", 2048, 4096, "megatron-core"),
+    ("kimi-k2", "h800", 8192, 8192, "megatron-core"),
+    ("deepseek-v3", "h100-sxm", 1024, 4096, "torchtitan"),
 ]
 
 
 def main() -> None:
-    print("| model | devices | global batch | wall s | CPU s | candidates | solved | status | best layout | step s "
-          "| MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for model, device, devices, batch in CASES:
+    print("| model | devices | global batch | stack | wall s | CPU s | candidates | solved | status | best layout "
+          "| step s | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, device, devices, batch, stack in CASES:
         _capture_cached.cache_clear()
         start, cpu = time.perf_counter(), time.process_time()
-        result = plan(model, device=device, num_devices=devices, global_batch=batch, time_limit_s=60)
+        result = plan(model, device=device, num_devices=devices, global_batch=batch, time_limit_s=60, stack=stack)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         lay, s = result.layout, result.search
-        print(f"| {model} | {devices} x {device} | {batch} | {wall:.1f} | {cpu:.1f} | {s.candidates} | {s.solved} | "
-              f"{s.status} | tp{lay.tp} pp{lay.pp}x{lay.vp} dp{lay.dp} cp{lay.cp} ep{lay.ep} mbs{lay.mbs} "
-              f"z{lay.zero} | {result.step_time_s:.2f} | {result.mfu:.1%} |")
+        print(f"| {model} | {devices} x {device} | {batch} | {stack} | {wall:.1f} | {cpu:.1f} | {s.candidates} | "
+              f"{s.solved} | {s.status} | tp{lay.tp} pp{lay.pp}x{lay.vp} {lay.schedule} dp{lay.dp} cp{lay.cp} "
+              f"ep{lay.ep} mbs{lay.mbs} z{lay.zero} | {result.step_time_s:.2f} | {result.mfu:.1%} |")
 
 
 if __name__ == "__main__":
