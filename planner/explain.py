@@ -83,7 +83,9 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
                    f"(selective{modules}) is the cheapest way to fit memory")
     if lay.pp > 1:
         uneven = len(set(best.stage_layers)) > 1
-        out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual, {lay.num_micro_batches} micro-batches"
+        schedule = (" as DualPipeV's V (rank 0 holds the embedding and the loss; each steady-state forward beside "
+                    "another micro-batch's backward)") if lay.dualpipev else ""
+        out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual{schedule}, {lay.num_micro_batches} micro-batches"
                    + ("; layers split unevenly to balance the embedding and head" if uneven else ""))
     if pairs:
         out.append(combined_1f1b_reason(best, twin))
