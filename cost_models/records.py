@@ -116,7 +116,7 @@ class LayerKind:
     def forward_flops(self) -> float:
         return sum(op.forward_flops for op in self.ops)
 
-    @property
+    @cached_property
     def model_flops(self) -> float:
         """Forward + backward matmul FLOPs (GEMM and attention), the MFU numerator per sample."""
         return sum(op.forward_flops + op.backward_input_flops + op.backward_weight_flops
@@ -133,25 +133,26 @@ class ModelCosts:
     blocks: tuple[str, ...]     # kind name of each repeated block, in order
 
     def kind(self, name: str) -> LayerKind:
-        for kind in self.kinds:
-            if kind.name == name:
-                return kind
-        raise KeyError(name)
+        return self._kinds_by_name[name]
+
+    @cached_property
+    def _kinds_by_name(self) -> dict[str, LayerKind]:   # estimate looks a kind up per block and layout
+        return {kind.name: kind for kind in self.kinds}
 
     @cached_property
     def block_counts(self) -> tuple[tuple["LayerKind", int], ...]:
         """Each block kind with how many blocks are of it."""
         return tuple((self.kind(name), n) for name, n in Counter(self.blocks).items())
 
-    @property
+    @cached_property
     def embedding(self) -> LayerKind:
         return next(k for k in self.kinds if k.role == "embedding")
 
-    @property
+    @cached_property
     def head(self) -> LayerKind:
         return next(k for k in self.kinds if k.role == "head")
 
-    @property
+    @cached_property
     def model_flops_per_sample(self) -> float:
         return (self.embedding.model_flops + self.head.model_flops
                 + sum(self.kind(name).model_flops for name in self.blocks))

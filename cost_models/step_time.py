@@ -1,6 +1,7 @@
 """Step time, throughput, MFU and memory of a fully specified layout, as sums of named parts."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from hardware_profiles.schema import Cluster
@@ -10,7 +11,8 @@ from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Recompute
-from .memory import StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
+from .memory import (ModelStateBytes, StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes,
+                     usable_bytes)
 from .pipeline import (RankPasses, dualpipev_in_flight, dualpipev_seconds, even_partition, in_flight_micro_batches,
                        p2p_transfers_on_critical_path, pipeline_seconds)
 from .records import ModelCosts
@@ -72,7 +74,7 @@ class StageTotals:
     memory: StageMemory
     dp_reduce_s: float
     optimizer_s: float
-    passes: RankPasses       # per micro-batch, for DualPipeV's critical path
+    passes: RankPasses | None   # per micro-batch, for DualPipeV's critical path (None under other schedules)
 
 
 def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:
@@ -83,23 +85,29 @@ def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:
     return ranges
 
 
+RECOMPUTE_INDEX = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
+
+
 def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: tuple[Recompute, ...],
                  with_embedding: bool, with_head: bool, micro_batches: int) -> StageTotals:
     model, lay = costs.model, costs.layout
-    items: list[tuple[LayerCost, Recompute]] = [(costs.layer(model.kind(model.blocks[b])), recompute[b])
-                                                for b in block_ids]
+    # (layer, method, how many): blocks of one kind and method cost alike
+    groups = Counter((model.blocks[b], recompute[b]) for b in block_ids)
+    items: list[tuple[LayerCost, Recompute, int]] = [(costs.layer(model.kind(name)), r, n)
+                                                     for (name, r), n in groups.items()]
     if with_embedding:
-        items.append((costs.layer(model.embedding), Recompute.none))
+        items.append((costs.layer(model.embedding), Recompute.none, 1))
     if with_head:
-        items.append((costs.layer(model.head), Recompute.none))
-    index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
-    compute = sum(c.forward_s + c.backward_s for c, _ in items)
-    recomputed = sum(c.recompute_s[index[r]] for c, r in items)
+        items.append((costs.layer(model.head), Recompute.none, 1))
+    index = RECOMPUTE_INDEX
+    compute = sum(n * (c.forward_s + c.backward_s) for c, _, n in items)
+    recomputed = sum(n * c.recompute_s[index[r]] for c, r, n in items)
     in_flight = dualpipev_in_flight(lay.pp) if lay.dualpipev else \
         in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay))
-    activations = in_flight * sum(c.activation_bytes[index[r]] for c, r in items)
-    working = max((c.working_bytes for c, r in items if r is not Recompute.none), default=0.0)
-    states = sum((c.states for c, _ in items[1:]), items[0][0].states) if items else None
+    activations = in_flight * sum(n * c.activation_bytes[index[r]] for c, r, n in items)
+    working = max((c.working_bytes for c, r, _ in items if r is not Recompute.none), default=0.0)
+    states = ModelStateBytes(*(sum(n * getattr(c.states, part) for c, _, n in items)
+                               for part in ("weights", "gradients", "optimizer")))
     memory = StageMemory(
         stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         activations=activations,
@@ -108,16 +116,18 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         if with_head else 0.0,
         recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device),
         gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer, micro_batches))
-    work = sum(c.work_s(r) for c, r in items)
-    alone = work + sum(c.unpaired_extra_s for c, _ in items)
-    passes = RankPasses(paired_s=work, alone_s=alone, backward_s=sum(c.backward_alone_s(r) for c, r in items),
-                        weight_s=sum(c.backward_weight_s for c, _ in items))
+    work = sum(n * c.work_s(r) for c, r, n in items)
+    passes = None
+    if lay.dualpipev:   # what DualPipeV's critical path reads beside the steady state's work
+        passes = RankPasses(paired_s=work, alone_s=work + sum(n * c.unpaired_extra_s for c, _, n in items),
+                            backward_s=sum(n * c.backward_alone_s(r) for c, r, n in items),
+                            weight_s=sum(n * c.backward_weight_s for c, _, n in items))
     return StageTotals(
         work_s=work, compute_s=compute, recompute_s=recomputed, passes=passes,
-        tp_s=sum(c.tp_comm_s for c, _ in items), cp_s=sum(c.cp_comm_s for c, _ in items),
-        ep_s=sum(c.ep_comm_s for c, _ in items), zero_s=sum(c.zero_exposed_s for c, _ in items),
-        memory=memory, dp_reduce_s=sum(c.dp_reduce_s for c, _ in items),
-        optimizer_s=sum(c.optimizer_step_s for c, _ in items))
+        tp_s=sum(n * c.tp_comm_s for c, _, n in items), cp_s=sum(n * c.cp_comm_s for c, _, n in items),
+        ep_s=sum(n * c.ep_comm_s for c, _, n in items), zero_s=sum(n * c.zero_exposed_s for c, _, n in items),
+        memory=memory, dp_reduce_s=sum(n * c.dp_reduce_s for c, _, n in items),
+        optimizer_s=sum(n * c.optimizer_step_s for c, _, n in items))
 
 
 def physical_stages(costs: MeshCosts, stage_layers: tuple[int, ...], recompute: tuple[Recompute, ...]) -> list[StageTotals]:
@@ -161,7 +171,8 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
     tokens = layout.global_batch * model.seq_len
     model_flops = model.model_flops_per_sample * layout.global_batch
     recompute_flops = layout.global_batch * sum(
-        _recompute_flops(costs.layer(model.kind(model.blocks[b])), recompute[b]) for b in range(num_blocks))
+        n * _recompute_flops(costs.layer(model.kind(name)), r)
+        for (name, r), n in Counter(zip(model.blocks, recompute)).items())
     peak = cluster.device.peak_flops("bf16") * layout.world_size
     return Estimate(layout=layout, step_time_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / layout.world_size / 1e12,
