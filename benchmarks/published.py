@@ -65,6 +65,11 @@ RECIPE_SETTINGS = {
     # the same launcher line as RUN_STACK_SETTINGS' (run_script.py @6476ea0f): the run used combined 1F1B, so
     # it is pinned on rather than left to the search (`--fix a2a_overlap=true`)
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True},
+    # the rows' precision label 'FP8-MX' (microscaling FP8: Megatron --fp8-recipe mxfp8); 'FP8-CS' rows take
+    # the stack's first recipe, tensorwise
+    **{run: {"fp8_recipe": "mxfp8"} for run in ("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
+                                                "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp",
+                                                "mbridge-25p11-b200-qwen3-235b-a22b-mxfp8-64gpu")},
 }
 
 

@@ -22,10 +22,13 @@ if TYPE_CHECKING:
     from .layout import Layout
 
 # bytes moved per element of every FP8 GEMM operand cast (input forward, output gradient backward) by
-# Transformer Engine on Hopper, whose FP8 GEMMs take one operand layout only: read bf16 (2), write row- and
-# column-wise FP8 copies (1 + 1); tensorwise (current) scaling first reads the tensor for its amax (2),
-# delayed scaling takes the amax from history inside the cast (TE docs, FP8 recipes; Micikevicius et al. 2022)
-FP8_CAST_BYTES = {Fp8Recipe.delayed: 4.0, Fp8Recipe.tensorwise: 6.0}
+# Transformer Engine, whose FP8 GEMMs take one operand layout only: read bf16 (2), write row- and column-wise
+# FP8 copies (1 + 1); tensorwise (current) scaling first reads the tensor for its amax (2), delayed scaling
+# takes the amax from history inside the cast (TE docs, FP8 recipes; Micikevicius et al. 2022); block scalings
+# take each block's amax inside the cast and write a scale per block with each copy: MXFP8 one E8M0 byte per
+# 32 elements (OCP MX spec v1.0), blockwise an fp32 scale per 128-element tile (DeepSeek-V3 report 3.3.1)
+FP8_CAST_BYTES = {Fp8Recipe.delayed: 4.0, Fp8Recipe.tensorwise: 6.0, Fp8Recipe.mxfp8: 4.0 + 2 * 1 / 32,
+                  Fp8Recipe.blockwise: 4.0 + 2 * 4 / 128}
 
 # a fused flash backward recomputes q k^T: 5 matmuls where an unfused backward has 4 (Dao 2023: backward =
 # 2.5 x forward FLOPs); measured on an H200 it takes 3.0-3.6 x the forward (docs/gpu-validation.md)

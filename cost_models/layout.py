@@ -58,6 +58,8 @@ class GradReduce(TextEnum):
 class Fp8Recipe(TextEnum):
     delayed = "delayed"         # amax history (Megatron --fp8-recipe delayed)
     tensorwise = "tensorwise"   # current scaling, one more read per cast (Megatron-Bridge "FP8-CS")
+    mxfp8 = "mxfp8"             # an E8M0 scale per 32 elements, Blackwell tensor cores (Megatron-Bridge "FP8-MX")
+    blockwise = "blockwise"     # DeepSeek-V3's fp32 scale per 1x128 activation and 128x128 weight tile
 
 
 class Schedule(TextEnum):

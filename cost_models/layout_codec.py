@@ -22,7 +22,7 @@ LAYOUT_KEYS = tuple(ATTRIBUTES)
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
                                       "fp8_recipe": Fp8Recipe, "schedule": Schedule}
 WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",
-        "fp8_recipe": "delayed or tensorwise (Megatron --fp8-recipe)",
+        "fp8_recipe": "delayed, tensorwise, mxfp8 or blockwise (Megatron --fp8-recipe)",
         "schedule": "1f1b (vp=1), interleaved-1f1b (vp > 1) or dualpipev (vp=2, two chunks per rank as a V)"}
 SWITCHES = ("sp", "a2a_overlap")   # true or false
 FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees

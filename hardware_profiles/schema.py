@@ -114,6 +114,8 @@ class Device(Strict):
     # streaming multiprocessors (NVIDIA): what a communication kernel that occupies SMs (DeepEP) takes from
     # the GEMMs running beside it; None where no profile source gives the count
     sm_count: int | None = Field(default=None, gt=0)
+    # tensor cores that apply MXFP8's per-block scales (Blackwell); the mxfp8 recipe needs them
+    mxfp8: bool = False
     gemm: GemmEfficiency
     intra_node: IntraNodeFabric
     collective_backend: Literal["nccl", "hccl", "rccl", "gloo"]

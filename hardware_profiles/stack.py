@@ -22,7 +22,7 @@ DEFAULT_STACK = "megatron-core"
 RUNTIME_STACK = "parallel-planner"   # what this project's runtime (runtime/) runs; it checks every plan against it
 
 Axis = Literal["tp", "pp", "cp", "ep"]
-Fp8RecipeName = Literal["delayed", "tensorwise"]
+Fp8RecipeName = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]   # cost_models.layout.Fp8Recipe
 
 
 # cost_models.layout.RecomputeModule's names (profiles do not import the cost models)

@@ -198,7 +198,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     precision = resolve_precision(precision, values)
     check_model_on_stack(graph, stack)
-    check_device_for(resolved, stack, precision)
+    check_device_for(resolved, stack, precision, values.get("fp8_recipe"))
     _given_once("--global-batch", global_batch, values.pop("gbs", None))
     pins = pins_from(values)
     problems = stack_problems(pins, stack, precision, graph) + pin_problems(pins, graph, resolved.num_devices,
@@ -308,7 +308,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
-    check_device_for(resolved, stack, given.precision)
+    check_device_for(resolved, stack, given.precision, given.fp8_recipe)
     problems = layout_problems(given, graph, resolved.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

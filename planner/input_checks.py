@@ -17,12 +17,16 @@ def check_model_on_stack(graph, stack: SoftwareStack) -> None:
                              expected="a stack that trains them (planner stacks show NAME), or the model without them")
 
 
-def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str) -> None:
-    """The device profile has what the precision and the stack's settings need to be costed."""
+def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8_recipe: str | None = None) -> None:
+    """The device profile has what the precision, the FP8 recipe and the stack's settings need to be costed."""
     device = cluster.device
     if precision == "fp8" and not device.peak_tflops.fp8:
         raise UserInputError(f"{device.name} has no FP8 matrix units (its profile gives no fp8 peak)",
                              field="--precision", expected="bf16 on this device, or a device with FP8")
+    if precision == "fp8" and fp8_recipe == "mxfp8" and not device.mxfp8:
+        raise UserInputError(f"fp8_recipe=mxfp8 on {device.name}: MXFP8's block scales need Blackwell tensor cores "
+                             "(the device profile's mxfp8)", field="fp8_recipe",
+                             expected="tensorwise, delayed or blockwise on this device, or a Blackwell device")
     if stack.moe_dispatcher == "deepep" and device.sm_count is not None and stack.deepep_sms >= device.sm_count:
         raise UserInputError(f"deepep_sms {stack.deepep_sms} leaves none of the {device.name}'s {device.sm_count} "
                              "SMs to compute", field="deepep_sms", expected=f"fewer than {device.sm_count} SMs")

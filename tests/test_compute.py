@@ -53,7 +53,10 @@ def test_expert_weights_are_read_by_the_ranks_that_hold_them(tp, ep, etp):
 FP8_FLOPS = 1978.9e12 * 0.709 * H100.gemm.sustained_fraction   # h100-sxm.yaml: fp8 peak x fp8_peak_fraction
 
 
-@pytest.mark.parametrize("recipe,bytes_per_element", [("delayed", 4), ("tensorwise", 6)])
+# block scalings write a scale per block with each of the two copies: MXFP8 one E8M0 byte per 32 elements
+# (OCP Microscaling Formats spec v1.0), blockwise one fp32 per 128-element tile (DeepSeek-V3 report 3.3.1)
+@pytest.mark.parametrize("recipe,bytes_per_element", [("delayed", 4), ("tensorwise", 6), ("mxfp8", 4 + 2 / 32),
+                                                      ("blockwise", 4 + 2 * 4 / 128)])
 def test_fp8_gemms_pay_for_casting_their_operands(recipe, bytes_per_element):
     # Transformer Engine on Hopper casts the input (forward) and the output gradient (backward) into row- and
     # column-wise FP8 copies: read 2 B, write 1 + 1 B; current (tensorwise) scaling reads once more for the amax
@@ -64,6 +67,17 @@ def test_fp8_gemms_pay_for_casting_their_operands(recipe, bytes_per_element):
     assert forward == pytest.approx(gemm_s + bytes_per_element * tokens * n_in / HBM_BYTES_PER_S, rel=1e-9)
     assert backward_input == pytest.approx(gemm_s + bytes_per_element * tokens * n_out / HBM_BYTES_PER_S, rel=1e-9)
     assert backward_weight == pytest.approx(gemm_s, rel=1e-9)   # reuses both copies
+
+
+def test_mxfp8_is_refused_where_the_tensor_cores_lack_it():
+    """TE's support matrix lists MXFP8 on Blackwell data-center parts only: an H100 plan naming it exits 2."""
+    from hardware_profiles import UserInputError
+    from planner.api import evaluate
+    with pytest.raises(UserInputError, match="mxfp8 on h100-sxm"):
+        evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, precision="fp8",
+                 layout="tp=1,pp=1,dp=8,cp=1,mbs=1,fp8_recipe=mxfp8")
+    assert evaluate("llama3-8b", device="b200", num_devices=8, global_batch=64, precision="fp8",
+                    layout="tp=1,pp=1,dp=8,cp=1,mbs=1,fp8_recipe=mxfp8").layout.fp8_recipe == "mxfp8"
 
 
 def test_devices_without_fp8_ignore_the_recipe():

@@ -41,6 +41,10 @@ PLANS = [
     ("fp8-tensorwise", "llama3-8b", "h100-sxm", 8, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="none") + ",fp8_recipe=tensorwise",
      "fp8", None),
+    # microscaling FP8 on Blackwell (Megatron-Bridge's 'FP8-MX' rows)
+    ("fp8-mxfp8-b200", "llama3-8b", "b200", 8, 64,
+     FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="none") + ",fp8_recipe=mxfp8",
+     "fp8", None),
     ("tp-and-moe-overlap", "mixtral-8x7b", "h100-sxm", 16, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="selective"), "bf16", MOE_OVERLAP),
     # full recomputation: Megatron-Core refuses the MoE overlap beside it, so the prediction does without
