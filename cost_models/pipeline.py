@@ -64,8 +64,8 @@ class RankPasses:
     """One pipeline rank's work for one micro-batch through both its chunks (DualPipeV), in seconds."""
     paired_s: float     # forward and backward, each forward beside another micro-batch's backward (F&B)
     alone_s: float      # forward and backward run alone: their communication exposed (F + B)
-    backward_s: float   # the backward alone, its recomputation included (B)
-    weight_s: float     # the part of the backward that computes weight gradients (W)
+    bubble_s: float     # A + B - kW: the alone work, the backward alone, less k times its weight part
+                        # (its layers' `LayerCost.dualpipev_bubble_s`, k from `dualpipev_weight_factor`)
 
 
 def dualpipev_weight_factor(weight_split_in_cooldown: bool) -> int:
@@ -74,7 +74,12 @@ def dualpipev_weight_factor(weight_split_in_cooldown: bool) -> int:
     return 3 if weight_split_in_cooldown else 1
 
 
-def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int, weight_split_in_cooldown: bool = True) -> float:
+def dualpipev_least_micro_batches(stages: int) -> int:
+    """Micro-batches DualPipeV needs: 2 p, one per chunk (torch's ScheduleDualPipeV refuses fewer)."""
+    return 2 * stages
+
+
+def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int) -> float:
     """Critical path of DualPipeV (torch ScheduleDualPipeV) over p ranks and m >= 2p micro-batches.
 
     In chunk units (half a rank's work), torch's action list run with each action waiting for its inputs
@@ -85,10 +90,9 @@ def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int, weight_sp
     term (tests/test_dualpipev.py replays the action list).
     """
     p, m = len(ranks), num_micro_batches
-    weight = dualpipev_weight_factor(weight_split_in_cooldown)
     paired = max(r.paired_s for r in ranks)
     alone = max(r.alone_s for r in ranks)
-    bubble = max(0.0, max(r.alone_s + r.backward_s - weight * r.weight_s for r in ranks))
+    bubble = max(0.0, max(r.bubble_s for r in ranks))
     return (m - p / 2 - 1) * paired + (p + 2) / 2 * alone + (p - 1) / 2 * bubble
 
 
@@ -100,7 +104,7 @@ def dualpipev_in_flight(stages: int) -> float:
 
 
 def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, virtual_stages: int = 1,
-                            paired: bool = False) -> float:
+                            paired: bool = False, v_shape: bool = False) -> float:
     """Micro-batches whose activations a stage holds at its peak, in units of the stage's layers for one
     micro-batch.
 
@@ -112,7 +116,10 @@ def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, vir
     (MoE all-to-all overlap, `paired`) runs one more forward before its first paired step: one more chunk
     interleaved (get_pp_rank_microbatches: num_warmup_microbatches + 1), and the next micro-batch's forward
     beside the last one's backward without a pipeline (combined_1f1b_schedule_for_no_pipelining).
+    DualPipeV (`v_shape`): `dualpipev_in_flight`.
     """
+    if v_shape:   # DualPipeV: the same on every rank
+        return dualpipev_in_flight(stages)
     v = virtual_stages
     if v > 1:
         chunks = 2 * (stages - stage - 1) + (v - 1) * stages + 1 + (1 if paired else 0)

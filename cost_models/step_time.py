@@ -13,7 +13,7 @@ from hardware_profiles.stack import SoftwareStack
 from .layout import Layout, Recompute
 from .memory import (ModelStateBytes, StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes,
                      usable_bytes)
-from .pipeline import (RankPasses, dualpipev_in_flight, dualpipev_seconds, even_partition, in_flight_micro_batches,
+from .pipeline import (RankPasses, dualpipev_seconds, dualpipev_weight_factor, even_partition, in_flight_micro_batches,
                        p2p_transfers_on_critical_path, pipeline_seconds)
 from .records import ModelCosts
 
@@ -102,8 +102,8 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     index = RECOMPUTE_INDEX
     compute = sum(n * (c.forward_s + c.backward_s) for c, _, n in items)
     recomputed = sum(n * c.recompute_s[index[r]] for c, r, n in items)
-    in_flight = dualpipev_in_flight(lay.pp) if lay.dualpipev else \
-        in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay))
+    in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay),
+                                        lay.dualpipev)
     activations = in_flight * sum(n * c.activation_bytes[index[r]] for c, r, n in items)
     working = max((c.working_bytes for c, r, _ in items if r is not Recompute.none), default=0.0)
     states = ModelStateBytes(*(sum(n * getattr(c.states, part) for c, _, n in items)
@@ -119,9 +119,9 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     work = sum(n * c.work_s(r) for c, r, n in items)
     passes = None
     if lay.dualpipev:   # what DualPipeV's critical path reads beside the steady state's work
+        weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
         passes = RankPasses(paired_s=work, alone_s=work + sum(n * c.unpaired_extra_s for c, _, n in items),
-                            backward_s=sum(n * c.backward_alone_s(r) for c, r, n in items),
-                            weight_s=sum(n * c.backward_weight_s for c, _, n in items))
+                            bubble_s=sum(n * c.dualpipev_bubble_s(r, weight_factor) for c, r, n in items))
     return StageTotals(
         work_s=work, compute_s=compute, recompute_s=recomputed, passes=passes,
         tp_s=sum(n * c.tp_comm_s for c, _, n in items), cp_s=sum(n * c.cp_comm_s for c, _, n in items),
@@ -155,7 +155,7 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
     stages = physical_stages(costs, stage_layers, recompute)
     m = layout.num_micro_batches
     if layout.dualpipev:
-        pipeline = dualpipev_seconds([s.passes for s in stages], m, costs.stack.dualpipev_weight_split_in_cooldown)
+        pipeline = dualpipev_seconds([s.passes for s in stages], m)
     else:
         pipeline = pipeline_seconds([s.work_s for s in stages], m, layout.vp)
     slowest = max(stages, key=lambda s: s.work_s)

@@ -10,7 +10,7 @@ from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _Action, _
 
 from cost_models.layer_costs import MeshCosts
 from cost_models.layout import Layout, Recompute
-from cost_models.pipeline import RankPasses, dualpipev_in_flight, dualpipev_seconds
+from cost_models.pipeline import RankPasses, dualpipev_in_flight, dualpipev_seconds, dualpipev_weight_factor
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError
 from hardware_profiles.loader import load_stack
@@ -90,8 +90,10 @@ def replay(order: dict[int, list], ranks: int, forward: float, backward_input: f
 def closed_form(ranks, micro_batches, forward, backward_input, weight, pair, split=True) -> float:
     """`dualpipev_seconds` for uniform chunks: a rank's two chunks are twice one chunk's times."""
     backward = backward_input + weight
-    rank = RankPasses(paired_s=2 * pair, alone_s=2 * (forward + backward), backward_s=2 * backward, weight_s=2 * weight)
-    return dualpipev_seconds([rank] * ranks, micro_batches, split)
+    alone = 2 * (forward + backward)
+    rank = RankPasses(paired_s=2 * pair, alone_s=alone,
+                      bubble_s=alone + 2 * backward - dualpipev_weight_factor(split) * 2 * weight)
+    return dualpipev_seconds([rank] * ranks, micro_batches)
 
 
 @pytest.mark.parametrize("split", [True, False])

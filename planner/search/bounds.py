@@ -17,8 +17,7 @@ from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
-from cost_models.pipeline import (dualpipev_in_flight, dualpipev_weight_factor, in_flight_micro_batches,
-                                  p2p_transfers_on_critical_path)
+from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, p2p_transfers_on_critical_path
 from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
@@ -158,8 +157,7 @@ class Bounds:
         kinds = [(n, states_at_peak(kind), act)
                  for (kind, n), act in zip(self.model.block_counts, self._activations(layout, recompute))]
         paired = self.stack.hides_moe_a2a(layout)   # every leaf below: full recomputation is then not chosen
-        flights = [dualpipev_in_flight(layout.pp) if layout.dualpipev else
-                   in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp, paired)
+        flights = [in_flight_micro_batches(i, layout.pp, layout.num_micro_batches, layout.vp, paired, layout.dualpipev)
                    for i in range(layout.pp)]
         total_states = sum(n * state for n, state, _ in kinds)
         total_activations = sum(n * act for n, _, act in kinds)

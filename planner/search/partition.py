@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
-from cost_models.pipeline import dualpipev_in_flight, dualpipev_weight_factor, in_flight_micro_batches, least_blocks
+from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, least_blocks
 
 TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
@@ -219,7 +219,7 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     for i in range(pp):
         owned = owned_by[i]
         first, last = i == 0, i == lay.chunk_rank(chunks - 1)
-        flight = dualpipev_in_flight(pp) if lay.dualpipev else in_flight_micro_batches(i, pp, m, v, paired)
+        flight = in_flight_micro_batches(i, pp, m, v, paired, lay.dualpipev)
         w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
         r_terms, a_terms, b_terms = [], [], []   # recomputation's time; DualPipeV's A and bubble term
         for j in owned:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 
 from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule, Schedule
 from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
-from cost_models.pipeline import most_chunks, partition_problem
+from cost_models.pipeline import dualpipev_least_micro_batches, most_chunks, partition_problem
 
 from ..capture.graph import ModelGraph
 
@@ -15,6 +15,17 @@ class DualPipeVRules:
     """Where the software stack runs DualPipeV (`SoftwareStack.dualpipev_*`)."""
     even_split: bool = False     # layers a multiple of 2 pp, split evenly
     beside_cp: bool = True       # with context parallelism
+
+    def problems(self, pp: int | None, cp: int | None, num_blocks: int | None, stack_name: str) -> list[str]:
+        """What of these degrees the stack's DualPipeV cannot run (a degree or layer count not known: no rule)."""
+        problems = []
+        if cp and cp > 1 and not self.beside_cp:
+            problems.append(f"schedule=dualpipev with cp={cp}: the {stack_name} stack runs DualPipeV without "
+                            "context parallelism")
+        if self.even_split and pp and num_blocks is not None and num_blocks % (2 * pp):
+            problems.append(f"schedule=dualpipev with pp={pp}: the {stack_name} stack splits the layers evenly "
+                            f"over 2 pp = {2 * pp} chunks, and the model has {num_blocks}")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -166,9 +177,9 @@ def _schedule_pin_problems(pins: Pins, global_batch: int) -> list[str]:
     if pins.vp and pins.vp != 2:
         problems.append(f"schedule=dualpipev with vp={pins.vp}: DualPipeV runs two chunks per rank (vp=2)")
     if pins.dp and pins.mbs and pins.pp and global_batch % (pins.dp * pins.mbs) == 0 \
-            and global_batch // (pins.dp * pins.mbs) < 2 * pins.pp:
+            and global_batch // (pins.dp * pins.mbs) < dualpipev_least_micro_batches(pins.pp):
         problems.append(f"schedule=dualpipev with {global_batch // (pins.dp * pins.mbs)} micro-batches: it needs at "
-                        f"least 2 pp = {2 * pins.pp} (torch ScheduleDualPipeV)")
+                        f"least 2 pp = {dualpipev_least_micro_batches(pins.pp)} (torch ScheduleDualPipeV)")
     return problems
 
 
@@ -234,11 +245,10 @@ def _dualpipev_allowed(graph: ModelGraph, shape: MeshShape, micro_batches: int, 
     # a pinned vp without a schedule means the interleaved one (as the layout text reads it)
     if rules is None or not (pins.schedule == Schedule.dualpipev or (pins.schedule is None and pins.vp is None)):
         return False
-    if shape.pp < 2 or micro_batches < 2 * shape.pp or 2 * shape.pp > most_chunks(graph.num_blocks):
+    if shape.pp < 2 or micro_batches < dualpipev_least_micro_batches(shape.pp) \
+            or 2 * shape.pp > most_chunks(graph.num_blocks):
         return False
-    if rules.even_split and graph.num_blocks % (2 * shape.pp):
-        return False
-    return rules.beside_cp or shape.cp == 1
+    return not rules.problems(shape.pp, shape.cp, graph.num_blocks, "")
 
 
 def placement_choices(graph: ModelGraph, shape: MeshShape, pins: Pins,

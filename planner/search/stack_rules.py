@@ -117,18 +117,16 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
     if not stack.dualpipev_schedule:
         return [f"schedule=dualpipev: the {name} stack has no DualPipeV schedule (torch ScheduleDualPipeV, "
                 "torchtitan's DualPipeV, MindSpeed's --schedules-method dualpipev)"]
-    problems = []
-    if pins.cp and pins.cp > 1 and not stack.dualpipev_beside_cp:
-        problems.append(f"schedule=dualpipev with cp={pins.cp}: the {name} stack runs DualPipeV without context "
-                        "parallelism")
-    if stack.dualpipev_even_split and pins.pp and graph is not None and graph.num_blocks % (2 * pins.pp):
-        problems.append(f"schedule=dualpipev with pp={pins.pp}: the {name} stack splits the layers evenly over "
-                        f"2 pp = {2 * pins.pp} chunks, and {graph.name} has {graph.num_blocks}")
+    problems = dualpipev_rules(stack).problems(pins.pp, pins.cp, graph.num_blocks if graph is not None else None, name)
     if pins.a2a_overlap:
         problems.append("a2a_overlap=true with schedule=dualpipev: combined 1F1B is another schedule; DualPipeV's "
                         f"own pairs {'hide' if stack.dualpipev_hides_moe_a2a else 'do not hide'} MoE all-to-alls "
                         f"in the {name} stack")
     return problems
+
+
+def dualpipev_rules(stack: SoftwareStack) -> DualPipeVRules:
+    return DualPipeVRules(stack.dualpipev_even_split, stack.dualpipev_beside_cp)
 
 
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
@@ -168,8 +166,7 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
         fixed["grad_reduce"] = GradReduce(stack.gradient_reduce)
     if pins.fp8_recipe is None and stack.fp8_recipes:
         fixed["fp8_recipe"] = Fp8Recipe(stack.fp8_recipes[0])
-    dualpipev = DualPipeVRules(stack.dualpipev_even_split, stack.dualpipev_beside_cp) \
-        if stack.dualpipev_schedule else None
+    dualpipev = dualpipev_rules(stack) if stack.dualpipev_schedule else None
     return replace(pins, zero_stages=stack.zero_stages, dualpipev=dualpipev,
                    interleaved_schedule=stack.interleaved_schedule, **fixed)
 
