@@ -55,7 +55,7 @@ def main() -> None:
     except ImportError:
         print("\ntransformers is not installed: no transformers rows (pip install -e '.[test]')")
         return
-    print(f"\n| transformers class | parameters | build s | capture s (wall) | CPU s | front end |")
+    print("\n| transformers class | parameters | build s | capture s (wall) | CPU s | front end |")
     print("|---|---|---|---|---|---|")
     for name in HF_MODELS:
         module, build_s, _ = timed(lambda: hf_module(name))

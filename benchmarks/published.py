@@ -24,10 +24,13 @@ LAYOUT_FIELDS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vp
 # MT-NLG on Selene, BLOOM) checkpointed all layers or none and materialised attention; Korthikanti et al.
 # added sequence parallelism and selective recomputation; NeMo and Megatron-Bridge recipes overlap TP
 # communication (ub_tp_comm_overlap / tp_comm_overlap).
+# A longer id prefix wins: dgxc-benchmarking's 25.03 Grok runs used NeMo 24.12's YAML launcher (grok1/launch.sh
+# FW_VERSION=24.12), its 25.05 releases NeMo 2's performance scripts (deepseek_v3/pretraining and grok1 launch.sh:
+# NeMo 25.04, `python3 -m scripts.performance.llm.pretrain_*`).
 FAMILY_STACKS = {"narayanan21": "megatron-lm-2021", "mtnlg": "megatron-lm-2021", "bloom": "megatron-lm-2021",
                  "opt": "megatron-lm-2021", "korthikanti22": "megatron-lm-2022", "mbridge": "megatron-bridge",
-                 "nemo2407": "nemo", "dgxc": "nemo", "torchtitan": "torchtitan", "pangu": "mindspeed",
-                 "megatron24": "megatron-core"}
+                 "nemo2407": "nemo", "dgxc": "nemo", "dgxc-250504": "nemo-2", "torchtitan": "torchtitan",
+                 "pangu": "mindspeed", "megatron24": "megatron-core"}
 FAMILY_STACK_SETTINGS = {
     # Megatron-LM's 2024 README table: the calibration has assumed TP overlap on; the README does not say
     "megatron24": {"tp_comm_overlap": True},
@@ -41,12 +44,22 @@ RUN_STACK_SETTINGS = {
     # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) and enable_deepep (H100 only):
     # `--moe-a2a-overlap --moe-dispatcher deepep`
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True, "moe_dispatcher": "deepep"},
+    # NVIDIA/NeMo 6f2c6fda (dgxc-benchmarking v25.05.04 grok1/setup.sh's NEMO_COMMIT) scripts/performance/llm/
+    # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`
+    "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True},
 }
+
+
+def run_family(run_id: str) -> str:
+    """The longest FAMILY_STACKS prefix of a run id (its first word at least)."""
+    words = run_id.split("-")
+    prefixes = ("-".join(words[:n]) for n in range(len(words), 0, -1))
+    return next((p for p in prefixes if p in FAMILY_STACKS), words[0])
 
 
 def run_stack(run_id: str) -> SoftwareStack:
     """The software stack a published run is predicted with, through the public API's `stack=`."""
-    family = run_id.split("-")[0]
+    family = run_family(run_id)
     stack = load_stack(FAMILY_STACKS.get(family, DEFAULT_FAMILY_STACK))
     settings = {**FAMILY_STACK_SETTINGS.get(family, {}), **RUN_STACK_SETTINGS.get(run_id, {})}
     return stack.model_copy(update=settings) if settings else stack
@@ -65,6 +78,14 @@ RECIPE_SETTINGS = {
     # the same launcher line as RUN_STACK_SETTINGS' (run_script.py @6476ea0f): the run used combined 1F1B, so
     # it is pinned on rather than left to the search (`--fix a2a_overlap=true`)
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True},
+    # dgxc-benchmarking v25.05.04 deepseek_v3/pretraining/launch.sh (H100): `-vp 1 --expert_tensor_parallel_size 1
+    # --recompute_modules mla_up_proj`; the NeMo script it runs (NVIDIA/NeMo 7a8f1cc7 scripts/performance/llm/
+    # pretrain_deepseek_v3.py) sets recompute_granularity selective and num_layers_in_first/last_pipeline_stage
+    # 64 / pp - 1 and - 2 (7 and 6 decoder layers at pp 8; Megatron-Core puts the MTP module in the last stage
+    # beside them), its recipe's optimizer distributed_fused_adam_with_cosine_annealing use_distributed_optimizer
+    # (ZeRO-1): the whole layout is stated, so the run is predicted as `evaluate` takes it (`predict`)
+    "dgxc-250504-dsv3-bf16-h100-512gpu": {"vp": 1, "etp": 1, "zero": 1, "recompute": "selective",
+                                          "recompute_modules": "mla_up_proj", "stages": "7-8*6-7"},
     # the rows' precision label 'FP8-MX' (microscaling FP8: Megatron --fp8-recipe mxfp8); 'FP8-CS' rows take
     # the stack's first recipe, tensorwise
     **{run: {"fp8_recipe": "mxfp8"} for run in ("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
@@ -122,6 +143,10 @@ def missing_model_fields(run: dict) -> list[str]:
 # Megatron-Bridge's tables name DeepSeek-V3 rows "w/ MTP" or "w/o MTP"; its recipes train one module
 # (DeepSeek-V3's num_nextn_predict_layers: 1); the runs file has no field for it
 MTP_MARK, MTP_MODULES = "w/ MTP", 1
+# Runs whose launcher trains MTP without the row saying so. NVIDIA/NeMo 7a8f1cc7 (dgxc-benchmarking v25.05.04
+# deepseek_v3/pretraining/setup.sh's NEMO_COMMIT): scripts/performance/llm/pretrain_deepseek_v3.py builds
+# `pretrain_recipe()`, whose use_mtp defaults to True (nemo/collections/llm/recipes/deepseek_v3.py: mtp_num_layers=1)
+MTP_BY_LAUNCHER = ("dgxc-250504-dsv3-bf16-h100-512gpu",)
 
 
 def _model(run: dict) -> ModelConfig:
@@ -141,7 +166,7 @@ def _model(run: dict) -> ModelConfig:
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
         add_bias=gpt, mla=MLAConfig(**mla) if mla else None,
         moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None,
-        mtp_layers=MTP_MODULES if MTP_MARK in m["name"] else 0)
+        mtp_layers=MTP_MODULES if MTP_MARK in m["name"] or run["id"] in MTP_BY_LAUNCHER else 0)
 
 
 def _step_time(run: dict, gbs: int, seq: int) -> tuple[float | None, str]:
@@ -290,6 +315,9 @@ def check_published(run: PublishedRun) -> PublishedCheck | None:
 def predict(run: PublishedRun, time_limit_s: float = 20.0):
     """The planner's best plan for the run's published layout through the public API: the fields the
     source leaves out are searched within what the run's stack can do."""
-    from planner.api import plan
+    from planner.api import evaluate, plan
+    if "stages" in run.known:   # a stated split comes with the whole layout, which `evaluate` takes
+        return evaluate(run.model, run.cluster, run.known, global_batch=run.global_batch, seq_len=run.seq_len,
+                        precision=run.precision, time_limit_s=time_limit_s, stack=run_stack(run.id))
     return plan(run.model, run.cluster, global_batch=run.global_batch, seq_len=run.seq_len,
                 precision=run.precision, time_limit_s=time_limit_s, top_k=1, stack=run_stack(run.id), **run.known)

@@ -232,3 +232,22 @@ def test_mla_up_projection_recomputation_is_exported_as_megatron_core_takes_it()
         with pytest.raises(ValueError, match="mla_up_proj"):
             TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, recompute_granularity="selective",
                               recompute_modules=["mla_up_proj"])
+
+
+@pytest.mark.parametrize("stack_name", ["megatron-core", "nemo-2", "megatron-bridge"])
+def test_megatron_core_stacks_name_only_what_megatron_core_takes(stack_name):
+    """Each recompute module and FP8 recipe a Megatron-Core-based stack offers is one Megatron-Core 0.16.1
+    accepts: MLATransformerConfig validates the modules, its Fp8Recipe enum names the recipes."""
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    stack = load_stack(stack_name)
+    assert set(stack.fp8_recipes) <= {recipe.value for recipe in Fp8Recipe}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in stack.recompute_modules:
+            transformer = MLATransformerConfig(
+                num_layers=4, hidden_size=64, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, num_moe_experts=4, moe_router_topk=2,
+                recompute_granularity="selective", recompute_modules=[module])
+            assert transformer.recompute_modules == [module]

@@ -18,7 +18,7 @@ from planner.search.space import pins_from
 from planner.search.stack_rules import layout_stack_problems, stack_problems
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
-BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
+BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "nemo-2", "megatron-bridge", "torchtitan",
             "deepspeed", "llm-foundry", "mindspeed", "parallel-planner", "torchtitan-npu"}
 
 
