@@ -44,6 +44,12 @@ RUN_STACK_SETTINGS = {
     # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) and enable_deepep (H100 only):
     # `--moe-a2a-overlap --moe-dispatcher deepep`
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True, "moe_dispatcher": "deepep"},
+    # NVIDIA-NeMo/Megatron-Bridge v0.2.1 (the release whose performance summary has the 25.11 tables)
+    # scripts/performance/configs/qwen3/workload_base_configs.py QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG: the
+    # row's degrees and batch (256 GPUs, TP2 PP8 VP4 EP32, GBS 2048) with moe_a2a_overlap=True, which
+    # utils/helpers.py set_moe_a2a_overlap_overrides turns into overlap_moe_expert_parallel_comm and
+    # delay_wgrad_compute (combined 1F1B): `--moe-a2a-overlap`
+    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"moe_a2a_overlap": True},
     # NVIDIA/NeMo 6f2c6fda (dgxc-benchmarking v25.05.04 grok1/setup.sh's NEMO_COMMIT) scripts/performance/llm/
     # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`
     "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True},
@@ -78,6 +84,8 @@ RECIPE_SETTINGS = {
     # the same launcher line as RUN_STACK_SETTINGS' (run_script.py @6476ea0f): the run used combined 1F1B, so
     # it is pinned on rather than left to the search (`--fix a2a_overlap=true`)
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True},
+    # the same configuration as RUN_STACK_SETTINGS' (Megatron-Bridge v0.2.1): combined 1F1B pinned on
+    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"a2a_overlap": True},
     # dgxc-benchmarking v25.05.04 deepseek_v3/pretraining/launch.sh (H100): `-vp 1 --expert_tensor_parallel_size 1
     # --recompute_modules mla_up_proj`; the NeMo script it runs (NVIDIA/NeMo 7a8f1cc7 scripts/performance/llm/
     # pretrain_deepseek_v3.py) sets recompute_granularity selective and num_layers_in_first/last_pipeline_stage
