@@ -17,6 +17,7 @@ from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Precision, Recompute, RecomputeModule
+from .pipeline import combined_1f1b_paired_share
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
                      optimizer_state_bytes_per_param, params_on_rank)
 from .records import MATMUL_KINDS, LayerKind, ModelCosts
@@ -210,8 +211,8 @@ class MeshCosts:
             paired = 1.0   # every steady-state pass runs beside another; the rest `dualpipev_seconds` bills alone
         elif self.stack.hides_moe_a2a(lay):
             # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer; the
-            # first forward and last backward are alone
-            paired = (lay.num_micro_batches - 1) / lay.num_micro_batches
+            # warmup forwards and cooldown backwards are alone
+            paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
         else:
             return 2 * per_pass
         # each pass's all-to-alls hide behind the other's compute

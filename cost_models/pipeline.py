@@ -130,6 +130,18 @@ def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, vir
     return min(float(num_micro_batches), float(base))
 
 
+def combined_1f1b_paired_share(stages: int, virtual_stages: int, num_micro_batches: int) -> float:
+    """Share of a rank's chunk forwards that combined 1F1B (MoE all-to-all overlap) runs beside another
+    micro-batch's backward. Without a pipeline the first forward and the last backward run alone
+    (combined_1f1b_schedule_for_no_pipelining); interleaved, a rank's warmup forwards and as many cooldown
+    backwards run alone, 2 (p - i - 1) + (v - 1) p + 1 on rank i (Megatron-Core schedules.py
+    get_pp_rank_microbatches, default group of p micro-batches). Rank 0's count: it starts the first
+    forward and ends the last backward, so its passes span the step."""
+    passes = num_micro_batches * virtual_stages
+    alone = 1 if stages == 1 else 2 * (stages - 1) + (virtual_stages - 1) * stages + 1
+    return max(0, passes - alone) / passes
+
+
 def p2p_transfers_on_critical_path(stages: int, virtual_stages: int, v_shape: bool = False) -> int:
     """Sends that fill and drain the pipeline: 2 (p - 1), and v times as many chunk hops interleaved; a V
     (DualPipeV) passes its middle chunk to itself: 2 (2p - 2)."""

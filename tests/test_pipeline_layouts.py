@@ -124,6 +124,13 @@ def test_interleaved_ranks_hold_what_torch_and_megatron_schedules_hold(pp, vp, m
                 p2p_communicator=SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vp))
             held = min(warmup + 1, micro_batches * vp) / vp
             assert in_flight_micro_batches(rank, pp, micro_batches, vp, paired) == pytest.approx(held)
+    # combined 1F1B pairs what rank 0 neither warms up nor cools down with (as Megatron-Core counts them)
+    from cost_models.pipeline import combined_1f1b_paired_share
+    group = SimpleNamespace(size=lambda: pp, rank=lambda: 0)
+    total, _, warmup, remaining = get_pp_rank_microbatches(
+        micro_batches, vp, pp, overlap_moe_expert_parallel_comm=True,
+        p2p_communicator=SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vp))
+    assert combined_1f1b_paired_share(pp, vp, micro_batches) == pytest.approx(remaining / total)
     # 1F1B without interleaving, and no pipeline (combined 1F1B: the next forward beside this backward)
     assert [in_flight_micro_batches(r, 4, 8) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight_micro_batches(0, 1, 8, 1, paired=True) == 2 and in_flight_micro_batches(0, 1, 1, 1, True) == 1
