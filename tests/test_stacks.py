@@ -257,3 +257,15 @@ def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
     assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == pytest.approx(hidden * 20 / 112, rel=1e-6)
     assert any("20 of 132 SMs" in r for r in billed.reasons)
     assert any("no SM count" in r for r in unbilled.reasons)
+
+
+def test_nemo_2_runs_the_recipes_its_scripts_take():
+    """NeMo 2's performance scripts take --fp8_recipe ds | cs | mxfp8 (Megatron-Core 0.12 has no blockwise):
+    blockwise is refused naming the stack, and its --recompute_modules reach Megatron-Core's set."""
+    layout = "tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none,fp8_recipe={}"
+    with pytest.raises(UserInputError, match="nemo-2 stack has delayed, tensorwise, mxfp8"):
+        api.evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, stack="nemo-2",
+                     precision="fp8", layout=layout.format("blockwise"))
+    assert api.evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, stack="nemo-2",
+                        precision="fp8", layout=layout.format("tensorwise")).stack == "nemo-2"
+    assert "mla_up_proj" in load_stack("nemo-2").recompute_modules
