@@ -122,7 +122,7 @@ def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, vir
         return dualpipev_in_flight(stages)
     v = virtual_stages
     if v > 1:
-        chunks = 2 * (stages - stage - 1) + (v - 1) * stages + 1 + (1 if paired else 0)
+        chunks = interleaved_warmup_forwards(stage, stages, v, paired) + 1
         return min(float(num_micro_batches), chunks / v)
     base = stages - stage
     if paired and stages == 1:
@@ -130,15 +130,21 @@ def in_flight_micro_batches(stage: int, stages: int, num_micro_batches: int, vir
     return min(float(num_micro_batches), float(base))
 
 
+def interleaved_warmup_forwards(stage: int, stages: int, virtual_stages: int, paired: bool = False) -> int:
+    """Chunk forwards pipeline rank `stage` runs before its first backward, interleaved: 2 (p - i - 1) +
+    (v - 1) p, one more under combined 1F1B (Megatron-Core schedules.py get_pp_rank_microbatches with its
+    default group of p micro-batches)."""
+    return 2 * (stages - stage - 1) + (virtual_stages - 1) * stages + (1 if paired else 0)
+
+
 def combined_1f1b_paired_share(stages: int, virtual_stages: int, num_micro_batches: int) -> float:
     """Share of a rank's chunk forwards that combined 1F1B (MoE all-to-all overlap) runs beside another
     micro-batch's backward. Without a pipeline the first forward and the last backward run alone
-    (combined_1f1b_schedule_for_no_pipelining); interleaved, a rank's warmup forwards and as many cooldown
-    backwards run alone, 2 (p - i - 1) + (v - 1) p + 1 on rank i (Megatron-Core schedules.py
-    get_pp_rank_microbatches, default group of p micro-batches). Rank 0's count: it starts the first
+    (combined_1f1b_schedule_for_no_pipelining); with one (interleaved: Megatron-Core pairs nothing else) a
+    rank's warmup forwards and as many cooldown backwards run alone. Rank 0's count: it starts the first
     forward and ends the last backward, so its passes span the step."""
     passes = num_micro_batches * virtual_stages
-    alone = 1 if stages == 1 else 2 * (stages - 1) + (virtual_stages - 1) * stages + 1
+    alone = 1 if stages == 1 else interleaved_warmup_forwards(0, stages, virtual_stages, paired=True)
     return max(0, passes - alone) / passes
 
 
