@@ -83,6 +83,9 @@ class SoftwareStack(Strict):
     fused_kernels: bool                      # each norm and activation function is one kernel: a norm keeps its
     #                                          input and fp32 row statistics, an activation its input; false:
     #                                          the model's own code for them runs op by op, as written
+    # a gated activation (SwiGLU, GeGLU: act(gate) * up) as one kernel that keeps its two inputs and
+    # recomputes act(gate) in backward, so the product does not store it (Megatron-Core's bias_swiglu_impl)
+    fused_gated_activation: bool = False
     tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
     moe_a2a_overlap: bool                    # MoE all-to-alls beside another micro-batch's compute
     # MoE token dispatcher: a plain all-to-all (one copy per chosen expert), or DeepEP's deduplicated one

@@ -145,6 +145,20 @@ def node_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | Non
     return modules.get(node.target) if node.op == "call_module" else None
 
 
+# the activations of gated linear units: SwiGLU's silu(gate) * up, GeGLU's gelu(gate) * up
+GATE_ACTIVATIONS = {"silu", "gelu"}
+
+
+def is_multiply(node: fx.Node) -> bool:
+    return node.target is operator.mul or function_name(node) in ("mul", "mul_")
+
+
+def is_activation_node(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """An activation module (transformers' ACT2FN classes) or a silu / gelu call."""
+    module = node_module(node, modules)
+    return may_be_activation(module) if module is not None else function_name(node) in GATE_ACTIVATIONS
+
+
 def function_name(node: fx.Node) -> str:
     """What a call_method or call_function node calls, by name: `view` for both x.view and
     torch.Tensor.view (the recording front end writes Tensor methods as functions)."""

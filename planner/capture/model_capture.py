@@ -47,7 +47,7 @@ class _TopAnalyzer(_Analyzer):
     """The whole model with blocks as leaves: measures each block kind once, skips repeats."""
 
     def __init__(self, gm, block_names: list[str], modules: dict[str, nn.Module], seq_len: int,
-                 leaf_names: tuple[str, ...], fused_kernels: bool):
+                 leaf_names: tuple[str, ...], fused_kernels: bool, fused_gated_activation: bool = False):
         self.block_names = set(block_names)
         self.first_block, self.last_block = block_names[0], block_names[-1]
         self.passed_first = False
@@ -55,7 +55,8 @@ class _TopAnalyzer(_Analyzer):
         owners = dict(gm.named_modules())
         vocab_parallel = {n.name for n in gm.graph.nodes if n.op == "call_module"
                           and isinstance(owners.get(n.target), nn.Linear | nn.Embedding)}
-        super().__init__(gm, vocab_parallel, seq_len, part_of=self._part_of, fused_kernels=fused_kernels)
+        super().__init__(gm, vocab_parallel, seq_len, part_of=self._part_of, fused_kernels=fused_kernels,
+                         fused_gated_activation=fused_gated_activation)
         self.block_modules = modules
         self.leaf_names = leaf_names
         self.kind_of_signature: dict[tuple, str] = {}
@@ -100,7 +101,8 @@ class _TopAnalyzer(_Analyzer):
         key = signature(block)
         if key not in self.kind_of_signature:
             measured, structure, found = measure_block(block, args, kwargs, self.seq_len, node.target,
-                                                       self.leaf_names, self.fused_kernels)
+                                                       self.leaf_names, self.fused_kernels,
+                                                       self.fused_gated_activation)
             name = self._kind_name(measured, structure)
             structure = BlockStructure(**{**structure.__dict__, "kind": name})
             self.kind_of_signature[key] = name
@@ -199,7 +201,8 @@ def _vocab_of(model: nn.Module) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_kernels: bool) -> ModelGraph:
+def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_kernels: bool,
+                    fused_gated_activation: bool = False) -> ModelGraph:
     start = time.perf_counter()
     model, name = _instantiate(source, seq_len)
     model.train()
@@ -211,7 +214,8 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
     vocab = _vocab_of(model)
     tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     top, front_end = _top_graph(model, {id(module) for _, module in blocks}, tokens, leaf_names, name)
-    analyzer = _TopAnalyzer(top, [n for n, _ in blocks], dict(blocks), seq_len, leaf_names, fused_kernels)
+    analyzer = _TopAnalyzer(top, [n for n, _ in blocks], dict(blocks), seq_len, leaf_names, fused_kernels,
+                            fused_gated_activation)
     parts = analyzer.measure(tokens)
 
     seen_params: set[int] = set()
@@ -285,13 +289,15 @@ def _notes(parts: list[Measured]) -> tuple[str, ...]:
 
 
 def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (),
-            attention_impl: str | None = None, fused_kernels: bool = False) -> ModelGraph:
+            attention_impl: str | None = None, fused_kernels: bool = False,
+            fused_gated_activation: bool = False) -> ModelGraph:
     """Capture a model (built-in name, YAML, HF config, `file.py:factory`, ModelConfig or nn.Module).
 
     `attention_impl` ("flash" or "math"): how a model built from a config runs attention, as the software
     stack does it, unless the config names its own; a user module's own attention code is what it captures.
     `fused_kernels`: the stack runs every norm as one fused kernel (it keeps its input and fp32 statistics);
-    else each norm's own code is measured op by op."""
+    else each norm's own code is measured op by op. `fused_gated_activation`: a gated activation's act(gate)
+    is recomputed by its fused kernel, not stored (the stack field of that name)."""
     source = resolve_model(model)
     if attention_impl is not None and isinstance(source, ModelConfig) \
             and "attention_impl" not in source.model_fields_set:
@@ -303,4 +309,5 @@ def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (
         seq_len = source.seq_length
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= MAX_SEQ:
         raise UserInputError(f"{seq_len!r}", field="seq_len", expected=f"a positive integer sequence length up to {MAX_SEQ:,}")
-    return _capture_cached(source, int(seq_len), tuple(leaf_modules), bool(fused_kernels))
+    return _capture_cached(source, int(seq_len), tuple(leaf_modules), bool(fused_kernels),
+                           bool(fused_gated_activation))

@@ -23,6 +23,7 @@ from hardware_profiles.errors import UserInputError
 
 from .expert_structure import router_groups, router_topk, stacked_experts
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
+                             is_activation_node, is_multiply,
                              head_norms, is_expert_container, is_linear_like, is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
@@ -151,9 +152,12 @@ class _Analyzer(fx.Interpreter):
     """Runs a graph on meta tensors; records node costs and attributes saved tensors to producers."""
 
     def __init__(self, gm: fx.GraphModule, tensor_region: set[str], seq_len: int, part_of=None,
-                 shared_inputs: tuple[torch.Tensor, ...] = (), fused_kernels: bool = False):
+                 shared_inputs: tuple[torch.Tensor, ...] = (), fused_kernels: bool = False,
+                 fused_gated_activation: bool = False):
         super().__init__(gm)
         self.fused_kernels = fused_kernels
+        self.fused_gated_activation = fused_gated_activation
+        self.node_named = {n.name: n for n in gm.graph.nodes}
         self.opaque_flops: dict[str, float] = {}   # leaf modules measured as one op: their counted FLOPs
         self.modules = dict(gm.named_modules())
         self.tensor_region = tensor_region
@@ -181,6 +185,8 @@ class _Analyzer(fx.Interpreter):
             self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         if key in self.state_keys or key in self.seen or self.current is None:
             return t
+        if self.fused_gated_activation and self._recomputed_by_gated_kernel(key):
+            return t
         self.seen.add(key)
         self.alive.append(t)
         producer = self.producer.get(key, self.current.name)
@@ -197,6 +203,15 @@ class _Analyzer(fx.Interpreter):
         self.savers[key] = _Savers(saved, len(saved) - 1, t.untyped_storage().nbytes() // t.element_size())
         self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         return t
+
+    def _recomputed_by_gated_kernel(self, key: int) -> bool:
+        """The activation's output that a gating multiply keeps (act(gate) * up) where the stack runs the two
+        as one kernel: it keeps gate and up (which the activation and the multiply also keep here) and
+        recomputes act(gate) in backward. Inside an opaque leaf (an expert container) the ops are not told
+        apart, so its gated activations stay as measured."""
+        made_by = self.node_named.get(self.producer.get(key, ""))
+        return (made_by is not None and is_multiply(self.current) and set(made_by.users) == {self.current}
+                and is_activation_node(made_by, self.modules))
 
     def _is_attention_matrix(self, node: fx.Node, out) -> bool:
         """s x s shaped and born of two activations multiplied, or of such a matrix: the shape alone would
@@ -337,15 +352,16 @@ def _named(qualname: str, leaf_names: tuple[str, ...]) -> bool:
 
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, label: str,
-                  leaf_names: tuple[str, ...] = (), fused_kernels: bool = False
-                  ) -> tuple[Measured, BlockStructure, BlockGraph]:
+                  leaf_names: tuple[str, ...] = (), fused_kernels: bool = False,
+                  fused_gated_activation: bool = False) -> tuple[Measured, BlockStructure, BlockGraph]:
     found = block_graph(block, args, kwargs, label, leaf_names)
     gm = found.graph_module
     modules = dict(gm.named_modules())
     pairs, region = find_tp_pairs(gm.graph, modules)
     pair_linears = {name for pair in pairs for name in pair.columns + (pair.row,)}
     region |= {n.name for n in gm.graph.nodes if n.op == "call_module" and n.target in pair_linears}
-    analyzer = _Analyzer(gm, region, seq_len, shared_inputs=found.inputs[1:], fused_kernels=fused_kernels)
+    analyzer = _Analyzer(gm, region, seq_len, shared_inputs=found.inputs[1:], fused_kernels=fused_kernels,
+                         fused_gated_activation=fused_gated_activation)
     measured = analyzer.measure(*found.inputs)["all"]
     measured.warnings.extend(n for n in found.notes if n not in measured.warnings)
     pairs, _ = find_tp_pairs(gm.graph, modules, measured.shapes)   # fused columns need the shapes
