@@ -23,8 +23,8 @@ from hardware_profiles.errors import UserInputError
 
 from .expert_structure import router_groups, router_topk, stacked_experts
 from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
-                             is_activation_node, is_multiply,
-                             head_norms, is_expert_container, is_linear_like, is_norm_like, routed_experts)
+                             head_norms, is_activation_node, is_expert_container, is_linear_like, is_multiply,
+                             is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .recording import record
@@ -194,7 +194,7 @@ class _Analyzer(fx.Interpreter):
         is_dropout = self.current.target is F.dropout or isinstance(self.modules.get(self.current.target), nn.Dropout)
         if is_dropout and key not in self.producer:
             nbytes = t.numel()  # dropout keeps a 1-byte mask (meta decomposes it to the input dtype)
-        producer_node = next((n for n in self.module.graph.nodes if n.name == producer), self.current)
+        producer_node = self.node_named.get(producer, self.current)
         attention_matrix = (producer in self.attention_nodes if producer != self.current.name  # made by this op:
                             else self._is_attention_matrix(self.current, t))               # not classified yet
         saved = self.results.setdefault(self.part_of(self.current), Measured()).saved
