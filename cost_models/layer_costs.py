@@ -23,6 +23,7 @@ from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_by
 from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
+RECOMPUTE_INDEX = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
 ACTIVATION_BYTES = 2       # bf16 activations on the wire
 ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master/m/v 12, write 12 + bf16 weight 2
 
@@ -48,7 +49,7 @@ class LayerWork:
     ep_comm_alone_s: float                         # the all-to-alls of a forward and backward run alone
 
     def work_before_zero_s(self, recompute: Recompute) -> float:
-        return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
+        return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_INDEX[recompute]]
                 + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s)
 
     @property
@@ -60,7 +61,7 @@ class LayerWork:
     def backward_alone_s(self, recompute: Recompute) -> float:
         """The backward run alone: its compute, recomputation and its half of the exposed communication
         (forward and backward each run the layer's collectives once)."""
-        return (self.backward_s + self.recompute_s[RECOMPUTE_ORDER.index(recompute)]
+        return (self.backward_s + self.recompute_s[RECOMPUTE_INDEX[recompute]]
                 + (self.tp_comm_s + self.cp_comm_s + self.ep_comm_alone_s) / 2)
 
 

@@ -62,6 +62,9 @@ class ModelStateBytes:
         return ModelStateBytes(self.weights + other.weights, self.gradients + other.gradients,
                                self.optimizer + other.optimizer)
 
+    def __rmul__(self, count: float) -> "ModelStateBytes":   # `count` layers of one kind
+        return ModelStateBytes(count * self.weights, count * self.gradients, count * self.optimizer)
+
 
 def params_on_rank(kind: LayerKind, sharding: StateSharding) -> tuple[float, float]:
     """(dense, expert) parameters of one layer held by one rank before ZeRO."""

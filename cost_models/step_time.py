@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hardware_profiles.schema import Cluster
 
-from .layer_costs import RECOMPUTE_ORDER, LayerCost, MeshCosts
+from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import SoftwareStack
 
@@ -85,9 +85,6 @@ def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:
     return ranges
 
 
-RECOMPUTE_INDEX = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
-
-
 def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: tuple[Recompute, ...],
                  with_embedding: bool, with_head: bool, micro_batches: int) -> StageTotals:
     model, lay = costs.model, costs.layout
@@ -99,15 +96,13 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         items.append((costs.layer(model.embedding), Recompute.none, 1))
     if with_head:
         items.append((costs.layer(model.head), Recompute.none, 1))
-    index = RECOMPUTE_INDEX
     compute = sum(n * (c.forward_s + c.backward_s) for c, _, n in items)
-    recomputed = sum(n * c.recompute_s[index[r]] for c, r, n in items)
+    recomputed = sum(n * c.recompute_s[RECOMPUTE_INDEX[r]] for c, r, n in items)
     in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay),
                                         lay.dualpipev)
-    activations = in_flight * sum(n * c.activation_bytes[index[r]] for c, r, n in items)
+    activations = in_flight * sum(n * c.activation_bytes[RECOMPUTE_INDEX[r]] for c, r, n in items)
     working = max((c.working_bytes for c, r, _ in items if r is not Recompute.none), default=0.0)
-    states = ModelStateBytes(*(sum(n * getattr(c.states, part) for c, _, n in items)
-                               for part in ("weights", "gradients", "optimizer")))
+    states = sum((n * c.states for c, _, n in items), ModelStateBytes(0.0, 0.0, 0.0))
     memory = StageMemory(
         stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         activations=activations,

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
-from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+from cost_models.layer_costs import RECOMPUTE_INDEX, MeshCosts
 from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
@@ -24,7 +24,7 @@ from hardware_profiles.schema import Cluster
 
 from .partition import selective_is_one_switch
 
-MEMORY_RANK = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
+MEMORY_RANK = RECOMPUTE_INDEX   # none, selective, full: least memory last
 
 
 @dataclass(frozen=True)
@@ -245,8 +245,8 @@ class Bounds:
                     offers = self._selective_prices(cost)
                 else:
                     offers = [(cost.work_s(method) - cost.work_s(self.fastest),
-                               cost.activation_bytes[RECOMPUTE_ORDER.index(self.fastest)]
-                               - cost.activation_bytes[RECOMPUTE_ORDER.index(method)])]
+                               cost.activation_bytes[RECOMPUTE_INDEX[self.fastest]]
+                               - cost.activation_bytes[RECOMPUTE_INDEX[method]])]
                 for seconds, saved in offers:
                     if saved > 0:
                         prices.append(seconds / saved)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+from cost_models.layer_costs import RECOMPUTE_INDEX, RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, least_blocks
@@ -127,7 +127,6 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     layer = {kind: costs.layer(model.kind(kind)) for kind, _, _ in runs}
     emb, head = costs.layer(model.embedding), costs.layer(model.head)
     extra = [r for r in RECOMPUTE_ORDER[1:] if r in allowed]
-    index = {r: i for i, r in enumerate(RECOMPUTE_ORDER)}
     cp = cp_model.CpModel()
 
     # one kind of block: only blocks per pipeline rank matter (any split of them into vp chunks is
@@ -243,7 +242,7 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
                         mem_terms.append(-_m(flight * c.module_freed_bytes[MODULE_INDEX[mod]]) * part[i, r, mod])
                     continue
                 r_terms.append(_t_extra(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
-                mem_terms.append(_m(flight * (c.activation_bytes[index[k]] - c.activation_bytes[0])) * redo[i, r, k])
+                mem_terms.append(_m(flight * (c.activation_bytes[RECOMPUTE_INDEX[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
         # DualPipeV: the rank alone (A) and its bubble term (A + B - kW); recomputation lengthens A and B
