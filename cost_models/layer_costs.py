@@ -28,11 +28,11 @@ ACTIVATION_BYTES = 2       # bf16 activations on the wire
 ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master/m/v 12, write 12 + bf16 weight 2
 
 
-def compute_slowdown_beside(held_sms: int, sm_count: int) -> float:
-    """Compute seconds lost per second that compute runs beside a kernel holding `held_sms` of the device's
-    `sm_count` SMs: it runs on the rest, f / (1 - f) longer for the share f held (DeepSeek-V3 3.2.2 dedicates
-    SMs to communication for this reason)."""
-    return held_sms / (sm_count - held_sms)
+def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:
+    """Seconds a pass's all-to-all adds when it runs beside `compute_s` of another micro-batch's compute while
+    holding `held_share` of the device's SMs: the compute runs on the rest while it lasts, so the pair takes
+    max(a, c + a f) and exposes max(a - c, a f) (DeepSeek-V3 3.2.2 dedicates SMs to communication for this)."""
+    return max(a2a_s - compute_s, a2a_s * held_share)
 
 
 @dataclass(frozen=True)
@@ -216,18 +216,27 @@ class MeshCosts:
             paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
         else:
             return 2 * per_pass
-        # each pass's all-to-alls hide behind the other's compute
-        hidden = paired * (min(per_pass, compute.backward_s) + min(per_pass, compute.forward_s))
-        return 2 * per_pass - hidden + hidden * self.sm_share_lost_beside_dispatch()
+        # each pass's all-to-alls run beside the other's compute, on the SMs the compute leaves them
+        share = self.sm_share_held_by_dispatch() or 0.0
+        beside = exposed_beside_compute(per_pass, compute.backward_s, share) + \
+            exposed_beside_compute(per_pass, compute.forward_s, share)
+        return 2 * per_pass * (1 - paired) + paired * beside
 
-    def sm_share_lost_beside_dispatch(self) -> float:
-        """Compute seconds lost per second of dispatch hidden behind it: DeepEP's kernels hold `deepep_sms` of
-        the device's SMs, so the compute beside them runs on the rest (f / (1 - f) longer for the share f they
-        hold); 0 for NCCL's all-to-all, or where the profile gives no SM count (the plan says so)."""
-        sms = self.cluster.device.sm_count
-        if self.stack.moe_dispatcher != "deepep" or sms is None:
-            return 0.0
-        return compute_slowdown_beside(self.stack.deepep_sms, sms)
+    def sm_share_held_by_dispatch(self) -> float | None:
+        """The share of the device's SMs the dispatch kernels hold while they run: DeepEP's `deepep_sms`, or
+        NCCL's p2p channels (within a node, or across nodes where the expert group leaves its node); None
+        where the profile gives no SM count or no NCCL channel count (the plan says so)."""
+        device = self.cluster.device
+        if device.sm_count is None:
+            return None
+        if self.stack.moe_dispatcher == "deepep":
+            return self.stack.deepep_sms / device.sm_count
+        if device.nccl_p2p_sms is None:
+            return None
+        group = self.placement[2].of("ep")
+        held = device.nccl_p2p_sms.across_nodes if group.ranks_per_node < group.size else \
+            device.nccl_p2p_sms.within_node
+        return held / device.sm_count
 
     def _deduplicated_pass_s(self, kind: LayerKind, tokens: float) -> float:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the

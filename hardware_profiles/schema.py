@@ -100,6 +100,13 @@ class MemoryReserve(Strict):
     fragmentation_fraction: float = Field(ge=0, lt=1)
 
 
+class NcclP2pSms(Strict):
+    """SMs NCCL's point-to-point kernel (the all-to-all's) holds while it runs: one CTA, one SM, per p2p
+    channel, pow2Up(min(channels, 64)) (NVIDIA/nccl src/graph/paths.cc ncclTopoComputeP2pChannels)."""
+    within_node: int = Field(gt=0)      # every peer on this node (NVLink)
+    across_nodes: int = Field(gt=0)     # peers on other nodes: NCCL picks channels by its NICs then
+
+
 class Device(Strict):
     name: str
     display_name: str
@@ -114,6 +121,9 @@ class Device(Strict):
     # streaming multiprocessors (NVIDIA): what a communication kernel that occupies SMs (DeepEP) takes from
     # the GEMMs running beside it; None where no profile source gives the count
     sm_count: int | None = Field(default=None, gt=0)
+    # what NCCL's all-to-all holds of them (the compute it hides behind runs on the rest); None where no
+    # NCCL log for the node is known
+    nccl_p2p_sms: NcclP2pSms | None = None
     # tensor cores that apply MXFP8's per-block scales (Blackwell); the mxfp8 recipe needs them
     mxfp8: bool = False
     gemm: GemmEfficiency

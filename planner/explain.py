@@ -1,7 +1,6 @@
 """Why a plan: the reasons a person reads, and what each alternative loses."""
 from __future__ import annotations
 
-from cost_models.layer_costs import compute_slowdown_beside
 from cost_models.layout import Recompute
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
@@ -95,12 +94,19 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
 
 
 def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
-    """What DeepEP's SMs cost where combined 1F1B hides its kernels behind compute, or that it is not billed."""
-    if not (stack.moe_dispatcher == "deepep" and stack.hides_moe_a2a(best.layout)):
+    """What the dispatch kernels' SMs cost where combined 1F1B hides them behind compute, or that it is not
+    billed (`LayerCosts.sm_share_held_by_dispatch`)."""
+    if not stack.hides_moe_a2a(best.layout):
         return []
-    sms = cluster.device.sm_count
-    if sms is None:
-        return [f"DeepEP's kernels hold {stack.deepep_sms} SMs while combined 1F1B hides them behind compute; the "
-                f"{cluster.device.name} profile gives no SM count, so the compute they slow is not billed"]
-    return [f"DeepEP's kernels hold {stack.deepep_sms} of {sms} SMs while combined 1F1B hides them behind compute: "
-            f"that compute is billed {compute_slowdown_beside(stack.deepep_sms, sms):.0%} slower while they run"]
+    device = cluster.device
+    deepep = stack.moe_dispatcher == "deepep"
+    kernels = "DeepEP's kernels hold" if deepep else "NCCL's all-to-all holds"
+    if device.sm_count is None or not (deepep or device.nccl_p2p_sms):
+        missing = "no SM count" if device.sm_count is None else "no NCCL p2p channel count"
+        return [f"{kernels} SMs while combined 1F1B hides them behind compute; the {device.name} profile gives "
+                f"{missing}, so the compute they slow is not billed"]
+    channels = device.nccl_p2p_sms
+    held = f"{stack.deepep_sms}" if deepep else \
+        f"one per p2p channel ({channels.within_node} within a node, {channels.across_nodes} across nodes)"
+    return [f"{kernels} {held} of {device.sm_count} SMs while combined 1F1B hides them behind compute: that "
+            "compute runs on the rest while they last"]

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cost_models.layout import Layout
 from hardware_profiles.errors import UserInputError
@@ -241,7 +243,8 @@ def test_a_swapping_stack_on_a_device_without_a_host_link_is_refused():
 
 def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
     """Combined 1F1B hides DeepEP's dispatch behind another micro-batch's compute, which then runs on the SMs
-    DeepEP leaves (DeepSeek-V3 3.2.2: 20 of the H800's 132): for every second hidden, 20/112 s more compute.
+    DeepEP leaves (DeepSeek-V3 3.2.2: 20 of the H800's 132): for every second hidden, 20/132 s more (the
+    compute beside it runs at 112/132 of its speed while it lasts).
     Checked against the same plan without an SM count (nothing billed, and the plan says so) and without the
     overlap (nothing hidden)."""
     from hardware_profiles.loader import cluster_from_device
@@ -254,9 +257,50 @@ def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
         for cluster, on in ((h100, "true"), (unknown, "true"), (h100, "false")))
     hidden = alone.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"]
     assert hidden > 0
-    assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == pytest.approx(hidden * 20 / 112, rel=1e-6)
+    assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == pytest.approx(hidden * 20 / 132, rel=1e-6)
     assert any("20 of 132 SMs" in r for r in billed.reasons)
     assert any("no SM count" in r for r in unbilled.reasons)
+
+
+def test_nccl_all_to_all_hidden_behind_compute_holds_its_p2p_channels_sms():
+    """NCCL's all-to-all runs one CTA per p2p channel, each on its own SM (NVIDIA/nccl ncclTopoComputeP2pChannels):
+    NCCL logged 32 p2p channels on one 8 x H100 node and 16 across two. Hidden behind another micro-batch's
+    compute by combined 1F1B, it slows that compute by 32/132 s per second hidden where the expert group stays
+    in its node and 16/132 where it spans two; a profile without the count bills nothing and says so. (The
+    network is made fast enough here that every all-to-all fits inside the compute beside it.)"""
+    from hardware_profiles.loader import cluster_from_device
+    stack = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True})
+    h100 = cluster_from_device("h100-sxm", 16)
+    network = h100.inter_node
+    fast = network.model_copy(update={"nic_bandwidth_gbit_per_s": 100 * network.nic_bandwidth_gbit_per_s})
+    h100 = h100.model_copy(update={"inter_node": fast})
+    unknown = h100.model_copy(update={"device": h100.device.model_copy(update={"nccl_p2p_sms": None})})
+    layout = "tp=1,pp=1,dp=16,cp=1,ep={},etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap={}"
+    for ep, held in ((8, 32), (16, 16)):
+        billed, unbilled, alone = (
+            api.evaluate("qwen3-30b-a3b", cluster, layout.format(ep, on), global_batch=64, stack=stack)
+            for cluster, on in ((h100, "true"), (unknown, "true"), (h100, "false")))
+        hidden = alone.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"]
+        assert hidden > 0
+        assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == \
+            pytest.approx(hidden * held / 132, rel=1e-6)
+    assert any("32 within a node, 16 across nodes) of 132 SMs" in r for r in billed.reasons)
+    assert any("no NCCL p2p channel count" in r for r in unbilled.reasons)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a2a=st.floats(0.01, 10), compute=st.floats(0.01, 10), held=st.integers(1, 100))
+def test_an_all_to_all_beside_compute_exposes_what_sharing_the_sms_step_by_step_gives(a2a, compute, held):
+    """The closed form max(a - c, a f) against a step-by-step run of the two kernels: the all-to-all at full
+    speed, the compute at (1 - f) of it while the all-to-all lasts and at full speed after."""
+    from cost_models.layer_costs import exposed_beside_compute
+    share, step = held / 132, max(a2a, compute) / 4000
+    t, comm_left, work_left = 0.0, a2a, compute
+    while comm_left > 0 or work_left > 0:
+        work_left -= step * ((1 - share) if comm_left > 0 else 1.0)
+        comm_left -= step
+        t += step
+    assert t - compute == pytest.approx(exposed_beside_compute(a2a, compute, share), abs=3 * step)
 
 
 def test_nemo_2_runs_the_recipes_its_scripts_take():
