@@ -94,10 +94,18 @@ RECIPE_SETTINGS = {
     # (ZeRO-1): the whole layout is stated, so the run is predicted as `evaluate` takes it (`predict`)
     "dgxc-250504-dsv3-bf16-h100-512gpu": {"vp": 1, "etp": 1, "zero": 1, "recompute": "selective",
                                           "recompute_modules": "mla_up_proj", "stages": "7-8*6-7"},
+    # NVIDIA-NeMo/Megatron-Bridge v0.2.1 scripts/performance/configs/deepseek/workload_base_configs.py
+    # DEEPSEEK_V3_B200_BASE_CONFIG: the row's degrees and batch (256 GPUs, PP16 EP8, GBS 2048) with ETP 1 and
+    # recompute_modules ["mla_up_proj"] (selective, deepseek_llm_pretrain.py); its recipe
+    # (recipes/deepseek/deepseek_v3.py) takes the distributed optimizer (ZeRO-1) and, for (pp 16, vp 1), the
+    # pipeline layout embedding + 4 decoders, 14 x 4 decoders, 1 decoder + MTP + loss: `stages=4*15-2`
+    # (and the precision label 'FP8-MX', as below; dp = GPUs / (tp pp cp), as the row's notes have it)
+    "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp": {"dp": 16, "etp": 1, "zero": 1, "recompute": "selective",
+                                                         "recompute_modules": "mla_up_proj", "stages": "4*15-2",
+                                                         "fp8_recipe": "mxfp8"},
     # the rows' precision label 'FP8-MX' (microscaling FP8: Megatron --fp8-recipe mxfp8); 'FP8-CS' rows take
     # the stack's first recipe, tensorwise
     **{run: {"fp8_recipe": "mxfp8"} for run in ("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
-                                                "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp",
                                                 "mbridge-25p11-b200-qwen3-235b-a22b-mxfp8-64gpu")},
 }
 

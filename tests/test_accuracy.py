@@ -137,3 +137,16 @@ def test_deepseek_v3_on_512_h100_is_predicted_as_its_launcher_ran_it(runs):
     assert [len(stage.layers) for stage in result.stages] == [7, 8, 8, 8, 8, 8, 8, 7]   # the last: MTP too
     assert result.layout.recompute == "selective" and result.layout.recompute_modules == "mla_up_proj"
     assert result.step_time_s == pytest.approx(run.measured_step_s, rel=0.25)
+
+
+def test_deepseek_v3_on_256_b200_is_predicted_with_its_megatron_bridge_recipe(runs):
+    """Megatron-Bridge v0.2.1's DEEPSEEK_V3_B200_BASE_CONFIG has the row's degrees and batch; its recipe's
+    pipeline layout for pp 16 puts the embedding and 4 decoder layers first, 4 in each middle stage, and one
+    decoder layer with the MTP module and the loss last (61 + 1 MTP = 62 blocks)."""
+    run = runs["mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp"]
+    assert run.model.mtp_layers == 1
+    result = predict(run)
+    assert [len(stage.layers) for stage in result.stages] == [4] * 15 + [2]
+    assert result.layout.zero == 1 and result.layout.etp == 1 and result.layout.fp8_recipe == "mxfp8"
+    assert result.layout.recompute == "selective" and result.layout.recompute_modules == "mla_up_proj"
+    assert result.step_time_s == pytest.approx(run.measured_step_s, rel=0.25)
