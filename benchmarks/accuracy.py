@@ -55,16 +55,6 @@ MISS_NOTES = {
         "with FP8 current scaling takes 3.5-3.7 ms per forward whatever the tokens, 0.8-1.3 ms in BF16: "
         "host time for launches and casts that the model does not bill. What the 25.11 FP8 recipe spent is "
         "in no source, and a per-run factor is not allowed: the miss stands."),
-    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": (
-        "Megatron-Bridge v0.2.1's configuration for exactly these degrees and batch "
-        "(QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG: 256 GPUs, TP2 PP8 VP4 EP32, GBS 2048) sets moe_a2a_overlap, "
-        "combined 1F1B, so the row is predicted with it (RUN_STACK_SETTINGS, RECIPE_SETTINGS). Without it the "
-        "prediction was 22.87 s (+9.9%) with 13.95 s of expert all-to-all exposed; the model hides 7.6 s of it "
-        "behind the paired micro-batch's compute, where the measurement leaves room for about 2.1 s hidden. "
-        "Each all-to-all here outlasts the compute beside it, so the 16 SMs NCCL's all-to-all holds across nodes "
-        "(nccl_p2p_sms) slow nothing on the critical path. The 25.09 DeepSeek-V3 row on 1,024 H100, also "
-        "combined 1F1B, is predicted fast too (below: -16% in BF16). What combined 1F1B hides on "
-        "H100 over InfiniBand is in no source read; no factor is fitted to it: the miss stands."),
 }
 
 # Why a run the API cannot predict is not predictable, beyond the API's own message

@@ -49,7 +49,9 @@ RUN_STACK_SETTINGS = {
     # row's degrees and batch (256 GPUs, TP2 PP8 VP4 EP32, GBS 2048) with moe_a2a_overlap=True, which
     # utils/helpers.py set_moe_a2a_overlap_overrides turns into overlap_moe_expert_parallel_comm and
     # delay_wgrad_compute (combined 1F1B): `--moe-a2a-overlap`
-    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"moe_a2a_overlap": True},
+    # configs/qwen3/qwen3_llm_pretrain.py qwen3_235b_a22b_h100_config: CommOverlapConfig(tp_comm_overlap=False):
+    # `--moe-a2a-overlap`, TP overlap off
+    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"moe_a2a_overlap": True, "tp_comm_overlap": False},
     # NVIDIA/NeMo 6f2c6fda (dgxc-benchmarking v25.05.04 grok1/setup.sh's NEMO_COMMIT) scripts/performance/llm/
     # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`
     "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True},
@@ -84,8 +86,14 @@ RECIPE_SETTINGS = {
     # the same launcher line as RUN_STACK_SETTINGS' (run_script.py @6476ea0f): the run used combined 1F1B, so
     # it is pinned on rather than left to the search (`--fix a2a_overlap=true`)
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True},
-    # the same configuration as RUN_STACK_SETTINGS' (Megatron-Bridge v0.2.1): combined 1F1B pinned on
-    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"a2a_overlap": True},
+    # the same configuration as RUN_STACK_SETTINGS' (Megatron-Bridge v0.2.1): combined 1F1B pinned on; ETP 1;
+    # set_qwen3_common_configs sets recompute_granularity None (no recomputation); the recipe
+    # (recipes/qwen/qwen3_moe.py qwen3_235b_a22b_pretrain_config) takes the distributed optimizer (ZeRO-1) and
+    # counts the embedding and the loss as a layer each in the pipeline split (account_for_embedding/loss_in_
+    # pipeline_split): 96 over 32 chunks, embedding + 2 decoder layers first, 3 in each, 2 + loss last;
+    # dp = GPUs / (tp pp cp)
+    "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"a2a_overlap": True, "dp": 16, "etp": 1, "zero": 1,
+                                                      "recompute": "none", "stages": "2-3*30-2"},
     # dgxc-benchmarking v25.05.04 deepseek_v3/pretraining/launch.sh (H100): `-vp 1 --expert_tensor_parallel_size 1
     # --recompute_modules mla_up_proj`; the NeMo script it runs (NVIDIA/NeMo 7a8f1cc7 scripts/performance/llm/
     # pretrain_deepseek_v3.py) sets recompute_granularity selective and num_layers_in_first/last_pipeline_stage

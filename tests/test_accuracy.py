@@ -139,6 +139,18 @@ def test_deepseek_v3_on_512_h100_is_predicted_as_its_launcher_ran_it(runs):
     assert result.step_time_s == pytest.approx(run.measured_step_s, rel=0.25)
 
 
+def test_qwen3_235b_on_256_h100_is_predicted_with_its_megatron_bridge_recipe(runs):
+    """Megatron-Bridge v0.2.0-v0.2.2's QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG has the row's degrees and batch
+    with combined 1F1B; its script turns TP overlap off and recomputation off, and its recipe counts the
+    embedding and the loss as a layer each in the pipeline split (96 over pp 8 x vp 4 chunks)."""
+    run = runs["mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu"]
+    result = predict(run)
+    assert [len(stage.layers) for stage in result.stages] == [2] + [3] * 30 + [2]
+    assert result.layout.moe_a2a_overlap and not result.layout.tp_comm_overlap
+    assert result.layout.recompute == "none" and result.layout.zero == 1 and result.fits
+    assert result.step_time_s == pytest.approx(run.measured_step_s, rel=0.25)
+
+
 def test_deepseek_v3_on_256_b200_is_predicted_with_its_megatron_bridge_recipe(runs):
     """Megatron-Bridge v0.2.1's DEEPSEEK_V3_B200_BASE_CONFIG has the row's degrees and batch; its recipe's
     pipeline layout for pp 16 puts the embedding and 4 decoder layers first, 4 in each middle stage, and one
