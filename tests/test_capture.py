@@ -109,6 +109,40 @@ def test_each_routed_copy_of_a_token_keeps_its_expert_activations():
     assert two - one == pytest.approx(s * (2 * h + 4 * f) * 2, rel=0.03)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_expert_activation_moves_what_the_experts_own_ops_move(activation):
+    """The activation between an expert's GEMMs is billed per routed token as the bytes the experts' own
+    non-GEMM ops read and write, counted op by op under a dispatch mode on meta tensors (SwiGLU: silu reads and
+    writes f, the product reads 2f and writes f; GELU: f and f)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from planner.capture.op_costs import expert_activation_elements
+    from planner.capture.reference_model import GroupedExperts
+    h, f, experts, per_expert = 256, 96, 4, 32
+    cfg = ModelConfig(name="moe", num_layers=1, hidden_size=h, num_attention_heads=4, ffn_hidden_size=4 * h,
+                      vocab_size=512, seq_length=128, activation=activation,
+                      moe=MoEConfig(num_experts=experts, router_topk=2, moe_ffn_hidden_size=f))
+    module = GroupedExperts(cfg, experts, f).to(device="meta", dtype=torch.bfloat16)
+
+    class Moved(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "bmm" not in func.__name__:
+                tensors = [a for a in (*args, out) if isinstance(a, torch.Tensor)]
+                Moved.total += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    tokens = torch.empty(experts, per_expert, h, device="meta", dtype=torch.bfloat16)
+    with Moved():
+        module(tokens)
+    gemms = tuple((p.shape[1], p.shape[2]) for p in module.parameters())
+    _, moved = expert_activation_elements(gemms, h)
+    assert Moved.total == moved * experts * per_expert * 2
+
+
 def test_flash_attention_removes_the_attention_matrix_term():
     layer = capture(gpt(l=2, h=H, a=A, s=S, impl="flash", dropout=0.0)).kind("dense")
     got = activation_bytes(layer, Recompute.none, 1, False, 1, 1)

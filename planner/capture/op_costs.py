@@ -82,8 +82,20 @@ def elementwise_cost(name: str, args, out, sharding: Sharding, kind: OpKind = Op
     return OpCost(name, kind, sharding, float(numel), float(numel), 0.0, moved, None)
 
 
+def expert_activation_elements(gemms: tuple[tuple[int, int], ...], hidden: int) -> tuple[int, int]:
+    """(written, moved) elements per routed token of the activation between an expert's up- and
+    down-projections, run as the model's code runs a dense layer's (no fused kernel credited): each GEMM's
+    side other than the hidden size; the narrowest, f, is the down-projection's input. Gated (the up side
+    2f wide): act(gate) reads and writes f, the product reads 2f and writes f, 5f moved; plain: 2f."""
+    widths = [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
+    written = min(widths)
+    gated = sum(widths) - written > written
+    return written, 5 * written if gated else 2 * written
+
+
 def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) -> list[OpCost]:
-    """Router, routed experts (balanced: tokens*k spread over experts) and shared experts of a MoE leaf."""
+    """Router, routed experts (balanced: tokens*k spread over experts) with the activation between their
+    GEMMs, and shared experts of a MoE leaf."""
     experts = routed_experts(module)
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
@@ -94,6 +106,11 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
         moved = (per_expert * (n_in + n_out) * size + n_in * n_out * size) * experts.count
         costs.append(_gemm(f"{name}.experts[{n_in}x{n_out}]", Sharding.expert, per_expert, n_in, n_out,
                            moved, n_in * n_out * size * experts.count, experts.count))
+    if len(experts.gemms) > 1:
+        written, moved = expert_activation_elements(experts.gemms, hidden)
+        slots = tokens * topk
+        costs.append(OpCost(f"{name}.experts.activation", OpKind.elementwise, Sharding.expert, float(slots * written),
+                            float(slots * written), 0.0, slots * moved * size, None))
     expert_modules = set(experts.module_list.modules()) if experts.module_list is not None else set()
     for child_name, child in module.named_modules():
         if not isinstance(child, nn.Linear) or child in expert_modules:
