@@ -47,6 +47,7 @@ class ShardSpec:
     causal_attention_work: float = 0.5
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
     etp: int = 1    # ranks splitting each expert's weights
+    sort_copies: int = 0   # copies of the routed tokens the dispatcher adds (SoftwareStack.moe_sort_copies)
 
     @classmethod
     def of(cls, layout: "Layout", stack: "SoftwareStack", ep: int | None = None, etp: int | None = None) -> "ShardSpec":
@@ -54,7 +55,8 @@ class ShardSpec:
         return cls(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
                    precision=layout.precision, fp8_recipe=layout.fp8_recipe,
                    causal_attention_work=stack.causal_attention_work,
-                   ep=layout.ep if ep is None else ep, etp=layout.etp if etp is None else etp)
+                   ep=layout.ep if ep is None else ep, etp=layout.etp if etp is None else etp,
+                   sort_copies=stack.moe_sort_copies if stack.moe_dispatcher == "alltoall" else 0)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,10 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
         backward_work = work * (FLASH_BACKWARD_RECOMPUTE if fused else 1.0)
         return (gemm_seconds(device, op.forward_flops * work, op.gemm_count, "bf16"),
                 gemm_seconds(device, op.backward_input_flops * backward_work, op.gemm_count, "bf16"), 0.0)
+    if op.kind is OpKind.token_copy:   # the dispatcher's sorts by local expert, where a rank has more than one
+        copies = spec.sort_copies if op.gemm_count // spec.ep > 1 else 0
+        seconds = copies * memory_seconds(device, op.bytes_accessed * scale)
+        return seconds, seconds, 0.0   # a copy's backward is the reverse copy
     # memory-bound: forward moves its bytes once; backward reads the gradient and input, writes one
     forward = memory_seconds(device, op.bytes_accessed * scale)
     return forward, 2 * forward, 0.0

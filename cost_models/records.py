@@ -21,6 +21,9 @@ class OpKind(str, Enum):
     elementwise = "elementwise" # memory-bound ops: norms, activations, residuals, rotary
     embedding = "embedding"     # a gather from a table
     loss = "loss"               # softmax cross-entropy over the vocabulary
+    # one copy of a MoE layer's routed tokens (k per token, read and written) that a stack's dispatcher may
+    # make beyond the model's own permutation (`SoftwareStack.moe_sort_copies` of them, compute.py)
+    token_copy = "token-copy"
 
 
 # the attention core, fused or not: what selective recomputation repeats by default (Korthikanti et al. 2022)

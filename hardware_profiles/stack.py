@@ -95,6 +95,11 @@ class SoftwareStack(Strict):
     # SMs DeepEP's kernels occupy while they run (DeepSeek-V3 3.2.2: 20 SMs saturate IB and NVLink; Megatron-Core
     # moe_flex_dispatcher_num_sms, historical default 20): compute overlapped with them runs on the rest
     deepep_sms: int = Field(default=20, gt=0)
+    # copies of the routed tokens the all-to-all dispatcher makes beyond the permutation and combine every
+    # dispatcher has, where a rank holds more than one expert: Megatron-Core sorts the received tokens by
+    # local expert before the experts and back after them (token_dispatcher.py, MoEAlltoAllTokenDispatcher
+    # "Permutation 2" / "Unpermutation 2", sort_chunks_by_idxs), 2; each reads and writes k tokens per token
+    moe_sort_copies: int = Field(default=0, ge=0)
     # trains a model's multi-token prediction modules (Megatron-Core --mtp-num-layers, since 0.12)
     multi_token_prediction: bool = False
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction

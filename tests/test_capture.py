@@ -143,6 +143,35 @@ def test_expert_activation_moves_what_the_experts_own_ops_move(activation):
     assert Moved.total == moved * experts * per_expert * 2
 
 
+def test_megatron_stacks_bill_the_sorts_megatron_cores_dispatcher_makes():
+    """Megatron-Core's all-to-all dispatcher (run on CPU in a process of its own,
+    tests/megatron_dispatcher_copies.py) sorts the received tokens by local expert and back: each step reads
+    and writes the k routed copies of every token once. The Megatron stacks bill `moe_sort_copies` (2) of
+    the copy a MoE leaf's capture records, the others none."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hardware_profiles.loader import list_stacks, load_stack
+    from planner.capture.model_capture import capture
+    tokens, h, experts, topk = 64, 32, 8, 2
+    script = Path(__file__).with_name("megatron_dispatcher_copies.py")
+    done = subprocess.run([sys.executable, str(script), *map(str, (tokens, h, experts, topk))], capture_output=True,
+                          text=True, timeout=300, check=True)
+    moved = json.loads(done.stdout.strip().splitlines()[-1])
+    fp32_copy = 2 * tokens * topk * h * 4
+    assert moved["sort"] == moved["unsort"] == fp32_copy
+    cfg = ModelConfig(name="moe", num_layers=1, hidden_size=h, num_attention_heads=4, ffn_hidden_size=4 * h,
+                      vocab_size=512, seq_length=tokens, moe=MoEConfig(num_experts=experts, router_topk=topk,
+                                                                       moe_ffn_hidden_size=16))
+    copy = next(op for op in capture(cfg).kind("moe").ops if op.kind == "token-copy")
+    assert copy.bytes_accessed == fp32_copy / 2   # the same tensors in bf16
+    sorts = {name: load_stack(name).moe_sort_copies for name in list_stacks()}
+    assert {name for name, n in sorts.items() if n} == {"megatron-core", "nemo", "nemo-2", "megatron-bridge"}
+    assert set(sorts.values()) == {0, (moved["sort"] + moved["unsort"]) // fp32_copy}
+
+
 def test_flash_attention_removes_the_attention_matrix_term():
     layer = capture(gpt(l=2, h=H, a=A, s=S, impl="flash", dropout=0.0)).kind("dense")
     got = activation_bytes(layer, Recompute.none, 1, False, 1, 1)

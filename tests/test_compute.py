@@ -108,3 +108,17 @@ def test_flash_backward_recomputes_the_scores():
     assert backward == pytest.approx(2.5 * forward, rel=1e-9)
     forward, backward, _ = op_seconds(unfused, a100, ShardSpec())
     assert backward == pytest.approx(2.0 * forward, rel=1e-9)
+
+
+def test_the_dispatchers_sorts_cost_their_bytes_where_a_rank_holds_several_experts():
+    """A stack's sorts by local expert (`moe_sort_copies`) each move the routed copy once forward and once
+    back (the reverse copy): bytes over the profile's sustained HBM bandwidth; nothing where each rank holds
+    one expert (Megatron-Core sorts only with more than one local expert) or the stack makes none."""
+    device = cluster_from_device("h100-sxm", 8).device
+    nbytes = 2.0 * 4096 * 8 * 7168 * 2   # 4,096 tokens, top-8, h 7168, bf16, read and written
+    copy = OpCost("moe.dispatcher_copy", OpKind.token_copy, Sharding.sequence, 0.0, 0.0, 0.0, nbytes, None, 256)
+    bandwidth = device.hbm_bandwidth_gbytes_per_s * 1e9 * device.hbm_bandwidth_fraction
+    assert op_seconds(copy, device, ShardSpec(ep=64, sort_copies=2)) == \
+        pytest.approx((2 * nbytes / bandwidth, 2 * nbytes / bandwidth, 0.0))
+    assert op_seconds(copy, device, ShardSpec(ep=256, sort_copies=2)) == (0.0, 0.0, 0.0)
+    assert op_seconds(copy, device, ShardSpec(ep=64, sort_copies=0)) == (0.0, 0.0, 0.0)

@@ -121,6 +121,9 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
         costs.append(_gemm(f"{name}.{child_name}", Sharding.sequence if router else Sharding.tensor,
                            tokens, child.in_features, child.out_features, moved, weight_bytes))
     costs.append(elementwise_cost(f"{name}.dispatch_combine", [x] * (2 * topk), out, Sharding.sequence))
+    routed = tokens * topk * hidden
+    costs.append(OpCost(f"{name}.dispatcher_copy", OpKind.token_copy, Sharding.sequence, float(routed),
+                        float(routed), 0.0, 2.0 * routed * size, None, experts.count))
     return costs
 
 
