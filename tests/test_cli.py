@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cost_models.layout import MEGATRON_ORDER
+from hardware_profiles.loader import load_device
 from planner import api, cli
 from planner.plans import Plan
 from planner.views import _differences
@@ -153,14 +154,16 @@ def exposed_chunked_ring(comm_s: float, compute_s: float, steps: int) -> float:
     return done - compute_s
 
 
-def exposed_combined_1f1b(a2a_s: float, compute_s: float, micro_batches: int) -> float:
+def exposed_combined_1f1b(a2a_s: float, compute_s: float, micro_batches: int, held_share: float) -> float:
     """Timeline of Megatron's combined 1F1B without a pipeline: F1, then slots (F(i+1) beside B(i)), then the
-    last B. In a slot each pass's all-to-alls run while the other pass computes (backward = 2 x forward);
-    what the other pass's compute cannot cover stays exposed, and the two unpaired passes expose theirs."""
+    last B. In a slot each pass's all-to-alls run while the other pass computes (backward = 2 x forward) on the
+    SMs the all-to-all leaves (it holds `held_share` of them): what the other pass's compute cannot cover
+    stays exposed, the compute it slows at least, and the two unpaired passes expose theirs."""
     forward, backward = compute_s / micro_batches / 3, 2 * compute_s / micro_batches / 3
     a2a_forward = a2a_backward = a2a_s / micro_batches / 2
     slots = micro_batches - 1
-    paired = max(0.0, a2a_forward - backward) + max(0.0, a2a_backward - forward)
+    paired = max(a2a_forward - backward, a2a_forward * held_share) + \
+        max(a2a_backward - forward, a2a_backward * held_share)
     return a2a_forward + slots * paired + a2a_backward
 
 
@@ -182,9 +185,11 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
         2 * plain["memory"][0]["parts"]["activations"], rel=1e-9)
     assert evaluate(1, 16, " --moe-a2a-overlap", rc="selective,a2a_overlap=false")["breakdown"] == plain["breakdown"]
     micro_batches = 64 // 16
+    h100 = load_device("h100-sxm")   # NCCL's all-to-all in one node holds one SM per p2p channel
+    held = h100.nccl_p2p_sms.within_node / h100.sm_count
     assert overlapped["breakdown"]["ep_comm_s"] == pytest.approx(
-        exposed_combined_1f1b(plain["breakdown"]["ep_comm_s"], plain["breakdown"]["compute_s"], micro_batches),
-        rel=1e-6)
+        exposed_combined_1f1b(plain["breakdown"]["ep_comm_s"], plain["breakdown"]["compute_s"], micro_batches,
+                              held), rel=1e-6)
     piped = evaluate(2, 8, " --moe-a2a-overlap")
     assert piped["layout"]["moe_a2a_overlap"] is False
     assert piped["breakdown"]["ep_comm_s"] == evaluate(2, 8)["breakdown"]["ep_comm_s"]
