@@ -34,11 +34,11 @@ UNSTATED_PRECISION_NOTE = (
     "not in the figures above. Megatron-Bridge's 25.09 tables have no precision column (their footnote suggests "
     "FP8 current scaling). The GB200 Llama rows' 1,791 (70B) and 1,840 (405B) model TFLOP/s per GPU are 72% "
     "and 74% of GB200's 2,500 BF16 dense peak, where no row the runs file states as BF16 reaches more than 48% "
-    "of its device's BF16 peak: FP8 is the likelier reading. For DeepSeek-V3 on 1,024 H100 the launcher line of "
-    "the same release sets combined 1F1B and DeepEP (RUN_STACK_SETTINGS); Megatron-Bridge's later H100 recipes "
-    "for its degrees and batch (megatron/bridge/perf_recipes, stored version of 2026) are named "
-    "deepseek_v3_pretrain_1024gpu_h100_bf16_config and fp8 alike, and recompute [\"mla_up_proj\", \"mlp\"] "
-    "(the search chooses its own set: the layout column).")
+    "of its device's BF16 peak: FP8 is the likelier reading. DeepSeek-V3 on 1,024 H100 is predicted as the "
+    "launcher line of the same release states it (NVIDIA-NeMo/Megatron-Bridge @6476ea0f run_script.py and "
+    "configs/deepseek/deepseek_v3_llm_pretrain.yaml; RUN_STACK_SETTINGS, RECIPE_SETTINGS): combined 1F1B, DeepEP, "
+    "recompute [\"mla_up_proj\", \"mlp\"], the pipeline layout \"Et|(tt|)*30mL\" with its MTP module, and on "
+    "H100 no gradient reduction overlapped.")
 
 # What is known of each run the model misses by more than 25%, with sources; no figure here enters a prediction
 MISS_NOTES = {
@@ -303,6 +303,13 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
                          f"{_layout_cell(bf16.layout)} | {run.measured_step_s:.3f} | {bf16.step_time_s:.3f} | "
                          f"{bf16.step_time_s / run.measured_step_s - 1:+.1%} | {fp8.step_time_s:.3f} | "
                          f"{fp8.step_time_s / run.measured_step_s - 1:+.1%} |")
+        over = [(run, result) for run, bf16, fp8 in unstated for result in (bf16, fp8) if not result.fits]
+        if over:
+            lines += ["", "Stated layouts these rows ran that exceed the memory model's usable HBM (the runs fit): "
+                      + "; ".join(f"{run.id} in {result.layout.precision.value.upper()}, "
+                                  f"{result.peak_memory_bytes / 1e9:.1f} GB peak of "
+                                  f"{min(m.capacity_bytes for m in result.memory) / 1e9:.1f} usable"
+                                  for run, result in over) + "."]
     if experts:
         lines += ["", "## Expert layouts published outside the runs file", "",
                   "Predicted through `planner.evaluate` with the megatron-core stack and the flags shown (never "

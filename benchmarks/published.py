@@ -43,7 +43,9 @@ RUN_STACK_SETTINGS = {
     # NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py @6476ea0f (October 2025, the 25.09 line):
     # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) and enable_deepep (H100 only):
     # `--moe-a2a-overlap --moe-dispatcher deepep`
-    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True, "moe_dispatcher": "deepep"},
+    # and on H100 overlap_grad_reduce False: the DP reduction is not hidden in the last backward
+    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True, "moe_dispatcher": "deepep",
+                                                      "dp_window_fraction": 0.0},
     # NVIDIA-NeMo/Megatron-Bridge v0.2.1 (the release whose performance summary has the 25.11 tables)
     # scripts/performance/configs/qwen3/workload_base_configs.py QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG: the
     # row's degrees and batch (256 GPUs, TP2 PP8 VP4 EP32, GBS 2048) with moe_a2a_overlap=True, which
@@ -84,8 +86,13 @@ RECIPE_SETTINGS = {
     # examples/megatron-turing-nlg/run_train.sh reproduces them with --activation_recomputation 2 (full)
     **{f"mtnlg-530b-{n}gpu": {"recompute": "full"} for n in (2240, 2800, 3360)},
     # the same launcher line as RUN_STACK_SETTINGS' (run_script.py @6476ea0f): the run used combined 1F1B, so
-    # it is pinned on rather than left to the search (`--fix a2a_overlap=true`)
-    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True},
+    # it is pinned on rather than left to the search (`--fix a2a_overlap=true`); on H100 it sets recompute_modules
+    # ["mla_up_proj", "mlp"]; configs/deepseek/deepseek_v3_llm_pretrain.yaml there: selective recomputation,
+    # the pipeline layout "Et|(tt|)*30mL" (embedding + 1 decoder layer, 30 chunks of 2, MTP + loss: the 1,024-GPU
+    # H100 entry's pp 8 x vp 4), ETP 1; its recipe takes the distributed optimizer (ZeRO-1); dp = GPUs / (tp pp cp)
+    "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"a2a_overlap": True, "dp": 64, "etp": 1, "zero": 1,
+                                                      "recompute": "selective", "recompute_modules": "mla_up_proj+mlp",
+                                                      "stages": "1-2*30-1"},
     # the same configuration as RUN_STACK_SETTINGS' (Megatron-Bridge v0.2.1): combined 1F1B pinned on; ETP 1;
     # set_qwen3_common_configs sets recompute_granularity None (no recomputation); the recipe
     # (recipes/qwen/qwen3_moe.py qwen3_235b_a22b_pretrain_config) takes the distributed optimizer (ZeRO-1) and
@@ -170,7 +177,9 @@ MTP_MARK, MTP_MODULES = "w/ MTP", 1
 # Runs whose launcher trains MTP without the row saying so. NVIDIA/NeMo 7a8f1cc7 (dgxc-benchmarking v25.05.04
 # deepseek_v3/pretraining/setup.sh's NEMO_COMMIT): scripts/performance/llm/pretrain_deepseek_v3.py builds
 # `pretrain_recipe()`, whose use_mtp defaults to True (nemo/collections/llm/recipes/deepseek_v3.py: mtp_num_layers=1)
-MTP_BY_LAUNCHER = ("dgxc-250504-dsv3-bf16-h100-512gpu",)
+# Megatron-Bridge @6476ea0f (the 25.09 line) runs DeepSeek-V3 with the layout "Et|(tt|)*30mL", whose m is the MTP
+# module (recipes/deepseek/deepseek_v3.py there: mtp_num_layers=1)
+MTP_BY_LAUNCHER = ("dgxc-250504-dsv3-bf16-h100-512gpu", "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu")
 
 
 def _model(run: dict) -> ModelConfig:
