@@ -372,3 +372,20 @@ def test_a_fused_gated_activation_keeps_what_megatron_cores_kernel_keeps():
             dropped = sum(s.bytes for s in before.saved) - sum(s.bytes for s in after.saved)
             expected = 64 * cfg.ffn_hidden_size * 2 if gated and before.role == "block" else 0   # bf16 here
             assert dropped == expected, (name, before.name)
+
+
+def test_a_fused_gated_activation_inside_an_expert_leaf_keeps_what_megatron_cores_kernel_keeps():
+    """Inside an expert container, which capture runs as one leaf, the fused rule holds for every routed
+    token: per MoE layer, Megatron-Core's kernel on T k routed tokens keeps T k f fewer elements than the
+    separate ops (measured on the kernel), and capture under the flag keeps exactly that much less; plain
+    GELU experts keep all they kept."""
+    tokens, topk, f = 128, 2, 96
+    per_element = _megatron_gated_kernel_saves_less(tokens * topk, f) / (tokens * topk * f)   # 4: fp32 there
+    for activation, gated in (("swiglu", True), ("gelu", False)):
+        cfg = ModelConfig(name="moe", num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+                          vocab_size=512, seq_length=tokens, activation=activation,
+                          moe=MoEConfig(num_experts=4, router_topk=topk, moe_ffn_hidden_size=f))
+        plain, fused = (capture(cfg, fused_kernels=True, fused_gated_activation=flag).kind("moe")
+                        for flag in (False, True))
+        dropped = sum(s.bytes for s in plain.saved) - sum(s.bytes for s in fused.saved)
+        assert dropped == (tokens * topk * f * per_element / 2 if gated else 0)   # bf16 here

@@ -89,8 +89,14 @@ def expert_activation_elements(gemms: tuple[tuple[int, int], ...], hidden: int) 
     2f wide): act(gate) reads and writes f, the product reads 2f and writes f, 5f moved; plain: 2f."""
     widths = [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
     written = min(widths)
-    gated = sum(widths) - written > written
-    return written, 5 * written if gated else 2 * written
+    return written, 5 * written if experts_gated(gemms, hidden) else 2 * written
+
+
+def experts_gated(gemms: tuple[tuple[int, int], ...], hidden: int) -> bool:
+    """Whether experts' activation gates (act(gate) * up): their up side is twice as wide as the
+    down-projection's input (one gate-and-up GEMM 2f wide, or a gate and an up GEMM f wide each)."""
+    widths = [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
+    return sum(widths) - min(widths) > min(widths)
 
 
 def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) -> list[OpCost]:

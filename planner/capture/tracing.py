@@ -32,7 +32,12 @@ from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
 from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
                       is_activation, norm_statistics)
-from .op_costs import attention_cost, node_costs, storage_key
+from .op_costs import attention_cost, experts_gated, node_costs, storage_key
+
+
+# autograd nodes of the activations a gated MLP runs on its gate (SwiGLU's silu, GeGLU's GELU): what made a
+# tensor saved inside an expert leaf, told from its grad_fn where no graph node says
+ACTIVATION_BACKWARDS = ("SiluBackward", "GeluBackward")
 
 
 class CaptureTracer(fx.Tracer):
@@ -185,7 +190,7 @@ class _Analyzer(fx.Interpreter):
             self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         if key in self.state_keys or key in self.seen or self.current is None:
             return t
-        if self.fused_gated_activation and self._recomputed_by_gated_kernel(key):
+        if self.fused_gated_activation and (self._recomputed_by_gated_kernel(key) or self._gated_in_experts(t)):
             return t
         self.seen.add(key)
         self.alive.append(t)
@@ -207,11 +212,21 @@ class _Analyzer(fx.Interpreter):
     def _recomputed_by_gated_kernel(self, key: int) -> bool:
         """The activation's output that a gating multiply keeps (act(gate) * up) where the stack runs the two
         as one kernel: it keeps gate and up (which the activation and the multiply also keep here) and
-        recomputes act(gate) in backward. Inside an opaque leaf (an expert container) the ops are not told
-        apart, so its gated activations stay as measured."""
+        recomputes act(gate) in backward (inside an expert container run as one leaf: `_gated_in_experts`)."""
         made_by = self.node_named.get(self.producer.get(key, ""))
         return (made_by is not None and is_multiply(self.current) and set(made_by.users) == {self.current}
                 and is_activation_node(made_by, self.modules))
+
+    def _gated_in_experts(self, t: torch.Tensor) -> bool:
+        """The same inside an expert container that capture runs as one leaf, where no graph tells the ops
+        apart: a tensor an activation made (its grad_fn an activation's backward) in gated experts, whose
+        activation output only the gating multiply keeps (plain experts' is the down-projection's input)."""
+        if t.grad_fn is None or not type(t.grad_fn).__name__.startswith(ACTIVATION_BACKWARDS):
+            return False
+        module = self.modules.get(self.current.target) if self.current.op == "call_module" else None
+        experts = routed_experts(module) if module is not None else None
+        tokens = self.env.get(self.current.args[0]) if experts is not None and self.current.args else None
+        return isinstance(tokens, torch.Tensor) and experts_gated(experts.gemms, tokens.shape[-1])
 
     def _is_attention_matrix(self, node: fx.Node, out) -> bool:
         """s x s shaped and born of two activations multiplied, or of such a matrix: the shape alone would
