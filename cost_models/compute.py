@@ -144,7 +144,7 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
         return (gemm_seconds(device, op.forward_flops * work, op.gemm_count, "bf16"),
                 gemm_seconds(device, op.backward_input_flops * backward_work, op.gemm_count, "bf16"), 0.0)
     if op.kind is OpKind.token_copy:   # the dispatcher's sorts by local expert, where a rank has more than one
-        copies = spec.sort_copies if op.gemm_count // spec.ep > 1 else 0
+        copies = spec.sort_copies if op.gemm_count // spec.ep > 1 else 0   # gemm_count: the experts
         seconds = copies * memory_seconds(device, op.bytes_accessed * scale)
         return seconds, seconds, 0.0   # a copy's backward is the reverse copy
     # memory-bound: forward moves its bytes once; backward reads the gradient and input, writes one

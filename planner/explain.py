@@ -95,7 +95,7 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
 
 def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
     """What the dispatch kernels' SMs cost where combined 1F1B hides them behind compute, or that it is not
-    billed (`LayerCosts.sm_share_held_by_dispatch`)."""
+    billed (`MeshCosts.sm_share_held_by_dispatch`)."""
     if not stack.hides_moe_a2a(best.layout):
         return []
     device = cluster.device

@@ -82,21 +82,24 @@ def elementwise_cost(name: str, args, out, sharding: Sharding, kind: OpKind = Op
     return OpCost(name, kind, sharding, float(numel), float(numel), 0.0, moved, None)
 
 
-def expert_activation_elements(gemms: tuple[tuple[int, int], ...], hidden: int) -> tuple[int, int]:
-    """(written, moved) elements per routed token of the activation between an expert's up- and
-    down-projections, run as the model's code runs a dense layer's (no fused kernel credited): each GEMM's
-    side other than the hidden size; the narrowest, f, is the down-projection's input. Gated (the up side
-    2f wide): act(gate) reads and writes f, the product reads 2f and writes f, 5f moved; plain: 2f."""
-    widths = [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
-    written = min(widths)
-    return written, 5 * written if experts_gated(gemms, hidden) else 2 * written
+def _activation_widths(gemms: tuple[tuple[int, int], ...], hidden: int) -> list[int]:
+    """Each expert GEMM's side other than the hidden size: the up side(s) and the down-projection's input."""
+    return [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
 
 
 def experts_gated(gemms: tuple[tuple[int, int], ...], hidden: int) -> bool:
     """Whether experts' activation gates (act(gate) * up): their up side is twice as wide as the
-    down-projection's input (one gate-and-up GEMM 2f wide, or a gate and an up GEMM f wide each)."""
-    widths = [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
+    down-projection's input f, the narrowest (one gate-and-up GEMM 2f wide, or a gate and an up GEMM)."""
+    widths = _activation_widths(gemms, hidden)
     return sum(widths) - min(widths) > min(widths)
+
+
+def expert_activation_elements(gemms: tuple[tuple[int, int], ...], hidden: int) -> tuple[int, int]:
+    """(written, moved) elements per routed token of the activation between an expert's up- and
+    down-projections, run as the model's code runs a dense layer's (no fused kernel credited). Gated:
+    act(gate) reads and writes f, the product reads 2f and writes f, 5f moved; plain: 2f."""
+    written = min(_activation_widths(gemms, hidden))
+    return written, 5 * written if experts_gated(gemms, hidden) else 2 * written
 
 
 def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) -> list[OpCost]:
@@ -127,9 +130,9 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
         costs.append(_gemm(f"{name}.{child_name}", Sharding.sequence if router else Sharding.tensor,
                            tokens, child.in_features, child.out_features, moved, weight_bytes))
     costs.append(elementwise_cost(f"{name}.dispatch_combine", [x] * (2 * topk), out, Sharding.sequence))
-    routed = tokens * topk * hidden
+    routed = tokens * topk * hidden   # one copy of the routed tokens, read and written; its count: the experts
     costs.append(OpCost(f"{name}.dispatcher_copy", OpKind.token_copy, Sharding.sequence, float(routed),
-                        float(routed), 0.0, 2.0 * routed * size, None, experts.count))
+                        float(routed), 0.0, 2.0 * routed * size, None, experts.count))   # they are sorted among
     return costs
 
 
