@@ -288,6 +288,14 @@ def test_nccl_all_to_all_hidden_behind_compute_holds_its_p2p_channels_sms():
     assert any("no NCCL p2p channel count" in r for r in unbilled.reasons)
 
 
+def test_dualpipev_pairs_say_what_the_all_to_all_holds():
+    """DualPipeV's overlapped pairs hide the all-to-alls as combined 1F1B does, and the plan says so."""
+    stack = load_stack("torchtitan").model_copy(update={"dualpipev_hides_moe_a2a": True})
+    plan_ = api.evaluate("qwen3-30b-a3b", device="h100-sxm", num_devices=16, global_batch=64, stack=stack,
+                         layout="tp=1,pp=2,dp=8,cp=1,ep=8,etp=1,mbs=1,zero=2,recompute=full,schedule=dualpipev")
+    assert any("of 132 SMs while DualPipeV's pairs hide them" in r for r in plan_.reasons)
+
+
 @settings(max_examples=60, deadline=None)
 @given(a2a=st.floats(0.01, 10), compute=st.floats(0.01, 10), held=st.integers(1, 100))
 def test_an_all_to_all_beside_compute_exposes_what_sharing_the_sms_step_by_step_gives(a2a, compute, held):
