@@ -74,6 +74,15 @@ OTHER_MEASUREMENTS = [
         "Megatron-Bridge's own 25.09 table, the same degrees and batch, token dropping, precision not stated "
         f"(predicted in {precision}) (docs/performance-summary-archive.md, NVIDIA-NeMo/Megatron-Bridge 067f987d)",
         "tp=1,pp=2,vp=24,cp=1,ep=8,mbs=2", precision, 12.49)) for precision in ("bf16", "fp8")),
+    # 1,204 tokens/s per GPU: 2048 x 4096 / (1,204 x 256) = 27.22 s. Its launcher (Megatron-Bridge @6476ea0f
+    # run_script.py, configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml): TP overlap on, combined 1F1B only for
+    # DeepSeek-V3, recompute_granularity null; the stack flags differ from the 25.11 row's (the last field)
+    *((("mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu",
+        "Megatron-Bridge's own 25.09 table, the same degrees and batch, token dropping, precision not stated "
+        f"(predicted in {precision}), its launcher with TP overlap and without combined 1F1B "
+        "(docs/performance-summary-archive.md, NVIDIA-NeMo/Megatron-Bridge 067f987d; run_script.py @6476ea0f)",
+        "tp=2,pp=8,vp=4,cp=1,ep=32,etp=1,mbs=1,recompute=none,a2a_overlap=false", precision, 27.22,
+        {"tp_comm_overlap": True, "moe_a2a_overlap": False})) for precision in ("bf16", "fp8")),
 ]
 
 
@@ -153,12 +162,13 @@ def expert_layout_rows(entries=EXPERT_LAYOUTS) -> list[tuple]:
 def other_measurement_rows(runs) -> list[tuple]:
     by_id = {run.id: run for run in runs}
     rows = []
-    for run_id, source, layout, precision, measured in OTHER_MEASUREMENTS:
+    for run_id, source, layout, precision, measured, *stack_settings in OTHER_MEASUREMENTS:
         run = by_id.get(run_id)
         if run is None:
             continue
+        stack = run_stack(run.id).model_copy(update=stack_settings[0]) if stack_settings else run_stack(run.id)
         predicted = evaluate(run.model, run.cluster, layout, global_batch=run.global_batch, seq_len=run.seq_len,
-                             precision=precision, stack=run_stack(run.id), time_limit_s=20).step_time_s
+                             precision=precision, stack=stack, time_limit_s=20).step_time_s
         rows.append((run_id, source, layout, precision, measured, predicted))
     return rows
 
