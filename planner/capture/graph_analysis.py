@@ -147,6 +147,9 @@ def node_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | Non
 
 # the activations of gated linear units: SwiGLU's silu(gate) * up, GeGLU's gelu(gate) * up
 GATE_ACTIVATIONS = {"silu", "gelu"}
+# the autograd nodes they leave on their outputs (SiluBackward0, ...): how a tensor made inside an opaque
+# leaf (an expert container) is told apart where no graph node says what made it
+GATE_ACTIVATION_BACKWARDS = tuple(f"{name.capitalize()}Backward" for name in sorted(GATE_ACTIVATIONS))
 
 
 def is_multiply(node: fx.Node) -> bool:

@@ -22,9 +22,9 @@ from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .expert_structure import router_groups, router_topk, stacked_experts
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
-                             head_norms, is_activation_node, is_expert_container, is_linear_like, is_multiply,
-                             is_norm_like, routed_experts)
+from .graph_analysis import (GATE_ACTIVATION_BACKWARDS, MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs,
+                             function_name, graph_topk, head_norms, is_activation_node, is_expert_container,
+                             is_linear_like, is_multiply, is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .recording import record
@@ -33,11 +33,6 @@ from .reference_model import CoreAttention
 from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
                       is_activation, norm_statistics)
 from .op_costs import attention_cost, experts_gated, node_costs, storage_key
-
-
-# autograd nodes of the activations a gated MLP runs on its gate (SwiGLU's silu, GeGLU's GELU): what made a
-# tensor saved inside an expert leaf, told from its grad_fn where no graph node says
-ACTIVATION_BACKWARDS = ("SiluBackward", "GeluBackward")
 
 
 class CaptureTracer(fx.Tracer):
@@ -221,7 +216,7 @@ class _Analyzer(fx.Interpreter):
         """The same inside an expert container that capture runs as one leaf, where no graph tells the ops
         apart: a tensor an activation made (its grad_fn an activation's backward) in gated experts, whose
         activation output only the gating multiply keeps (plain experts' is the down-projection's input)."""
-        if t.grad_fn is None or not type(t.grad_fn).__name__.startswith(ACTIVATION_BACKWARDS):
+        if t.grad_fn is None or not type(t.grad_fn).__name__.startswith(GATE_ACTIVATION_BACKWARDS):
             return False
         module = self.modules.get(self.current.target) if self.current.op == "call_module" else None
         experts = routed_experts(module) if module is not None else None
