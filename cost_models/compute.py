@@ -66,6 +66,9 @@ class LayerCompute:
     backward_weight_s: float
     attention_core_forward_s: float   # what context parallelism's exchange can hide behind
     module_forward_s: tuple[float, ...]   # forward of each recomputable module, in RecomputeModule order
+    # of the above, the routed experts and the dispatcher's sorts (forward, backward-input, backward-weight):
+    # what Megatron's combined 1F1B runs between dispatch and combine (cost_models/paired_passes.py)
+    experts_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def selective_forward_s(self, modules: tuple[RecomputeModule, ...]) -> float:
         """What selective recomputation of `modules` repeats: their forward."""
@@ -157,13 +160,16 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
         spec = replace(spec, precision=Precision.bf16)
     forward = backward_input = backward_weight = attention = 0.0
     by_module = [0.0] * len(RecomputeModule)
+    experts = [0.0, 0.0, 0.0]
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)
         forward += f
         backward_input += bi
         backward_weight += bw
+        if op.sharding is Sharding.expert or op.kind is OpKind.token_copy:
+            experts = [experts[0] + f, experts[1] + bi, experts[2] + bw]
         if op.kind in ATTENTION_CORE:
             attention += f
         if op.module is not None:
             by_module[MODULE_INDEX[op.module]] += f
-    return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module))
+    return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts))

@@ -17,6 +17,7 @@ from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Precision, Recompute, RecomputeModule
+from .paired_passes import LayerPassParts, combined_1f1b_exposed_s
 from .pipeline import combined_1f1b_paired_share
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
                      optimizer_state_bytes_per_param, params_on_rank)
@@ -193,34 +194,51 @@ class MeshCosts:
         hidden_bwd = self.stack.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
-    def ep_pass_s(self, kind: LayerKind) -> float:
+    def ep_exchanges_s(self, kind: LayerKind) -> tuple[float, float]:
         """One pass's dispatch and combine all-to-alls of the tokens times top-k (0 without experts spread)."""
         if not kind.num_experts or self.layout.ep == 1:
-            return 0.0
+            return 0.0, 0.0
         lay = self.layout
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
         if self.stack.moe_dispatcher == "deepep":
-            return self._deduplicated_pass_s(kind, tokens)
+            return self._deduplicated_exchanges_s(kind, tokens)
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
-        return 2 * self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+        one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+        return one, one
+
+    def ep_pass_s(self, kind: LayerKind) -> float:
+        return sum(self.ep_exchanges_s(kind))
 
     def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
         """The all-to-alls of a forward and a backward as the steady state pays them."""
         per_pass = self.ep_pass_s(kind)
         lay = self.layout
-        if self.stack.dualpipev_hides(lay):
-            paired = 1.0   # every steady-state pass runs beside another; the rest `dualpipev_seconds` bills alone
-        elif self.stack.hides_moe_a2a(lay):
-            # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer; the
-            # warmup forwards and cooldown backwards are alone
-            paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
-        else:
-            return 2 * per_pass
-        # each pass's all-to-alls run beside the other's compute, on the SMs the compute leaves them
         share = self.sm_share_held_by_dispatch() or 0.0
-        beside = exposed_beside_compute(per_pass, compute.backward_s, share) + \
-            exposed_beside_compute(per_pass, compute.forward_s, share)
+        if self.stack.dualpipev_hides(lay):
+            # every steady-state pass runs beside another's whole compute (the rest `dualpipev_seconds` bills
+            # alone), on the SMs the compute leaves them
+            return exposed_beside_compute(per_pass, compute.backward_s, share) + \
+                exposed_beside_compute(per_pass, compute.forward_s, share)
+        if not self.stack.hides_moe_a2a(lay):
+            return 2 * per_pass
+        # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
+        # Megatron-Core's order on two streams; the warmup forwards and cooldown backwards are alone
+        paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
+        forward, backward = self._pass_parts(kind, compute)
+        layers = max(1, round(len(self.model.blocks) / (lay.pp * lay.vp)))
+        # with the weight gradients delayed: the plan's Megatron export adds --delay-wgrad-compute to it
+        beside = combined_1f1b_exposed_s(forward, backward, layers, share, delay_wgrad=True)
         return 2 * per_pass * (1 - paired) + paired * beside
+
+    def _pass_parts(self, kind: LayerKind, compute: LayerCompute) -> tuple[LayerPassParts, LayerPassParts]:
+        """A layer's forward and backward split where combined 1F1B splits them (cost_models/paired_passes.py);
+        the backward's dispatch gradient is a combine and its combine gradient a dispatch."""
+        dispatch, combine = self.ep_exchanges_s(kind)
+        experts_f, experts_bi, experts_bw = compute.experts_s
+        forward = LayerPassParts(compute.forward_s - experts_f, 0.0, experts_f, 0.0, dispatch, combine)
+        backward = LayerPassParts(compute.backward_input_s - experts_bi, compute.backward_weight_s - experts_bw,
+                                  experts_bi, experts_bw, dispatch, combine)
+        return forward, backward
 
     def sm_share_held_by_dispatch(self) -> float | None:
         """The share of the device's SMs the dispatch kernels hold while they run: DeepEP's `deepep_sms`, or
@@ -238,21 +256,21 @@ class MeshCosts:
             device.nccl_p2p_sms.within_node
         return held / device.sm_count
 
-    def _deduplicated_pass_s(self, kind: LayerKind, tokens: float) -> float:
+    def _deduplicated_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the
         layout trains in FP8, BF16 combine."""
         group = self.placement[2].of("ep")
         bf16 = kind.hidden_size * ACTIVATION_BYTES
         dispatch = fp8_token_bytes(kind.hidden_size) if self.layout.precision == Precision.fp8 else bf16
-        seconds = 0.0
+        seconds = []
         for token_bytes in (dispatch, bf16):
             key = ("dedup", token_bytes, tokens, kind.name, group)
             if key not in self._shared.collectives:
                 self._shared.collectives[key] = deduplicated_exchange(
                     tokens, token_bytes, kind.router_topk, kind.num_experts, group, self.cluster,
                     kind.router_num_groups, kind.router_group_topk, self.ep_imbalance)
-            seconds += self._shared.collectives[key].seconds
-        return seconds
+            seconds.append(self._shared.collectives[key].seconds)
+        return seconds[0], seconds[1]
 
     def _compute(self, kind: LayerKind):
         key = (kind.name, self.spec)

@@ -1,0 +1,102 @@
+"""Combined 1F1B's two streams (cost_models/paired_passes.py) against independent truth: the longest path of
+the task graph (networkx) where the comm holds no SMs, a step-by-step run of the two streams where it does,
+the closed form of one all-to-all beside one compute, and a schedule worked by hand."""
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_models.layer_costs import exposed_beside_compute
+from cost_models.paired_passes import (COMM, COMPUTE, LayerPassParts, StreamTask, combined_1f1b_exposed_s,
+                                       combined_1f1b_tasks, two_stream_seconds)
+
+seconds = st.floats(min_value=0.0, max_value=5.0)
+
+
+@st.composite
+def pass_parts(draw, backward: bool):
+    weight = seconds if backward else st.just(0.0)
+    return LayerPassParts(draw(seconds), draw(weight), draw(seconds), draw(weight), draw(seconds), draw(seconds))
+
+
+def longest_path_seconds(tasks: list[StreamTask]) -> float:
+    """Each task starts when its stream's previous task and those it waits on end: with nothing shared, the
+    end of the last task is the heaviest path through those edges."""
+    graph = nx.DiGraph()
+    for task in tasks:
+        graph.add_node(task.name, weight=task.seconds)
+        graph.add_edges_from((before, task.name) for before in task.after)
+    for stream in (COMPUTE, COMM):
+        names = [t.name for t in tasks if t.stream == stream]
+        graph.add_edges_from(zip(names, names[1:]))
+    ends = {}
+    for name in nx.topological_sort(graph):
+        ends[name] = max((ends[p] for p in graph.predecessors(name)), default=0.0) + graph.nodes[name]["weight"]
+    return max(ends.values())
+
+
+def stepped_seconds(tasks: list[StreamTask], held_share: float, step: float) -> float:
+    """The two streams run in small time steps: a stream's head task advances once what it waits on is done,
+    compute at (1 - held_share) while a comm task advances in the same step."""
+    left = {t.name: t.seconds for t in tasks}
+    queues = {s: [t for t in tasks if t.stream == s] for s in (COMPUTE, COMM)}
+    done, now = set(), 0.0
+    while any(queues.values()):
+        ready = {s: q[0] for s, q in queues.items() if q and all(a in done for a in q[0].after)}
+        for stream, task in ready.items():
+            rate = (1 - held_share) if stream == COMPUTE and COMM in ready and left[ready[COMM].name] > 0 else 1.0
+            left[task.name] -= step * rate
+        for stream, task in ready.items():
+            if left[task.name] <= 0:
+                done.add(task.name)
+                queues[stream].pop(0)
+        now += step
+    return now
+
+
+@settings(max_examples=60, deadline=None)
+@given(pass_parts(False), pass_parts(True), st.integers(1, 4), st.booleans())
+def test_with_no_sms_held_the_pair_takes_the_longest_path_of_its_tasks(forward, backward, layers, delay):
+    tasks = combined_1f1b_tasks(forward, backward, layers, delay)
+    assert two_stream_seconds(tasks, 0.0) == pytest.approx(longest_path_seconds(tasks), rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(pass_parts(False), pass_parts(True), st.integers(1, 2), st.floats(0.05, 0.5))
+def test_held_sms_slow_the_compute_as_a_step_by_step_run_of_the_streams_does(forward, backward, layers, share):
+    tasks = combined_1f1b_tasks(forward, backward, layers, True)
+    step = max(1.0, sum(t.seconds for t in tasks)) / 20000
+    assert two_stream_seconds(tasks, share) == pytest.approx(stepped_seconds(tasks, share, step),
+                                                             abs=len(tasks) * 2 * step)
+
+
+@given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.floats(0.0, 0.9))
+def test_one_all_to_all_beside_one_compute_is_the_closed_form(a2a, compute, share):
+    tasks = [StreamTask("compute", COMPUTE, compute), StreamTask("a2a", COMM, a2a)]
+    assert two_stream_seconds(tasks, share) - compute == pytest.approx(
+        max(0.0, exposed_beside_compute(a2a, compute, share)), abs=1e-9)
+
+
+def test_a_short_attention_forward_exposes_the_combine_gradient_beside_it():
+    """Worked by hand in Megatron-Core's order (model_chunk_schedule_plan.py): the combine's gradient (1 s)
+    runs beside the forward's attention (0.1 s) and the backward's experts wait for it, 0.9 s exposed; the
+    backward's attention waits for the expert forward, after which the forward's combine (1 s) ends with only
+    0.2 s beside it, 0.8 s more: 32 s against 30.3 s of compute. Pairing whole passes would expose nothing."""
+    forward = LayerPassParts(0.1, 0.0, 10.0, 0.0, 1.0, 1.0)
+    backward = LayerPassParts(0.2, 0.0, 20.0, 0.0, 1.0, 1.0)
+    assert combined_1f1b_exposed_s(forward, backward, 1, 0.0, True) == pytest.approx(1.7)
+    whole_passes = exposed_beside_compute(2.0, backward.compute_s, 0.0) + exposed_beside_compute(
+        2.0, forward.compute_s, 0.0)
+    assert whole_passes == 0
+
+
+def test_delayed_weight_gradients_run_beside_the_dispatch_gradient():
+    """--delay-wgrad-compute, worked by hand: the experts' weight gradients (3 s) run from 2 s to 5 s beside
+    the dispatch backward (2-4 s), then the expert forward, the combine and the attention backward, ending at
+    7 s; issued with the input gradients, they hold the dispatch backward to 5-7 s and the attention backward
+    to 7-8 s."""
+    forward = LayerPassParts(1.0, 0.0, 1.0, 0.0, 0.5, 0.5)
+    backward = LayerPassParts(1.0, 0.0, 1.0, 3.0, 0.5, 2.0)
+    compute = forward.compute_s + backward.compute_s
+    assert combined_1f1b_exposed_s(forward, backward, 1, 0.0, True) == pytest.approx(7.0 - compute)
+    assert combined_1f1b_exposed_s(forward, backward, 1, 0.0, False) == pytest.approx(8.0 - compute)
