@@ -96,10 +96,12 @@ class LayerCost(LayerWork):
 @dataclass
 class SharedCosts:
     """Results that many layouts of one search share: layer compute by (kind, shard spec), mesh
-    placements by mesh shape, collective times by (op, bytes, group). One cluster per instance."""
+    placements by mesh shape, collective times by (op, bytes, group), combined 1F1B's exposure by the passes
+    it pairs. One cluster per instance."""
     compute: dict = field(default_factory=dict)
     placements: dict = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
+    paired_layers: dict = field(default_factory=dict)   # combined 1F1B's exposure by (passes, layers, SM share)
 
 
 class MeshCosts:
@@ -227,7 +229,11 @@ class MeshCosts:
         forward, backward = self._pass_parts(kind, compute)
         layers = max(1, round(len(self.model.blocks) / (lay.pp * lay.vp)))
         # with the weight gradients delayed: the plan's Megatron export adds --delay-wgrad-compute to it
-        beside = combined_1f1b_exposed_s(forward, backward, layers, share, delay_wgrad=True)
+        key = (forward, backward, layers, share)
+        if key not in self._shared.paired_layers:
+            self._shared.paired_layers[key] = combined_1f1b_exposed_s(forward, backward, layers, share,
+                                                                      delay_wgrad=True)
+        beside = self._shared.paired_layers[key]
         return 2 * per_pass * (1 - paired) + paired * beside
 
     def _pass_parts(self, kind: LayerKind, compute: LayerCompute) -> tuple[LayerPassParts, LayerPassParts]:
