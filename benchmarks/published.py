@@ -39,13 +39,22 @@ DEFAULT_FAMILY_STACK = "nemo"
 
 
 # Per-run stack facts read in the launcher a run used (a user passes them as the CLI's stack flags)
+# Megatron-Bridge's DeepSeek-V3 recipe (src/megatron/bridge/recipes/deepseek/deepseek_v3.py, v0.2.1 and @6476ea0f):
+# use_precision_aware_optimizer, exp_avg_dtype and exp_avg_sq_dtype bf16, whatever the precision
+DEEPSEEK_V3_OPTIMIZER = {"precision_aware_optimizer": "on", "adam_moment_bytes": 2}
+
 RUN_STACK_SETTINGS = {
     # NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py @6476ea0f (October 2025, the 25.09 line):
     # DeepSeek-V3 on H100 sets overlap_moe_expert_parallel_comm (A2A_1F1B) and enable_deepep (H100 only):
     # `--moe-a2a-overlap --moe-dispatcher deepep`
     # and on H100 overlap_grad_reduce False: the DP reduction is not hidden in the last backward
     "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu": {"moe_a2a_overlap": True, "moe_dispatcher": "deepep",
-                                                      "dp_window_fraction": 0.0},
+                                                      "dp_window_fraction": 0.0, **DEEPSEEK_V3_OPTIMIZER},
+    # Megatron-Bridge v0.2.1's DeepSeek-V3 configs build on the recipe above (configs/deepseek/
+    # deepseek_llm_pretrain.py: deepseek_v3_pretrain_config), in every precision
+    **{run: DEEPSEEK_V3_OPTIMIZER for run in ("mbridge-25p11-gb200-deepseekv3-bf16-256gpu-wo-mtp",
+                                              "mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
+                                              "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp")},
     # NVIDIA-NeMo/Megatron-Bridge v0.2.1 (the release whose performance summary has the 25.11 tables)
     # scripts/performance/configs/qwen3/workload_base_configs.py QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG: the
     # row's degrees and batch (256 GPUs, TP2 PP8 VP4 EP32, GBS 2048) with moe_a2a_overlap=True, which

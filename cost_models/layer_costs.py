@@ -19,14 +19,13 @@ from hardware_profiles.stack import SoftwareStack
 from .layout import Layout, Precision, Recompute, RecomputeModule
 from .paired_passes import LayerPassParts, combined_1f1b_exposed_s
 from .pipeline import combined_1f1b_paired_share
-from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, model_state_bytes,
-                     optimizer_state_bytes_per_param, params_on_rank)
+from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, adam_bytes_touched,
+                     model_state_bytes, optimizer_state_bytes_per_param, params_on_rank)
 from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 RECOMPUTE_INDEX = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
 ACTIVATION_BYTES = 2       # bf16 activations on the wire
-ADAM_BYTES_TOUCHED = 30    # per optimizer-local parameter: read grad 4 + master/m/v 12, write 12 + bf16 weight 2
 
 
 def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:
@@ -353,7 +352,7 @@ class MeshCosts:
         """The update of `params` optimizer-local parameters; where the stack swaps the states to host, each
         chunk is copied in and out over the host link (both directions at once) beside the update of the one
         before it, so the slower of the two paces the step, plus the first chunk's copy, which nothing hides."""
-        update = memory_seconds(self.cluster.device, params * ADAM_BYTES_TOUCHED)
+        update = memory_seconds(self.cluster.device, params * adam_bytes_touched(self.state_sharding))
         chunks = self.state_sharding.optimizer_swap_chunks
         if not chunks:
             return update

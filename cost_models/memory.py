@@ -2,7 +2,8 @@
 
 Mixed-precision Adam (design-notes; Rajbhandari et al. 2020): bf16 weights 2 B, fp32 gradient
 accumulation 4 B (2 B with bf16 gradient reduction), fp32 master weights 4 B, Adam moments 4 + 4 B =
-18 B (16 B) per parameter. Megatron's
+18 B (16 B) per parameter; Megatron-Core's precision-aware optimizer can keep the moments in bf16 and the
+master as 16-bit remainders (`StateSharding.of`). Megatron's
 distributed optimizer is ZeRO-1 (master and moments sharded over the data-parallel ranks), ZeRO-2 also
 shards gradients, ZeRO-3 (FSDP) also shards weights.
 """
@@ -17,8 +18,7 @@ from .records import LayerKind, Sharding
 
 WEIGHT_BYTES = 2        # bf16 weights (fp8 training keeps bf16 weights and casts per GEMM)
 MASTER_BYTES = 4        # fp32 master weights
-MOMENT_BYTES = 8        # Adam m and v in fp32
-OPTIMIZER_BYTES = MASTER_BYTES + MOMENT_BYTES
+REMAINDER_BYTES = 2     # the fp32 master's low 16 bits, beside its bf16 weight (TE FusedAdam store_param_remainders)
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,20 @@ class StateSharding:
     #                                 precision, autocast): no bf16 copy is kept, the optimizer holds moments only
     optimizer_swap_chunks: int = 0  # `SoftwareStack.optimizer_swap_chunks`: states in host memory, one
     #                                 chunk of them on the device at a time
+    moment_bytes: int = 4           # each of Adam's two moments (`SoftwareStack.adam_moment_bytes`)
+    master_bytes: int = MASTER_BYTES   # the optimizer's master copy, where it is separate
 
     @classmethod
     def of(cls, layout, stack) -> "StateSharding":
+        # Megatron-Core keeps remainders where TE manages the master: no FP8, or FP8 with delayed scaling
+        # (OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        remainders = stack.precision_aware_in(layout) and (layout.precision == "bf16" or layout.fp8_recipe == "delayed")
+        moments = stack.adam_moment_bytes if stack.precision_aware_in(layout) else 4
         return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                    expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
                    fp32_parameters=stack.master_weights == "parameters",
-                   optimizer_swap_chunks=stack.optimizer_swap_chunks)
+                   optimizer_swap_chunks=stack.optimizer_swap_chunks, moment_bytes=moments,
+                   master_bytes=REMAINDER_BYTES if remainders else MASTER_BYTES)
 
     @property
     def optimizer_resident_fraction(self) -> float:
@@ -88,8 +95,18 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
 
 
 def optimizer_state_bytes_per_param(sharding: StateSharding) -> int:
-    """fp32 bytes the optimizer keeps per parameter it updates: moments, and the master where it is separate."""
-    return MOMENT_BYTES if sharding.fp32_parameters else OPTIMIZER_BYTES
+    """Bytes the optimizer keeps per parameter it updates: two moments, and the master where it is separate."""
+    moments = 2 * sharding.moment_bytes
+    return moments if sharding.fp32_parameters else moments + sharding.master_bytes
+
+
+def adam_bytes_touched(sharding: StateSharding) -> float:
+    """Bytes one Adam update moves per parameter: the gradient read, every state read and written (the fp32
+    parameter too where it is the master), and the bf16 weight written (read as well beside remainders)."""
+    if sharding.fp32_parameters:
+        return sharding.gradient_bytes + 2 * (optimizer_state_bytes_per_param(sharding) + MASTER_BYTES)
+    weight = 2 * WEIGHT_BYTES if sharding.master_bytes == REMAINDER_BYTES else WEIGHT_BYTES
+    return sharding.gradient_bytes + 2 * optimizer_state_bytes_per_param(sharding) + weight
 
 
 def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int,

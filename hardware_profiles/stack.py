@@ -114,6 +114,14 @@ class SoftwareStack(Strict):
     gradient_reduce: Literal["fp32", "bf16"]             # gradient buffers and reductions, unless the layout says
     master_weights: Literal["separate", "parameters"]    # bf16 weights beside an fp32 master in the optimizer,
     #                                                      or fp32 parameters that are the master (cast per use)
+    # Megatron-Core's precision-aware optimizer (--use-precision-aware-optimizer: Transformer Engine's FusedAdam,
+    # megatron/core/optimizer/__init__.py), off, on, or on where the run computes in BF16 (what Megatron-Bridge's
+    # and NeMo 2's performance scripts do). Where TE holds the master (BF16, or FP8 with delayed scaling) it
+    # keeps the fp32 master as the 16 bits its bf16 weight lacks (store_param_remainders, with TE >= 2.1);
+    # `adam_moment_bytes`: each of exp_avg and exp_avg_sq in fp32 (4) or bf16 (2: --exp-avg-dtype bf16
+    # --exp-avg-sq-dtype bf16, which need it on)
+    precision_aware_optimizer: Literal["off", "bf16", "on"] = "off"
+    adam_moment_bytes: Literal[2, 4] = 4
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
     loss_gradient: Literal["in_place", "eager"]          # cross-entropy backward: into its saved softmax, or
     #                                                      two new fp32 buffers of the logits' size
@@ -139,7 +147,20 @@ class SoftwareStack(Strict):
             raise ValueError("dualpipev_schedule needs pp in parallelism")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
             raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
+        if self.precision_aware_optimizer != "off" and self.master_weights != "separate":
+            raise ValueError("precision_aware_optimizer needs master_weights: separate (bf16 weights beside a master)")
+        if self.adam_moment_bytes != 4 and self.precision_aware_optimizer != "on":
+            raise ValueError("adam_moment_bytes 2 (bf16 moments) needs precision_aware_optimizer: on, as Megatron-Core's "
+                             "OptimizerConfig does")
         return self
+
+    def precision_aware_in(self, layout) -> bool:
+        """Whether the precision-aware optimizer runs for `layout`: in its precision, and with the distributed
+        optimizer, which Megatron-Core's OptimizerConfig requires (ZeRO-1; Megatron-Bridge turns it off under
+        Megatron FSDP, ZeRO-2/3 here: scripts/performance/utils/helpers.py set_megatron_fsdp_overrides)."""
+        precision = self.precision_aware_optimizer == "on" or (
+            self.precision_aware_optimizer == "bf16" and layout.precision == "bf16")
+        return precision and layout.zero == 1
 
     def zero_stages_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
         """The ZeRO stages it runs for these degrees (`dp`: the ranks gradients are reduced over, dp x cp)."""

@@ -49,6 +49,11 @@ def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
     return []
 
 
+PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-aware optimizer (the master kept as "
+                        "16-bit remainders where it trains in BF16, or bf16 moments); {target} keeps fp32 states "
+                        "(plan with that framework's stack to predict them)")
+
+
 def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     """Megatron-LM pretrain_gpt.py arguments and what they cannot say."""
     lay = plan.layout
@@ -75,6 +80,10 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--moe-token-dispatcher-type alltoall")
     if lay.grad_reduce == "bf16":
         args.append("--grad-reduce-in-bf16")
+    if lay.precision_aware_optimizer:   # its store_param_remainders is on by default, as memory.py bills it
+        args.append("--use-precision-aware-optimizer")
+        if lay.adam_moment_bytes == 2:
+            args.append("--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16")
     if lay.zero >= 1:
         args.append("--use-distributed-optimizer")
     if lay.zero >= 2:   # Megatron-FSDP: gradients (2) and also parameters (3) sharded
@@ -200,6 +209,8 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if plan.mtp_layers:
         notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s), which torchtitan's "
                      "models do not have (plan with --stack torchtitan, which refuses them)")
+    if lay.precision_aware_optimizer:
+        notes.append(PRECISION_AWARE_NOTE.format(target="torchtitan's AdamW"))
     return notes
 
 
@@ -244,6 +255,8 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     if plan.mtp_layers:
         notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s); DeepSpeed's config has "
                      "no such field (the model code must build them)")
+    if lay.precision_aware_optimizer:
+        notes.append(PRECISION_AWARE_NOTE.format(target="DeepSpeed's Adam"))
     return json.dumps(config, indent=2) + "\n", notes
 
 

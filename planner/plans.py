@@ -53,6 +53,8 @@ class LayoutRecord(_Frozen):
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
     moe_dispatcher: MoeDispatcher = "alltoall"   # ... and this MoE token dispatcher
+    precision_aware_optimizer: bool = False   # ... and Megatron-Core's precision-aware optimizer (memory.py)
+    adam_moment_bytes: Literal[2, 4] = 4      # ... keeping each Adam moment in these bytes
     grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
     fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
     # what selective recomputation repeats, as the layout text writes it (Megatron --recompute-modules)
@@ -100,6 +102,8 @@ class LayoutRecord(_Frozen):
                    tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
                    moe_a2a_overlap=stack.hides_moe_a2a(layout),
                    moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall",
+                   precision_aware_optimizer=stack.precision_aware_in(layout),
+                   adam_moment_bytes=stack.adam_moment_bytes if stack.precision_aware_in(layout) else 4,
                    recompute_modules=modules_text(layout.recompute_modules))
 
     @property

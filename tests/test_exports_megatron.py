@@ -4,6 +4,8 @@ the exported flags, read as Megatron's argument parser maps them onto `Transform
 back the plan's degrees, schedule, recomputation, precision, overlaps and dispatcher (issue 18)."""
 import itertools
 import shlex
+import sys
+import types
 import warnings
 
 import pytest
@@ -251,3 +253,53 @@ def test_megatron_core_stacks_name_only_what_megatron_core_takes(stack_name):
                 qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, num_moe_experts=4, moe_router_topk=2,
                 recompute_granularity="selective", recompute_modules=[module])
             assert transformer.recompute_modules == [module]
+
+
+OPTIMIZER_CASES = [   # (stack, precision, ZeRO stage, layout suffix)
+    ("megatron-bridge", "bf16", 1, ""),                       # its scripts' BF16 runs: remainders, fp32 moments
+    ("megatron-bridge", "fp8", 1, ",fp8_recipe=tensorwise"),  # FP8 runs: the plain optimizer
+    ("megatron-bridge", "bf16", 0, ""),                       # no distributed optimizer: the plain one
+    ("deepseek-recipe", "fp8", 1, ",fp8_recipe=tensorwise"),  # bf16 moments; Megatron-Core keeps an fp32 master
+    ("deepseek-recipe", "bf16", 1, ""),
+    ("megatron-core", "bf16", 1, ""),
+]
+
+
+@pytest.mark.parametrize("case", OPTIMIZER_CASES, ids=[f"{c[0]}-{c[1]}-zero{c[2]}" for c in OPTIMIZER_CASES])
+def test_the_optimizer_states_a_plan_holds_are_what_megatron_cores_optimizer_config_keeps(case, monkeypatch):
+    """The exported optimizer flags build Megatron-Core 0.16.1's OptimizerConfig (Transformer Engine >= 2.1, as
+    the stacks assume: its __post_init__ asks TE's version), and the plan's optimizer bytes per parameter are
+    what that config keeps: the fp32 master whole, or as 16-bit remainders (store_param_remainders, its
+    default) where TE holds it (no FP8, or delayed scaling); each moment in exp_avg_dtype's bytes. The config
+    refuses the precision-aware optimizer without the distributed one, so ZeRO-0 plans never assume it."""
+    import megatron.core.optimizer.optimizer_config as optimizer_config
+
+    stack_name, precision, zero, recipe = case
+    stack = load_stack("megatron-bridge").model_copy(update={"precision_aware_optimizer": "on",
+                                                            "adam_moment_bytes": 2}) \
+        if stack_name == "deepseek-recipe" else stack_name
+    plan = evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, precision=precision,
+                    stack=stack, layout=FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=1, etp=1, mbs=1, zero=zero,
+                                                    rc="none") + recipe)
+    exported = flags(megatron_args(plan)[0])
+    # Transformer Engine >= 2.1 stood in for: its version, and FusedAdam's signature, which the config checks
+    monkeypatch.setattr(optimizer_config, "is_te_min_version", lambda version: True)
+    te_optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
+    te_optimizers.FusedAdam = lambda params, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, \
+        use_decoupled_grad=False, store_param_remainders=False: None
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", te_optimizers)
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    config = optimizer_config.OptimizerConfig(
+        optimizer="adam", bf16=True, fp8_recipe=exported.get("--fp8-recipe"),
+        use_distributed_optimizer=bool(exported.get("--use-distributed-optimizer")),
+        use_precision_aware_optimizer=bool(exported.get("--use-precision-aware-optimizer")),
+        exp_avg_dtype=dtypes[exported.get("--exp-avg-dtype", "fp32")],
+        exp_avg_sq_dtype=dtypes[exported.get("--exp-avg-sq-dtype", "fp32")])
+    te_holds_master = config.use_precision_aware_optimizer and config.fp8_recipe in (None, "delayed")
+    master = 2 if te_holds_master and config.store_param_remainders else 4
+    moments = config.exp_avg_dtype.itemsize + config.exp_avg_sq_dtype.itemsize
+    parts = plan.memory[0].parts
+    sharded = 8 if zero else 1   # ZeRO-1 shards the states over the 8 data-parallel ranks
+    assert parts["optimizer"] * sharded / parts["weights"] * 2 == pytest.approx(master + moments)

@@ -99,6 +99,26 @@ def test_a_stack_file_with_an_unknown_field_is_refused(tmp_path):
     assert proc.returncode == 2 and "tp_overlap" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bf16_moments_without_the_precision_aware_optimizer_are_refused_as_megatron_core_refuses_them(tmp_path):
+    """Megatron-Core 0.16.1's OptimizerConfig asserts fp32 moments without --use-precision-aware-optimizer; a
+    stack file asking for bf16 moments without it gets one paragraph naming the field, exit status 2."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "Transformer Engine and Apex are not installed"
+        from megatron.core.optimizer import OptimizerConfig
+
+    with pytest.raises(AssertionError, match="exp_avg_dtype can only be fp32"):
+        OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True, exp_avg_dtype=torch.bfloat16)
+    data = load_stack("megatron-core").model_dump()
+    data["adam_moment_bytes"] = 2
+    path = tmp_path / "mine.yaml"
+    path.write_text(json.dumps(data))
+    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
+    assert proc.returncode == 2 and "adam_moment_bytes" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_fsdp2_states_match_the_torchtitan_stack():
     """Real FSDP2 with torchtitan's mixed-precision policy (bf16 compute, fp32 reduction) and AdamW, on one
     gloo rank: the bytes of its sharded parameters, gradients and optimizer state are what the torchtitan
