@@ -66,6 +66,9 @@ RUN_STACK_SETTINGS = {
     # NVIDIA/NeMo 6f2c6fda (dgxc-benchmarking v25.05.04 grok1/setup.sh's NEMO_COMMIT) scripts/performance/llm/
     # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`
     "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True},
+    # NVIDIA/NeMo 7a8f1cc7 (dgxc-benchmarking v25.05.04 deepseek_v3 setup.sh's NEMO_COMMIT) scripts/performance/llm/
+    # pretrain_deepseek_v3.py: cross_entropy_fusion_impl "te" (GPTConfig's cross_entropy_loss_fusion on)
+    "dgxc-250504-dsv3-bf16-h100-512gpu": {"loss_gradient": "fused"},
 }
 
 

@@ -129,9 +129,12 @@ class MeshCosts:
         attention = place_mesh(dims, self.cluster)
         # gradients are reduced over dp x cp: those ranks sit where the order puts dp and cp, apart or not
         dp_cp = place_dims_together("dpcp", ("dp", "cp"), dims, self.cluster)
-        experts = place_mesh(self._folded_dims({"tp": [("etp", lay.etp)], "pp": [("pp", lay.pp)]},
-                                               [("ep", lay.ep), ("edp", lay.expert_data_parallel)]), self.cluster)
-        return attention, dp_cp, experts
+        expert_dims = self._folded_dims({"tp": [("etp", lay.etp)], "pp": [("pp", lay.pp)]},
+                                        [("ep", lay.ep), ("edp", lay.expert_data_parallel)])
+        experts = place_mesh(expert_dims, self.cluster)
+        # the all-gather dispatcher's group: expert tensor-parallel x expert-parallel ranks (Megatron tp_ep)
+        experts_tp_ep = place_dims_together("etpep", ("etp", "ep"), expert_dims, self.cluster)
+        return attention, dp_cp, experts, experts_tp_ep
 
     def _folded_dims(self, kept: dict, data_dims: list) -> tuple[MeshDim, ...]:
         """The mesh in the layout's order with cp, ep and dp folded into `data_dims` where the first of
@@ -146,9 +149,9 @@ class MeshCosts:
         return tuple(MeshDim(name, size) for name, size in dims)
 
     def collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
-        attention, dp_cp, experts = self.placement
+        attention, dp_cp, experts, experts_tp_ep = self.placement
         group = {"dpcp": dp_cp, "ep": experts.of("ep") if self.layout.ep > 1 else None,
-                 "edp": experts.of("edp")}.get(dim) or attention.of(dim)
+                 "etpep": experts_tp_ep, "edp": experts.of("edp")}.get(dim) or attention.of(dim)
         key = (op, size, group, tuple(sorted(kwargs.items())))
         if key not in self._shared.collectives:
             self._shared.collectives[key] = collective_time(op, size, group, self.cluster, **kwargs)
@@ -203,6 +206,8 @@ class MeshCosts:
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
         if self.stack.moe_dispatcher == "deepep":
             return self._deduplicated_exchanges_s(kind, tokens)
+        if self.stack.moe_dispatcher == "allgather":
+            return self._gathered_exchanges_s(kind, tokens)
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
         one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
         return one, one
@@ -260,6 +265,18 @@ class MeshCosts:
         held = device.nccl_p2p_sms.across_nodes if group.ranks_per_node < group.size else \
             device.nccl_p2p_sms.within_node
         return held / device.sm_count
+
+    def _gathered_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
+        """Megatron-Core's all-gather dispatcher (MoEAllGatherTokenDispatcher): the expert tp x ep ranks gather
+        all their tokens with each token's routing map (bool) and probabilities over the experts, then
+        reduce-scatter the experts' outputs back, in the probabilities' dtype: the router's, bf16 unless
+        --moe-router-dtype says otherwise."""
+        gathered = tokens * self.layout.etp * self.layout.ep
+        per_token = kind.hidden_size * ACTIVATION_BYTES + kind.num_experts * (1 + ACTIVATION_BYTES)
+        dispatch = self.collective(Collective.all_gather, gathered * per_token, "etpep").seconds
+        combine = self.collective(Collective.reduce_scatter, gathered * kind.hidden_size * ACTIVATION_BYTES,
+                                  "etpep").seconds
+        return dispatch, combine
 
     def _deduplicated_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the

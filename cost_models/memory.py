@@ -132,17 +132,23 @@ def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, c
     return total * micro_batch / cp
 
 
-def logits_bytes(kind: LayerKind, tp: int, cp: int, micro_batch: int) -> float:
-    """fp32 logits kept for the vocabulary-parallel cross-entropy (last stage)."""
-    return kind.logits_fp32_bytes * micro_batch / (tp * cp)
+def logits_bytes(kind: LayerKind, tp: int, cp: int, micro_batch: int, loss_gradient: str) -> float:
+    """Logits the loss keeps (last stage): its fp32 softmax, or the bf16 logits a fused loss holds its
+    gradient in."""
+    kept = kind.logits_fp32_bytes * micro_batch / (tp * cp)
+    return kept * BF16_BYTES / FP32_BYTES if loss_gradient == "fused" else kept
 
 
-# bytes per logit that cross-entropy's backward allocates beside its saved fp32 softmax, by stack behaviour:
-# in place (Megatron vocab-parallel cross-entropy writes the gradient into the saved softmax and hands the
-# output layer a bf16 copy, megatron/core/tensor_parallel/cross_entropy.py) or eager (F.cross_entropy:
-# NLL and log-softmax backward each allocate an fp32 tensor of the logits' size)
-LOSS_GRADIENT_BYTES_PER_LOGIT = {"in_place": 2, "eager": 2 * 4}
+# bytes per logit that cross-entropy's backward allocates beside the logits it keeps, by stack behaviour:
+# in place (Megatron vocab-parallel cross-entropy writes the gradient into the saved fp32 softmax and hands
+# the output layer a bf16 copy, megatron/core/tensor_parallel/cross_entropy.py), eager (F.cross_entropy:
+# NLL and log-softmax backward each allocate an fp32 tensor of the logits' size), or fused (Transformer
+# Engine's parallel_cross_entropy, Megatron-Core --cross-entropy-fusion-impl te: it keeps the bf16 logits and
+# three fp32 values per token, unbilled, and its backward kernel writes the gradient into those logits in
+# place: transformer_engine/pytorch/cross_entropy.py, triton/cross_entropy.py @02965d2e)
+LOSS_GRADIENT_BYTES_PER_LOGIT = {"in_place": 2, "eager": 2 * 4, "fused": 0}
 FP32_BYTES = 4
+BF16_BYTES = 2
 
 
 def loss_gradient_bytes(kind: LayerKind, tp: int, cp: int, micro_batch: int, loss_gradient: str) -> float:

@@ -103,12 +103,12 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     activations = in_flight * sum(n * c.activation_bytes[RECOMPUTE_INDEX[r]] for c, r, n in items)
     working = max((c.working_bytes for c, r, _ in items if r is not Recompute.none), default=0.0)
     states = sum((n * c.states for c, _, n in items), ModelStateBytes(0.0, 0.0, 0.0))
+    loss = costs.stack.loss_gradient
     memory = StageMemory(
         stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         activations=activations,
-        logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) if with_head else 0.0,
-        loss_gradient=loss_gradient_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, costs.stack.loss_gradient)
-        if with_head else 0.0,
+        logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) if with_head else 0.0,
+        loss_gradient=loss_gradient_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) if with_head else 0.0,
         recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device),
         gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer, micro_batches))
     work = sum(n * c.work_s(r) for c, r, n in items)

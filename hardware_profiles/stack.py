@@ -27,7 +27,9 @@ Fp8RecipeName = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]   # cost_
 
 # cost_models.layout.RecomputeModule's names (profiles do not import the cost models)
 RecomputeModuleName = Literal["core_attn", "mlp", "moe", "layernorm", "mla_up_proj"]
-MoeDispatcher = Literal["alltoall", "deepep"]   # plain all-to-all, or DeepEP's one copy per destination domain
+# plain all-to-all, DeepEP's one copy per destination domain, or Megatron-Core's default all-gather of every
+# token to the expert tp x ep group (--moe-token-dispatcher-type allgather)
+MoeDispatcher = Literal["alltoall", "deepep", "allgather"]
 
 class SoftwareStack(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")   # goes into plan files and commands
@@ -123,8 +125,9 @@ class SoftwareStack(Strict):
     precision_aware_optimizer: Literal["off", "bf16", "on"] = "off"
     adam_moment_bytes: Literal[2, 4] = 4
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
-    loss_gradient: Literal["in_place", "eager"]          # cross-entropy backward: into its saved softmax, or
-    #                                                      two new fp32 buffers of the logits' size
+    # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or a
+    # fused kernel's gradient written into the bf16 logits in forward (cost_models/memory.py)
+    loss_gradient: Literal["in_place", "eager", "fused"]
     # 0: the optimizer's fp32 states stay in device memory; N: they live in host memory and come to the device
     # N chunks at a time for the update, each chunk copied in and back out (MindSpeed --swap-optimizer,
     # torchtitan-npu optimizer.swap_optimizer with swap_optimizer_times = N); needs the device's host link
@@ -147,6 +150,9 @@ class SoftwareStack(Strict):
             raise ValueError("dualpipev_schedule needs pp in parallelism")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
             raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
+        if self.moe_a2a_overlap and self.moe_dispatcher == "allgather":
+            raise ValueError("moe_a2a_overlap needs moe_dispatcher alltoall or deepep: Megatron-Core's "
+                             "TransformerConfig refuses the overlap with the allgather dispatcher")
         if self.precision_aware_optimizer != "off" and self.master_weights != "separate":
             raise ValueError("precision_aware_optimizer needs master_weights: separate (bf16 weights beside a master)")
         if self.adam_moment_bytes != 4 and self.precision_aware_optimizer != "on":

@@ -58,9 +58,10 @@ OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="also overlap TP coll
                           "does not (Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
 DISPATCHERS = get_args(MoeDispatcher)
 DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="MoE token dispatcher where the stack's differs: alltoall "
-                             "(one copy per chosen expert) or deepep (one per destination node, forwarded over "
+                             "(one copy per chosen expert), deepep (one per destination node, forwarded over "
                              "NVLink; FP8 dispatch under --precision fp8: Megatron-Core --moe-token-dispatcher-type "
-                             "flex --moe-flex-dispatcher-backend deepep)")
+                             "flex --moe-flex-dispatcher-backend deepep) or allgather (every token gathered to the "
+                             "expert tp x ep group and the outputs reduce-scattered back: Megatron-Core's default)")
 MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="the stack runs Megatron's combined 1F1B "
                              "(--overlap-moe-expert-parallel-comm: MoE all-to-alls beside another micro-batch's "
                              "compute, one more forward's activations held; no pipeline or virtual stages): plan "

@@ -49,6 +49,8 @@ def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
     return []
 
 
+DISPATCH_WORDS = {"deepep": "DeepEP-style (one copy per node)",
+                  "allgather": "by all-gather (every token to the expert tp x ep group, Megatron's allgather)"}
 PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-aware optimizer (the master kept as "
                         "16-bit remainders where it trains in BF16, or bf16 moments); {target} keeps fp32 states "
                         "(plan with that framework's stack to predict them)")
@@ -76,8 +78,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if lay.ep > 1 and lay.moe_dispatcher == "deepep":   # deduplicated dispatch, as the cost model billed it
         args.append("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep")
-    elif lay.ep > 1:   # the cost model bills all-to-all dispatch (Megatron's default is allgather)
-        args.append("--moe-token-dispatcher-type alltoall")
+    elif lay.ep > 1:   # the dispatcher the cost model billed (Megatron's default is allgather)
+        args.append(f"--moe-token-dispatcher-type {lay.moe_dispatcher}")
     if lay.grad_reduce == "bf16":
         args.append("--grad-reduce-in-bf16")
     if lay.precision_aware_optimizer:   # its store_param_remainders is on by default, as memory.py bills it
@@ -203,8 +205,8 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if lay.precision == "fp8":
         notes.append("the plan trains in FP8: add torchtitan's Float8LinearConverter to your config's model "
                      "converters; this export does not")
-    if lay.moe_dispatcher == "deepep":
-        notes.append("the prediction dispatched MoE tokens DeepEP-style (one copy per node); torchtitan 0.3's "
+    if lay.moe_dispatcher != "alltoall":
+        notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; torchtitan 0.3's "
                      "expert parallelism sends one per expert, which this export cannot change")
     if plan.mtp_layers:
         notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s), which torchtitan's "
@@ -246,8 +248,8 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
         what = "DualPipeV schedule" if lay.schedule == "dualpipev" else "interleaved schedule"
         notes.append(f"DeepSpeed's PipelineModule has no {what}: vp={lay.vp} has no equivalent "
                      "(plan with --stack deepspeed)")
-    if lay.moe_dispatcher == "deepep":
-        notes.append("the prediction dispatched MoE tokens DeepEP-style (one copy per node); DeepSpeed's MoE "
+    if lay.moe_dispatcher != "alltoall":
+        notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; DeepSpeed's MoE "
                      "all-to-all sends one per expert, which this config cannot change")
     if lay.tp_comm_overlap or lay.moe_a2a_overlap:
         notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "

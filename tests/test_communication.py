@@ -190,3 +190,44 @@ def test_deduplicated_dispatch_inside_one_domain_is_the_plain_all_to_all():
     # over the scale-out links instead of the plain all-to-all's 7 (8 x 56/64)
     copies = 7 * 0.5 * (1 - math.comb(96, 8) / math.comb(128, 8))
     assert dedup.bandwidth_seconds == pytest.approx(plain.bandwidth_seconds * copies / 7, rel=0.01)
+
+
+def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
+    """Megatron-Core 0.16.1's MoEAllGatherTokenDispatcher on two gloo ranks (tests/megatron_allgather_dispatch.py,
+    a process of its own): it all-gathers each token's routing map, probabilities and hidden state over the
+    expert tp x ep group and reduce-scatters the outputs back. The allgather stack bills one all-gather of
+    those three buffers together and one reduce-scatter of the outputs, on the same group."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import cluster_from_device, load_stack
+    from planner.capture.model_capture import capture
+    from planner.capture.model_config import ModelConfig, MoEConfig
+
+    tokens, hidden, experts, topk = 64, 32, 8, 2
+    script = Path(__file__).with_name("megatron_allgather_dispatch.py")
+    done = subprocess.run([sys.executable, str(script), *map(str, (tokens, hidden, experts, topk, 29633))],
+                          capture_output=True, text=True, timeout=300, check=True)
+    made = json.loads(done.stdout.strip().splitlines()[-1])
+    cfg = ModelConfig(name="moe", num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=4 * hidden,
+                      vocab_size=512, seq_length=tokens, moe=MoEConfig(num_experts=experts, router_topk=topk,
+                                                                       moe_ffn_hidden_size=16))
+    stack = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "allgather"})
+    costs = MeshCosts(capture(cfg).costs(), cluster_from_device("h100-sxm", 2, 2), Layout(dp=2, ep=2, global_batch=2),
+                      stack)
+    billed = []
+    original = costs.collective
+
+    def collective(op, size, dim, **kwargs):
+        billed.append([op.value, size, dim])
+        return original(op, size, dim, **kwargs)
+
+    costs.collective = collective
+    costs.ep_exchanges_s(next(kind for kind in capture(cfg).costs().kinds if kind.num_experts))
+    gathered = sum(size for op, size in made if op == "all_gather")
+    assert billed == [["all_gather", gathered, "etpep"], ["reduce_scatter", made[-1][1], "etpep"]]
+    assert [op for op, _ in made] == ["all_gather"] * 3 + ["reduce_scatter"]

@@ -25,6 +25,7 @@ with warnings.catch_warnings():
 FULL = "tp={tp},pp={pp},vp={vp},dp={dp},cp={cp},ep={ep},etp={etp},mbs={mbs},zero={zero},recompute={rc}"
 MOE_OVERLAP = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "tp_comm_overlap": True})
 DEEPEP = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "deepep"})
+ALLGATHER = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "allgather"})
 MTP_MOE = resolve_model("mixtral-8x7b").model_copy(update={"mtp_layers": 1, "num_layers": 8})
 # (id, model, device, devices, global batch, layout, precision, stack)
 PLANS = [
@@ -55,6 +56,9 @@ PLANS = [
     # DeepEP's deduplicated dispatch, as predicted (--moe-dispatcher deepep): Megatron's flex dispatcher
     ("moe-deepep", "mixtral-8x7b", "h100-sxm", 32, 64,
      FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", DEEPEP),
+    # Megatron-Core's default dispatcher: every token all-gathered to the expert tp x ep group
+    ("moe-allgather", "mixtral-8x7b", "h100-sxm", 32, 64,
+     FULL.format(tp=2, pp=1, vp=1, dp=16, cp=1, ep=8, etp=2, mbs=1, zero=1, rc="none"), "bf16", ALLGATHER),
     ("full-recompute", "llama3-70b", "h100-sxm", 32, 64,
      FULL.format(tp=8, pp=4, vp=1, dp=1, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="full"), "bf16", None),
     ("uneven-stages", "llama3-8b", "h100-sxm", 8, 32,
@@ -167,9 +171,9 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
     assert (transformer.fp8 is not None) == (lay.precision == "fp8")
     if lay.precision == "fp8":
         assert transformer.fp8_recipe == lay.fp8_recipe
-    if lay.ep > 1:   # what the cost model bills: a plain all-to-all, or DeepEP through the flex dispatcher
+    if lay.ep > 1:   # what the cost model bills: a plain all-to-all, an all-gather, or DeepEP through flex
         deepep = lay.moe_dispatcher == "deepep"
-        assert transformer.moe_token_dispatcher_type == ("flex" if deepep else "alltoall")
+        assert transformer.moe_token_dispatcher_type == ("flex" if deepep else lay.moe_dispatcher)
         assert not deepep or transformer.moe_flex_dispatcher_backend == "deepep"
     # ZeRO: 1 the distributed optimizer, 2 and 3 Megatron-FSDP sharding gradients (and parameters)
     assert ddp.use_distributed_optimizer == (lay.zero >= 1)

@@ -119,6 +119,42 @@ def test_bf16_moments_without_the_precision_aware_optimizer_are_refused_as_megat
     assert proc.returncode == 2 and "adam_moment_bytes" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_allgather_dispatcher_beside_the_a2a_overlap_is_refused_as_megatron_core_refuses_it(tmp_path):
+    """Megatron-Core 0.16.1's TransformerConfig runs --overlap-moe-expert-parallel-comm with the alltoall and
+    flex dispatchers only; a stack file asking for it with the allgather dispatcher is refused, naming it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        with pytest.raises(AssertionError, match="alltoall/flex token dispatcher"):
+            TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+                              moe_router_topk=2, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather",
+                              overlap_moe_expert_parallel_comm=True)
+    data = load_stack("megatron-core").model_dump()
+    data.update(moe_dispatcher="allgather", moe_a2a_overlap=True)
+    path = tmp_path / "mine.yaml"
+    path.write_text(json.dumps(data))
+    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
+    assert proc.returncode == 2 and "moe_a2a_overlap needs moe_dispatcher" in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_fused_loss_keeps_the_bf16_logits_transformer_engines_cross_entropy_keeps():
+    """Transformer Engine's parallel_cross_entropy (Megatron-Bridge: cross_entropy_fusion_impl 'te') saves its
+    bf16 input logits and writes the gradient into them in place: the last stage holds s * b * V / tp bf16
+    values and no more; Megatron-Core's vocab-parallel cross-entropy keeps the fp32 softmax and hands back a
+    bf16 gradient copy (megatron/core/tensor_parallel/cross_entropy.py)."""
+    layout = "tp=2,pp=1,vp=1,dp=4,cp=1,ep=1,etp=1,mbs=2,zero=1,recompute=none"
+    logits = 2 * 8192 * 128256 / 2   # mbs * seq * vocab / tp
+    for stack, kept, gradient in (("megatron-bridge", 2, 0), ("megatron-core", 4, 2)):
+        plan = api.evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, stack=stack,
+                            seq_len=8192, layout=layout)
+        parts = plan.memory[0].parts
+        assert parts["logits"] == pytest.approx(kept * logits) and parts["loss_gradient"] == pytest.approx(
+            gradient * logits)
+
+
 def test_fsdp2_states_match_the_torchtitan_stack():
     """Real FSDP2 with torchtitan's mixed-precision policy (bf16 compute, fp32 reduction) and AdamW, on one
     gloo rank: the bytes of its sharded parameters, gradients and optimizer state are what the torchtitan

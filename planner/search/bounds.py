@@ -173,7 +173,7 @@ class Bounds:
         model = self.model
         head = weights[layout.chunk_rank(layout.pp * layout.vp - 1)]
         states += weights[0] * states_at_peak(model.embedding) + head * states_at_peak(model.head)
-        logits = head * (logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch)
+        logits = head * (logits_bytes(model.head, layout.tp, layout.cp, layout.micro_batch, self.stack.loss_gradient)
                                 + loss_gradient_bytes(model.head, layout.tp, layout.cp, layout.micro_batch,
                                                       self.stack.loss_gradient))
         return _Floor(states + activations + logits,

@@ -250,8 +250,9 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
         bubble.append(sum(b_terms) + 2 * sum(r_terms) + sum(_t(bubble_s(c)) for c in fixed))
         w_terms += r_terms
         fixed_mem = sum(peak_states(c) + flight * c.activation_bytes[0] for c in fixed)
-        fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch) + loss_gradient_bytes(
-            model.head, lay.tp, lay.cp, lay.micro_batch, costs.stack.loss_gradient) if last else 0.0
+        loss = costs.stack.loss_gradient
+        fixed_mem += logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) + loss_gradient_bytes(
+            model.head, lay.tp, lay.cp, lay.micro_batch, loss) if last else 0.0
         fixed_mem += costs.comm_buffer_bytes
         # working set: a recomputed layer's full activations while its backward runs
         working = cp.NewIntVar(0, _m(max(c.working_bytes for c in layer.values())), f"working{i}")
