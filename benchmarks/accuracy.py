@@ -261,7 +261,8 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
              "`FAMILY_STACKS`); layout facts a run's recipe states are pins (`RECIPE_SETTINGS`, each with its source),",
              "stack settings its launcher set are the CLI's flags or a stack file's fields (`RUN_STACK_SETTINGS`: "
              "`--moe-a2a-overlap`, `--moe-dispatcher`, `--tp-comm-overlap`, `dp_window_fraction`, "
-             "`precision_aware_optimizer`, `adam_moment_bytes`, `loss_gradient`), and GB200",
+             "`precision_aware_optimizer`, `adam_moment_bytes`, `loss_gradient`, `moe_shared_expert_overlap`), "
+             "and GB200",
              "runs of Megatron-Bridge take the rack segments its launcher asks Slurm for (`--segment-devices`,",
              "`launcher_segment_devices`).",
              "Stacks by family: " + ", ".join(f"{family} `{name}`" for family, name in sorted(FAMILY_STACKS.items()))

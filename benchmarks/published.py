@@ -53,8 +53,11 @@ RUN_STACK_SETTINGS = {
     # Megatron-Bridge v0.2.1's DeepSeek-V3 configs build on the recipe above (configs/deepseek/
     # deepseek_llm_pretrain.py: deepseek_v3_pretrain_config), in every precision
     **{run: DEEPSEEK_V3_OPTIMIZER for run in ("mbridge-25p11-gb200-deepseekv3-bf16-256gpu-wo-mtp",
-                                              "mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
-                                              "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp")},
+                                              "mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp")},
+    # and on B200 with the alltoall dispatcher and without the a2a overlap, the DeepSeek provider's default
+    # moe_shared_expert_overlap (src/megatron/bridge/models/deepseek/deepseek_provider.py, v0.2.1); on GB200 its
+    # HybridEP (flex) dispatcher runs without it, as Megatron-Core requires
+    "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp": {**DEEPSEEK_V3_OPTIMIZER, "moe_shared_expert_overlap": True},
     # NVIDIA-NeMo/Megatron-Bridge v0.2.1 (the release whose performance summary has the 25.11 tables)
     # scripts/performance/configs/qwen3/workload_base_configs.py QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG: the
     # row's degrees and batch (256 GPUs, TP2 PP8 VP4 EP32, GBS 2048) with moe_a2a_overlap=True, which
@@ -67,8 +70,9 @@ RUN_STACK_SETTINGS = {
     # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`
     "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True},
     # NVIDIA/NeMo 7a8f1cc7 (dgxc-benchmarking v25.05.04 deepseek_v3 setup.sh's NEMO_COMMIT) scripts/performance/llm/
-    # pretrain_deepseek_v3.py: cross_entropy_fusion_impl "te" (GPTConfig's cross_entropy_loss_fusion on)
-    "dgxc-250504-dsv3-bf16-h100-512gpu": {"loss_gradient": "fused"},
+    # pretrain_deepseek_v3.py: cross_entropy_fusion_impl "te" (GPTConfig's cross_entropy_loss_fusion on); its
+    # DeepSeekV3Config (nemo/collections/llm/gpt/model/deepseek.py): alltoall dispatcher, moe_shared_expert_overlap
+    "dgxc-250504-dsv3-bf16-h100-512gpu": {"loss_gradient": "fused", "moe_shared_expert_overlap": True},
 }
 
 

@@ -60,6 +60,15 @@ class ShardSpec:
 
 
 @dataclass(frozen=True)
+class SharedExpertSeconds:
+    """A MoE layer's shared experts: their up-projection (and gate) and down-projection, each pass."""
+    up_forward_s: float = 0.0
+    up_backward_s: float = 0.0
+    down_forward_s: float = 0.0
+    down_backward_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class LayerCompute:
     forward_s: float
     backward_input_s: float
@@ -69,6 +78,9 @@ class LayerCompute:
     # of the above, the routed experts and the dispatcher's sorts (forward, backward-input, backward-weight):
     # what Megatron's combined 1F1B runs between dispatch and combine (cost_models/paired_passes.py)
     experts_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # the shared experts inside a MoE layer's expert container (what --moe-shared-expert-overlap moves beside
+    # the all-to-alls): its GEMMs sharded over tp
+    shared_experts: SharedExpertSeconds = SharedExpertSeconds()
 
     def selective_forward_s(self, modules: tuple[RecomputeModule, ...]) -> float:
         """What selective recomputation of `modules` repeats: their forward."""
@@ -161,6 +173,7 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
     forward = backward_input = backward_weight = attention = 0.0
     by_module = [0.0] * len(RecomputeModule)
     experts = [0.0, 0.0, 0.0]
+    shared = [0.0, 0.0, 0.0, 0.0]   # up forward, up backward, down forward, down backward
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)
         forward += f
@@ -168,8 +181,14 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
         backward_weight += bw
         if op.sharding is Sharding.expert or op.kind is OpKind.token_copy:
             experts = [experts[0] + f, experts[1] + bi, experts[2] + bw]
+        elif op.module is RecomputeModule.moe and op.kind is OpKind.gemm and op.sharding is Sharding.tensor:
+            down = 2 if op.gemm_mnk[1] == kind.hidden_size else 0   # gemm_mnk: (tokens, out, in)
+            shared[down] += f
+            shared[down + 1] += bi + bw
         if op.kind in ATTENTION_CORE:
             attention += f
         if op.module is not None:
             by_module[MODULE_INDEX[op.module]] += f
-    return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts))
+    return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts),
+                        SharedExpertSeconds(up_forward_s=shared[0], up_backward_s=shared[1],
+                                            down_forward_s=shared[2], down_backward_s=shared[3]))

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hardware_profiles.schema import Cluster
-from hardware_profiles.topology import MeshDim, place_dims_together, place_mesh
+from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, place_dims_together, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
 from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
-from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
+from .compute import LayerCompute, ShardSpec, SharedExpertSeconds, layer_compute, memory_seconds
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Precision, Recompute, RecomputeModule
@@ -92,6 +92,16 @@ class LayerCost(LayerWork):
                 - weight_factor * self.backward_weight_s)
 
 
+@dataclass(frozen=True)
+class MeshGroups:
+    """Where one layout's groups sit: the attention mesh's dims, the data-parallel x context-parallel gradient
+    group, the expert mesh's dims (MoE parallel folding), and the all-gather dispatcher's expert tp x ep group."""
+    attention: MeshPlacement
+    dp_cp: GroupPlacement
+    experts: MeshPlacement
+    experts_tp_ep: GroupPlacement
+
+
 @dataclass
 class SharedCosts:
     """Results that many layouts of one search share: layer compute by (kind, shard spec), mesh
@@ -134,7 +144,7 @@ class MeshCosts:
         experts = place_mesh(expert_dims, self.cluster)
         # the all-gather dispatcher's group: expert tensor-parallel x expert-parallel ranks (Megatron tp_ep)
         experts_tp_ep = place_dims_together("etpep", ("etp", "ep"), expert_dims, self.cluster)
-        return attention, dp_cp, experts, experts_tp_ep
+        return MeshGroups(attention, dp_cp, experts, experts_tp_ep)
 
     def _folded_dims(self, kept: dict, data_dims: list) -> tuple[MeshDim, ...]:
         """The mesh in the layout's order with cp, ep and dp folded into `data_dims` where the first of
@@ -149,9 +159,9 @@ class MeshCosts:
         return tuple(MeshDim(name, size) for name, size in dims)
 
     def collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
-        attention, dp_cp, experts, experts_tp_ep = self.placement
-        group = {"dpcp": dp_cp, "ep": experts.of("ep") if self.layout.ep > 1 else None,
-                 "etpep": experts_tp_ep, "edp": experts.of("edp")}.get(dim) or attention.of(dim)
+        groups = self.placement
+        group = {"dpcp": groups.dp_cp, "ep": groups.experts.of("ep") if self.layout.ep > 1 else None,
+                 "etpep": groups.experts_tp_ep, "edp": groups.experts.of("edp")}.get(dim) or groups.attention.of(dim)
         key = (op, size, group, tuple(sorted(kwargs.items())))
         if key not in self._shared.collectives:
             self._shared.collectives[key] = collective_time(op, size, group, self.cluster, **kwargs)
@@ -226,6 +236,8 @@ class MeshCosts:
             return exposed_beside_compute(per_pass, compute.backward_s, share) + \
                 exposed_beside_compute(per_pass, compute.forward_s, share)
         if not self.stack.hides_moe_a2a(lay):
+            if self.stack.moe_shared_expert_overlap:
+                return self._beside_shared_experts_s(kind, compute.shared_experts, share)
             return 2 * per_pass
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
         # Megatron-Core's order on two streams; the warmup forwards and cooldown backwards are alone
@@ -239,6 +251,16 @@ class MeshCosts:
                                                                       delay_wgrad=True)
         beside = self._shared.paired_layers[key]
         return 2 * per_pass * (1 - paired) + paired * beside
+
+    def _beside_shared_experts_s(self, kind: LayerKind, shared: SharedExpertSeconds, held_share: float) -> float:
+        """The all-to-alls of a forward and a backward with the shared experts beside them (Megatron-Core
+        --moe-shared-expert-overlap): forward, the up-projection beside the dispatch and the down-projection
+        beside the combine; backward, the down-projection's gradients beside the combine's (a dispatch) and the
+        up-projection's beside the dispatch's."""
+        dispatch, combine = self.ep_exchanges_s(kind)
+        pairs = ((dispatch, shared.up_forward_s), (combine, shared.down_forward_s),
+                 (dispatch, shared.down_backward_s), (combine, shared.up_backward_s))
+        return sum(exposed_beside_compute(a2a, beside, held_share) for a2a, beside in pairs)
 
     def _pass_parts(self, kind: LayerKind, compute: LayerCompute) -> tuple[LayerPassParts, LayerPassParts]:
         """A layer's forward and backward split where combined 1F1B splits them (cost_models/paired_passes.py);
@@ -261,7 +283,7 @@ class MeshCosts:
             return self.stack.deepep_sms / device.sm_count
         if device.nccl_p2p_sms is None:
             return None
-        group = self.placement[2].of("ep")
+        group = self.placement.experts.of("ep")
         held = device.nccl_p2p_sms.across_nodes if group.ranks_per_node < group.size else \
             device.nccl_p2p_sms.within_node
         return held / device.sm_count
@@ -281,7 +303,7 @@ class MeshCosts:
     def _deduplicated_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the
         layout trains in FP8, BF16 combine."""
-        group = self.placement[2].of("ep")
+        group = self.placement.experts.of("ep")
         bf16 = kind.hidden_size * ACTIVATION_BYTES
         dispatch = fp8_token_bytes(kind.hidden_size) if self.layout.precision == Precision.fp8 else bf16
         seconds = []
@@ -361,7 +383,7 @@ class MeshCosts:
         virtual = vp or self.layout.vp
         if self.layout.dualpipev if v_shape is None else v_shape:
             virtual = 1    # a V hops between neighbours only, with no wrap-around
-        share = self.placement[0].of("pp").hop_crossing_share(virtual)
+        share = self.placement.attention.of("pp").hop_crossing_share(virtual)
         hidden = self.stack.pp_hidden_interleaved if virtual > 1 else self.stack.pp_hidden
         return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds * (1 - hidden)
 

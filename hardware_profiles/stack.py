@@ -94,6 +94,10 @@ class SoftwareStack(Strict):
     # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
     # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
     moe_dispatcher: MoeDispatcher = "alltoall"
+    # the shared experts beside the all-to-alls on a stream of their own (Megatron-Core --moe-shared-expert-overlap,
+    # token_dispatcher.py: their up-projection beside the dispatch, the down-projection beside the combine,
+    # forward and backward); alltoall dispatcher only, and not under combined 1F1B, as Megatron-Core requires
+    moe_shared_expert_overlap: bool = False
     # SMs DeepEP's kernels occupy while they run (DeepSeek-V3 3.2.2: 20 SMs saturate IB and NVLink; Megatron-Core
     # moe_flex_dispatcher_num_sms, historical default 20): compute overlapped with them runs on the rest
     deepep_sms: int = Field(default=20, gt=0)
@@ -150,6 +154,9 @@ class SoftwareStack(Strict):
             raise ValueError("dualpipev_schedule needs pp in parallelism")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
             raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
+        if self.moe_shared_expert_overlap and self.moe_dispatcher != "alltoall":
+            raise ValueError("moe_shared_expert_overlap needs moe_dispatcher alltoall: Megatron-Core's "
+                             "TransformerConfig runs it with the alltoall dispatcher only")
         if self.moe_a2a_overlap and self.moe_dispatcher == "allgather":
             raise ValueError("moe_a2a_overlap needs moe_dispatcher alltoall or deepep: Megatron-Core's "
                              "TransformerConfig refuses the overlap with the allgather dispatcher")

@@ -76,6 +76,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--tp-comm-overlap")
     if lay.moe_a2a_overlap:  # Megatron-Core's MoE docs pair it with delayed weight-gradient GEMMs
         args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+    if lay.moe_shared_expert_overlap:
+        args.append("--moe-shared-expert-overlap")
     if lay.ep > 1 and lay.moe_dispatcher == "deepep":   # deduplicated dispatch, as the cost model billed it
         args.append("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep")
     elif lay.ep > 1:   # the dispatcher the cost model billed (Megatron's default is allgather)
@@ -202,6 +204,9 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
         notes.append("the plan assumes combined 1F1B (MoE all-to-alls beside another micro-batch's compute); "
                      "torchtitan 0.3 has expert-parallel overlap only in experiments/graph_trainer, which this "
                      "export does not turn on (plan with --stack torchtitan to predict without it)")
+    if lay.moe_shared_expert_overlap:
+        notes.append("the plan runs the shared experts beside the all-to-alls (Megatron --moe-shared-expert-overlap)"
+                     "; torchtitan 0.3 runs them in line, which this export cannot change")
     if lay.precision == "fp8":
         notes.append("the plan trains in FP8: add torchtitan's Float8LinearConverter to your config's model "
                      "converters; this export does not")
@@ -251,7 +256,7 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     if lay.moe_dispatcher != "alltoall":
         notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; DeepSpeed's MoE "
                      "all-to-all sends one per expert, which this config cannot change")
-    if lay.tp_comm_overlap or lay.moe_a2a_overlap:
+    if lay.tp_comm_overlap or lay.moe_a2a_overlap or lay.moe_shared_expert_overlap:
         notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "
                      "has no such overlap (plan with --stack deepspeed to predict without it)")
     if plan.mtp_layers:

@@ -53,6 +53,7 @@ class LayoutRecord(_Frozen):
     tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
     moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
     moe_dispatcher: MoeDispatcher = "alltoall"   # ... and this MoE token dispatcher
+    moe_shared_expert_overlap: bool = False   # ... and shared experts beside the all-to-alls
     precision_aware_optimizer: bool = False   # ... and Megatron-Core's precision-aware optimizer (memory.py)
     adam_moment_bytes: Literal[2, 4] = 4      # ... keeping each Adam moment in these bytes
     grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
@@ -102,6 +103,8 @@ class LayoutRecord(_Frozen):
                    tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
                    moe_a2a_overlap=stack.hides_moe_a2a(layout),
                    moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall",
+                   moe_shared_expert_overlap=stack.moe_shared_expert_overlap and layout.ep > 1
+                   and not stack.hides_moe_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
                    adam_moment_bytes=stack.adam_moment_bytes if stack.precision_aware_in(layout) else 4,
                    recompute_modules=modules_text(layout.recompute_modules))

@@ -295,7 +295,8 @@ def test_expert_and_data_groups_follow_the_mesh_order(order, domains):
     expert group. With pp innermost the ranks of one stage are 0, 2, ..., 14: the group spans both nodes."""
     graph = capture(moe_model())
     layout = Layout(dp=8, pp=2, ep=8, global_batch=16, mesh_order=order)
-    attention, dp_cp, experts = MeshCosts(graph.costs(), small_cluster(16, 80), layout, load_stack()).placement
+    groups = MeshCosts(graph.costs(), small_cluster(16, 80), layout, load_stack()).placement
+    attention, dp_cp, experts = groups.attention, groups.dp_cp, groups.experts
     assert experts.of("ep").domains == domains and dp_cp.domains == domains
 
 

@@ -377,3 +377,75 @@ def test_nemo_2_runs_the_recipes_its_scripts_take():
     assert api.evaluate("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, stack="nemo-2",
                         precision="fp8", layout=layout.format("tensorwise")).stack == "nemo-2"
     assert "mla_up_proj" in load_stack("nemo-2").recompute_modules
+
+
+def _shared_expert_moe(hidden: int = 1024):
+    from planner.capture.model_config import ModelConfig, MoEConfig
+    return ModelConfig(name="shared-moe", num_layers=2, hidden_size=hidden, num_attention_heads=8,
+                       ffn_hidden_size=4 * hidden, vocab_size=4096, seq_length=4096,
+                       moe=MoEConfig(num_experts=16, router_topk=2, moe_ffn_hidden_size=512, num_shared_experts=1,
+                                     shared_expert_ffn_hidden_size=2048))
+
+
+def test_shared_experts_beside_the_all_to_alls_expose_what_outlasts_each_projection():
+    """--moe-shared-expert-overlap (Megatron-Core token_dispatcher.py): the shared experts' up-projection runs
+    beside the dispatch and their down-projection beside the combine, forward and backward. Capture finds the
+    two in the expert container by their shapes (gate and up from the hidden size, down to it): each pass's
+    seconds are the GEMMs of those shapes. With the all-to-alls far slower (a 25 Gb/s network), each runs its
+    projection beside it on the SMs it leaves, and so hides the whole projection."""
+    from cost_models.compute import ShardSpec, layer_compute, op_seconds
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import cluster_from_device
+    from planner.capture.model_capture import capture
+
+    model = capture(_shared_expert_moe()).costs()
+    kind = next(k for k in model.kinds if k.num_experts)
+    cluster = cluster_from_device("h100-sxm", 16)
+    slow = cluster.model_copy(update={"inter_node": cluster.inter_node.model_copy(
+        update={"nic_bandwidth_gbit_per_s": 25})})
+    layout = Layout(dp=16, ep=16, global_batch=16)
+    plain = load_stack("megatron-core")
+    overlap = plain.model_copy(update={"moe_shared_expert_overlap": True})
+    shared = layer_compute(kind, cluster.device, ShardSpec.of(layout, plain)).shared_experts
+    ops = [op for op in kind.ops if op.module == "moe" and op.kind == "gemm" and op.sharding == "tensor"]
+    up = [op_seconds(op, cluster.device, ShardSpec.of(layout, plain)) for op in ops if op.gemm_mnk[2] == 1024]
+    down = [op_seconds(op, cluster.device, ShardSpec.of(layout, plain)) for op in ops if op.gemm_mnk[1] == 1024]
+    assert len(up) == 2 and len(down) == 1   # gate and up, down
+    assert shared.up_forward_s == pytest.approx(sum(f for f, _, _ in up))
+    assert shared.down_backward_s == pytest.approx(sum(bi + bw for _, bi, bw in down))
+    costs = {name: MeshCosts(model, slow, layout, stack) for name, stack in (("plain", plain), ("overlap", overlap))}
+    compute = layer_compute(kind, cluster.device, ShardSpec.of(layout, plain))
+    dispatch, combine = costs["overlap"].ep_exchanges_s(kind)
+    held = costs["overlap"].sm_share_held_by_dispatch()
+    assert min(dispatch, combine) * (1 - held) > max(vars(shared).values())   # each projection fits beside
+    hidden = costs["plain"].ep_comm_s(kind, compute) - costs["overlap"].ep_comm_s(kind, compute)
+    assert hidden == pytest.approx(sum(vars(shared).values()))
+
+
+def test_the_shared_expert_overlap_runs_with_the_dispatchers_megatron_core_runs_it_with(tmp_path):
+    """Megatron-Core 0.16.1 runs --moe-shared-expert-overlap with the alltoall dispatcher only: a stack asking
+    for it with DeepEP is refused as Megatron-Core's TransformerConfig refuses it; a plan with it exports the
+    flag, which TransformerConfig accepts."""
+    import warnings
+
+    from planner.exports import megatron_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        moe = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
+                   moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=True)
+        with pytest.raises(ValueError, match="only works with alltoall"):
+            TransformerConfig(**moe, moe_token_dispatcher_type="flex")
+        assert TransformerConfig(**moe, moe_token_dispatcher_type="alltoall").moe_shared_expert_overlap
+    data = load_stack("megatron-core").model_dump()
+    data.update(moe_dispatcher="deepep", moe_shared_expert_overlap=True)
+    path = tmp_path / "mine.yaml"
+    path.write_text(json.dumps(data))
+    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
+    assert proc.returncode == 2 and "moe_shared_expert_overlap needs" in " ".join(proc.stderr.split())
+    stack = load_stack("megatron-core").model_copy(update={"moe_shared_expert_overlap": True})
+    plan = api.evaluate(_shared_expert_moe(), device="h100-sxm", num_devices=16, global_batch=16, stack=stack,
+                        layout="tp=1,pp=1,vp=1,dp=16,cp=1,ep=16,etp=1,mbs=1,zero=1,recompute=none")
+    assert plan.layout.moe_shared_expert_overlap and "--moe-shared-expert-overlap" in megatron_args(plan)[0]
