@@ -12,27 +12,17 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, place_dims_together, place_mesh
 
 from .communication import Collective, CollectiveCost, collective_time
-from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
-from .compute import LayerCompute, ShardSpec, SharedExpertSeconds, layer_compute, memory_seconds
+from .compute import ShardSpec, layer_compute, memory_seconds
+from .expert_comm import ACTIVATION_BYTES, ExpertCommunication
 from hardware_profiles.stack import SoftwareStack
 
-from .layout import Layout, Precision, Recompute, RecomputeModule
-from .paired_passes import LayerPassParts, combined_1f1b_exposed_s
-from .pipeline import combined_1f1b_paired_share
+from .layout import Layout, Recompute, RecomputeModule
 from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_bytes, adam_bytes_touched,
                      model_state_bytes, optimizer_state_bytes_per_param, params_on_rank)
 from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 RECOMPUTE_INDEX = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
-ACTIVATION_BYTES = 2       # bf16 activations on the wire
-
-
-def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:
-    """Seconds a pass's all-to-all adds when it runs beside `compute_s` of another micro-batch's compute while
-    holding `held_share` of the device's SMs: the compute runs on the rest while it lasts, so the pair takes
-    max(a, c + a f) and exposes max(a - c, a f) (DeepSeek-V3 3.2.2 dedicates SMs to communication for this)."""
-    return max(a2a_s - compute_s, a2a_s * held_share)
 
 
 @dataclass(frozen=True)
@@ -113,7 +103,7 @@ class SharedCosts:
     paired_layers: dict = field(default_factory=dict)   # combined 1F1B's exposure by (passes, layers, SM share)
 
 
-class MeshCosts:
+class MeshCosts(ExpertCommunication):
     """Costs of every layer kind for one layout's degrees (partition and recomputation left free)."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack,
@@ -207,114 +197,6 @@ class MeshCosts:
         hidden_fwd = self.stack.cp_hidden * attention_forward_s
         hidden_bwd = self.stack.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
-
-    def ep_exchanges_s(self, kind: LayerKind) -> tuple[float, float]:
-        """One pass's dispatch and combine all-to-alls of the tokens times top-k (0 without experts spread)."""
-        if not kind.num_experts or self.layout.ep == 1:
-            return 0.0, 0.0
-        lay = self.layout
-        tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
-        if self.stack.moe_dispatcher == "deepep":
-            return self._deduplicated_exchanges_s(kind, tokens)
-        if self.stack.moe_dispatcher == "allgather":
-            return self._gathered_exchanges_s(kind, tokens)
-        size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
-        one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
-        return one, one
-
-    def ep_pass_s(self, kind: LayerKind) -> float:
-        return sum(self.ep_exchanges_s(kind))
-
-    def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
-        """The all-to-alls of a forward and a backward as the steady state pays them."""
-        per_pass = self.ep_pass_s(kind)
-        lay = self.layout
-        share = self.sm_share_held_by_dispatch() or 0.0
-        if self.stack.dualpipev_hides(lay):
-            # every steady-state pass runs beside another's whole compute (the rest `dualpipev_seconds` bills
-            # alone), on the SMs the compute leaves them
-            return exposed_beside_compute(per_pass, compute.backward_s, share) + \
-                exposed_beside_compute(per_pass, compute.forward_s, share)
-        if not self.stack.hides_moe_a2a(lay):
-            if self.stack.moe_shared_expert_overlap:
-                return self._beside_shared_experts_s(kind, compute.shared_experts, share)
-            return 2 * per_pass
-        # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
-        # Megatron-Core's order on two streams; the warmup forwards and cooldown backwards are alone
-        paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
-        forward, backward = self._pass_parts(kind, compute)
-        layers = max(1, round(len(self.model.blocks) / (lay.pp * lay.vp)))
-        # with the weight gradients delayed: the plan's Megatron export adds --delay-wgrad-compute to it
-        key = (forward, backward, layers, share)
-        if key not in self._shared.paired_layers:
-            self._shared.paired_layers[key] = combined_1f1b_exposed_s(forward, backward, layers, share,
-                                                                      delay_wgrad=True)
-        beside = self._shared.paired_layers[key]
-        return 2 * per_pass * (1 - paired) + paired * beside
-
-    def _beside_shared_experts_s(self, kind: LayerKind, shared: SharedExpertSeconds, held_share: float) -> float:
-        """The all-to-alls of a forward and a backward with the shared experts beside them (Megatron-Core
-        --moe-shared-expert-overlap): forward, the up-projection beside the dispatch and the down-projection
-        beside the combine; backward, the down-projection's gradients beside the combine's (a dispatch) and the
-        up-projection's beside the dispatch's."""
-        dispatch, combine = self.ep_exchanges_s(kind)
-        pairs = ((dispatch, shared.up_forward_s), (combine, shared.down_forward_s),
-                 (dispatch, shared.down_backward_s), (combine, shared.up_backward_s))
-        return sum(exposed_beside_compute(a2a, beside, held_share) for a2a, beside in pairs)
-
-    def _pass_parts(self, kind: LayerKind, compute: LayerCompute) -> tuple[LayerPassParts, LayerPassParts]:
-        """A layer's forward and backward split where combined 1F1B splits them (cost_models/paired_passes.py);
-        the backward's dispatch gradient is a combine and its combine gradient a dispatch."""
-        dispatch, combine = self.ep_exchanges_s(kind)
-        experts_f, experts_bi, experts_bw = compute.experts_s
-        forward = LayerPassParts(compute.forward_s - experts_f, 0.0, experts_f, 0.0, dispatch, combine)
-        backward = LayerPassParts(compute.backward_input_s - experts_bi, compute.backward_weight_s - experts_bw,
-                                  experts_bi, experts_bw, dispatch, combine)
-        return forward, backward
-
-    def sm_share_held_by_dispatch(self) -> float | None:
-        """The share of the device's SMs the dispatch kernels hold while they run: DeepEP's `deepep_sms`, or
-        NCCL's p2p channels (within a node, or across nodes where the expert group leaves its node); None
-        where the profile gives no SM count or no NCCL channel count (the plan says so)."""
-        device = self.cluster.device
-        if device.sm_count is None:
-            return None
-        if self.stack.moe_dispatcher == "deepep":
-            return self.stack.deepep_sms / device.sm_count
-        if device.nccl_p2p_sms is None:
-            return None
-        group = self.placement.experts.of("ep")
-        held = device.nccl_p2p_sms.across_nodes if group.ranks_per_node < group.size else \
-            device.nccl_p2p_sms.within_node
-        return held / device.sm_count
-
-    def _gathered_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
-        """Megatron-Core's all-gather dispatcher (MoEAllGatherTokenDispatcher): the expert tp x ep ranks gather
-        all their tokens with each token's routing map (bool) and probabilities over the experts, then
-        reduce-scatter the experts' outputs back, in the probabilities' dtype: the router's, bf16 unless
-        --moe-router-dtype says otherwise."""
-        gathered = tokens * self.layout.etp * self.layout.ep
-        per_token = kind.hidden_size * ACTIVATION_BYTES + kind.num_experts * (1 + ACTIVATION_BYTES)
-        dispatch = self.collective(Collective.all_gather, gathered * per_token, "etpep").seconds
-        combine = self.collective(Collective.reduce_scatter, gathered * kind.hidden_size * ACTIVATION_BYTES,
-                                  "etpep").seconds
-        return dispatch, combine
-
-    def _deduplicated_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
-        """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the
-        layout trains in FP8, BF16 combine."""
-        group = self.placement.experts.of("ep")
-        bf16 = kind.hidden_size * ACTIVATION_BYTES
-        dispatch = fp8_token_bytes(kind.hidden_size) if self.layout.precision == Precision.fp8 else bf16
-        seconds = []
-        for token_bytes in (dispatch, bf16):
-            key = ("dedup", token_bytes, tokens, kind.name, group)
-            if key not in self._shared.collectives:
-                self._shared.collectives[key] = deduplicated_exchange(
-                    tokens, token_bytes, kind.router_topk, kind.num_experts, group, self.cluster,
-                    kind.router_num_groups, kind.router_group_topk, self.ep_imbalance)
-            seconds.append(self._shared.collectives[key].seconds)
-        return seconds[0], seconds[1]
 
     def _compute(self, kind: LayerKind):
         key = (kind.name, self.spec)

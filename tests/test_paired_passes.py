@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.layer_costs import exposed_beside_compute
+from cost_models.expert_comm import exposed_beside_compute
 from cost_models.paired_passes import (COMM, COMPUTE, LayerPassParts, StreamTask, combined_1f1b_exposed_s,
                                        combined_1f1b_tasks, two_stream_seconds)
 

@@ -357,7 +357,7 @@ def test_dualpipev_pairs_say_what_the_all_to_all_holds():
 def test_an_all_to_all_beside_compute_exposes_what_sharing_the_sms_step_by_step_gives(a2a, compute, held):
     """The closed form max(a - c, a f) against a step-by-step run of the two kernels: the all-to-all at full
     speed, the compute at (1 - f) of it while the all-to-all lasts and at full speed after."""
-    from cost_models.layer_costs import exposed_beside_compute
+    from cost_models.expert_comm import exposed_beside_compute
     share, step = held / 132, max(a2a, compute) / 4000
     t, comm_left, work_left = 0.0, a2a, compute
     while comm_left > 0 or work_left > 0:
