@@ -94,12 +94,15 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
 
 
 def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
-    """What the dispatch kernels' SMs cost where the schedule (combined 1F1B, or DualPipeV's pairs) hides
-    them behind compute, or that it is not billed (`MeshCosts.sm_share_held_by_dispatch`)."""
+    """What the dispatch kernels' SMs cost where the schedule (combined 1F1B, or DualPipeV's pairs) or the
+    shared experts' stream hide them behind compute, or that it is not billed
+    (`MeshCosts.sm_share_held_by_dispatch`)."""
     if stack.dualpipev_hides(best.layout):
-        schedule = "DualPipeV's pairs hide"
+        schedule = "DualPipeV's pairs hide them behind compute"
     elif stack.hides_moe_a2a(best.layout):
-        schedule = "combined 1F1B hides"
+        schedule = "combined 1F1B hides them behind compute"
+    elif stack.moe_shared_expert_overlap and best.layout.ep > 1:
+        schedule = "the shared experts run beside them"
     else:
         return []
     device = cluster.device
@@ -107,10 +110,10 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
     kernels = "DeepEP's kernels hold" if deepep else "NCCL's all-to-all holds"
     if device.sm_count is None or not (deepep or device.nccl_p2p_sms):
         missing = "no SM count" if device.sm_count is None else "no NCCL p2p channel count"
-        return [f"{kernels} SMs while {schedule} them behind compute; the {device.name} profile gives "
+        return [f"{kernels} SMs while {schedule}; the {device.name} profile gives "
                 f"{missing}, so the compute they slow is not billed"]
     channels = device.nccl_p2p_sms
     held = f"{stack.deepep_sms}" if deepep else \
         f"one per p2p channel ({channels.within_node} within a node, {channels.across_nodes} across nodes)"
-    return [f"{kernels} {held} of {device.sm_count} SMs while {schedule} them behind compute: that "
+    return [f"{kernels} {held} of {device.sm_count} SMs while {schedule}: that "
             "compute runs on the rest while they last"]

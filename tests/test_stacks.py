@@ -91,18 +91,27 @@ def test_stack_is_recorded_in_the_plan_file(tmp_path):
 
 
 def refused_stack_file(tmp_path, **fields) -> str:
-    """The CLI's one-paragraph refusal (exit status 2, no traceback) of the megatron-core stack with `fields`
-    changed, written to a stack file; its words joined by single spaces."""
+    """The one-paragraph refusal of the megatron-core stack with `fields` changed, written to a stack file
+    and read as `--stack FILE` reads it (the CLI's exit status 2 for it: the unknown-field test below); its
+    words joined by single spaces."""
+    from hardware_profiles.loader import resolve_stack
+
     data = load_stack("megatron-core").model_dump()
     data.update(fields)
     path = tmp_path / "mine.yaml"
     path.write_text(json.dumps(data))
-    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    return " ".join(proc.stderr.split())
+    with pytest.raises(UserInputError) as refused:
+        resolve_stack(str(path))
+    return " ".join(str(refused.value).split())
 
 
 def test_a_stack_file_with_an_unknown_field_is_refused(tmp_path):
+    data = load_stack("megatron-core").model_dump()
+    data["tp_overlap"] = True
+    path = tmp_path / "mine.yaml"
+    path.write_text(json.dumps(data))
+    proc = run(f"plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack {path}")
+    assert proc.returncode == 2 and "tp_overlap" in proc.stderr and "Traceback" not in proc.stderr
     assert "tp_overlap" in refused_stack_file(tmp_path, tp_overlap=True)
 
 
@@ -442,3 +451,4 @@ def test_the_shared_expert_overlap_runs_with_the_dispatchers_megatron_core_runs_
     plan = api.evaluate(_shared_expert_moe(), device="h100-sxm", num_devices=16, global_batch=16, stack=stack,
                         layout="tp=1,pp=1,vp=1,dp=16,cp=1,ep=16,etp=1,mbs=1,zero=1,recompute=none")
     assert plan.layout.moe_shared_expert_overlap and "--moe-shared-expert-overlap" in megatron_args(plan)[0]
+    assert any("SMs while the shared experts run beside them" in r for r in plan.reasons)
