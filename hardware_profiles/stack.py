@@ -129,8 +129,8 @@ class SoftwareStack(Strict):
     precision_aware_optimizer: Literal["off", "bf16", "on"] = "off"
     adam_moment_bytes: Literal[2, 4] = 4
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
-    # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or a
-    # fused kernel's gradient written into the bf16 logits in forward (cost_models/memory.py)
+    # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or into
+    # the bf16 logits a fused kernel keeps (Megatron-Core --cross-entropy-fusion-impl te; cost_models/memory.py)
     loss_gradient: Literal["in_place", "eager", "fused"]
     # 0: the optimizer's fp32 states stay in device memory; N: they live in host memory and come to the device
     # N chunks at a time for the update, each chunk copied in and back out (MindSpeed --swap-optimizer,

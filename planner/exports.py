@@ -51,6 +51,8 @@ def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
 
 DISPATCH_WORDS = {"deepep": "DeepEP-style (one copy per node)",
                   "allgather": "by all-gather (every token to the expert tp x ep group, Megatron's allgather)"}
+FUSED_LOSS_NOTE = ("the plan's memory assumed Transformer Engine's fused cross-entropy (the bf16 logits hold their "
+                   "own gradient); {target} keeps more for the loss (plan with that framework's stack to predict it)")
 PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-aware optimizer (the master kept as "
                         "16-bit remainders where it trains in BF16, or bf16 moments); {target} keeps fp32 states "
                         "(plan with that framework's stack to predict them)")
@@ -84,6 +86,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append(f"--moe-token-dispatcher-type {lay.moe_dispatcher}")
     if lay.grad_reduce == "bf16":
         args.append("--grad-reduce-in-bf16")
+    if lay.fused_loss:   # the bf16 logits hold their own gradient, as memory.py bills it
+        args.append("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
     if lay.precision_aware_optimizer:   # its store_param_remainders is on by default, as memory.py bills it
         args.append("--use-precision-aware-optimizer")
         if lay.adam_moment_bytes == 2:
@@ -218,6 +222,8 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
                      "models do not have (plan with --stack torchtitan, which refuses them)")
     if lay.precision_aware_optimizer:
         notes.append(PRECISION_AWARE_NOTE.format(target="torchtitan's AdamW"))
+    if lay.fused_loss:
+        notes.append(FUSED_LOSS_NOTE.format(target="torchtitan"))
     return notes
 
 
@@ -264,6 +270,8 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
                      "no such field (the model code must build them)")
     if lay.precision_aware_optimizer:
         notes.append(PRECISION_AWARE_NOTE.format(target="DeepSpeed's Adam"))
+    if lay.fused_loss:
+        notes.append(FUSED_LOSS_NOTE.format(target="the model's own loss under DeepSpeed"))
     return json.dumps(config, indent=2) + "\n", notes
 
 

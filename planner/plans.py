@@ -55,6 +55,7 @@ class LayoutRecord(_Frozen):
     moe_dispatcher: MoeDispatcher = "alltoall"   # ... and this MoE token dispatcher
     moe_shared_expert_overlap: bool = False   # ... and shared experts beside the all-to-alls
     precision_aware_optimizer: bool = False   # ... and Megatron-Core's precision-aware optimizer (memory.py)
+    fused_loss: bool = False                  # ... and Transformer Engine's fused cross-entropy (memory.py)
     adam_moment_bytes: Literal[2, 4] = 4      # ... keeping each Adam moment in these bytes
     grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
     fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
@@ -106,6 +107,7 @@ class LayoutRecord(_Frozen):
                    moe_shared_expert_overlap=stack.moe_shared_expert_overlap and layout.ep > 1
                    and not stack.hides_moe_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
+                   fused_loss=stack.loss_gradient == "fused",
                    adam_moment_bytes=stack.adam_moment_bytes if stack.precision_aware_in(layout) else 4,
                    recompute_modules=modules_text(layout.recompute_modules))
 

@@ -59,6 +59,9 @@ PLANS = [
     # Megatron-Core's default dispatcher: every token all-gathered to the expert tp x ep group
     ("moe-allgather", "mixtral-8x7b", "h100-sxm", 32, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=16, cp=1, ep=8, etp=2, mbs=1, zero=1, rc="none"), "bf16", ALLGATHER),
+    # Megatron-Bridge's stack: Transformer Engine's fused cross-entropy, the precision-aware optimizer in BF16
+    ("megatron-bridge", "llama3-8b", "h100-sxm", 8, 64, FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1,
+                                                                     zero=1, rc="none"), "bf16", "megatron-bridge"),
     ("full-recompute", "llama3-70b", "h100-sxm", 32, 64,
      FULL.format(tp=8, pp=4, vp=1, dp=1, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="full"), "bf16", None),
     ("uneven-stages", "llama3-8b", "h100-sxm", 8, 32,
@@ -121,6 +124,8 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
         sequence_parallel=bool(exported.get("--sequence-parallel")), tp_comm_overlap=bool(exported.get("--tp-comm-overlap")),
         overlap_moe_expert_parallel_comm=bool(exported.get("--overlap-moe-expert-parallel-comm")),
         delay_wgrad_compute=bool(exported.get("--delay-wgrad-compute")),
+        cross_entropy_loss_fusion=bool(exported.get("--cross-entropy-loss-fusion")),
+        cross_entropy_fusion_impl=exported.get("--cross-entropy-fusion-impl", "native"),
         add_bias_linear=add_bias, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **moe, **recompute, **fp8)
     sharding = exported.get("--data-parallel-sharding-strategy", "no_shard")
     ddp = DistributedDataParallelConfig(
@@ -161,6 +166,7 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
     assert transformer.sequence_parallel == (lay.sp and lay.tp > 1)
     assert transformer.tp_comm_overlap == lay.tp_comm_overlap
     assert transformer.overlap_moe_expert_parallel_comm == lay.moe_a2a_overlap
+    assert (transformer.cross_entropy_loss_fusion and transformer.cross_entropy_fusion_impl == "te") == lay.fused_loss
     methods = {r for stage in plan.stages for r in stage.recompute}
     assert transformer.recompute_granularity == (None if methods == {"none"} else
                                                  "selective" if methods == {"selective"} else "full")
