@@ -29,10 +29,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/planner plan --model llama3-8b --cluster dgx-h100 --num-devices 64 --global-batch 512 --seq-len 8192
 
-# `make test` keeps both CI cores busy: the rank launches and the search run in one pytest process beside
-# the rest in another, then the tests that time their own ranks (health, telemetry, signals) run alone, as
-# other processes on the cores would skew what they measure. A new test file joins the second process.
-PARALLEL_TESTS := tests/test_runtime.py tests/test_search.py
+# `make test` keeps both CI cores busy: the rank launches, the search and the fuzzing run in one pytest process
+# beside the rest in another (about 425 s each on this project's 2-core machine, `--durations=0`), then the tests
+# that time their own ranks (health, telemetry, signals) run alone, as other processes on the cores would skew
+# what they measure. A new test file joins the second process.
+PARALLEL_TESTS := tests/test_runtime.py tests/test_search.py tests/test_fuzz.py
 TIMED_TESTS := tests/test_health.py tests/test_telemetry.py tests/test_edges.py
 
 test: $(TEST_STAMP)
