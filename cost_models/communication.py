@@ -17,6 +17,7 @@ from hardware_profiles.topology import GroupPlacement
 
 US = 1e-6
 GB = 1e9
+ACTIVATION_BYTES = 2       # bf16 activations on the wire
 
 
 class Collective(str, Enum):

@@ -173,7 +173,7 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
     forward = backward_input = backward_weight = attention = 0.0
     by_module = [0.0] * len(RecomputeModule)
     experts = [0.0, 0.0, 0.0]
-    shared = [0.0, 0.0, 0.0, 0.0]   # up forward, up backward, down forward, down backward
+    shared_up, shared_down = [0.0, 0.0], [0.0, 0.0]   # a shared projection's forward, backward
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)
         forward += f
@@ -182,13 +182,13 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
         if op.sharding is Sharding.expert or op.kind is OpKind.token_copy:
             experts = [experts[0] + f, experts[1] + bi, experts[2] + bw]
         elif op.module is RecomputeModule.moe and op.kind is OpKind.gemm and op.sharding is Sharding.tensor:
-            down = 2 if op.gemm_mnk[1] == kind.hidden_size else 0   # gemm_mnk: (tokens, out, in)
-            shared[down] += f
-            shared[down + 1] += bi + bw
+            side = shared_down if op.gemm_mnk[1] == kind.hidden_size else shared_up   # (tokens, out, in)
+            side[0] += f
+            side[1] += bi + bw
         if op.kind in ATTENTION_CORE:
             attention += f
         if op.module is not None:
             by_module[MODULE_INDEX[op.module]] += f
     return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts),
-                        SharedExpertSeconds(up_forward_s=shared[0], up_backward_s=shared[1],
-                                            down_forward_s=shared[2], down_backward_s=shared[3]))
+                        SharedExpertSeconds(up_forward_s=shared_up[0], up_backward_s=shared_up[1],
+                                            down_forward_s=shared_down[0], down_backward_s=shared_down[1]))

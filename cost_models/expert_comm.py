@@ -8,15 +8,13 @@ stack, the placement of the groups and the collective times.
 """
 from __future__ import annotations
 
-from .communication import Collective
+from .communication import ACTIVATION_BYTES, Collective
 from .compute import LayerCompute, SharedExpertSeconds
 from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
 from .layout import Precision
 from .paired_passes import LayerPassParts, combined_1f1b_exposed_s
 from .pipeline import combined_1f1b_paired_share
 from .records import LayerKind
-
-ACTIVATION_BYTES = 2       # bf16 activations on the wire
 
 
 def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:
@@ -48,22 +46,23 @@ class ExpertCommunication:
 
     def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
         """The all-to-alls of a forward and a backward as the steady state pays them."""
-        per_pass = self.ep_pass_s(kind)
-        lay = self.layout
-        share = self.sm_share_held_by_dispatch() or 0.0
-        if self.stack.dualpipev_hides(lay):
+        dispatch, combine = self.ep_exchanges_s(kind)
+        per_pass = dispatch + combine
+        lay, stack = self.layout, self.stack
+        if not (stack.dualpipev_hides(lay) or stack.hides_moe_a2a(lay) or stack.runs_shared_experts_beside_a2a(lay)):
+            return 2 * per_pass
+        share = self.sm_share_held_by_dispatch() or 0.0   # what compute runs beside them holds the rest
+        if stack.dualpipev_hides(lay):
             # every steady-state pass runs beside another's whole compute (the rest `dualpipev_seconds` bills
             # alone), on the SMs the compute leaves them
             return exposed_beside_compute(per_pass, compute.backward_s, share) + \
                 exposed_beside_compute(per_pass, compute.forward_s, share)
-        if not self.stack.hides_moe_a2a(lay):
-            if self.stack.moe_shared_expert_overlap:
-                return self._beside_shared_experts_s(kind, compute.shared_experts, share)
-            return 2 * per_pass
+        if stack.runs_shared_experts_beside_a2a(lay):
+            return self._beside_shared_experts_s(dispatch, combine, compute.shared_experts, share)
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
         # Megatron-Core's order on two streams; the warmup forwards and cooldown backwards are alone
         paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
-        forward, backward = self._pass_parts(kind, compute)
+        forward, backward = self._pass_parts(dispatch, combine, compute)
         layers = max(1, round(len(self.model.blocks) / (lay.pp * lay.vp)))
         # with the weight gradients delayed: the plan's Megatron export adds --delay-wgrad-compute to it
         key = (forward, backward, layers, share)
@@ -73,20 +72,21 @@ class ExpertCommunication:
         beside = self._shared.paired_layers[key]
         return 2 * per_pass * (1 - paired) + paired * beside
 
-    def _beside_shared_experts_s(self, kind: LayerKind, shared: SharedExpertSeconds, held_share: float) -> float:
+    @staticmethod
+    def _beside_shared_experts_s(dispatch: float, combine: float, shared: SharedExpertSeconds,
+                                 held_share: float) -> float:
         """The all-to-alls of a forward and a backward with the shared experts beside them (Megatron-Core
         --moe-shared-expert-overlap): forward, the up-projection beside the dispatch and the down-projection
         beside the combine; backward, the down-projection's gradients beside the combine's (a dispatch) and the
         up-projection's beside the dispatch's."""
-        dispatch, combine = self.ep_exchanges_s(kind)
         pairs = ((dispatch, shared.up_forward_s), (combine, shared.down_forward_s),
                  (dispatch, shared.down_backward_s), (combine, shared.up_backward_s))
         return sum(exposed_beside_compute(a2a, beside, held_share) for a2a, beside in pairs)
 
-    def _pass_parts(self, kind: LayerKind, compute: LayerCompute) -> tuple[LayerPassParts, LayerPassParts]:
+    @staticmethod
+    def _pass_parts(dispatch: float, combine: float, compute: LayerCompute) -> tuple[LayerPassParts, LayerPassParts]:
         """A layer's forward and backward split where combined 1F1B splits them (cost_models/paired_passes.py);
         the backward's dispatch gradient is a combine and its combine gradient a dispatch."""
-        dispatch, combine = self.ep_exchanges_s(kind)
         experts_f, experts_bi, experts_bw = compute.experts_s
         forward = LayerPassParts(compute.forward_s - experts_f, 0.0, experts_f, 0.0, dispatch, combine)
         backward = LayerPassParts(compute.backward_input_s - experts_bi, compute.backward_weight_s - experts_bw,

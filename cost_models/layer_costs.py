@@ -11,9 +11,9 @@ from functools import cached_property
 from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, place_dims_together, place_mesh
 
-from .communication import Collective, CollectiveCost, collective_time
+from .communication import ACTIVATION_BYTES, Collective, CollectiveCost, collective_time
 from .compute import ShardSpec, layer_compute, memory_seconds
-from .expert_comm import ACTIVATION_BYTES, ExpertCommunication
+from .expert_comm import ExpertCommunication
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Recompute, RecomputeModule

@@ -42,11 +42,10 @@ class StateSharding:
         # Megatron-Core keeps remainders where TE manages the master: no FP8, or FP8 with delayed scaling
         # (OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         remainders = stack.precision_aware_in(layout) and (layout.precision == "bf16" or layout.fp8_recipe == "delayed")
-        moments = stack.adam_moment_bytes if stack.precision_aware_in(layout) else 4
         return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                    expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
                    fp32_parameters=stack.master_weights == "parameters",
-                   optimizer_swap_chunks=stack.optimizer_swap_chunks, moment_bytes=moments,
+                   optimizer_swap_chunks=stack.optimizer_swap_chunks, moment_bytes=stack.moment_bytes_in(layout),
                    master_bytes=REMAINDER_BYTES if remainders else MASTER_BYTES)
 
     @property

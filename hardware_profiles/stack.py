@@ -163,9 +163,20 @@ class SoftwareStack(Strict):
         if self.precision_aware_optimizer != "off" and self.master_weights != "separate":
             raise ValueError("precision_aware_optimizer needs master_weights: separate (bf16 weights beside a master)")
         if self.adam_moment_bytes != 4 and self.precision_aware_optimizer != "on":
-            raise ValueError("adam_moment_bytes 2 (bf16 moments) needs precision_aware_optimizer: on, as Megatron-Core's "
-                             "OptimizerConfig does")
+            raise ValueError("adam_moment_bytes 2 (bf16 moments) needs precision_aware_optimizer: on, as "
+                             "Megatron-Core's OptimizerConfig does")
         return self
+
+    def moment_bytes_in(self, layout) -> int:
+        """Bytes of each Adam moment `layout` keeps: the stack's where the precision-aware optimizer runs, fp32
+        otherwise (Megatron-Core's OptimizerConfig allows no other dtype without it)."""
+        return self.adam_moment_bytes if self.precision_aware_in(layout) else 4
+
+    def runs_shared_experts_beside_a2a(self, layout) -> bool:
+        """The shared-expert overlap applies: the stack has it, experts spread, and neither combined 1F1B nor
+        DualPipeV's pairs run the all-to-alls beside other compute instead."""
+        return (self.moe_shared_expert_overlap and layout.ep > 1 and not self.hides_moe_a2a(layout)
+                and not self.dualpipev_hides(layout))
 
     def precision_aware_in(self, layout) -> bool:
         """Whether the precision-aware optimizer runs for `layout`: in its precision, and with the distributed

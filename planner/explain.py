@@ -101,7 +101,7 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
         schedule = "DualPipeV's pairs hide them behind compute"
     elif stack.hides_moe_a2a(best.layout):
         schedule = "combined 1F1B hides them behind compute"
-    elif stack.moe_shared_expert_overlap and best.layout.ep > 1:
+    elif stack.runs_shared_experts_beside_a2a(best.layout):
         schedule = "the shared experts run beside them"
     else:
         return []

@@ -104,11 +104,10 @@ class LayoutRecord(_Frozen):
                    tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
                    moe_a2a_overlap=stack.hides_moe_a2a(layout),
                    moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall",
-                   moe_shared_expert_overlap=stack.moe_shared_expert_overlap and layout.ep > 1
-                   and not stack.hides_moe_a2a(layout),
+                   moe_shared_expert_overlap=stack.runs_shared_experts_beside_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
                    fused_loss=stack.loss_gradient == "fused",
-                   adam_moment_bytes=stack.adam_moment_bytes if stack.precision_aware_in(layout) else 4,
+                   adam_moment_bytes=stack.moment_bytes_in(layout),
                    recompute_modules=modules_text(layout.recompute_modules))
 
     @property
