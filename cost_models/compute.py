@@ -189,6 +189,8 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
             attention += f
         if op.module is not None:
             by_module[MODULE_INDEX[op.module]] += f
+        if op.inner_module is not None:   # repeated by its own recomputation too (moe_act inside moe)
+            by_module[MODULE_INDEX[op.inner_module]] += f
     return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts),
                         SharedExpertSeconds(up_forward_s=shared_up[0], up_backward_s=shared_up[1],
                                             down_forward_s=shared_down[0], down_backward_s=shared_down[1]))

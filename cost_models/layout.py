@@ -29,16 +29,27 @@ class Recompute(TextEnum):
 class RecomputeModule(TextEnum):
     """What selective recomputation repeats, as Megatron-Core names it (TransformerConfig.recompute_modules,
     default ["core_attn"]): the first three by checkpointing (the module's input kept, everything it saves
-    dropped), the others by output-discarding checkpointing (its output freed once used, remade in backward)."""
+    dropped), the others by output-discarding checkpointing (its output freed once used, remade in backward).
+    moe_act lies inside moe: the expert container is captured as one node, so its ops and tensors name it as
+    their `inner_module`."""
     core_attn = "core_attn"       # the attention core (softmax(q k^T) v, fused or not)
     mlp = "mlp"                   # a dense layer's MLP: its column -> row pair (not a MoE layer's)
     moe = "moe"                   # a MoE layer's routed experts, as captured in one expert container
     layernorm = "layernorm"       # the norms on the residual stream (input and pre-MLP layernorm)
     mla_up_proj = "mla_up_proj"   # MLA's query and key-value up-projections and RoPE, up to the attention core
+    # the routed experts' activation between their GEMMs, gating multiply included: what the down-projection
+    # keeps (Megatron-Core's GroupedMLP checkpoints it without its output, experts.py `activation_recompute`)
+    moe_act = "moe_act"
 
     @property
     def discards_output(self) -> bool:
-        return self in (RecomputeModule.layernorm, RecomputeModule.mla_up_proj)
+        return self in (RecomputeModule.layernorm, RecomputeModule.mla_up_proj, RecomputeModule.moe_act)
+
+    @property
+    def refused_with_delayed_fp8(self) -> bool:
+        """Megatron-Core's TransformerConfig refuses moe_act and layernorm recomputation under FP8 delayed
+        scaling (transformer_config.py __post_init__): a recomputed cast would update the amax history twice."""
+        return self in (RecomputeModule.layernorm, RecomputeModule.moe_act)
 
 
 DEFAULT_RECOMPUTE_MODULES = (RecomputeModule.core_attn,)

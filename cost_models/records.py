@@ -53,6 +53,7 @@ class OpCost:
     weight_bytes: float = 0.0               # of bytes_accessed, the weights (read whatever the batch)
     node: str = ""                          # the graph node that ran it
     module: RecomputeModule | None = None   # the recomputable module it belongs to, if any
+    inner_module: RecomputeModule | None = None   # a module inside that one (moe_act inside moe)
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,15 @@ class SavedTensor:
     savers: tuple[str, ...] = ()                    # the graph nodes that keep it
     producer_module: RecomputeModule | None = None  # the recomputable module that made it, if any
     saver_modules: frozenset = frozenset()          # the modules of its savers (None: outside any)
+    inner_module: RecomputeModule | None = None     # made by a module inside producer_module (moe_act in moe)
 
     def dropped_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
         """Whether recomputing `modules` frees it: made inside one of them, and either that module discards
         its output (output-discarding checkpointing) or only the module itself keeps it (a checkpoint keeps
-        its input and nothing it saves inside)."""
+        its input and nothing it saves inside). An inner module discards its output inside its container."""
         made_by = self.producer_module
+        if self.inner_module is not None and self.inner_module in modules and self.inner_module.discards_output:
+            return True
         return made_by in modules and (made_by.discards_output or self.saver_modules <= {made_by})
 
 

@@ -211,7 +211,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
         else [recompute_choices(pins, stack)]
-    modules = module_choices(pins, stack, graph)
+    modules = module_choices(pins, stack, graph, precision)
     outcomes = [search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s / len(methods),
                        max(top_k, 1), stack=stack, ep_imbalance=ep_imbalance, graph=graph, progress=progress,
                        recompute_choices=allowed, module_choices=modules if Recompute.none in allowed else ())

@@ -118,6 +118,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--recompute-granularity selective")
         if lay.recompute_modules != "core_attn":   # Megatron-Core's default set
             args.append(f"--recompute-modules {lay.recompute_modules.replace('+', ' ')}")
+        if "moe_act" in lay.recompute_modules.split("+"):   # TransformerConfig accepts it with grouped GEMM only
+            args.append("--moe-grouped-gemm")
     elif "selective" in recompute:
         notes.append("Megatron recomputes selectively every layer or none: the plan's "
                      f"{sum(r == 'selective' for s in plan.stages for r in s.recompute)} selective layers beside "

@@ -27,6 +27,8 @@ MEGATRON_ARGS = {
     "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--fp8-recipe", "--pipeline-model-parallel-layout",
     "--moe-token-dispatcher-type", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--overlap-grad-reduce",
     "--overlap-param-gather",
+    # TransformerConfig fields, which Megatron-LM's arguments.py turns into flags (ArgumentGroupFactory)
+    "--recompute-modules", "--moe-grouped-gemm",
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",

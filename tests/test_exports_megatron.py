@@ -80,6 +80,11 @@ PLANS = [
     ("recompute-modules", "llama3-8b", "h100-sxm", 8, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="selective")
      + ",recompute_modules=mlp+layernorm", "bf16", None),
+    # the experts' activation (GPT-OSS and DeepSeek-V3 recipes): Megatron-Core takes it with grouped GEMM only,
+    # and under FP8 with current or block scaling only
+    ("moe-act-fp8", "mixtral-8x7b", "h100-sxm", 32, 64,
+     FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="selective")
+     + ",recompute_modules=layernorm+moe_act,fp8_recipe=tensorwise", "fp8", None),
 ]
 
 
@@ -102,7 +107,8 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
     per_chunk = exported.get("--num-layers-per-virtual-pipeline-stage")
     moe = dict(num_moe_experts=graph.num_experts, moe_router_topk=structure.router_topk,
                moe_token_dispatcher_type=exported.get("--moe-token-dispatcher-type", "allgather"),
-               moe_flex_dispatcher_backend=exported.get("--moe-flex-dispatcher-backend", "deepep")) \
+               moe_flex_dispatcher_backend=exported.get("--moe-flex-dispatcher-backend", "deepep"),
+               moe_grouped_gemm=bool(exported.get("--moe-grouped-gemm"))) \
         if graph.num_experts else {}
     recompute = {}
     if "--recompute-granularity" in exported:
@@ -138,8 +144,10 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
 
 
 @pytest.mark.parametrize("case", PLANS, ids=[c[0] for c in PLANS])
-def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case):
+def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case, monkeypatch):
     name, model, device, count, batch, layout, precision, stack = case
+    # Transformer Engine >= 2.6 stood in (FP8 moe_act and layernorm recomputation ask for it; not installed here)
+    monkeypatch.setattr(sys.modules[TransformerConfig.__module__], "is_te_min_version", lambda *_, **__: True)
     per_node = 4 if count % 8 else None   # 12 devices: three nodes of 4
     plan = evaluate(model, device=device, num_devices=count, devices_per_node=per_node, global_batch=batch,
                     layout=layout, precision=precision, stack=stack)
@@ -249,7 +257,8 @@ def test_mla_up_projection_recomputation_is_exported_as_megatron_core_takes_it()
 @pytest.mark.parametrize("stack_name", ["megatron-core", "nemo-2", "megatron-bridge"])
 def test_megatron_core_stacks_name_only_what_megatron_core_takes(stack_name):
     """Each recompute module and FP8 recipe a Megatron-Core-based stack offers is one Megatron-Core 0.16.1
-    accepts: MLATransformerConfig validates the modules, its Fp8Recipe enum names the recipes."""
+    accepts: MLATransformerConfig validates the modules (with grouped GEMM, which moe_act needs and the export
+    asks for beside it), its Fp8Recipe enum names the recipes."""
     from megatron.core.enums import Fp8Recipe
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -261,7 +270,7 @@ def test_megatron_core_stacks_name_only_what_megatron_core_takes(stack_name):
             transformer = MLATransformerConfig(
                 num_layers=4, hidden_size=64, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16,
                 qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, num_moe_experts=4, moe_router_topk=2,
-                recompute_granularity="selective", recompute_modules=[module])
+                moe_grouped_gemm=True, recompute_granularity="selective", recompute_modules=[module])
             assert transformer.recompute_modules == [module]
 
 
@@ -313,3 +322,28 @@ def test_the_optimizer_states_a_plan_holds_are_what_megatron_cores_optimizer_con
     parts = plan.memory[0].parts
     sharded = 8 if zero else 1   # ZeRO-1 shards the states over the 8 data-parallel ranks
     assert parts["optimizer"] * sharded / parts["weights"] * 2 == pytest.approx(master + moments)
+
+
+def test_moe_act_under_delayed_fp8_is_refused_as_megatron_core_refuses_it(monkeypatch):
+    """One rule set: Megatron-Core 0.16.1's TransformerConfig refuses moe_act (and layernorm) recomputation under
+    FP8 delayed scaling, and moe_act without grouped GEMM; the planner refuses the first before any search,
+    and its export asks for grouped GEMM wherever it recomputes moe_act."""
+    from hardware_profiles.errors import UserInputError
+
+    layout = FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="selective")
+    for modules in ("moe_act", "layernorm"):
+        with pytest.raises(UserInputError, match=f"recompute_modules={modules} with fp8_recipe=delayed"):
+            evaluate("mixtral-8x7b", device="h100-sxm", num_devices=32, global_batch=64, precision="fp8",
+                     layout=layout + f",recompute_modules={modules},fp8_recipe=delayed")
+    common = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+                  recompute_granularity="selective", recompute_modules=["moe_act"])
+    monkeypatch.setattr(sys.modules[TransformerConfig.__module__], "is_te_min_version", lambda *_, **__: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="Delayed scaling does not support moe_act"):
+            TransformerConfig(**common, moe_grouped_gemm=True, fp8="hybrid", fp8_recipe="delayed")
+        with pytest.raises(ValueError, match="only supported with moe_grouped_gemm"):
+            TransformerConfig(**common)
+    plan = evaluate("mixtral-8x7b", device="h100-sxm", num_devices=32, global_batch=64,
+                    layout=layout + ",recompute_modules=moe_act")
+    assert "--moe-grouped-gemm" in flags(megatron_args(plan)[0])

@@ -215,3 +215,43 @@ def test_the_leaf_bound_stays_below_the_best_plan_when_modules_are_chosen(pp, vp
         solved += 1
         selective += Recompute.selective in result.layer_recompute
     assert solved >= 2 and selective
+
+
+# (model, hidden, the experts' down-projection input width f, top-k): a reference model whose expert container
+# capture runs as one node (with a shared expert beside the routed ones), and transformers' own classes, whose
+# grouped GEMMs the graph runs node by node
+MOE_ACT_MODELS = [("tiny-moe", 64, 2), ("tests/models/hf_tiny.py:qwen3_moe_logits", 64, 2),
+                  ("tests/models/hf_tiny.py:mixtral_logits", 128, 2)]
+
+
+@pytest.mark.parametrize("model,f,topk", MOE_ACT_MODELS, ids=["reference", "hf-qwen3-moe", "hf-mixtral"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-swiglu", "unfused"])
+def test_moe_act_recomputation_frees_what_the_experts_activation_made(model, f, topk, fused):
+    """Megatron-Core's moe_act (output-discarding checkpoint of the routed experts' activation, experts.py):
+    the down-projection's input, SEQ x k routed rows of f bf16 values, goes; where the activation is not one
+    fused kernel, act(gate) kept by the gating multiply goes too. The shared expert's activation stays (another
+    module, Megatron's shared_experts), as does the up-projection's output (the checkpoint's input)."""
+    from planner.api import capture_for
+    from hardware_profiles.loader import load_stack
+
+    stack = load_stack("megatron-core").model_copy(update={"fused_gated_activation": fused})
+    graph = capture_for(model, SEQ, (), stack)
+    moe = next(b.kind for b in graph.blocks if graph.structure(b.kind).num_experts)
+    assert RecomputeModule.moe_act in graph.structure(moe).recompute_modules
+    dense = [b.kind for b in graph.blocks if not graph.structure(b.kind).num_experts]
+    assert all(RecomputeModule.moe_act not in graph.structure(kind).recompute_modules for kind in dense)
+    down_input = SEQ * topk * f * 2
+    expected = down_input if fused else 2 * down_input
+    assert _freed_by_plan(graph.kind(moe), RecomputeModule.moe_act) == pytest.approx(expected)
+
+
+def test_moe_act_repeats_the_experts_activation_and_what_moe_covers_is_not_asked_twice():
+    """Its recomputation repeats the activation's forward, less than recomputing the whole MoE layer, in the
+    step's recompute part; moe with moe_act is refused (moe recomputes the activation already)."""
+    common = dict(device="h100-sxm", num_devices=8, global_batch=16, seq_len=4096)
+    layout = "tp=1,pp=1,dp=8,cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=selective,recompute_modules="
+    act, whole = (planner.evaluate("mixtral-8x7b", layout=layout + m, **common).breakdown["recompute_s"]
+                  for m in ("moe_act", "moe"))
+    assert 0 < act < whole / 10
+    with pytest.raises(UserInputError, match="moe recomputes the experts' activation"):
+        planner.evaluate("mixtral-8x7b", layout=layout + "moe+moe_act", **common)

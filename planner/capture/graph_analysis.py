@@ -150,6 +150,10 @@ GATE_ACTIVATIONS = {"silu", "gelu"}
 # the autograd nodes they leave on their outputs (SiluBackward0, ...): how a tensor made inside an opaque
 # leaf (an expert container) is told apart where no graph node says what made it
 GATE_ACTIVATION_BACKWARDS = tuple(f"{name.capitalize()}Backward" for name in sorted(GATE_ACTIVATIONS))
+# what an expert's activation leaves on its output: a gating activation's, or the gating multiply's, or a plain
+# activation's (ReLU, squared ReLU as a power)
+EXPERT_ACTIVATION_BACKWARDS = GATE_ACTIVATION_BACKWARDS + ("MulBackward", "ReluBackward", "PowBackward",
+                                                           "SigmoidBackward", "TanhBackward")
 
 
 def is_multiply(node: fx.Node) -> bool:

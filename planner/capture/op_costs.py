@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from cost_models.layout import RecomputeModule
 from cost_models.records import OpCost, OpKind, Sharding
 
 from .expert_structure import router_topk
@@ -87,6 +88,11 @@ def _activation_widths(gemms: tuple[tuple[int, int], ...], hidden: int) -> list[
     return [n_out if n_in == hidden else n_in for n_in, n_out in gemms]
 
 
+def expert_down_width(gemms: tuple[tuple[int, int], ...], hidden: int) -> int:
+    """The width of an expert's down-projection input (the activation's output): the narrowest side."""
+    return min(_activation_widths(gemms, hidden))
+
+
 def experts_gated(gemms: tuple[tuple[int, int], ...], hidden: int) -> bool:
     """Whether experts' activation gates (act(gate) * up): their up side is twice as wide as the
     down-projection's input f, the narrowest (one gate-and-up GEMM 2f wide, or a gate and an up GEMM)."""
@@ -119,7 +125,8 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
         written, moved = expert_activation_elements(experts.gemms, hidden)
         slots = tokens * topk
         costs.append(OpCost(f"{name}.experts.activation", OpKind.elementwise, Sharding.expert, float(slots * written),
-                            float(slots * written), 0.0, slots * moved * size, None))
+                            float(slots * written), 0.0, slots * moved * size, None,
+                            inner_module=RecomputeModule.moe_act))
     expert_modules = set(experts.module_list.modules()) if experts.module_list is not None else set()
     for child_name, child in module.named_modules():
         if not isinstance(child, nn.Linear) or child in expert_modules:

@@ -9,6 +9,8 @@ Each node of a block belongs to at most one recomputable module (`cost_models.la
   up-projections and everything after them on the way into the attention core, RoPE of the shared key part
   included (Megatron-Core's `qkv_up_proj_and_rope_apply`).
 - layernorm: the norms on the residual stream: norm modules whose input no linear made.
+- moe_act: inside the expert container (one node), the routed experts' activation between their GEMMs: named
+  by its op and the tensors it makes as their `inner_module` (capture.tracing, capture.op_costs).
 
 The cost models then drop, for each recomputed module, what it makes and keeps itself (or everything it
 makes, for an output-discarding one): `SavedTensor.dropped_by`.
@@ -21,7 +23,7 @@ from dataclasses import replace
 from torch import fx, nn
 
 from cost_models.layout import RecomputeModule
-from cost_models.records import ATTENTION_CORE, OpCost, SavedTensor
+from cost_models.records import ATTENTION_CORE, OpCost, OpKind, SavedTensor, Sharding
 
 from .graph import TensorParallelPair
 from .graph_analysis import is_linear_node, is_norm_like, is_view_node, node_module
@@ -51,12 +53,31 @@ def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tup
     if expert_container is not None:
         _claim(regions, (n.name for n in nodes if n.op == "call_module" and n.target == expert_container),
                RecomputeModule.moe)
+    # experts the graph runs node by node (grouped GEMMs, a loop over expert linears); inside a container
+    # captured as one node, the container's ops and tensors name it (`inner_module`)
+    _claim(regions, _expert_activation(nodes, ops), RecomputeModule.moe_act)
     _claim(regions, (n.name for n in nodes if _is_residual_norm(n, modules)), RecomputeModule.layernorm)
     return regions
 
 
-def found_modules(regions: dict[str, RecomputeModule]) -> tuple[RecomputeModule, ...]:
-    return tuple(m for m in RecomputeModule if m in regions.values())
+def _expert_activation(nodes: list[fx.Node], ops: list[OpCost]) -> set[str]:
+    """Between the routed experts' up- and down-projection GEMMs (the down one writes the hidden size, the
+    up ones read it): the activation and gating multiply, as Megatron-Core's moe_act recomputes them."""
+    gemms = {op.node: op.gemm_mnk for op in ops if op.sharding is Sharding.expert and op.kind is OpKind.gemm
+             and op.gemm_mnk is not None}
+    widths_in, widths_out = ({mnk[i] for mnk in gemms.values()} for i in (2, 1))
+    hidden = widths_in & widths_out
+    if len(hidden) != 1:
+        return set()
+    up = [n for n in nodes if n.name in gemms and gemms[n.name][2] in hidden]
+    down = [n for n in nodes if n.name in gemms and gemms[n.name][1] in hidden]
+    return (_descendants(up) & _ancestors(down)) - set(gemms)
+
+
+def found_modules(regions: dict[str, RecomputeModule], ops: list[OpCost]) -> tuple[RecomputeModule, ...]:
+    """The modules some node belongs to, and those inside an expert container's ops (moe_act)."""
+    found = set(regions.values()) | {op.inner_module for op in ops if op.inner_module is not None}
+    return tuple(m for m in RecomputeModule if m in found)
 
 
 def tag_modules(ops: list[OpCost], saved: list[SavedTensor], regions: dict[str, RecomputeModule]

@@ -18,13 +18,14 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from cost_models.layout import RecomputeModule
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .expert_structure import router_groups, router_topk, stacked_experts
-from .graph_analysis import (GATE_ACTIVATION_BACKWARDS, MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs,
-                             function_name, graph_topk, head_norms, is_activation_node, is_expert_container,
-                             is_linear_like, is_multiply, is_norm_like, routed_experts)
+from .graph_analysis import (EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, MATMUL_FUNCS, attention_heads,
+                             declares_window, find_tp_pairs, function_name, graph_topk, head_norms, is_activation_node,
+                             is_expert_container, is_linear_like, is_multiply, is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .recording import record
@@ -32,7 +33,7 @@ from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
 from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
                       is_activation, norm_statistics)
-from .op_costs import attention_cost, experts_gated, node_costs, storage_key
+from .op_costs import attention_cost, expert_down_width, experts_gated, node_costs, storage_key
 
 
 class CaptureTracer(fx.Tracer):
@@ -172,6 +173,7 @@ class _Analyzer(fx.Interpreter):
         self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
         self.current: fx.Node | None = None
         self.gemms = _GemmTracker(self.state_keys)
+        self.beside_routed = 0   # > 0 while an expert container's router or shared experts run (`_routed_only`)
         self.attention_nodes: set[str] = set()   # q k^T and the scale/mask/softmax/dropout applied to it
         self.savers: dict[int, _Savers] = {}
         self.results: dict[str, Measured] = {}
@@ -198,8 +200,9 @@ class _Analyzer(fx.Interpreter):
         attention_matrix = (producer in self.attention_nodes if producer != self.current.name  # made by this op:
                             else self._is_attention_matrix(self.current, t))               # not classified yet
         saved = self.results.setdefault(self.part_of(self.current), Measured()).saved
+        inner = RecomputeModule.moe_act if self._made_by_expert_activation(t) else None
         saved.append(SavedTensor(producer, float(nbytes), self._sharding(producer_node), attention_matrix,
-                                 float(nbytes)))
+                                 float(nbytes), inner_module=inner))
         self.savers[key] = _Savers(saved, len(saved) - 1, t.untyped_storage().nbytes() // t.element_size())
         self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         return t
@@ -218,10 +221,48 @@ class _Analyzer(fx.Interpreter):
         activation output only the gating multiply keeps (plain experts' is the down-projection's input)."""
         if t.grad_fn is None or not type(t.grad_fn).__name__.startswith(GATE_ACTIVATION_BACKWARDS):
             return False
+        experts, hidden = self._running_experts()
+        return experts is not None and experts_gated(experts.gemms, hidden)
+
+    def _made_by_expert_activation(self, t: torch.Tensor) -> bool:
+        """Inside an expert container run as one leaf: a tensor the experts' activation made (gating multiply
+        included), as wide as the down-projection's input. What Megatron-Core's moe_act recomputation
+        discards: it keeps the up-projection's output, the activation's input, and nothing made after it."""
+        if t.grad_fn is None or t.dim() == 0 or not type(t.grad_fn).__name__.startswith(EXPERT_ACTIVATION_BACKWARDS):
+            return False
+        experts, hidden = self._running_experts()
+        return experts is not None and not self.beside_routed and len(experts.gemms) > 1 \
+            and t.shape[-1] == expert_down_width(experts.gemms, hidden)
+
+    @contextlib.contextmanager
+    def _routed_only(self, container: nn.Module):
+        """While an expert container runs as a leaf, count the calls of its children that hold no routed
+        expert weights (router, shared experts): what they make is not the routed experts' activation, which
+        Megatron-Core's moe_act recomputes (its shared experts are another module, "shared_experts")."""
+        routed = routed_experts(container)
+        beside = [child for child in container.children()
+                  if child is not routed.module_list and not any(id(q) in routed.param_ids for q in child.parameters())]
+
+        def enter(*_):
+            self.beside_routed += 1
+
+        def leave(*_):
+            self.beside_routed -= 1
+
+        handles = [h for child in beside for h in (child.register_forward_pre_hook(enter),
+                                                  child.register_forward_hook(leave))]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _running_experts(self):
+        """(the routed experts, the hidden size) of the expert container now running as a leaf; (None, 0)."""
         module = self.modules.get(self.current.target) if self.current.op == "call_module" else None
         experts = routed_experts(module) if module is not None else None
         tokens = self.env.get(self.current.args[0]) if experts is not None and self.current.args else None
-        return isinstance(tokens, torch.Tensor) and experts_gated(experts.gemms, tokens.shape[-1])
+        return (experts, tokens.shape[-1]) if isinstance(tokens, torch.Tensor) else (None, 0)
 
     def _is_attention_matrix(self, node: fx.Node, out) -> bool:
         """s x s shaped and born of two activations multiplied, or of such a matrix: the shape alone would
@@ -256,14 +297,17 @@ class _Analyzer(fx.Interpreter):
         opaque = module is not None and _is_opaque_leaf(module)
         counter = FlopCounterMode(display=False) if opaque else contextlib.nullcontext()
         notes = self.results.setdefault(self.part_of(self.current), Measured()).warnings
+        routed_only = self._routed_only(module) if module is not None and is_expert_container(module) \
+            else contextlib.nullcontext()
         try:
-            with counter:
+            with counter, routed_only:
                 out = super().call_module(target, args, kwargs)
         except Exception as exc:  # a leaf that cannot run on meta (data-dependent): shape-preserving op
             first = args[0] if args else None
             found = routed_experts(module) if module is not None else None
             if found is not None and found.module_list is not None and isinstance(first, torch.Tensor):
-                return balanced_experts(module, found, first)
+                with self._routed_only(module):
+                    return balanced_experts(module, found, first)
             if not isinstance(first, torch.Tensor):
                 raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
                                      f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
@@ -397,7 +441,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         reference_experts=bool(experts) and stacked_experts(experts[1]) and hasattr(experts[1], "routed"),
         **(dict(zip(("router_num_groups", "router_group_topk"), router_groups(experts[1]))) if experts else {}),
         head_norms=head_norms(gm.graph, modules, measured.shapes),
-        recompute_modules=found_modules(regions))
+        recompute_modules=found_modules(regions, measured.ops))
     return measured, structure, found
 
 

@@ -148,6 +148,9 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
     if (pins.pp or 1) * (pins.vp or 1) > most_chunks(graph.num_blocks):
         problems.append(f"{graph.num_blocks} layers, the embedding and the loss cannot fill pp*vp = "
                         f"{(pins.pp or 1) * (pins.vp or 1)} chunks")
+    if {RecomputeModule.moe, RecomputeModule.moe_act} <= set(pins.recompute_modules or ()):
+        problems.append("recompute_modules=moe+moe_act: moe recomputes the experts' activation with the rest of the "
+                        "MoE layer (name one of them)")
     absent = [str(m) for m in pins.recompute_modules or () if m not in graph.recompute_modules]
     if absent:
         problems.append(f"recompute_modules={'+'.join(absent)}: no block of {graph.name} has it (capture found "

@@ -98,6 +98,11 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     if unrun:
         problems.append(f"recompute_modules={'+'.join(unrun)}: the {name} stack recomputes selectively only "
                         f"{', '.join(stack.recompute_modules)}")
+    if precision == Precision.fp8 and fp8_recipe_of(pins, stack) is Fp8Recipe.delayed:
+        refused = [str(m) for m in pins.recompute_modules or () if m.refused_with_delayed_fp8]
+        if refused:
+            problems.append(f"recompute_modules={'+'.join(refused)} with fp8_recipe=delayed: Megatron-Core "
+                            "recomputes these under FP8 current or block scaling only")
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
@@ -178,13 +183,22 @@ def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]
     return tuple(r for r in Recompute if r is not Recompute.selective or stack.selective_recompute)
 
 
-def module_choices(pins: Pins, stack: SoftwareStack, graph) -> tuple[RecomputeModule, ...]:
+def fp8_recipe_of(pins: Pins, stack: SoftwareStack) -> Fp8Recipe | None:
+    """The FP8 recipe a search with these pins runs: the pinned one, else the stack's first (not searched)."""
+    if pins.fp8_recipe is not None:
+        return pins.fp8_recipe
+    return Fp8Recipe(stack.fp8_recipes[0]) if stack.fp8_recipes else None
+
+
+def module_choices(pins: Pins, stack: SoftwareStack, graph, precision: str) -> tuple[RecomputeModule, ...]:
     """The modules the search may have selective recomputation repeat, chosen with each partition: those
     the stack can recompute and the model has, where neither the modules nor the method are pinned (a
     pinned recompute=selective alone means Megatron-Core's default, core_attn). Empty: the layout's set."""
     if pins.recompute_modules is not None or pins.recompute is not None or not stack.selective_recompute:
         return ()
-    choices = tuple(m for m in graph.recompute_modules if m.value in stack.recompute_modules)
+    delayed_fp8 = precision == Precision.fp8 and fp8_recipe_of(pins, stack) is Fp8Recipe.delayed
+    choices = tuple(m for m in graph.recompute_modules if m.value in stack.recompute_modules
+                    and not (delayed_fp8 and m.refused_with_delayed_fp8))
     return choices if len(choices) > 1 else ()
 
 
