@@ -117,6 +117,9 @@ class Layout:
     layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
     # what a selectively recomputed layer repeats (Megatron --recompute-modules), in RecomputeModule order
     recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
+    # with recompute=full: the first N blocks of each chunk recompute fully, the others not at all (Megatron
+    # --recompute-method block --recompute-num-layers N, TransformerBlock._checkpointed_forward: per chunk)
+    recompute_layers: int | None = None
 
     def __post_init__(self):
         # choices given as their text become the enum; anything else is left for value_problems to name
@@ -165,6 +168,15 @@ class Layout:
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
+    def block_recompute(self, stage_layers: tuple[int, ...]) -> tuple[Recompute, ...]:
+        """Each block's recomputation under the partition `stage_layers`: the per-block list where given, else
+        the first `recompute_layers` blocks of each chunk fully, else `recompute` everywhere."""
+        if self.layer_recompute is not None:
+            return self.layer_recompute
+        if self.recompute_layers is not None:
+            return first_blocks_of_each_chunk(stage_layers, self.recompute_layers)
+        return tuple(self.recompute for _ in range(sum(stage_layers)))
+
     def recompute_of(self, block_index: int) -> Recompute:
         if self.layer_recompute is not None:
             return self.layer_recompute[block_index]
@@ -173,3 +185,9 @@ class Layout:
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         sizes = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
         return tuple((name, sizes[name]) for name in self.mesh_order if name in sizes)
+
+
+def first_blocks_of_each_chunk(stage_layers: tuple[int, ...], count: int) -> tuple[Recompute, ...]:
+    """Megatron's block method: in each chunk, its first `count` blocks recompute fully and the rest none."""
+    return tuple(Recompute.full if position < count else Recompute.none
+                 for blocks in stage_layers for position in range(blocks))

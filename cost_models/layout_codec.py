@@ -17,7 +17,8 @@ ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": 
               "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
               "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision",
               "grad_reduce": "grad_reduce", "fp8_recipe": "fp8_recipe", "order": "mesh_order",
-              "stages": "stage_layers", "recompute_modules": "recompute_modules", "schedule": "schedule"}
+              "stages": "stage_layers", "recompute_modules": "recompute_modules", "schedule": "schedule",
+              "recompute_layers": "recompute_layers"}
 LAYOUT_KEYS = tuple(ATTRIBUTES)
 CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
                                       "fp8_recipe": Fp8Recipe, "schedule": Schedule}
@@ -121,6 +122,8 @@ def text_of(layout: Layout) -> str:
         parts.append(f"fp8_recipe={layout.fp8_recipe}")
     if layout.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
         parts.append(f"recompute_modules={modules_text(layout.recompute_modules)}")
+    if layout.recompute_layers is not None:
+        parts.append(f"recompute_layers={layout.recompute_layers}")
     return ",".join(parts)
 
 

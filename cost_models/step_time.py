@@ -146,7 +146,7 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
     costs = mesh_costs or MeshCosts(model, cluster, layout, stack or load_stack(), ep_imbalance)
     num_blocks = len(model.blocks)
     stage_layers = layout.stage_layers or even_partition(num_blocks, layout.pp * layout.vp)
-    recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(num_blocks))
+    recompute = layout.block_recompute(stage_layers)
     stages = physical_stages(costs, stage_layers, recompute)
     m = layout.num_micro_batches
     if layout.dualpipev:

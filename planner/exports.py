@@ -5,6 +5,7 @@ import json
 import shlex
 from pathlib import Path
 
+from cost_models.layout import first_blocks_of_each_chunk
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.stack import RUNTIME_STACK
 
@@ -127,9 +128,10 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     elif "full" in recompute:
         per_stage = max(sum(r == "full" for r in s.recompute) for s in plan.stages)
         args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {per_stage}"]
-        if "selective" in recompute or len({sum(r == 'full' for r in s.recompute) for s in plan.stages}) > 1:
-            notes.append(f"Megatron recomputes the same number of layers in every stage: {per_stage} per "
-                         f"stage here, where the plan asks for {full} in all, unevenly")
+        megatron_runs = first_blocks_of_each_chunk(tuple(len(s.layers) for s in plan.stages), per_stage)
+        if tuple(r for s in plan.stages for r in s.recompute) != tuple(r.value for r in megatron_runs):
+            notes.append(f"Megatron recomputes the first {per_stage} layers of every chunk (--recompute-method "
+                         f"block), where the plan asks for {full} in all, placed otherwise")
     return args, notes
 
 

@@ -58,7 +58,7 @@ class ParallelModel:
                             + f" (plan with --stack {RUNTIME_STACK} to stay inside it)")
         stage_layers = layout.stage_layers or even_partition(graph.num_blocks, layout.pp * layout.vp)
         self.layout = replace(layout, stage_layers=stage_layers)
-        recompute = layout.layer_recompute or tuple(layout.recompute for _ in range(graph.num_blocks))
+        recompute = layout.block_recompute(stage_layers)
         self.graph, self.device = graph, torch.device(device_type)
         self.notes: list[str] = []   # where the runtime applies the plan otherwise than it says
         self.mesh = self.dims.build_mesh(device_type)

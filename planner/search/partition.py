@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import RECOMPUTE_INDEX, RECOMPUTE_ORDER, MeshCosts
-from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule
+from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule, first_blocks_of_each_chunk
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, least_blocks
 
@@ -63,7 +63,7 @@ def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...], module_choices: 
             tuple(costs.layer(kind) for kind in model.kinds), costs.comm_buffer_bytes, costs.dp_latency_s,
             costs.stack.dp_window_fraction, costs.cluster.device.name, costs.stack.hides_moe_a2a(lay),
             costs.stack.selective_every_layer, lay.dualpipev, costs.stack.dualpipev_hides(lay),
-            costs.stack.dualpipev_weight_split_in_cooldown, costs.stack.dualpipev_even_split)
+            costs.stack.dualpipev_weight_split_in_cooldown, costs.stack.dualpipev_even_split, lay.recompute_layers)
 
 
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -132,7 +132,9 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     # one kind of block: only blocks per pipeline rank matter (any split of them into vp chunks is
     # contiguous), so the units are ranks; several kinds: the units are the pp * vp chunks in order, chunk j
     # on rank `Layout.chunk_rank(j)` (round robin, or DualPipeV's V)
-    single_kind = len(runs) == 1
+    # Megatron's block method recomputes the first N blocks of each chunk: chunks are then the units
+    per_chunk = lay.recompute_layers
+    single_kind = len(runs) == 1 and per_chunk is None
     units = pp if single_kind else chunks
     stage_of = (lambda u: u) if single_kind else lay.chunk_rank
     # a chunk holds a layer, or the embedding (first chunk) or the loss (last) alone (cost_models.pipeline)
@@ -190,6 +192,9 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
                 part[i, r, mod] = cp.NewIntVar(0, runs[r][2] - runs[r][1], f"part{i}_{r}_{mod.value}")
                 cp.Add(part[i, r, mod] == var).OnlyEnforceIf(on)
                 cp.Add(part[i, r, mod] == 0).OnlyEnforceIf(on.Not())
+
+    if per_chunk is not None:
+        _recompute_first_blocks(cp, size, runs, redo, owned_by, per_chunk)
 
     # constraints: units tile the blocks
     cp.Add(sum(size) == num_blocks)
@@ -318,7 +323,8 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return PartitionResult((), (), float("inf"), name, float("inf"), wall)
     sizes = tuple(solver.Value(s) for s in size)
-    recompute = _decode_recompute(solver, runs, sizes, redo, extra, count, stage_of)
+    recompute = _decode_recompute(solver, runs, sizes, redo, extra, count, stage_of) if per_chunk is None \
+        else first_blocks_of_each_chunk(sizes, per_chunk)
     if single_kind:
         sizes, recompute = _split_ranks_into_chunks(sizes, recompute, chunks, lay.chunk_rank)
     objective = solver.ObjectiveValue() * TIME_UNIT_S / scale
@@ -327,6 +333,33 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     modules = tuple(mod for mod, on in chosen.items() if solver.Value(on)) \
         if Recompute.selective in recompute else ()
     return PartitionResult(sizes, recompute, objective, name, max(0.0, gap), wall, modules)
+
+
+def _recompute_first_blocks(cp: cp_model.CpModel, size, runs, redo, owned_by, per_chunk: int) -> None:
+    """Constraints of Megatron's block method: each chunk recomputes fully its first min(N, size) blocks,
+    whose kinds are the runs that the span [start, start + head) of the chunk's blocks overlaps (start: the
+    sizes of the chunks before it), and nothing else."""
+    num_blocks = runs[-1][2]
+    overlap = []
+    for j in range(len(size)):
+        start = cp.NewIntVar(0, num_blocks, f"start{j}")
+        cp.Add(start == sum(size[:j]))
+        head = cp.NewIntVar(0, per_chunk, f"head{j}")
+        cp.AddMinEquality(head, [size[j], per_chunk])
+        row = []
+        for r, (_, r0, r1) in enumerate(runs):
+            low, high = cp.NewIntVar(0, num_blocks, f"lo{j}_{r}"), cp.NewIntVar(0, num_blocks, f"hi{j}_{r}")
+            cp.AddMaxEquality(low, [start, r0])
+            cp.AddMinEquality(high, [start + head, r1])
+            span = cp.NewIntVar(0, r1 - r0, f"ov{j}_{r}")
+            cp.AddMaxEquality(span, [high - low, 0])
+            row.append(span)
+        overlap.append(row)
+    for i, units in enumerate(owned_by):
+        for r in range(len(runs)):
+            for k in (Recompute.full, Recompute.selective):
+                if (i, r, k) in redo:
+                    cp.Add(redo[i, r, k] == (sum(overlap[j][r] for j in units) if k is Recompute.full else 0))
 
 
 def _split_ranks_into_chunks(per_rank: tuple[int, ...], recompute: tuple[Recompute, ...], chunks: int,

@@ -48,6 +48,7 @@ class Pins:
     order: tuple[str, ...] | None = None   # mesh order, innermost first ('order=tp-pp-cp-ep-dp')
     recompute_modules: tuple[RecomputeModule, ...] | None = None   # not searched: core_attn unless given
     schedule: Schedule | None = None        # the pipeline schedule, where pinned ('schedule=dualpipev')
+    recompute_layers: int | None = None     # full recomputation of the first N blocks of each chunk only
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)   # what the software stack runs (`stack_rules.stack_pins`)
     dualpipev: DualPipeVRules | None = None       # ... and its DualPipeV, None where it has none
     interleaved_schedule: bool = True             # ... and whether it interleaves virtual stages
@@ -110,6 +111,12 @@ def value_problems(layout: Layout) -> list[str]:
     elif layout.dualpipev and (layout.vp != 2 or layout.pp < 2):
         problems.append(f"schedule=dualpipev with pp={layout.pp}, vp={layout.vp}: DualPipeV runs two chunks "
                         "per rank (vp=2) on pp > 1 ranks")
+    count = layout.recompute_layers
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        problems.append(f"recompute_layers={count!r} is not a whole number >= 1")
+    elif count is not None and layout.layer_recompute is None and layout.recompute is not Recompute.full:
+        problems.append(f"recompute_layers={count} with recompute={layout.recompute}: it says how many blocks of "
+                        "each chunk recompute fully (Megatron --recompute-granularity full --recompute-method block)")
     modules = layout.recompute_modules
     if not isinstance(modules, tuple) or not modules or not all(isinstance(m, RecomputeModule) for m in modules):
         problems.append(f"recompute_modules={modules!r} is not a non-empty tuple of "
@@ -148,6 +155,9 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
     if (pins.pp or 1) * (pins.vp or 1) > most_chunks(graph.num_blocks):
         problems.append(f"{graph.num_blocks} layers, the embedding and the loss cannot fill pp*vp = "
                         f"{(pins.pp or 1) * (pins.vp or 1)} chunks")
+    if pins.recompute_layers is not None and pins.recompute is not Recompute.full:
+        problems.append(f"recompute_layers={pins.recompute_layers} needs recompute=full: it says how many blocks of "
+                        "each chunk recompute fully (Megatron --recompute-granularity full --recompute-method block)")
     if {RecomputeModule.moe, RecomputeModule.moe_act} <= set(pins.recompute_modules or ()):
         problems.append("recompute_modules=moe+moe_act: moe recomputes the experts' activation with the rest of the "
                         "MoE layer (name one of them)")
@@ -274,8 +284,8 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
                 a2a_overlap: bool = False, dualpipev: bool = False) -> Layout:
-    chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules")
-              if getattr(pins, key) is not None}
+    chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules",
+                                                  "recompute_layers") if getattr(pins, key) is not None}
     chosen["a2a_overlap"] = a2a_overlap
     if dualpipev:
         chosen["schedule"] = Schedule.dualpipev

@@ -92,6 +92,8 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     problems += _dualpipev_problems(pins, stack, graph)
     if pins.sp and not stack.sequence_parallel:
         problems.append(f"sp=true: the {name} stack has no sequence parallelism")
+    if pins.recompute_layers is not None and not stack.per_layer_recompute:
+        problems.append(f"recompute_layers={pins.recompute_layers}: the {name} stack recomputes every layer or none")
     if pins.recompute is Recompute.selective and not stack.selective_recompute:
         problems.append(f"recompute=selective: the {name} stack has no selective recomputation")
     unrun = [str(m) for m in pins.recompute_modules or () if str(m) not in stack.recompute_modules]
@@ -138,7 +140,8 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> l
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
     problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "fp8_recipe",
-                                                                       "recompute_modules", "schedule"))), stack,
+                                                                       "recompute_modules", "schedule",
+                                                                       "recompute_layers"))), stack,
                               layout.precision, graph)
     stages = layout.stage_layers
     if layout.dualpipev and stack.dualpipev_even_split and stages and len(set(stages)) > 1:
@@ -178,6 +181,8 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
 
 def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]:
     """Recomputation methods the search may give a layer."""
+    if pins.recompute_layers is not None:   # the first N blocks of each chunk fully, the others not at all
+        return (Recompute.none, Recompute.full)
     if pins.recompute is not None:
         return (pins.recompute,)
     return tuple(r for r in Recompute if r is not Recompute.selective or stack.selective_recompute)
