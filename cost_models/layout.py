@@ -30,8 +30,8 @@ class RecomputeModule(TextEnum):
     """What selective recomputation repeats, as Megatron-Core names it (TransformerConfig.recompute_modules,
     default ["core_attn"]): the first three by checkpointing (the module's input kept, everything it saves
     dropped), the others by output-discarding checkpointing (its output freed once used, remade in backward).
-    moe_act lies inside moe: the expert container is captured as one node, so its ops and tensors name it as
-    their `inner_module`."""
+    moe_act and shared_experts lie inside moe: where the expert container is captured as one node, its ops and
+    tensors name them as their `inner_module`."""
     core_attn = "core_attn"       # the attention core (softmax(q k^T) v, fused or not)
     mlp = "mlp"                   # a dense layer's MLP: its column -> row pair (not a MoE layer's)
     moe = "moe"                   # a MoE layer's routed experts, as captured in one expert container
@@ -40,10 +40,18 @@ class RecomputeModule(TextEnum):
     # the routed experts' activation between their GEMMs, gating multiply included: what the down-projection
     # keeps (Megatron-Core's GroupedMLP checkpoints it without its output, experts.py `activation_recompute`)
     moe_act = "moe_act"
+    # a MoE layer's shared experts (and their gate), checkpointed with their input kept (Megatron-Core 0.14 on)
+    shared_experts = "shared_experts"
 
     @property
     def discards_output(self) -> bool:
         return self in (RecomputeModule.layernorm, RecomputeModule.mla_up_proj, RecomputeModule.moe_act)
+
+    @property
+    def container(self) -> "RecomputeModule | None":
+        """The module this one lies inside (moe_act and shared_experts inside moe): recomputing both would
+        count its tensors and time twice, so a set names one of them."""
+        return RecomputeModule.moe if self in (RecomputeModule.moe_act, RecomputeModule.shared_experts) else None
 
     @property
     def refused_with_delayed_fp8(self) -> bool:

@@ -67,14 +67,15 @@ class SavedTensor:
     savers: tuple[str, ...] = ()                    # the graph nodes that keep it
     producer_module: RecomputeModule | None = None  # the recomputable module that made it, if any
     saver_modules: frozenset = frozenset()          # the modules of its savers (None: outside any)
-    inner_module: RecomputeModule | None = None     # made by a module inside producer_module (moe_act in moe)
+    inner_module: RecomputeModule | None = None     # made and kept by a module inside producer_module's
 
     def dropped_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
         """Whether recomputing `modules` frees it: made inside one of them, and either that module discards
         its output (output-discarding checkpointing) or only the module itself keeps it (a checkpoint keeps
-        its input and nothing it saves inside). An inner module discards its output inside its container."""
+        its input and nothing it saves inside). An inner module (inside an expert container) drops what capture
+        marked as made and kept by it."""
         made_by = self.producer_module
-        if self.inner_module is not None and self.inner_module in modules and self.inner_module.discards_output:
+        if self.inner_module is not None and self.inner_module in modules:   # marked only where it makes and keeps it
             return True
         return made_by in modules and (made_by.discards_output or self.saver_modules <= {made_by})
 

@@ -26,7 +26,7 @@ Fp8RecipeName = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]   # cost_
 
 
 # cost_models.layout.RecomputeModule's names (profiles do not import the cost models)
-RecomputeModuleName = Literal["core_attn", "mlp", "moe", "layernorm", "mla_up_proj", "moe_act"]
+RecomputeModuleName = Literal["core_attn", "mlp", "moe", "layernorm", "mla_up_proj", "moe_act", "shared_experts"]
 # plain all-to-all, DeepEP's one copy per destination domain, or Megatron-Core's default all-gather of every
 # token to the expert tp x ep group (--moe-token-dispatcher-type allgather)
 MoeDispatcher = Literal["alltoall", "deepep", "allgather"]

@@ -253,5 +253,57 @@ def test_moe_act_repeats_the_experts_activation_and_what_moe_covers_is_not_asked
     act, whole = (planner.evaluate("mixtral-8x7b", layout=layout + m, **common).breakdown["recompute_s"]
                   for m in ("moe_act", "moe"))
     assert 0 < act < whole / 10
-    with pytest.raises(UserInputError, match="moe recomputes the experts' activation"):
+    with pytest.raises(UserInputError, match="moe recomputes moe_act with the rest of the MoE layer"):
         planner.evaluate("mixtral-8x7b", layout=layout + "moe+moe_act", **common)
+
+
+# (model, the shared experts' width, what outside them keeps their output): the reference model's expert container
+# captured as one node, and transformers' Qwen2-MoE run node by node, whose shared expert's sigmoid gate multiplies
+# the shared output outside the shared expert module (so that output stays)
+SHARED_MODELS = [("tiny-moe", 64), ("tests/models/hf_tiny.py:qwen2_moe_logits", 96)]
+
+
+@pytest.mark.parametrize("model,f", SHARED_MODELS, ids=["reference", "hf-qwen2-moe"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-swiglu", "unfused"])
+def test_shared_experts_recomputation_frees_what_the_shared_expert_makes_and_keeps(model, f, fused):
+    """Megatron-Core's shared_experts (a checkpoint of SharedExpertMLP, its input kept): the gate and up
+    projections' outputs and the down-projection's input, SEQ rows of f bf16 values each, and act(gate) where the
+    activation is not one fused kernel; neither the routed experts' tensors nor the router's."""
+    from planner.api import capture_for
+    from hardware_profiles.loader import load_stack
+
+    stack = load_stack("megatron-core").model_copy(update={"fused_gated_activation": fused})
+    graph = capture_for(model, SEQ, (), stack)
+    moe = next(b.kind for b in graph.blocks if graph.structure(b.kind).num_experts)
+    assert RecomputeModule.shared_experts in graph.structure(moe).recompute_modules
+    expected = (3 if fused else 4) * SEQ * f * 2
+    assert _freed_by_plan(graph.kind(moe), RecomputeModule.shared_experts) == pytest.approx(expected)
+
+
+def test_models_without_shared_experts_do_not_offer_their_recomputation():
+    from planner.api import capture_for
+    from hardware_profiles.loader import load_stack
+
+    for model in ("tests/models/hf_tiny.py:qwen3_moe_logits", "tests/models/hf_tiny.py:mixtral_logits"):
+        graph = capture_for(model, SEQ, (), load_stack("megatron-core"))
+        assert all(RecomputeModule.shared_experts not in s.recompute_modules for s in graph.structures)
+
+
+def test_shared_experts_beside_their_overlap_is_refused_as_megatron_core_refuses_it():
+    import warnings
+
+    from hardware_profiles.loader import load_stack
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    overlapped = load_stack("megatron-core").model_copy(update={"moe_shared_expert_overlap": True})
+    with pytest.raises(UserInputError, match="which Megatron-Core does not recompute"):
+        planner.evaluate("tiny-moe", device="h100-sxm", num_devices=8, global_batch=8, stack=overlapped,
+                         layout="tp=1,pp=1,dp=8,cp=1,ep=4,etp=1,vp=1,mbs=1,zero=1,recompute=selective,"
+                                "recompute_modules=shared_experts")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="shared_experts recompute cannot work with --moe-shared-expert-overlap"):
+            TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                              moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True,
+                              moe_token_dispatcher_type="alltoall", recompute_granularity="selective",
+                              recompute_modules=["shared_experts"])

@@ -124,6 +124,14 @@ def routed_experts(module: nn.Module) -> RoutedExperts | None:
     return None
 
 
+def is_router(module: nn.Module, experts: int) -> bool:
+    """A container's child that scores the experts: its one weight matrix has a row per expert (a gate Linear,
+    transformers' router modules holding that weight, torchtitan's router around a Linear); a shared
+    expert's 1-wide gate is not one."""
+    weights = [p for p in module.parameters() if p.dim() == 2]
+    return len(weights) == 1 and weights[0].shape[0] == experts
+
+
 def is_expert_container(module: nn.Module) -> bool:
     return routed_experts(module) is not None
 

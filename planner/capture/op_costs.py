@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +135,9 @@ def expert_costs(name: str, module: nn.Module, x: torch.Tensor, out, topk: int) 
         weight_bytes = child.weight.numel() * child.weight.element_size()
         moved = tokens * (child.in_features + child.out_features) * size + weight_bytes
         router = child.out_features == experts.count
-        costs.append(_gemm(f"{name}.{child_name}", Sharding.sequence if router else Sharding.tensor,
-                           tokens, child.in_features, child.out_features, moved, weight_bytes))
+        gemm = _gemm(f"{name}.{child_name}", Sharding.sequence if router else Sharding.tensor,
+                     tokens, child.in_features, child.out_features, moved, weight_bytes)
+        costs.append(gemm if router else replace(gemm, inner_module=RecomputeModule.shared_experts))
     costs.append(elementwise_cost(f"{name}.dispatch_combine", [x] * (2 * topk), out, Sharding.sequence))
     routed = tokens * topk * hidden   # one copy of the routed tokens, read and written; its count: the experts
     costs.append(OpCost(f"{name}.dispatcher_copy", OpKind.token_copy, Sharding.sequence, float(routed),

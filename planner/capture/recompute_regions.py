@@ -9,8 +9,9 @@ Each node of a block belongs to at most one recomputable module (`cost_models.la
   up-projections and everything after them on the way into the attention core, RoPE of the shared key part
   included (Megatron-Core's `qkv_up_proj_and_rope_apply`).
 - layernorm: the norms on the residual stream: norm modules whose input no linear made.
-- moe_act: inside the expert container (one node), the routed experts' activation between their GEMMs: named
-  by its op and the tensors it makes as their `inner_module` (capture.tracing, capture.op_costs).
+- moe_act: the routed experts' activation between their GEMMs; shared_experts: the container's shared experts.
+  Inside an expert container captured as one node, its ops and the tensors each makes and keeps name them as
+  their `inner_module` (capture.tracing, capture.op_costs).
 
 The cost models then drop, for each recomputed module, what it makes and keeps itself (or everything it
 makes, for an output-discarding one): `SavedTensor.dropped_by`.
@@ -26,13 +27,14 @@ from cost_models.layout import RecomputeModule
 from cost_models.records import ATTENTION_CORE, OpCost, OpKind, SavedTensor, Sharding
 
 from .graph import TensorParallelPair
-from .graph_analysis import is_linear_node, is_norm_like, is_view_node, node_module
+from .graph_analysis import is_linear_node, is_norm_like, is_router, is_view_node, node_module, routed_experts
 
 GRAPH_EDGES = ("placeholder", "get_attr", "output")
 
 
 def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tuple[TensorParallelPair, ...],
-                      ops: list[OpCost], expert_container: str | None) -> dict[str, RecomputeModule]:
+                      ops: list[OpCost], expert_container: str | None, container: nn.Module | None = None
+                      ) -> dict[str, RecomputeModule]:
     """Node name -> the recomputable module it belongs to (nodes in none are left out); `ops` as measured,
     their kinds naming the attention core's nodes."""
     core = {op.node for op in ops if op.kind in ATTENTION_CORE}
@@ -56,6 +58,8 @@ def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tup
     # experts the graph runs node by node (grouped GEMMs, a loop over expert linears); inside a container
     # captured as one node, the container's ops and tensors name it (`inner_module`)
     _claim(regions, _expert_activation(nodes, ops), RecomputeModule.moe_act)
+    if expert_container is not None and container is not None:
+        _claim(regions, _shared_experts(nodes, container, expert_container), RecomputeModule.shared_experts)
     _claim(regions, (n.name for n in nodes if _is_residual_norm(n, modules)), RecomputeModule.layernorm)
     return regions
 
@@ -72,6 +76,18 @@ def _expert_activation(nodes: list[fx.Node], ops: list[OpCost]) -> set[str]:
     up = [n for n in nodes if n.name in gemms and gemms[n.name][2] in hidden]
     down = [n for n in nodes if n.name in gemms and gemms[n.name][1] in hidden]
     return (_descendants(up) & _ancestors(down)) - set(gemms)
+
+
+def _shared_experts(nodes: list[fx.Node], module: nn.Module, container: str) -> set[str]:
+    """Where the graph runs the expert container node by node: the modules of its shared experts (its children
+    holding no routed expert weights and no router) and what runs between the first and the last of them."""
+    experts = routed_experts(module)
+    shared = [name for name, child in module.named_children()
+              if child is not experts.module_list and not is_router(child, experts.count)
+              and not any(id(q) in experts.param_ids for q in child.parameters())]
+    inside = [n for n in nodes if n.op == "call_module" and any(
+        n.target == f"{container}.{name}" or n.target.startswith(f"{container}.{name}.") for name in shared)]
+    return {n.name for n in inside} | (_descendants(inside) & _ancestors(inside))
 
 
 def found_modules(regions: dict[str, RecomputeModule], ops: list[OpCost]) -> tuple[RecomputeModule, ...]:

@@ -25,7 +25,7 @@ from hardware_profiles.errors import UserInputError
 from .expert_structure import router_groups, router_topk, stacked_experts
 from .graph_analysis import (EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, MATMUL_FUNCS, attention_heads,
                              declares_window, find_tp_pairs, function_name, graph_topk, head_norms, is_activation_node,
-                             is_expert_container, is_linear_like, is_multiply, is_norm_like, routed_experts)
+                             is_expert_container, is_linear_like, is_multiply, is_norm_like, is_router, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .recording import record
@@ -173,7 +173,9 @@ class _Analyzer(fx.Interpreter):
         self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
         self.current: fx.Node | None = None
         self.gemms = _GemmTracker(self.state_keys)
-        self.beside_routed = 0   # > 0 while an expert container's router or shared experts run (`_routed_only`)
+        # the expert container's children now running beside its routed experts (router, shared experts), with
+        # the storages each was given: `_beside_routed`
+        self.beside_routed: list[tuple[bool, set[int]]] = []   # (a shared expert, its inputs' storages)
         self.attention_nodes: set[str] = set()   # q k^T and the scale/mask/softmax/dropout applied to it
         self.savers: dict[int, _Savers] = {}
         self.results: dict[str, Measured] = {}
@@ -200,7 +202,7 @@ class _Analyzer(fx.Interpreter):
         attention_matrix = (producer in self.attention_nodes if producer != self.current.name  # made by this op:
                             else self._is_attention_matrix(self.current, t))               # not classified yet
         saved = self.results.setdefault(self.part_of(self.current), Measured()).saved
-        inner = RecomputeModule.moe_act if self._made_by_expert_activation(t) else None
+        inner = self._inner_module(t)
         saved.append(SavedTensor(producer, float(nbytes), self._sharding(producer_node), attention_matrix,
                                  float(nbytes), inner_module=inner))
         self.savers[key] = _Savers(saved, len(saved) - 1, t.untyped_storage().nbytes() // t.element_size())
@@ -234,20 +236,30 @@ class _Analyzer(fx.Interpreter):
         return experts is not None and not self.beside_routed and len(experts.gemms) > 1 \
             and t.shape[-1] == expert_down_width(experts.gemms, hidden)
 
+    def _inner_module(self, t: torch.Tensor) -> RecomputeModule | None:
+        """The module inside an expert container run as one leaf that made `t` and keeps it: the routed
+        experts' activation (moe_act), or a shared expert saving what it made itself, not its input
+        (shared_experts: Megatron-Core checkpoints its SharedExpertMLP, the input kept)."""
+        if self.beside_routed:
+            shared, inputs = self.beside_routed[-1]
+            return RecomputeModule.shared_experts if shared and storage_key(t) not in inputs else None
+        return RecomputeModule.moe_act if self._made_by_expert_activation(t) else None
+
     @contextlib.contextmanager
-    def _routed_only(self, container: nn.Module):
-        """While an expert container runs as a leaf, count the calls of its children that hold no routed
-        expert weights (router, shared experts): what they make is not the routed experts' activation, which
-        Megatron-Core's moe_act recomputes (its shared experts are another module, "shared_experts")."""
+    def _beside_routed(self, container: nn.Module):
+        """While an expert container runs as a leaf, note which of its children that hold no routed expert
+        weights is running (router, shared experts, a shared expert's gate) and what it was given: what they
+        make is not the routed experts' activation (moe_act), and what a shared expert makes is its own."""
         routed = routed_experts(container)
         beside = [child for child in container.children()
                   if child is not routed.module_list and not any(id(q) in routed.param_ids for q in child.parameters())]
 
-        def enter(*_):
-            self.beside_routed += 1
+        def enter(child, args):
+            inputs = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
+            self.beside_routed.append((not is_router(child, routed.count), inputs))
 
         def leave(*_):
-            self.beside_routed -= 1
+            self.beside_routed.pop()
 
         handles = [h for child in beside for h in (child.register_forward_pre_hook(enter),
                                                   child.register_forward_hook(leave))]
@@ -297,16 +309,16 @@ class _Analyzer(fx.Interpreter):
         opaque = module is not None and _is_opaque_leaf(module)
         counter = FlopCounterMode(display=False) if opaque else contextlib.nullcontext()
         notes = self.results.setdefault(self.part_of(self.current), Measured()).warnings
-        routed_only = self._routed_only(module) if module is not None and is_expert_container(module) \
+        beside_routed = self._beside_routed(module) if module is not None and is_expert_container(module) \
             else contextlib.nullcontext()
         try:
-            with counter, routed_only:
+            with counter, beside_routed:
                 out = super().call_module(target, args, kwargs)
         except Exception as exc:  # a leaf that cannot run on meta (data-dependent): shape-preserving op
             first = args[0] if args else None
             found = routed_experts(module) if module is not None else None
             if found is not None and found.module_list is not None and isinstance(first, torch.Tensor):
-                with self._routed_only(module):
+                with self._beside_routed(module):
                     return balanced_experts(module, found, first)
             if not isinstance(first, torch.Tensor):
                 raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
@@ -427,7 +439,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         raise UserInputError(f"{label}: routed experts in '{experts[0]}' but no top-k over {num_experts} experts "
                              "in its graph and no top_k / num_experts_per_tok attribute",
                              expected="a router that picks experts with torch.topk, or a top_k attribute")
-    regions = recompute_regions(gm.graph, modules, tuple(pairs), measured.ops, experts[0] if experts else None)
+    regions = recompute_regions(gm.graph, modules, tuple(pairs), measured.ops, *(experts or (None, None)))
     measured.ops, measured.saved = tag_modules(measured.ops, measured.saved, regions)
     structure = BlockStructure(
         kind=label, tp_pairs=tuple(pairs), attention_heads=heads,

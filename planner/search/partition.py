@@ -174,17 +174,19 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
             for i in range(pp) for r in range(len(runs)) for k in extra}
     owned_by = [[u for u in range(units) if stage_of(u) == i] for i in range(pp)]
     # variables: the modules selective recomputation repeats, where the solver chooses them; a module's time
-    # and freed bytes add up over the chosen set (each saved tensor has one maker; the one module nested in
-    # another, moe_act in moe, is never chosen beside it), so a layer's selective
+    # and freed bytes add up over the chosen set (each saved tensor has one maker; a module nested in another,
+    # moe_act or shared_experts in moe, is never chosen beside it), so a layer's selective
     # cost is linear in `part`: its run's selective blocks on a rank that recompute that module
     choose = bool(module_choices) and Recompute.selective in extra
     chosen = {mod: cp.NewBoolVar(f"module_{mod.value}") for mod in module_choices} if choose else {}
     part = {}
     if choose:
         cp.Add(sum(chosen.values()) >= 1)   # selective recomputation repeats something
-        # moe_act lies inside moe: both would free its tensors twice in the sums (and are refused as pins)
-        if RecomputeModule.moe in chosen and RecomputeModule.moe_act in chosen:
-            cp.AddBoolOr([chosen[RecomputeModule.moe].Not(), chosen[RecomputeModule.moe_act].Not()])
+        # moe_act and shared_experts lie inside moe: with it they would free their tensors twice in the sums
+        # (and are refused as pins)
+        for mod, on in chosen.items():
+            if mod.container in chosen:
+                cp.AddBoolOr([on.Not(), chosen[mod.container].Not()])
         for (i, r, k), var in redo.items():
             if k is not Recompute.selective:
                 continue

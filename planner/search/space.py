@@ -158,9 +158,10 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
     if pins.recompute_layers is not None and pins.recompute is not Recompute.full:
         problems.append(f"recompute_layers={pins.recompute_layers} needs recompute=full: it says how many blocks of "
                         "each chunk recompute fully (Megatron --recompute-granularity full --recompute-method block)")
-    if {RecomputeModule.moe, RecomputeModule.moe_act} <= set(pins.recompute_modules or ()):
-        problems.append("recompute_modules=moe+moe_act: moe recomputes the experts' activation with the rest of the "
-                        "MoE layer (name one of them)")
+    nested = [m for m in pins.recompute_modules or () if m.container in (pins.recompute_modules or ())]
+    if nested:
+        problems.append(f"recompute_modules={'+'.join(str(m) for m in pins.recompute_modules)}: moe recomputes "
+                        f"{' and '.join(map(str, nested))} with the rest of the MoE layer (name one of them)")
     absent = [str(m) for m in pins.recompute_modules or () if m not in graph.recompute_modules]
     if absent:
         problems.append(f"recompute_modules={'+'.join(absent)}: no block of {graph.name} has it (capture found "

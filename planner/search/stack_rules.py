@@ -100,6 +100,9 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     if unrun:
         problems.append(f"recompute_modules={'+'.join(unrun)}: the {name} stack recomputes selectively only "
                         f"{', '.join(stack.recompute_modules)}")
+    if RecomputeModule.shared_experts in (pins.recompute_modules or ()) and stack.moe_shared_expert_overlap:
+        problems.append(f"recompute_modules=shared_experts: the {name} stack runs the shared experts beside the "
+                        "all-to-alls (--moe-shared-expert-overlap), which Megatron-Core does not recompute")
     if precision == Precision.fp8 and fp8_recipe_of(pins, stack) is Fp8Recipe.delayed:
         refused = [str(m) for m in pins.recompute_modules or () if m.refused_with_delayed_fp8]
         if refused:
@@ -203,7 +206,8 @@ def module_choices(pins: Pins, stack: SoftwareStack, graph, precision: str) -> t
         return ()
     delayed_fp8 = precision == Precision.fp8 and fp8_recipe_of(pins, stack) is Fp8Recipe.delayed
     choices = tuple(m for m in graph.recompute_modules if m.value in stack.recompute_modules
-                    and not (delayed_fp8 and m.refused_with_delayed_fp8))
+                    and not (delayed_fp8 and m.refused_with_delayed_fp8)
+                    and not (m is RecomputeModule.shared_experts and stack.moe_shared_expert_overlap))
     return choices if len(choices) > 1 else ()
 
 

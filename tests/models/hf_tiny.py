@@ -55,3 +55,12 @@ def qwen3_moe_logits():
                                          head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
                                          max_position_embeddings=64, tie_word_embeddings=False)
     return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+def qwen2_moe_logits():
+    """Qwen2-MoE: 4 routed experts, top-2, and a shared expert (96 wide) with its sigmoid gate."""
+    config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_experts=4,
+                                         num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
