@@ -111,6 +111,11 @@ class _Floor:
     heaviest_weight: float      # max_i w_i f_i: what one byte of activations weighs at most
 
 
+def _nests(modules: set) -> bool:
+    """Whether a module set names a module beside the one holding it."""
+    return any(m.container in modules for m in modules)
+
+
 class Bounds:
     """Cheap bounds shared across candidates: compute-only work and the memory floor."""
 
@@ -124,6 +129,13 @@ class Bounds:
         self.work: dict[tuple, float] = {}
         self.activations: dict[tuple, float] = {}
         self.largest_ep = max([k.num_experts or 1 for k in model.kinds])
+        # the index sets of selective offers a plan may combine (`forced_recompute_s`): with module choices, any
+        # set but one naming a module beside the one holding it (moe_act or shared_experts with moe: the
+        # solver's rule; their freed bytes would count twice); without, the layout's set as one offer
+        offers = len(module_choices) or 1
+        self.module_sets = tuple(subset for size in range(1, offers + 1)
+                                 for subset in itertools.combinations(range(offers), size)
+                                 if not module_choices or not _nests({module_choices[u] for u in subset}))
 
     def compute_work_s(self, layout: Layout) -> float:
         """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight
@@ -224,8 +236,7 @@ class Bounds:
         units = [(sum(n * o[unit][0] for n, o in offers), sum(n * o[unit][1] for n, o in offers))
                  for unit in range(len(offers[0][1]))]
         needed = deficit / floor.heaviest_weight
-        selective = min((sum(units[u][0] for u in subset) for size in range(1, len(units) + 1)
-                         for subset in itertools.combinations(range(len(units)), size)
+        selective = min((sum(units[u][0] for u in subset) for subset in self.module_sets
                          if sum(units[u][1] for u in subset) >= needed), default=float("inf"))
         return min(self._least_priced_s(costs, floor, deficit, others), selective)
 
