@@ -132,6 +132,14 @@ def is_router(module: nn.Module, experts: int) -> bool:
     return len(weights) == 1 and weights[0].shape[0] == experts
 
 
+def shared_children(container: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(name, child, whether a shared expert) for an expert container's children that hold no routed expert
+    weights: the router (not shared) and the shared experts with any gate of theirs."""
+    experts = routed_experts(container)
+    return [(name, child, not is_router(child, experts.count)) for name, child in container.named_children()
+            if child is not experts.module_list and not any(id(q) in experts.param_ids for q in child.parameters())]
+
+
 def is_expert_container(module: nn.Module) -> bool:
     return routed_experts(module) is not None
 

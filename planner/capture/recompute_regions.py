@@ -27,7 +27,7 @@ from cost_models.layout import RecomputeModule
 from cost_models.records import ATTENTION_CORE, OpCost, OpKind, SavedTensor, Sharding
 
 from .graph import TensorParallelPair
-from .graph_analysis import is_linear_node, is_norm_like, is_router, is_view_node, node_module, routed_experts
+from .graph_analysis import is_linear_node, is_norm_like, is_view_node, node_module, shared_children
 
 GRAPH_EDGES = ("placeholder", "get_attr", "output")
 
@@ -81,10 +81,7 @@ def _expert_activation(nodes: list[fx.Node], ops: list[OpCost]) -> set[str]:
 def _shared_experts(nodes: list[fx.Node], module: nn.Module, container: str) -> set[str]:
     """Where the graph runs the expert container node by node: the modules of its shared experts (its children
     holding no routed expert weights and no router) and what runs between the first and the last of them."""
-    experts = routed_experts(module)
-    shared = [name for name, child in module.named_children()
-              if child is not experts.module_list and not is_router(child, experts.count)
-              and not any(id(q) in experts.param_ids for q in child.parameters())]
+    shared = [name for name, _, is_shared in shared_children(module) if is_shared]
     inside = [n for n in nodes if n.op == "call_module" and any(
         n.target == f"{container}.{name}" or n.target.startswith(f"{container}.{name}.") for name in shared)]
     return {n.name for n in inside} | (_descendants(inside) & _ancestors(inside))

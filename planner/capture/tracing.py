@@ -18,14 +18,14 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_models.layout import RecomputeModule
 from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
+from .expert_leaf import ExpertLeafAttribution
 from .expert_structure import router_groups, router_topk, stacked_experts
-from .graph_analysis import (EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, MATMUL_FUNCS, attention_heads,
-                             declares_window, find_tp_pairs, function_name, graph_topk, head_norms, is_activation_node,
-                             is_expert_container, is_linear_like, is_multiply, is_norm_like, is_router, routed_experts)
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
+                             head_norms, is_activation_node, is_expert_container, is_linear_like, is_multiply,
+                             is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .recording import record
@@ -33,7 +33,7 @@ from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
 from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
                       is_activation, norm_statistics)
-from .op_costs import attention_cost, expert_down_width, experts_gated, node_costs, storage_key
+from .op_costs import attention_cost, node_costs, storage_key
 
 
 class CaptureTracer(fx.Tracer):
@@ -149,7 +149,7 @@ class Measured:
     warnings: list[str] = field(default_factory=list)
 
 
-class _Analyzer(fx.Interpreter):
+class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
     """Runs a graph on meta tensors; records node costs and attributes saved tensors to producers."""
 
     def __init__(self, gm: fx.GraphModule, tensor_region: set[str], seq_len: int, part_of=None,
@@ -173,9 +173,7 @@ class _Analyzer(fx.Interpreter):
         self.alive: list[torch.Tensor] = []  # storages are keyed by address: keep them from being reused
         self.current: fx.Node | None = None
         self.gemms = _GemmTracker(self.state_keys)
-        # the expert container's children now running beside its routed experts (router, shared experts), with
-        # the storages each was given: `_beside_routed`
-        self.beside_routed: list[tuple[bool, set[int]]] = []   # (a shared expert, its inputs' storages)
+        self.beside_routed: list[tuple[bool, set[int]]] = []   # ExpertLeafAttribution's
         self.attention_nodes: set[str] = set()   # q k^T and the scale/mask/softmax/dropout applied to it
         self.savers: dict[int, _Savers] = {}
         self.results: dict[str, Measured] = {}
@@ -216,65 +214,6 @@ class _Analyzer(fx.Interpreter):
         made_by = self.node_named.get(self.producer.get(key, ""))
         return (made_by is not None and is_multiply(self.current) and set(made_by.users) == {self.current}
                 and is_activation_node(made_by, self.modules))
-
-    def _gated_in_experts(self, t: torch.Tensor) -> bool:
-        """The same inside an expert container that capture runs as one leaf, where no graph tells the ops
-        apart: a tensor an activation made (its grad_fn an activation's backward) in gated experts, whose
-        activation output only the gating multiply keeps (plain experts' is the down-projection's input)."""
-        if t.grad_fn is None or not type(t.grad_fn).__name__.startswith(GATE_ACTIVATION_BACKWARDS):
-            return False
-        experts, hidden = self._running_experts()
-        return experts is not None and experts_gated(experts.gemms, hidden)
-
-    def _made_by_expert_activation(self, t: torch.Tensor) -> bool:
-        """Inside an expert container run as one leaf: a tensor the experts' activation made (gating multiply
-        included), as wide as the down-projection's input. What Megatron-Core's moe_act recomputation
-        discards: it keeps the up-projection's output, the activation's input, and nothing made after it."""
-        if t.grad_fn is None or t.dim() == 0 or not type(t.grad_fn).__name__.startswith(EXPERT_ACTIVATION_BACKWARDS):
-            return False
-        experts, hidden = self._running_experts()
-        return experts is not None and not self.beside_routed and len(experts.gemms) > 1 \
-            and t.shape[-1] == expert_down_width(experts.gemms, hidden)
-
-    def _inner_module(self, t: torch.Tensor) -> RecomputeModule | None:
-        """The module inside an expert container run as one leaf that made `t` and keeps it: the routed
-        experts' activation (moe_act), or a shared expert saving what it made itself, not its input
-        (shared_experts: Megatron-Core checkpoints its SharedExpertMLP, the input kept)."""
-        if self.beside_routed:
-            shared, inputs = self.beside_routed[-1]
-            return RecomputeModule.shared_experts if shared and storage_key(t) not in inputs else None
-        return RecomputeModule.moe_act if self._made_by_expert_activation(t) else None
-
-    @contextlib.contextmanager
-    def _beside_routed(self, container: nn.Module):
-        """While an expert container runs as a leaf, note which of its children that hold no routed expert
-        weights is running (router, shared experts, a shared expert's gate) and what it was given: what they
-        make is not the routed experts' activation (moe_act), and what a shared expert makes is its own."""
-        routed = routed_experts(container)
-        beside = [child for child in container.children()
-                  if child is not routed.module_list and not any(id(q) in routed.param_ids for q in child.parameters())]
-
-        def enter(child, args):
-            inputs = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
-            self.beside_routed.append((not is_router(child, routed.count), inputs))
-
-        def leave(*_):
-            self.beside_routed.pop()
-
-        handles = [h for child in beside for h in (child.register_forward_pre_hook(enter),
-                                                  child.register_forward_hook(leave))]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _running_experts(self):
-        """(the routed experts, the hidden size) of the expert container now running as a leaf; (None, 0)."""
-        module = self.modules.get(self.current.target) if self.current.op == "call_module" else None
-        experts = routed_experts(module) if module is not None else None
-        tokens = self.env.get(self.current.args[0]) if experts is not None and self.current.args else None
-        return (experts, tokens.shape[-1]) if isinstance(tokens, torch.Tensor) else (None, 0)
 
     def _is_attention_matrix(self, node: fx.Node, out) -> bool:
         """s x s shaped and born of two activations multiplied, or of such a matrix: the shape alone would
