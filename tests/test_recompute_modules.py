@@ -307,3 +307,16 @@ def test_shared_experts_beside_their_overlap_is_refused_as_megatron_core_refuses
                               moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True,
                               moe_token_dispatcher_type="alltoall", recompute_granularity="selective",
                               recompute_modules=["shared_experts"])
+
+
+def test_recomputed_shared_experts_count_their_gemms_in_the_hardware_flops():
+    """HFU counts what recomputation repeats: with shared_experts, the shared expert's three GEMMs (gate, up,
+    down: 2 x SEQ x h x f FLOPs each, h = f = 64) in each of tiny-moe's 3 MoE layers, for each of 8 samples."""
+    from hardware_profiles.loader import load_device
+
+    plan = planner.evaluate("tiny-moe", device="h100-sxm", num_devices=8, global_batch=8,
+                            layout="tp=1,pp=1,dp=8,cp=1,ep=4,etp=1,vp=1,mbs=1,zero=1,recompute=selective,"
+                                   "recompute_modules=shared_experts")
+    peak = load_device("h100-sxm").peak_flops("bf16") * 8
+    recomputed = (plan.hfu - plan.mfu) * plan.step_time_s * peak
+    assert recomputed == pytest.approx(3 * 3 * 2 * 32 * 64 * 64 * 8, rel=1e-9)
