@@ -320,3 +320,49 @@ def test_recomputed_shared_experts_count_their_gemms_in_the_hardware_flops():
     peak = load_device("h100-sxm").peak_flops("bf16") * 8
     recomputed = (plan.hfu - plan.mfu) * plan.step_time_s * peak
     assert recomputed == pytest.approx(3 * 3 * 2 * 32 * 64 * 64 * 8, rel=1e-9)
+
+
+def _freed_by_checkpointing_the_mlp(factory) -> float:
+    """What torch's reentrant checkpoint of a transformers decoder layer's `mlp` (its MoE block) frees, the
+    layer run on CPU in bf16 on SEQ tokens with the model's real routing."""
+    import models.hf_tiny as hf_tiny
+
+    torch.manual_seed(0)
+    model = getattr(hf_tiny, factory)().to(torch.bfloat16)
+    layer, rope = model.model.model.layers[0], model.model.model.rotary_emb
+    x = torch.randn(1, SEQ, layer.mlp.gate.weight.shape[1], dtype=torch.bfloat16, requires_grad=True)
+    rotary = rope(x, torch.arange(SEQ)[None])
+
+    def saved() -> float:
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            layer(x, position_embeddings=rotary, attention_mask=None)
+        return float(sum(seen.values()))
+
+    plain, moe = saved(), layer.mlp
+    layer.mlp = type("Checkpointed", (torch.nn.Module,), {
+        "forward": lambda self, h: checkpoint(moe, h, use_reentrant=True)})()
+    return plain - saved()
+
+
+@pytest.mark.parametrize("factory", ["qwen3_moe_logits", "qwen2_moe_logits", "mixtral_logits"])
+def test_moe_recomputation_of_a_recorded_moe_block_frees_what_torch_checkpoint_frees(factory):
+    """transformers' MoE blocks, which capture records node by node: the nodes the recording made while the
+    block ran form Megatron's "moe" module, and recomputing it frees exactly what torch's checkpoint of the
+    block frees on the real model (the model's own code: no fused kernels stood in)."""
+    from planner.api import capture_for
+    from hardware_profiles.loader import load_stack
+
+    own_code = load_stack("megatron-core").model_copy(update={"fused_kernels": False, "fused_gated_activation": False})
+    graph = capture_for(f"tests/models/hf_tiny.py:{factory}", SEQ, (), own_code)
+    kind = graph.blocks[0].kind
+    assert RecomputeModule.moe in graph.structure(kind).recompute_modules
+    assert _freed_by_plan(graph.kind(kind), RecomputeModule.moe) == pytest.approx(
+        _freed_by_checkpointing_the_mlp(factory))

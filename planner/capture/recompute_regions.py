@@ -34,9 +34,10 @@ GRAPH_EDGES = ("placeholder", "get_attr", "output")
 
 def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tuple[TensorParallelPair, ...],
                       ops: list[OpCost], expert_container: str | None, container: nn.Module | None = None
-                      ) -> dict[str, RecomputeModule]:
-    """Node name -> the recomputable module it belongs to (nodes in none are left out); `ops` as measured,
-    their kinds naming the attention core's nodes."""
+                      ) -> tuple[dict[str, RecomputeModule], dict[str, RecomputeModule]]:
+    """Node name -> the recomputable module it belongs to (nodes in none are left out), and node name -> the
+    module inside that one (moe_act, shared_experts inside a moe region); `ops` as measured, their kinds
+    naming the attention core's nodes."""
     core = {op.node for op in ops if op.kind in ATTENTION_CORE}
     nodes = [n for n in graph.nodes if n.op not in GRAPH_EDGES]
     linears: dict[str, list[fx.Node]] = {}
@@ -52,16 +53,34 @@ def recompute_regions(graph: fx.Graph, modules: dict[str, nn.Module], pairs: tup
                 _claim(regions, _up_projection(nodes, columns, core), RecomputeModule.mla_up_proj)
         elif expert_container is None:
             _claim(regions, span, RecomputeModule.mlp)
+    inner: dict[str, RecomputeModule] = {}
     if expert_container is not None:
         _claim(regions, (n.name for n in nodes if n.op == "call_module" and n.target == expert_container),
                RecomputeModule.moe)
-    # experts the graph runs node by node (grouped GEMMs, a loop over expert linears); inside a container
-    # captured as one node, the container's ops and tensors name it (`inner_module`)
-    _claim(regions, _expert_activation(nodes, ops), RecomputeModule.moe_act)
+        _claim(regions, _recorded_inside(nodes, expert_container), RecomputeModule.moe)
+    # experts the graph runs node by node (grouped GEMMs, a loop over expert linears): inside a moe region
+    # where the recording says which nodes the container ran; inside a container captured as one node, the
+    # container's ops and tensors name them (`inner_module`)
+    spans = [(_expert_activation(nodes, ops), RecomputeModule.moe_act)]
     if expert_container is not None and container is not None:
-        _claim(regions, _shared_experts(nodes, container, expert_container), RecomputeModule.shared_experts)
+        spans.append((_shared_experts(nodes, container, expert_container), RecomputeModule.shared_experts))
+    for names, module in spans:
+        _claim(inner, (n for n in names if regions.get(n) is RecomputeModule.moe), module)
+        _claim(regions, (n for n in names if regions.get(n) is not RecomputeModule.moe), module)
     _claim(regions, (n.name for n in nodes if _is_residual_norm(n, modules)), RecomputeModule.layernorm)
-    return regions
+    return regions, inner
+
+
+def _recorded_inside(nodes: list[fx.Node], container: str) -> set[str]:
+    """The nodes a recording made while the container ran (their module path, or a tuple item taken from
+    one): the whole MoE layer, where a graph runs it node by node."""
+    inside: set[str] = set()
+    for node in nodes:
+        path = node.meta.get("module_path")
+        if path == container or (isinstance(path, str) and path.startswith(container + ".")) or (
+                path is None and node.all_input_nodes and all(n.name in inside for n in node.all_input_nodes)):
+            inside.add(node.name)
+    return inside
 
 
 def _expert_activation(nodes: list[fx.Node], ops: list[OpCost]) -> set[str]:
@@ -90,15 +109,26 @@ def _shared_experts(nodes: list[fx.Node], module: nn.Module, container: str) -> 
 def found_modules(regions: dict[str, RecomputeModule], ops: list[OpCost]) -> tuple[RecomputeModule, ...]:
     """The modules some node belongs to, and those inside an expert container's ops (moe_act)."""
     found = set(regions.values()) | {op.inner_module for op in ops if op.inner_module is not None}
+    found.discard(None)
     return tuple(m for m in RecomputeModule if m in found)
 
 
-def tag_modules(ops: list[OpCost], saved: list[SavedTensor], regions: dict[str, RecomputeModule]
-                ) -> tuple[list[OpCost], list[SavedTensor]]:
-    """Each op and saved tensor with the recomputable module of the nodes that ran, made and keep it."""
-    return ([replace(op, module=regions.get(op.node)) for op in ops],
+def tag_modules(ops: list[OpCost], saved: list[SavedTensor], regions: dict[str, RecomputeModule],
+                inner: dict[str, RecomputeModule]) -> tuple[list[OpCost], list[SavedTensor]]:
+    """Each op and saved tensor with the recomputable module of the nodes that ran, made and keep it, and
+    the module inside it that made it (for a checkpointed one, only where it alone keeps it)."""
+    return ([replace(op, module=regions.get(op.node), inner_module=op.inner_module or inner.get(op.node))
+             for op in ops],
             [replace(t, producer_module=regions.get(t.producer),
-                     saver_modules=frozenset(regions.get(name) for name in t.savers)) for t in saved])
+                     saver_modules=frozenset(regions.get(name) for name in t.savers),
+                     inner_module=t.inner_module or _kept_inside(t, inner)) for t in saved])
+
+
+def _kept_inside(saved: SavedTensor, inner: dict[str, RecomputeModule]) -> RecomputeModule | None:
+    made_by = inner.get(saved.producer)
+    if made_by is None or made_by.discards_output or all(inner.get(s) is made_by for s in saved.savers):
+        return made_by
+    return None
 
 
 def _claim(regions: dict[str, RecomputeModule], names: Iterable[str], module: RecomputeModule) -> None:

@@ -378,8 +378,9 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         raise UserInputError(f"{label}: routed experts in '{experts[0]}' but no top-k over {num_experts} experts "
                              "in its graph and no top_k / num_experts_per_tok attribute",
                              expected="a router that picks experts with torch.topk, or a top_k attribute")
-    regions = recompute_regions(gm.graph, modules, tuple(pairs), measured.ops, *(experts or (None, None)))
-    measured.ops, measured.saved = tag_modules(measured.ops, measured.saved, regions)
+    regions, inner = recompute_regions(gm.graph, modules, tuple(pairs), measured.ops,
+                                       *(experts or (None, None)))
+    measured.ops, measured.saved = tag_modules(measured.ops, measured.saved, regions, inner)
     structure = BlockStructure(
         kind=label, tp_pairs=tuple(pairs), attention_heads=heads,
         kv_groups=groups, head_dim=head_dim,
