@@ -229,8 +229,8 @@ class MeshCosts(ExpertCommunication):
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
             if lay.zero >= 1 else dense_params + expert_params
-        selective_flops = sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS
-                              and (op.module in lay.recompute_modules or op.inner_module in lay.recompute_modules))
+        selective_flops = sum(op.forward_flops for op in kind.ops
+                              if op.kind in MATMUL_KINDS and op.recomputed_by(lay.recompute_modules))
         grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
         (_, dense_slope), (_, expert_slope) = self.dp_lines
         cost = LayerCost(

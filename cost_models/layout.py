@@ -60,6 +60,12 @@ class RecomputeModule(TextEnum):
         return self in (RecomputeModule.layernorm, RecomputeModule.moe_act)
 
 
+def nested_modules(modules) -> tuple[RecomputeModule, ...]:
+    """The modules of a set that lie inside another of it (moe_act or shared_experts beside moe): a set that
+    has any counts their tensors and time twice, and is refused or never chosen."""
+    return tuple(m for m in modules if m.container in modules)
+
+
 DEFAULT_RECOMPUTE_MODULES = (RecomputeModule.core_attn,)
 MODULE_INDEX = {module: i for i, module in enumerate(RecomputeModule)}   # per-module tuples are in this order
 

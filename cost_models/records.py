@@ -55,6 +55,10 @@ class OpCost:
     module: RecomputeModule | None = None   # the recomputable module it belongs to, if any
     inner_module: RecomputeModule | None = None   # a module inside that one (moe_act inside moe)
 
+    def recomputed_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
+        """Whether selective recomputation of `modules` repeats it: its module's or the one inside it."""
+        return self.module in modules or self.inner_module in modules
+
 
 @dataclass(frozen=True)
 class SavedTensor:

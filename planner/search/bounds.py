@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
 from cost_models.layer_costs import RECOMPUTE_INDEX, MeshCosts
-from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule
+from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule, nested_modules
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
@@ -111,11 +111,6 @@ class _Floor:
     heaviest_weight: float      # max_i w_i f_i: what one byte of activations weighs at most
 
 
-def _nests(modules: set) -> bool:
-    """Whether a module set names a module beside the one holding it."""
-    return any(m.container in modules for m in modules)
-
-
 class Bounds:
     """Cheap bounds shared across candidates: compute-only work and the memory floor."""
 
@@ -135,7 +130,7 @@ class Bounds:
         offers = len(module_choices) or 1
         self.module_sets = tuple(subset for size in range(1, offers + 1)
                                  for subset in itertools.combinations(range(offers), size)
-                                 if not module_choices or not _nests({module_choices[u] for u in subset}))
+                                 if not module_choices or not nested_modules({module_choices[u] for u in subset}))
 
     def compute_work_s(self, layout: Layout) -> float:
         """Compute-only work, valid for every ep and etp: GEMM efficiency only grows with size and weight

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import RECOMPUTE_INDEX, RECOMPUTE_ORDER, MeshCosts
-from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule, first_blocks_of_each_chunk
+from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule, first_blocks_of_each_chunk, nested_modules
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
 from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, least_blocks
 
@@ -184,9 +184,8 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
         cp.Add(sum(chosen.values()) >= 1)   # selective recomputation repeats something
         # moe_act and shared_experts lie inside moe: with it they would free their tensors twice in the sums
         # (and are refused as pins)
-        for mod, on in chosen.items():
-            if mod.container in chosen:
-                cp.AddBoolOr([on.Not(), chosen[mod.container].Not()])
+        for mod in nested_modules(chosen):
+            cp.AddBoolOr([chosen[mod].Not(), chosen[mod.container].Not()])
         for (i, r, k), var in redo.items():
             if k is not Recompute.selective:
                 continue

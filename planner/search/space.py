@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from cost_models.layout import MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule, Schedule
+from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule, Schedule,
+                                 nested_modules)
 from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
 from cost_models.pipeline import dualpipev_least_micro_batches, most_chunks, partition_problem
 
@@ -158,7 +159,7 @@ def pin_problems(pins: Pins, graph: ModelGraph, num_devices: int, global_batch: 
     if pins.recompute_layers is not None and pins.recompute is not Recompute.full:
         problems.append(f"recompute_layers={pins.recompute_layers} needs recompute=full: it says how many blocks of "
                         "each chunk recompute fully (Megatron --recompute-granularity full --recompute-method block)")
-    nested = [m for m in pins.recompute_modules or () if m.container in (pins.recompute_modules or ())]
+    nested = nested_modules(pins.recompute_modules or ())
     if nested:
         problems.append(f"recompute_modules={'+'.join(str(m) for m in pins.recompute_modules)}: moe recomputes "
                         f"{' and '.join(map(str, nested))} with the rest of the MoE layer (name one of them)")
