@@ -48,15 +48,27 @@ class ShardSpec:
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
     etp: int = 1    # ranks splitting each expert's weights
     sort_copies: int = 0   # copies of the routed tokens the dispatcher adds (SoftwareStack.moe_sort_copies)
+    # the routed tokens the most loaded expert-parallel rank takes over the mean (`rank_load`): the all-to-all
+    # waits for it, so its expert GEMMs and sorts set the layer's time
+    expert_load: float = 1.0
 
     @classmethod
-    def of(cls, layout: "Layout", stack: "SoftwareStack", ep: int | None = None, etp: int | None = None) -> "ShardSpec":
+    def of(cls, layout: "Layout", stack: "SoftwareStack", ep: int | None = None, etp: int | None = None,
+           ep_imbalance: float = 1.0) -> "ShardSpec":
         """A layout's division of one micro-batch; `ep`/`etp` override the layout's (search bounds)."""
+        ep = layout.ep if ep is None else ep
         return cls(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
                    precision=layout.precision, fp8_recipe=layout.fp8_recipe,
                    causal_attention_work=stack.causal_attention_work,
-                   ep=layout.ep if ep is None else ep, etp=layout.etp if etp is None else etp,
-                   sort_copies=stack.moe_sort_copies if stack.moe_dispatcher == "alltoall" else 0)
+                   ep=ep, etp=layout.etp if etp is None else etp,
+                   sort_copies=stack.moe_sort_copies if stack.moe_dispatcher == "alltoall" else 0,
+                   expert_load=rank_load(ep_imbalance, ep))
+
+
+def rank_load(ep_imbalance: float, ep: int) -> float:
+    """The most loaded expert-parallel rank's routed tokens over the mean, for a run whose most loaded rank
+    takes `ep_imbalance` x the mean: at most ep (every token on one rank), and none without ranks to differ."""
+    return min(ep_imbalance, ep) if ep > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,8 @@ def fp8_cast_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: float) 
 def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, float, float]:
     """(forward, backward-input, backward-weight) seconds of one op for one micro-batch."""
     scale = spec.micro_batch / work_divisor(op.sharding, spec)
+    if op.routed:   # the busiest rank's share of the routed tokens
+        scale *= spec.expert_load
     if op.kind is OpKind.gemm:
         count = max(1, op.gemm_count // spec.ep) if op.sharding is Sharding.expert else op.gemm_count
         traffic = gemm_traffic_seconds(op, device, spec, scale)  # each pass moves about the same bytes

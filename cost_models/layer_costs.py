@@ -109,8 +109,8 @@ class MeshCosts(ExpertCommunication):
     def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack,
                  ep_imbalance: float = 1.0, shared: SharedCosts | None = None):
         self.model, self.cluster, self.layout, self.stack = model, cluster, layout, stack
-        self.ep_imbalance = ep_imbalance
-        self.spec = ShardSpec.of(layout, stack)
+        self.spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
+        self.ep_imbalance = self.spec.expert_load   # the busiest expert rank's tokens over the mean, at this ep
         self.state_sharding = StateSharding.of(layout, stack)
         self._cache: dict[str, LayerCost] = {}
         self._shared = shared if shared is not None else SharedCosts()
@@ -222,8 +222,9 @@ class MeshCosts(ExpertCommunication):
         lay = self.layout
         compute = self._compute(kind)
         shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.precision)
-        activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules) for r in RECOMPUTE_ORDER)
-        freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,))
+        load = self.spec.expert_load
+        activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules, load) for r in RECOMPUTE_ORDER)
+        freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,), load)
                       for module in RecomputeModule)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)

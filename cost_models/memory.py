@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hardware_profiles.schema import Device
 
 from .layout import DEFAULT_RECOMPUTE_MODULES, Recompute, RecomputeModule
-from .records import LayerKind, Sharding
+from .records import LayerKind, SavedTensor, Sharding
 
 WEIGHT_BYTES = 2        # bf16 weights (fp8 training keeps bf16 weights and casts per GEMM)
 MASTER_BYTES = 4        # fp32 master weights
@@ -110,12 +110,13 @@ def adam_bytes_touched(sharding: StateSharding) -> float:
 
 def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int,
                      precision: str = "bf16",
-                     modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES) -> float:
+                     modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES, expert_load: float = 1.0) -> float:
     """Saved-for-backward bytes of one layer and micro-batch (Korthikanti et al. 2022, Table 2 forms).
 
     Tensors inside tensor-parallel pairs are divided by tp; the rest by tp only with sequence
     parallelism; everything by cp. Selective drops what recomputing `modules` frees (by default the
     attention core's own tensors: the s x s ones where attention is not fused); full keeps the input.
+    What the routed ops make or keep (`OpCost.routed`) is the most loaded expert rank's: `expert_load` x the mean.
     FP8 transformer layers keep their weight-GEMM inputs as 1-byte copies (Transformer Engine); the
     embedding and output layers stay in bf16 (Megatron-Core builds them without Transformer Engine).
     """
@@ -127,8 +128,19 @@ def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, c
         if recompute is Recompute.selective and saved.dropped_by(modules):
             continue
         divisor = tp if saved.sharding is Sharding.tensor or sp else 1
-        total += (saved.fp8_bytes if fp8 else saved.bytes) / divisor
+        load = expert_load if expert_load != 1.0 and routed_tensor(kind, saved) else 1.0
+        total += (saved.fp8_bytes if fp8 else saved.bytes) * load / divisor
     return total * micro_batch / cp
+
+
+def routed_tensor(kind: LayerKind, saved: SavedTensor) -> bool:
+    """Whether a saved tensor is as large as the rank's share of the routed tokens: made by a routed op
+    (`OpCost.routed`), or kept by a node that runs only routed ops (an expert GEMM keeps the dispatched tokens).
+    A node that runs more (an expert container captured as one node) keeps its input too, which is not routed,
+    and what a shared expert inside it makes is marked apart."""
+    if saved.inner_module is RecomputeModule.shared_experts:
+        return False
+    return saved.producer in kind.routed_nodes or not kind.only_routed_nodes.isdisjoint(saved.savers)
 
 
 def logits_bytes(kind: LayerKind, tp: int, cp: int, micro_batch: int, loss_gradient: str) -> float:

@@ -59,6 +59,13 @@ class OpCost:
         """Whether selective recomputation of `modules` repeats it: its module's or the one inside it."""
         return self.module in modules or self.inner_module in modules
 
+    @property
+    def routed(self) -> bool:
+        """Whether it works on the tokens routed to a rank's experts (their GEMMs and activation, the
+        dispatcher's sorts): what a rank given more than its share of tokens does more of."""
+        return self.sharding is Sharding.expert or self.kind is OpKind.token_copy \
+            or self.inner_module is RecomputeModule.moe_act
+
 
 @dataclass(frozen=True)
 class SavedTensor:
@@ -127,6 +134,16 @@ class LayerKind:
     @property
     def forward_flops(self) -> float:
         return sum(op.forward_flops for op in self.ops)
+
+    @cached_property
+    def routed_nodes(self) -> frozenset[str]:
+        """The graph nodes that run a routed op (`OpCost.routed`)."""
+        return frozenset(op.node for op in self.ops if op.routed and op.node)
+
+    @cached_property
+    def only_routed_nodes(self) -> frozenset[str]:
+        """Of `routed_nodes`, those that run nothing else (not an expert container captured as one node)."""
+        return self.routed_nodes - frozenset(op.node for op in self.ops if not op.routed)
 
     @cached_property
     def model_flops(self) -> float:

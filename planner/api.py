@@ -12,7 +12,7 @@ from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
-from .explain import alternatives, dispatch_sm_notes, reasons
+from .explain import alternatives, dispatch_sm_notes, expert_load_note, reasons
 from .capture.graph import ModelGraph
 from .capture.model_capture import capture
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
@@ -89,6 +89,14 @@ def _check_time_limit(seconds) -> None:
         raise UserInputError(f"{seconds!r}", field="--time-limit", expected="a finite number of seconds >= 0")
 
 
+def _check_imbalance(ep_imbalance) -> None:
+    if isinstance(ep_imbalance, bool) or not isinstance(ep_imbalance, (int, float)) \
+            or not 1.0 <= ep_imbalance < float("inf"):
+        raise UserInputError(f"{ep_imbalance!r}", field="--ep-imbalance",
+                             expected="the most loaded expert-parallel rank's routed tokens over the mean: a finite "
+                             "number >= 1 (1 = balanced routing, as a benchmark that forces balance runs)")
+
+
 def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
                stack: SoftwareStack, ep_imbalance: float = 1.0) -> Plan:
     stats = None
@@ -121,7 +129,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
         alternatives=alternatives(best, ranked[1:]),
-        reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster),
+        reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster)
+        + expert_load_note(graph.costs_record, best.layout, ep_imbalance), ep_imbalance=ep_imbalance,
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers)
 
 
@@ -189,6 +198,7 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     """
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
+    _check_imbalance(ep_imbalance)
     values = parse_values(fix, "fix")
     if "stages" in values:
         raise UserInputError("stages= gives a whole pipeline split, which the search chooses", field="--fix",
@@ -281,6 +291,7 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     layout that does not divide, fit or run on the stack is explained."""
     _check_batch(global_batch)
     _check_time_limit(time_limit_s)
+    _check_imbalance(ep_imbalance)
     stack = resolve_stack(stack)
     graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
     check_model_on_stack(graph, stack)
@@ -344,7 +355,7 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
     new = plan(model, device=device, num_devices=num_devices, devices_per_node=plan_.devices_per_node,
                segment_devices=plan_.segment_devices,
                global_batch=plan_.layout.gbs, seq_len=plan_.seq_len, precision=str(plan_.layout.precision),
-               stack=plan_.stack, time_limit_s=time_limit_s)
+               stack=plan_.stack, ep_imbalance=plan_.ep_imbalance, time_limit_s=time_limit_s)
     old, lay = plan_.layout, new.layout
     changed = [f"{key} {getattr(old, key)} -> {getattr(lay, key)}" for key in ("dp", "tp", "pp", "vp", "cp", "ep",
                                                                               "mbs", "zero")

@@ -47,6 +47,8 @@ ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML 
 DeviceOpt = typer.Option(None, "--device", help="build a cluster from a device profile (with --num-devices)")
 DevicesOpt = typer.Option(None, "--num-devices", help="number of devices")
 PerNodeOpt = typer.Option(None, "--devices-per-node", help="devices per node (with --device)")
+ImbalanceOpt = typer.Option(1.0, "--ep-imbalance", help="MoE: the busiest expert-parallel rank's routed tokens "
+                            "over the mean, as measured (1 = balanced routing, the default)")
 SegmentOpt = typer.Option(None, "--segment-devices", help="devices the job takes in each scale-up domain, in equal "
                           "segments (Slurm --segment nodes x devices per node); default: domains filled in rank order")
 BatchOpt = typer.Option(..., "--global-batch", help="sequences per optimizer step")
@@ -121,7 +123,7 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
-         moe_dispatcher: Optional[str] = DispatcherOpt,
+         moe_dispatcher: Optional[str] = DispatcherOpt, ep_imbalance: float = ImbalanceOpt,
          leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
@@ -138,7 +140,8 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
                           segment_devices=segment_devices,
                           time_limit_s=time_limit, top_k=top + 1, progress=report,
                           stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher),
-                          leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, **pins)
+                          ep_imbalance=ep_imbalance, leaf_modules=_leaves(leaf_modules),
+                          strict_capture=strict_capture, **pins)
     extra = _goodput_summary(result, model, seq_len, recovery_settings) if objective == "goodput" else None
     if out_path:
         result.save(out_path)
@@ -166,7 +169,8 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
                                                      "(.yaml or .json) that export and Plan.load read"),
              stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt,
              moe_a2a_overlap: bool = MoeOverlapOpt,
-         moe_dispatcher: Optional[str] = DispatcherOpt, strict_capture: bool = StrictOpt) -> None:
+         moe_dispatcher: Optional[str] = DispatcherOpt, ep_imbalance: float = ImbalanceOpt,
+         strict_capture: bool = StrictOpt) -> None:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
     if out_path is not None:
         out_path = check_plan_file(out_path)
@@ -174,7 +178,7 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
                           device=device, num_devices=num_devices, devices_per_node=devices_per_node,
                           segment_devices=segment_devices,
                           time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
-                          strict_capture=strict_capture,
+                          strict_capture=strict_capture, ep_imbalance=ep_imbalance,
                           stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher))
     if out_path:
         result.save(out_path)
@@ -195,7 +199,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    out_dir: Optional[str] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
                    as_json: bool = typer.Option(False, "--json"), stack: Optional[str] = StackOpt,
                    tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
-         moe_dispatcher: Optional[str] = DispatcherOpt) -> None:
+         moe_dispatcher: Optional[str] = DispatcherOpt, ep_imbalance: float = ImbalanceOpt) -> None:
     """Best plan, time to train, device-hours and goodput at each point of a sweep."""
     if out_dir is not None:
         out_dir = check_report_dir(out_dir)
@@ -207,7 +211,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
     report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
                     device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
                     devices_per_node=devices_per_node, segment_devices=segment_devices, time_limit_s=time_limit,
-                    stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher))
+                    stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher), ep_imbalance=ep_imbalance)
     if as_json:
         out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,
                                    "rows": [row.__dict__ for row in report.rows]}))

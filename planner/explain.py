@@ -1,7 +1,9 @@
 """Why a plan: the reasons a person reads, and what each alternative loses."""
 from __future__ import annotations
 
-from cost_models.layout import Recompute
+from cost_models.compute import rank_load
+from cost_models.layout import Layout, Recompute
+from cost_models.records import ModelCosts
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
@@ -117,3 +119,18 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
         f"one per p2p channel ({channels.within_node} within a node, {channels.across_nodes} across nodes)"
     return [f"{kernels} {held} of {device.sm_count} SMs while {schedule}: that "
             "compute runs on the rest while they last"]
+
+
+def expert_load_note(model: ModelCosts, layout: Layout, ep_imbalance: float) -> list[str]:
+    """What a MoE plan assumed of its routing, said in its reasons."""
+    if not any(kind.num_experts for kind, _ in model.block_counts):
+        return []
+    if layout.ep == 1:
+        return ["routing load does not matter at ep=1: every rank runs every expert on its own tokens"]
+    load = rank_load(ep_imbalance, layout.ep)
+    if load == 1.0:
+        return ["routing assumed balanced: every expert rank takes the mean of the routed tokens (--ep-imbalance 1; "
+                "give the measured ratio of the busiest rank's tokens to the mean otherwise)"]
+    capped = f", capped at ep={layout.ep}" if load < ep_imbalance else ""
+    return [f"the busiest expert rank takes {load:g} x the mean of the routed tokens (--ep-imbalance{capped}): its "
+            "expert GEMMs, sorts, all-to-all bytes and routed activations set the layer's time and memory"]

@@ -193,6 +193,7 @@ class Plan(_Frozen):
     capture_front_end: str = "torch.fx"   # how the model was read: symbolic fx trace, or recorded eager run on meta
     capture_notes: list[str] = []         # what capture could not see or bill exactly, with the effect
     mtp_layers: int = Field(default=0, ge=0)   # multi-token prediction modules: the last blocks are their layers
+    ep_imbalance: float = Field(default=1.0, ge=1.0)   # the busiest expert rank's routed tokens over the mean, as given
 
     @model_validator(mode="after")
     def _layout_matches(self):

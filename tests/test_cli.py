@@ -335,6 +335,8 @@ BAD = [
     "profiles show no-such-profile",
     "models show no-such-model",
     "plan --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 8 --no-such-flag",
+    "plan --model tiny-moe --device h100-sxm --num-devices 8 --global-batch 8 --ep-imbalance 0.8",
+    "evaluate --model tiny-moe --device h100-sxm --num-devices 8 --global-batch 8 --layout tp=1 --ep-imbalance nan",
 ]
 
 
