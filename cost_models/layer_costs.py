@@ -14,6 +14,7 @@ from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, p
 from .communication import ACTIVATION_BYTES, Collective, CollectiveCost, collective_time
 from .compute import ShardSpec, layer_compute, memory_seconds
 from .expert_comm import ExpertCommunication
+from .host_time import layer_host_seconds
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Recompute, RecomputeModule
@@ -37,10 +38,12 @@ class LayerWork:
     module_recompute_s: tuple[float, ...]          # what recomputing each module repeats, RecomputeModule order
     backward_weight_s: float                       # the weight-gradient part of backward_s
     ep_comm_alone_s: float                         # the all-to-alls of a forward and backward run alone
+    # what the host's issuing of the forward and backward takes beyond the device's work (cost_models/host_time.py)
+    host_excess_s: float
 
     def work_before_zero_s(self, recompute: Recompute) -> float:
         return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_INDEX[recompute]]
-                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s)
+                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.host_excess_s)
 
     @property
     def unpaired_extra_s(self) -> float:
@@ -204,12 +207,21 @@ class MeshCosts(ExpertCommunication):
             self._shared.compute[key] = layer_compute(kind, self.cluster.device, self.spec)
         return self._shared.compute[key]
 
+    def _host(self, kind: LayerKind):
+        key = (kind.name, self.spec, "host")
+        if key not in self._shared.compute:
+            self._shared.compute[key] = layer_host_seconds(kind, self.cluster.device, self.stack, self.spec)
+        return self._shared.compute[key]
+
     def work(self, kind: LayerKind) -> LayerWork:
         """The layer's time without its memory parts: what it costs under every ZeRO stage at least
         (the search bounds whole subtrees with it)."""
         compute = self._compute(kind)
         selective = compute.selective_forward_s(self.layout.recompute_modules)
+        host = self._host(kind)
         return LayerWork(forward_s=compute.forward_s, backward_s=compute.backward_s,
+                         host_excess_s=max(0.0, host.forward_s - compute.forward_s)
+                         + max(0.0, host.backward_s - compute.backward_s),
                          recompute_s=(0.0, selective, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),

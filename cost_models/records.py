@@ -54,6 +54,11 @@ class OpCost:
     node: str = ""                          # the graph node that ran it
     module: RecomputeModule | None = None   # the recomputable module it belongs to, if any
     inner_module: RecomputeModule | None = None   # a module inside that one (moe_act inside moe)
+    # kernels its node launches eagerly beside its GEMMs (the node's first op carries them): outside routed
+    # expert modules, and inside them for all the experts (planner/capture/launches.py)
+    launches: int = 0
+    expert_launches: int = 0
+    reads: str = ""   # a GEMM's activation input: the graph node that made it (projections reading one input fuse)
 
     def recomputed_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
         """Whether selective recomputation of `modules` repeats it: its module's or the one inside it."""

@@ -31,6 +31,7 @@ class StepBreakdown:
     pp_comm_s: float
     dp_comm_s: float
     optimizer_s: float
+    host_s: float = 0.0   # the host issuing kernels slower than the device runs them (cost_models/host_time.py)
 
     @property
     def total_s(self) -> float:
@@ -71,6 +72,7 @@ class StageTotals:
     cp_s: float
     ep_s: float
     zero_s: float
+    host_s: float
     memory: StageMemory
     dp_reduce_s: float
     optimizer_s: float
@@ -121,6 +123,7 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         work_s=work, compute_s=compute, recompute_s=recomputed, passes=passes,
         tp_s=sum(n * c.tp_comm_s for c, _, n in items), cp_s=sum(n * c.cp_comm_s for c, _, n in items),
         ep_s=sum(n * c.ep_comm_s for c, _, n in items), zero_s=sum(n * c.zero_exposed_s for c, _, n in items),
+        host_s=sum(n * c.host_excess_s for c, _, n in items),
         memory=memory, dp_reduce_s=sum(n * c.dp_reduce_s for c, _, n in items),
         optimizer_s=sum(n * c.optimizer_step_s for c, _, n in items))
 
@@ -161,7 +164,7 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
         compute_s=m * slowest.compute_s, recompute_s=m * slowest.recompute_s, tp_comm_s=m * slowest.tp_s,
         cp_comm_s=m * slowest.cp_s, ep_comm_s=m * slowest.ep_s, zero_comm_s=m * slowest.zero_s,
         pipeline_bubble_s=pipeline - m * slowest.work_s, pp_comm_s=pp_comm, dp_comm_s=dp_exposed,
-        optimizer_s=optimizer)
+        optimizer_s=optimizer, host_s=m * slowest.host_s)
     step = breakdown.total_s
     tokens = layout.global_batch * model.seq_len
     model_flops = model.model_flops_per_sample * layout.global_batch

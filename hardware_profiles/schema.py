@@ -124,6 +124,10 @@ class Device(Strict):
     # what NCCL's all-to-all holds of them (the compute it hides behind runs on the rest); None where no
     # NCCL log for the node is known
     nccl_p2p_sms: NcclP2pSms | None = None
+    # CPU time of one torch.nn.Linear forward call issued from Python on the node's host CPU: the unit in which
+    # a stack states its host time per call (`SoftwareStack.host_calls`, cost_models/host_time.py); None where
+    # no source measured the node's CPU (host time is then not billed, and a plan says so)
+    host_call_us: float | None = Field(default=None, gt=0)
     # tensor cores that apply MXFP8's per-block scales (Blackwell); the mxfp8 recipe needs them
     mxfp8: bool = False
     gemm: GemmEfficiency

@@ -31,6 +31,17 @@ RecomputeModuleName = Literal["core_attn", "mlp", "moe", "layernorm", "mla_up_pr
 # token to the expert tp x ep group (--moe-token-dispatcher-type allgather)
 MoeDispatcher = Literal["alltoall", "deepep", "allgather"]
 
+class HostCalls(Strict):
+    """Host CPU time the framework spends issuing one call, in units of the node's `Device.host_call_us` (one
+    torch.nn.Linear forward): a GEMM module's forward and backward, in BF16 and in FP8, and any other op's."""
+    gemm_forward: float = Field(gt=0)
+    gemm_backward: float = Field(gt=0)
+    fp8_gemm_forward: float = Field(gt=0)
+    fp8_gemm_backward: float = Field(gt=0)
+    op_forward: float = Field(gt=0)
+    op_backward: float = Field(gt=0)
+
+
 class SoftwareStack(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")   # goes into plan files and commands
     display_name: str = Field(min_length=1)
@@ -108,6 +119,16 @@ class SoftwareStack(Strict):
     moe_sort_copies: int = Field(default=0, ge=0)
     # trains a model's multi-token prediction modules (Megatron-Core --mtp-num-layers, since 0.12)
     multi_token_prediction: bool = False
+    # host time per call (cost_models/host_time.py): a pass takes the longer of the device's work and the host's
+    # issuing of it; None: not billed
+    host_calls: HostCalls | None = None
+    # column-parallel projections that read one input run as one GEMM call (Megatron's linear_qkv, linear_fc1)
+    fused_projections: bool = False
+    # a rank's local experts run as one grouped call per projection (Megatron-Core --moe-grouped-gemm, torch's
+    # grouped_mm), each further expert one op's host time; else one GEMM call per expert
+    grouped_experts: bool = True
+    # layers replayed as CUDA graphs: their host time is one replay, not billed
+    cuda_graphs: bool = False
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
     cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
     pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute

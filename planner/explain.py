@@ -1,12 +1,14 @@
 """Why a plan: the reasons a person reads, and what each alternative loses."""
 from __future__ import annotations
 
-from cost_models.compute import rank_load
+from cost_models.compute import ShardSpec, layer_compute, rank_load
+from cost_models.host_time import layer_host_seconds
 from cost_models.layout import Layout, Recompute
 from cost_models.records import ModelCosts
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
+from hardware_profiles.stack import SoftwareStack
 
 from .plans import Alternative
 from .search.tree import six_digits
@@ -16,7 +18,7 @@ PART_NAMES = {
     "cp_comm_s": "context-parallel communication", "ep_comm_s": "expert all-to-all",
     "zero_comm_s": "ZeRO-2/3 per-micro-batch communication", "pipeline_bubble_s": "pipeline bubble",
     "pp_comm_s": "pipeline sends", "dp_comm_s": "data-parallel gradient reduction",
-    "optimizer_s": "optimizer step",
+    "optimizer_s": "optimizer step", "host_s": "host-bound kernel launches",
 }
 
 
@@ -134,3 +136,25 @@ def expert_load_note(model: ModelCosts, layout: Layout, ep_imbalance: float) -> 
     capped = f", capped at ep={layout.ep}" if load < ep_imbalance else ""
     return [f"the busiest expert rank takes {load:g} x the mean of the routed tokens (--ep-imbalance{capped}): its "
             "expert GEMMs, sorts, all-to-all bytes and routed activations set the layer's time and memory"]
+
+
+def host_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack,
+              ep_imbalance: float = 1.0) -> list[str]:
+    """How close the host comes to the device in the layer kind where it comes closest, or why it is not billed."""
+    device = cluster.device
+    if stack.cuda_graphs:
+        return [f"the {stack.name} stack replays its layers as CUDA graphs: host time is not billed"]
+    if device.host_call_us is None or stack.host_calls is None:
+        missing = f"the {device.name} profile gives no host CPU time (host_call_us)" if device.host_call_us is None \
+            else f"the {stack.name} stack states no host time per call (host_calls)"
+        return [f"{missing}: a host slower than the device at issuing kernels is not billed"]
+    spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
+    ratios = []
+    for kind, _ in model.block_counts:
+        compute, host = layer_compute(kind, device, spec), layer_host_seconds(kind, device, stack, spec)
+        device_s = compute.forward_s + compute.backward_s
+        ratios.append(((host.forward_s + host.backward_s) / device_s if device_s else 0.0, kind.name))
+    ratio, name = max(ratios)
+    verdict = "host-bound: the device waits for launches" if ratio > 1 else "device-bound"
+    return [f"the host issues a {name} layer's kernels in {ratio:.0%} of the device's time for them ({verdict}; "
+            f"{device.host_call_us:g} us per call on this node's CPU, {stack.name}'s calls)"]

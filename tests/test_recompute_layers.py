@@ -16,7 +16,7 @@ from cost_models.pipeline import least_blocks, partition_problem
 from cost_models.step_time import estimate
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import cluster_from_device, load_stack
-from planner.capture.model_capture import capture
+from planner.api import capture_for
 from planner.exports import megatron_args
 from tests.test_exports_megatron import flags
 from tests.test_search import mixed_moe_model
@@ -51,9 +51,9 @@ def test_the_plan_is_the_best_partition_a_brute_force_finds_with_megatrons_block
                            ep=2, etp=1, mbs=1, zero=1, recompute="full", recompute_layers=count)
     sizes = tuple(len(s.layers) for s in planned.stages)
     assert [r for s in planned.stages for r in s.recompute] == [r.value for r in megatron_block_method(sizes, count)]
-    graph, cluster = capture(model), cluster_from_device("h100-sxm", 16)
-    base = Layout(dp=8, pp=2, vp=2, ep=2, global_batch=32, zero=1, recompute=Recompute.full)
     stack = load_stack()
+    graph, cluster = capture_for(model, None, (), stack), cluster_from_device("h100-sxm", 16)   # as plan captures
+    base = Layout(dp=8, pp=2, vp=2, ep=2, global_batch=32, zero=1, recompute=Recompute.full)
     times = {sizes: estimate(graph.costs(), cluster, replace(base, stage_layers=sizes,
                                                              layer_recompute=megatron_block_method(sizes, count)),
                              stack).step_time_s

@@ -33,6 +33,7 @@ from .values import on_one_device, with_value_width
 from .reference_model import CoreAttention
 from .kernels import (FlashAttention, FusedActivation, FusedNorm, attention_core, balanced_experts, bhsd,
                       is_activation, norm_statistics)
+from .launches import LaunchCounter
 from .op_costs import attention_cost, node_costs, storage_key
 
 
@@ -177,6 +178,7 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
         self.attention_nodes: set[str] = set()   # q k^T and the scale/mask/softmax/dropout applied to it
         self.savers: dict[int, _Savers] = {}
         self.results: dict[str, Measured] = {}
+        self.launches, self.stand_in = LaunchCounter(), False   # the running node's kernels (run_node)
 
     def _sharding(self, node: fx.Node) -> Sharding:
         return Sharding.tensor if node.name in self.tensor_region else Sharding.sequence
@@ -228,6 +230,7 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
     def call_function(self, target, args, kwargs):
         args, kwargs = on_one_device(args, kwargs)
         if target is F.scaled_dot_product_attention:
+            self.stand_in = True
             return FlashAttention.apply(args[0], args[1], args[2])
         return with_value_width(target, args, super().call_function(target, args, kwargs))
 
@@ -240,24 +243,29 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
         args, kwargs = on_one_device(args, kwargs, module)
         if self.fused_kernels and module is not None and is_norm_like(module) and args and \
                 isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            self.stand_in = True
             return FusedNorm.apply(args[0], norm_statistics(module))
         if self.current is not None and self.current.meta.get("attention_core"):
+            self.stand_in = True
             return attention_core(self.current.meta["attention_core"], args)
         if self.fused_kernels and module is not None and is_activation(module, args) and not kwargs:
+            self.stand_in = True
             return FusedActivation.apply(args[0])
         opaque = module is not None and _is_opaque_leaf(module)
         counter = FlopCounterMode(display=False) if opaque else contextlib.nullcontext()
         notes = self.results.setdefault(self.part_of(self.current), Measured()).warnings
-        beside_routed = self._beside_routed(module) if module is not None and is_expert_container(module) \
-            else contextlib.nullcontext()
+        container = module is not None and is_expert_container(module)
+        beside_routed = self._beside_routed(module) if container else contextlib.nullcontext()
+        found = routed_experts(module) if container else None
+        in_experts = self.launches.inside(found.module_list if found is not None else None)
         try:
-            with counter, beside_routed:
+            with counter, beside_routed, in_experts:
                 out = super().call_module(target, args, kwargs)
         except Exception as exc:  # a leaf that cannot run on meta (data-dependent): shape-preserving op
             first = args[0] if args else None
             found = routed_experts(module) if module is not None else None
             if found is not None and found.module_list is not None and isinstance(first, torch.Tensor):
-                with self._beside_routed(module):
+                with self._beside_routed(module), self.launches.inside(found.module_list):
                     return balanced_experts(module, found, first)
             if not isinstance(first, torch.Tensor):
                 raise UserInputError(f"leaf module '{target}' cannot run on meta tensors "
@@ -275,7 +283,8 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
     def run_node(self, node: fx.Node):
         self.current = node
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        with torch.set_grad_enabled(node.meta.get("grad_enabled", True)):  # as recorded (torch.no_grad code)
+        self.launches, self.stand_in = LaunchCounter(), False
+        with torch.set_grad_enabled(node.meta.get("grad_enabled", True)), self.launches:  # as recorded
             out = super().run_node(node)
         if self._is_attention_matrix(node, out):
             self.attention_nodes.add(node.name)
@@ -297,6 +306,11 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
         if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
             ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
                    for op in ops]
+        launched = self.launches.counted
+        if ops:   # the node's launches beside its GEMMs ride on its first op (a fused stand-in is one kernel)
+            ops[0] = replace(ops[0], launches=max(launched.other, int(self.stand_in)), expert_launches=launched.in_experts)
+        first_input = node.all_input_nodes[0].name if node.all_input_nodes else ""
+        ops = [replace(op, reads=first_input) if op.kind is OpKind.gemm else op for op in ops]
         measured.ops.extend(replace(op, node=node.name) for op in ops)
         if node.op == "output":
             measured.output = out

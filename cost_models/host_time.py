@@ -1,0 +1,78 @@
+"""Host time: the CPU issuing a layer's kernels, which the device waits for where it takes longer.
+
+The host runs ahead of the device and queues its kernels; a pass takes the longer of the device's work and
+the host's issuing of it (where the host is slower the device idles between kernels: the GB200 case of
+Transformer Engine issue 2053, a 7B model's Linear as slow on the CPU as on the GPU). The host's time is a
+count of calls, each weighed in the stack's units (`SoftwareStack.host_calls`: a GEMM module's forward and
+backward in BF16 or FP8, any other op) times the node's CPU time per unit (`Device.host_call_us`, one
+torch.nn.Linear forward). Not modelled: device-to-host syncs that stop the host running ahead (a dropless
+all-to-all dispatcher's token counts), the optimizer step's launches, and recomputation's calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware_profiles.schema import Device
+from hardware_profiles.stack import SoftwareStack
+
+from .compute import ShardSpec
+from .layout import Precision
+from .records import LayerKind, OpCost, OpKind, Sharding
+
+US = 1e-6
+
+
+@dataclass(frozen=True)
+class HostSeconds:
+    """The host's time to issue one layer's forward and backward for one micro-batch."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+
+def host_billed(device: Device, stack: SoftwareStack) -> bool:
+    """Whether host time is billed: the node's CPU measured, the stack's calls stated, and not replayed graphs."""
+    return device.host_call_us is not None and stack.host_calls is not None and not stack.cuda_graphs
+
+
+def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, spec: ShardSpec) -> HostSeconds:
+    """The calls of one layer, forward and backward, in the stack's units, times the node's time per unit."""
+    if not host_billed(device, stack) or (kind.role == "block" and stack.cuda_graphs):
+        return HostSeconds()
+    calls = stack.host_calls
+    fp8 = spec.precision == Precision.fp8 and kind.role == "block"   # embedding and head stay in bf16 (compute.py)
+    gemm = (calls.fp8_gemm_forward, calls.fp8_gemm_backward) if fp8 else (calls.gemm_forward, calls.gemm_backward)
+    op = (calls.op_forward, calls.op_backward)
+    forward = backward = 0.0
+    projected: set[str] = set()   # inputs a tensor-parallel projection has read
+    for current in kind.ops:
+        units = _op_units(current, current.reads in projected, gemm, op, stack, spec, kind)
+        forward += units[0]
+        backward += units[1]
+        if current.kind is OpKind.gemm and current.sharding is Sharding.tensor and current.reads:
+            projected.add(current.reads)
+    unit_s = device.host_call_us * US
+    return HostSeconds(forward_s=forward * unit_s, backward_s=backward * unit_s)
+
+
+def _op_units(current: OpCost, sibling: bool, gemm: tuple[float, float], op: tuple[float, float],
+              stack: SoftwareStack, spec: ShardSpec, kind: LayerKind) -> tuple[float, float]:
+    """(forward, backward) units of one op: its GEMM calls, and the kernels its node launches beside them (each
+    with one in backward), those inside routed expert modules only for the rank's own experts."""
+    local_share = 1 / spec.ep if kind.num_experts else 1.0
+    launches = current.launches + current.expert_launches * local_share
+    forward, backward = launches * op[0], launches * op[1]
+    if current.kind is OpKind.gemm and current.sharding is Sharding.expert:
+        local = max(1, current.gemm_count // spec.ep)
+        if stack.grouped_experts:   # one call for the rank's experts, a little bookkeeping per further expert
+            return forward + gemm[0] + (local - 1) * op[0], backward + gemm[1] + (local - 1) * op[1]
+        return forward + local * gemm[0], backward + local * gemm[1]
+    # a projection reading an input another already read is issued inside that one's call where the stack builds
+    # them as one column-parallel GEMM (Megatron's linear_qkv for q, k and v; linear_fc1 for gate and up)
+    if current.kind is OpKind.gemm and not (stack.fused_projections and sibling and current.sharding is Sharding.tensor):
+        return forward + gemm[0], backward + gemm[1]
+    if current.kind is OpKind.attention_matmul:   # an unfused q k^T or probs x v: one batched GEMM kernel
+        return forward + op[0], backward + 2 * op[1]
+    if current.kind is OpKind.token_copy:   # the dispatcher's sorts, where a rank has more than one expert
+        copies = spec.sort_copies if current.gemm_count // spec.ep > 1 else 0
+        return forward + copies * op[0], backward + copies * op[1]
+    return forward, backward
