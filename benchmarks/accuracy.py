@@ -53,7 +53,8 @@ MISS_NOTES = {
         "240.5 (BF16) and 242.9 (FP8) model TFLOP/s per H100 (NVIDIA/Megatron-LM PR 5728), twice the row, "
         "with no gain from FP8 on these small experts. On an H200 (docs/gpu-validation.md) a loop over 16 local experts "
         "with FP8 current scaling takes 3.5-3.7 ms per forward whatever the tokens, 0.8-1.3 ms in BF16: "
-        "host time for launches and casts that the model does not bill. NVIDIA's GB200 guide found "
+        "host time for launches and casts beyond what the model bills from the per-call CPU times it has (with "
+        "them this layout's host keeps well ahead of its device: the plan's reasons give the share). NVIDIA's GB200 guide found "
         "DeepSeek-V3 in MXFP8 bound by the host at half the speed its fusions and CUDA graphs later reached "
         "(table below the expert layouts). What the 25.11 FP8 recipe spent is in no source, and a per-run "
         "factor is not allowed: the miss stands."),
@@ -135,7 +136,7 @@ EXPERT_LAYOUTS = [
 CLI_STACK_FLAGS = ("tp_comm_overlap", "moe_a2a_overlap", "moe_dispatcher")   # planner/cli.py's stack flags
 
 # Published measurements their authors found bound by the host (kernel launches and small kernels the GPU waits
-# for), predicted the same way; the model bills no host time, so it predicts them as if it were not there;
+# for), predicted the same way, host time billed from the profiles' per-call CPU times (cost_models/host_time.py);
 # never fitted, not in the 15% check.
 GB200_GUIDE = ("Yao et al., 'Optimizing DeepSeek-V3 Training Performance on NVIDIA GB200 NVL72' (NVIDIA/Megatron-LM "
                "docs/discussions/deepseek-v3-gb200-optimization), section 1: TP1 PP8 VPP4 EP32 MBS1 GBS2048, MXFP8, "
@@ -166,7 +167,12 @@ EXPERT_LAYOUT_VARIANTS = [
 
 
 def expert_layout_rows(entries=EXPERT_LAYOUTS) -> list[tuple]:
-    rows = []
+    return [row for row, _ in expert_layout_plans(entries)]
+
+
+def expert_layout_plans(entries) -> list[tuple[tuple, object]]:
+    """Each entry predicted through planner.evaluate: its table row and the plan."""
+    out = []
     for name, source, model, device, count, batch, seq, layout, precision, flags, published, unit in entries:
         stack = load_stack("megatron-core").model_copy(update=flags)
         builtin, changes = model   # a built-in model and what the run changes in it
@@ -176,8 +182,14 @@ def expert_layout_rows(entries=EXPERT_LAYOUTS) -> list[tuple]:
         predicted = plan.tflops_per_device if unit.startswith("TFLOP") else plan.tokens_per_s / count
         flag_text = ", ".join(f"--{k.replace('_', '-')} {v}" if k in CLI_STACK_FLAGS else f"{k}: {str(v).lower()}"
                               for k, v in flags.items()) or "-"
-        rows.append((name, source, layout, precision, flag_text, published, predicted, unit))
-    return rows
+        out.append(((name, source, layout, precision, flag_text, published, predicted, unit), plan))
+    return out
+
+
+def host_bound_rows() -> list[tuple]:
+    """The host-bound runs' rows, each with what its plan says of the host (`planner.explain.host_note`)."""
+    return [(*row, next((r for r in plan.reasons if r.startswith("the host issues")), "host time not billed"))
+            for row, plan in expert_layout_plans(HOST_BOUND_LAYOUTS)]
 
 
 def other_measurement_rows(runs) -> list[tuple]:
@@ -224,7 +236,7 @@ def main(argv=None) -> int:
     others = other_measurement_rows(runs)
     experts = [] if args.only else expert_layout_rows()
     variants = [] if args.only else expert_layout_rows(EXPERT_LAYOUT_VARIANTS)
-    host_bound = [] if args.only else expert_layout_rows(HOST_BOUND_LAYOUTS)
+    host_bound = [] if args.only else host_bound_rows()
     ascend = [] if args.only else ascend_rows(args.runs)
     completed = [] if args.only else completed_model_rows(args.runs)
     unstated = [] if args.only else unstated_precision_rows(args.runs)
@@ -365,13 +377,14 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
                          f"{published:,.0f} {unit} | {predicted:,.0f} | {predicted / published - 1:+.1%} |")
     if host_bound:
         lines += ["", "Published measurements their authors found bound by the host (the GPU waiting for kernel "
-                  "launches and small kernels), predicted the same way: the model bills no host time, so it "
-                  "predicts them as if the host kept up (never fitted, not in the figures or the 15% check):", "",
-                  "| run | source | layout | precision | stack | published | predicted | error |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, source, layout, precision, flag_text, published, predicted, unit in host_bound:
+                  "launches and small kernels), predicted the same way, with host time billed as the profiles "
+                  "give it (per-call CPU times, docs/stacks.md 'Host time'; a pass is host-bound only where the host "
+                  "is slower than the device at it); never fitted, not in the figures or the 15% check:", "",
+                  "| run | source | layout | precision | stack | published | predicted | error | the plan on its host |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, source, layout, precision, flag_text, published, predicted, unit, host in host_bound:
             lines.append(f"| {name} | {source} | {layout} | {precision} | megatron-core, {flag_text} | "
-                         f"{published:,.0f} {unit} | {predicted:,.0f} | {predicted / published - 1:+.1%} |")
+                         f"{published:,.0f} {unit} | {predicted:,.0f} | {predicted / published - 1:+.1%} | {host} |")
     if ascend:
         lines += ascend_report_lines(ascend)
     lines += ["", "## The search against published layouts", "",

@@ -136,30 +136,48 @@ DELAYED = [("dp=2,zero=0,mbs=4", 1, 0, "dp_comm_s", 1),
 SLOW_FROM = 3
 
 
-def test_exposed_communication_is_charged_to_the_kind_that_waited(tmp_path):
-    """Independent truth: from step 3 one rank's compute is 0.2 s slower per micro-batch (`slow@3:R`, a sleep in
-    its first module). Its peer waits for it in the collective that follows - the gradient all-reduce under dp,
-    the tensor-parallel all-reduce under tp, the K/V gather under cp, the activation receive under pp - and the
-    telemetry must charge that wait, and only it, to that kind."""
+def _misattributed_waits(directory) -> list[str]:
+    """One launch of every DELAYED case: what the telemetry charged wrongly (empty when every wait is where it
+    belongs)."""
     from runtime.faults import SLOW_S
     cases = [{"name": part, "layout": layout, "inject": f"slow@{SLOW_FROM}:{slow}", "telemetry_comm_every": 1,
-              "telemetry": str(tmp_path / part)} for layout, slow, _, part, _ in DELAYED]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    launch(2, "--cases", str(tmp_path / "cases.json"), "--steps", "4", *TRAIN, "--straggler-every", "0")
+              "telemetry": str(directory / part)} for layout, slow, _, part, _ in DELAYED]
+    directory.mkdir()
+    (directory / "cases.json").write_text(json.dumps(cases))
+    launch(2, "--cases", str(directory / "cases.json"), "--steps", "4", *TRAIN, "--straggler-every", "0")
+    wrong = []
     for layout, slow, waiting, part, micro_batches in DELAYED:
         records = {}
         for rank in (0, 1):
-            lines = (tmp_path / part / f"rank-{rank}.jsonl").read_text().splitlines()[1:]
+            lines = (directory / part / f"rank-{rank}.jsonl").read_text().splitlines()[1:]
             records[rank] = {json.loads(line)["step"]: json.loads(line) for line in lines}
         delay = SLOW_S * micro_batches
         for step in (SLOW_FROM, SLOW_FROM + 1):
             grown = records[waiting][step][part] - records[waiting][SLOW_FROM - 1][part]
-            assert grown > 0.75 * delay, (layout, step, part, grown)
+            if not grown > 0.75 * delay:
+                wrong.append(f"{layout} step {step}: the waiting rank's {part} grew {grown:.3f} s of {delay} s")
             # the slow rank itself did not wait for it, and the waiting rank's other kinds did not take it
-            assert records[slow][step][part] < 0.5 * delay, (layout, step, records[slow][step])
+            if not records[slow][step][part] < 0.5 * delay:
+                wrong.append(f"{layout} step {step}: the slow rank's own {part} {records[slow][step][part]:.3f} s")
             others = {k: v for k, v in records[waiting][step].items()
                       if k.endswith("_comm_s") or k == "pipeline_bubble_s"}
-            assert sum(others.values()) - others[part] < 0.5 * delay, (layout, step, others)
+            if not sum(others.values()) - others[part] < 0.5 * delay:
+                wrong.append(f"{layout} step {step}: the waiting rank's other kinds took {others}")
+    return wrong
+
+
+def test_exposed_communication_is_charged_to_the_kind_that_waited(tmp_path):
+    """Independent truth: from step 3 one rank's compute is 0.2 s slower per micro-batch (`slow@3:R`, a sleep in
+    its first module). Its peer waits for it in the collective that follows - the gradient all-reduce under dp,
+    the tensor-parallel all-reduce under tp, the K/V gather under cp, the activation receive under pp - and the
+    telemetry must charge that wait, and only it, to that kind. Two ranks share two cores: a burst of load on
+    the machine can stall the fast rank too (CI once saw the slow rank wait 0.24 s in its own tp all-reduce), so
+    a second launch is allowed, held to the same bounds."""
+    first = _misattributed_waits(tmp_path / "attempt1")
+    if first:
+        print("attempt 1:", first)
+        second = _misattributed_waits(tmp_path / "attempt2")
+        assert not second, (first, second)
 
 
 def test_calibrate_takes_compute_as_what_the_slowest_rank_did_not_wait_for(tmp_path):
