@@ -1,4 +1,8 @@
-"""The CLI end to end (real console script) and its refusals (exit 2, one clear paragraph)."""
+"""The CLI end to end and its refusals (exit 2, one clear paragraph): commands run in this process through the
+console script's own `cli.main` (an interpreter start-up per command would cost seconds each), and the
+installed console script itself once."""
+import contextlib
+import io
 import json
 import shlex
 import subprocess
@@ -35,11 +39,30 @@ DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradien
                   "zero_optimization", "gradient_clipping", "activation_checkpointing", "communication_data_type"}
 
 
-def run(args, check=True):
-    proc = subprocess.run([PLANNER, *shlex.split(args)], capture_output=True, text=True, timeout=600)
+def run(args, check=True) -> subprocess.CompletedProcess:
+    """`planner ARGS` as the console script runs it (`cli.main` with this argv), in this process: its exit
+    status, standard output and standard error."""
+    words = shlex.split(args)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved_argv, sys.argv = sys.argv, ["planner", *words]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        sys.argv = saved_argv
+    proc = subprocess.CompletedProcess([PLANNER, *words], code, out.getvalue(), err.getvalue())
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
+
+
+def test_the_installed_console_script_runs_the_cli():
+    proc = subprocess.run([PLANNER, "plan", "--help"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "--global-batch" in proc.stdout and "megatron-core" in proc.stdout
+    refused = subprocess.run([PLANNER, "models", "show", "no-such-model"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and refused.stderr.strip()
 
 
 @pytest.fixture(scope="module")
