@@ -168,7 +168,8 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
         return forward + cast_forward, backward_input + cast_backward, backward_weight
     if op.kind in ATTENTION_MATMUL_KINDS:  # both operands activations; a fused kernel skips masked blocks
         fused = op.kind is OpKind.attention
-        work = scale * (spec.causal_attention_work if fused else 1.0)
+        causal = op.causal_work if op.causal_work is not None else spec.causal_attention_work
+        work = scale * (causal if fused else 1.0)
         backward_work = work * (FLASH_BACKWARD_RECOMPUTE if fused else 1.0)
         return (gemm_seconds(device, op.forward_flops * work, op.gemm_count, "bf16"),
                 gemm_seconds(device, op.backward_input_flops * backward_work, op.gemm_count, "bf16"), 0.0)

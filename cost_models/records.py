@@ -59,6 +59,9 @@ class OpCost:
     launches: int = 0
     expert_launches: int = 0
     reads: str = ""   # a GEMM's activation input: the graph node that made it (projections reading one input fuse)
+    # a fused attention's share of its counted FLOPs that a causal kernel computes, where capture knows it (a
+    # sliding window); None: the stack's causal_attention_work
+    causal_work: float | None = None
 
     def recomputed_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
         """Whether selective recomputation of `modules` repeats it: its module's or the one inside it."""

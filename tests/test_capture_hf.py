@@ -60,8 +60,9 @@ def saved_bytes(graph) -> float:
 def closed_form_forward_flops_per_token(module, raw: dict, seq: int = SEQ) -> float:
     """2 x the weights a token multiplies by (Linears, routers, the output layer; routed experts: k of E),
     plus the attention core,
-    2 heads s (d_qk + d_v) per layer (non-causal: the model-FLOPs convention); from the module's
-    weights and the config's attention shapes, not from the captured graph."""
+    2 heads keys (d_qk + d_v) per layer (non-causal: the model-FLOPs convention), keys = s, or the window on a
+    layer the config's layer_types make sliding (every layer where it has a window and no types); from the
+    module's weights and the config's attention shapes, not from the captured graph."""
     cfg = module.config
     weights = 0.0
     for sub in module.modules():
@@ -77,7 +78,10 @@ def closed_form_forward_flops_per_token(module, raw: dict, seq: int = SEQ) -> fl
         d_qk, d_v = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"], raw["v_head_dim"]
     else:
         d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * weights + cfg.num_hidden_layers * 2 * heads * seq * (d_qk + d_v)
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") is not False else None
+    types = raw.get("layer_types") or getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    keys = [min(window, seq) if window and kind == "sliding_attention" else seq for kind in types]
+    return 2 * weights + sum(2 * heads * k * (d_qk + d_v) for k in keys)
 
 
 def test_parameters_are_the_modules_own(family):

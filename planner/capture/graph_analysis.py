@@ -200,6 +200,16 @@ def declares_window(module: nn.Module) -> bool:
     return False
 
 
+def block_window(block: nn.Module) -> int:
+    """The keys each query sees in a block whose attention slides (0: all). A module's own `sliding_window`
+    decides where it has one, None included (transformers' Gemma 3 and Qwen2 set it per layer type); else the
+    config the block's modules read (Mistral and Phi-3 read `config.sliding_window`)."""
+    own = [m.sliding_window for m in block.modules() if "sliding_window" in vars(m)]
+    found = own if own else [getattr(getattr(m, "config", None), "sliding_window", None) for m in block.modules()]
+    windows = [w for w in found if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    return min(windows, default=0)
+
+
 def is_view_node(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in VIEW_OPS

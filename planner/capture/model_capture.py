@@ -17,7 +17,7 @@ from hardware_profiles.errors import UserInputError
 from .recording import record
 from .tracing import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
 from .graph import BlockStructure, LayerSlot, ModelGraph
-from .graph_analysis import signature
+from .graph_analysis import block_window, signature
 from .model_config import MAX_SEQ, ModelConfig
 from .model_sources import UserModule, resolve_model
 from .op_costs import tensor_bytes
@@ -98,11 +98,13 @@ class _TopAnalyzer(_Analyzer):
         self._part_of(node)
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         block = self.block_modules[node.target]
-        key = signature(block)
+        window = block_window(block)   # layers alike but for a window shorter than the sequence are kinds apart
+        window = window if window < self.seq_len else 0
+        key = (signature(block), window)
         if key not in self.kind_of_signature:
             measured, structure, found = measure_block(block, args, kwargs, self.seq_len, node.target,
                                                        self.leaf_names, self.fused_kernels,
-                                                       self.fused_gated_activation)
+                                                       self.fused_gated_activation, window)
             name = self._kind_name(measured, structure)
             structure = BlockStructure(**{**structure.__dict__, "kind": name})
             self.kind_of_signature[key] = name

@@ -39,14 +39,19 @@ def linear_cost(name: str, x: torch.Tensor, weight: torch.Tensor, out, sharding:
                  tensor_bytes(weight))
 
 
-def attention_cost(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out) -> OpCost:
-    # QK^T and PV: 2*b*h*s*s_kv*(d + d_v), counted without the causal half (model-FLOPs convention)
+def attention_cost(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out, window: int = 0) -> OpCost:
+    # QK^T and PV: 2*b*h*s*keys*(d + d_v), counted without the causal half (model-FLOPs convention), keys = s_kv or,
+    # under a sliding window of w keys, w: a causal windowed kernel computes w s - w (w - 1) / 2 of those pairs
+    # (query i sees min(i + 1, w) keys: transformers' sliding_window_overlay, kv > q - w)
     batch_heads = math.prod(q.shape[:-2])
     s, d = q.shape[-2], q.shape[-1]
     s_kv, d_v = k.shape[-2], v.shape[-1]
-    flops = 2.0 * batch_heads * s * s_kv * (d + d_v)
+    windowed = 0 < window < s_kv
+    keys = window if windowed else s_kv
+    flops = 2.0 * batch_heads * s * keys * (d + d_v)
     moved = tensor_bytes(q) + tensor_bytes(k) + tensor_bytes(v) + tensor_bytes(out)
-    return OpCost(name, OpKind.attention, Sharding.tensor, flops, 2 * flops, 0.0, moved, None)
+    return OpCost(name, OpKind.attention, Sharding.tensor, flops, 2 * flops, 0.0, moved, None,
+                  causal_work=1 - (window - 1) / (2 * s) if windowed else None)
 
 
 def matmul_cost(name: str, a: torch.Tensor, b: torch.Tensor, out, sharding: Sharding) -> OpCost:
@@ -151,9 +156,10 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def node_costs(node: fx.Node, module: nn.Module | None, args, out, sharding: Sharding,
-               storages: set[int]) -> list[OpCost]:
+               storages: set[int], window: int = 0) -> list[OpCost]:
     """Costs of one executed node; views and shape queries cost nothing. `storages` holds the
-    parameters' storages: a matmul by one (or a view of one: a transposed or indexed weight) is a GEMM."""
+    parameters' storages: a matmul by one (or a view of one: a transposed or indexed weight) is a GEMM. `window`:
+    the keys each query sees where the block's attention slides (0: all)."""
     name = node.name
     if node.op in ("placeholder", "output", "get_attr"):
         return []
@@ -170,7 +176,7 @@ def node_costs(node: fx.Node, module: nn.Module | None, args, out, sharding: Sha
     if node.op == "call_function" and node.target is F.linear:
         return [linear_cost(name, args[0], args[1], out, sharding)]
     if node.op == "call_function" and node.target in ATTENTION_FUNCS:
-        return [attention_cost(name, args[0], args[1], args[2], out)]
+        return [attention_cost(name, args[0], args[1], args[2], out, window)]
     if node.op == "call_function" and is_varlen_attention(node.target):
         return [varlen_attention_cost(name, args[0], args[1], args[2], args[3],
                                       out[0] if isinstance(out, (tuple, list)) else out)]

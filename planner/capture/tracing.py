@@ -155,8 +155,9 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, tensor_region: set[str], seq_len: int, part_of=None,
                  shared_inputs: tuple[torch.Tensor, ...] = (), fused_kernels: bool = False,
-                 fused_gated_activation: bool = False):
+                 fused_gated_activation: bool = False, window: int = 0):
         super().__init__(gm)
+        self.window = window   # keys each query sees where the block's attention slides (graph_analysis.block_window)
         self.fused_kernels = fused_kernels
         self.fused_gated_activation = fused_gated_activation
         self.node_named = {n.name: n for n in gm.graph.nodes}
@@ -297,12 +298,12 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
             measured.shapes[node.name] = tuple(out.shape)
         module = self.modules.get(node.target) if node.op == "call_module" else None
         ops = node_costs(node, module, list(args) + list(kwargs.values()), out, self._sharding(node),
-                         self.param_storages)
+                         self.param_storages, self.window)
         if self.opaque_flops.get(node.name):
             ops = [_opaque_op(node.name, self.opaque_flops[node.name], ops)]
         if node.meta.get("attention_core"):
             q, k, v, o = bhsd(node.meta["attention_core"], (*args[:3], out))
-            ops = [attention_cost(node.name, q, k, v, o)]
+            ops = [attention_cost(node.name, q, k, v, o, self.window)]
         if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
             ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
                    for op in ops]
@@ -372,7 +373,7 @@ def _named(qualname: str, leaf_names: tuple[str, ...]) -> bool:
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, label: str,
                   leaf_names: tuple[str, ...] = (), fused_kernels: bool = False,
-                  fused_gated_activation: bool = False) -> tuple[Measured, BlockStructure, BlockGraph]:
+                  fused_gated_activation: bool = False, window: int = 0) -> tuple[Measured, BlockStructure, BlockGraph]:
     found = block_graph(block, args, kwargs, label, leaf_names)
     gm = found.graph_module
     modules = dict(gm.named_modules())
@@ -380,7 +381,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
     pair_linears = {name for pair in pairs for name in pair.columns + (pair.row,)}
     region |= {n.name for n in gm.graph.nodes if n.op == "call_module" and n.target in pair_linears}
     analyzer = _Analyzer(gm, region, seq_len, shared_inputs=found.inputs[1:], fused_kernels=fused_kernels,
-                         fused_gated_activation=fused_gated_activation)
+                         fused_gated_activation=fused_gated_activation, window=window)
     measured = analyzer.measure(*found.inputs)["all"]
     measured.warnings.extend(n for n in found.notes if n not in measured.warnings)
     pairs, _ = find_tp_pairs(gm.graph, modules, measured.shapes)   # fused columns need the shapes

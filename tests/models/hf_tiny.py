@@ -64,3 +64,12 @@ def qwen2_moe_logits():
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_experts=4,
                                          num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
     return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+def gemma3_logits():
+    """Gemma 3: a sliding-window layer (8 keys per query) and a full-attention one, as its layer_types alternate."""
+    config = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                           sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                           max_position_embeddings=64)
+    return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
