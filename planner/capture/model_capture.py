@@ -15,7 +15,8 @@ from cost_models.records import LayerKind, OpCost, OpKind, ParamGroup, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .recording import record
-from .tracing import Measured, _Analyzer, block_params, find_block_stack, measure_block, trace
+from .block_graphs import find_block_stack, trace
+from .tracing import Measured, _Analyzer, block_params, measure_block
 from .graph import BlockStructure, LayerSlot, ModelGraph
 from .graph_analysis import block_window, signature
 from .model_config import MAX_SEQ, ModelConfig
