@@ -76,3 +76,57 @@ def test_the_window_is_read_per_layer_or_from_the_config():
     assert block_window(transformers.MistralForCausalLM(mistral).model.layers[0]) == 16
     mistral.sliding_window = None
     assert block_window(transformers.MistralForCausalLM(mistral).model.layers[0]) == 0
+
+
+@pytest.mark.parametrize("name,seq,costs", [("gemma3-12b", 2048, 2), ("gemma2-9b", 8192, 1)])
+def test_the_config_path_windows_the_layers_the_transformers_class_windows(name, seq, costs):
+    """A config.json read without transformers (the reference decoder) windows the same layers as the
+    transformers class built from it (Gemma 3's every-sixth-layer-full pattern), and bills each layer's
+    attention alike, past the window. Gemma 2 caps its scores (softcapping), so both run its attention
+    unfused, computing every pair whatever the mask: one cost for all its layers."""
+    from tests.test_capture_hf import hf_module, raw_config
+    from planner.capture.model_capture import capture
+    from planner.capture.model_sources import config_from_hf
+
+    def attention_flops(graph):
+        return [next(op.forward_flops for op in graph.kind(slot.kind).ops if op.kind.value.startswith("attention"))
+                for slot in graph.blocks]
+
+    module = capture(hf_module(name), seq_len=seq, fused_kernels=True)
+    config = config_from_hf(raw_config(name), name).model_copy(update={"hf_config": None})
+    reference = capture(config, seq_len=seq, fused_kernels=True)
+    assert attention_flops(reference) == pytest.approx(attention_flops(module), rel=1e-9)
+    assert len(set(attention_flops(reference))) == costs   # windowed and full layers, where the kernel skips
+
+
+def test_the_reference_decoders_window_lets_each_query_see_its_last_w_keys():
+    """The reference decoder's windowed attention (what the runtime trains) equals softmax over the keys j with
+    i - w < j <= i, computed by hand, in both its fused and its math form."""
+    from planner.capture.model_config import ModelConfig
+    from planner.capture.reference_model import CoreAttention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, SEQ, HEAD_DIM) for _ in range(3))
+    i, j = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None, :]
+    scores = (q @ k.transpose(-1, -2)) / HEAD_DIM ** 0.5
+    want = torch.softmax(scores.masked_fill(~((j <= i) & (j > i - WINDOW)), float("-inf")), dim=-1) @ v
+    for impl in ("flash", "math"):
+        cfg = ModelConfig(num_layers=1, hidden_size=2 * HEAD_DIM, num_attention_heads=2, ffn_hidden_size=64,
+                          vocab_size=64, seq_length=SEQ, attention_impl=impl, sliding_window=WINDOW)
+        assert torch.allclose(CoreAttention(cfg, cfg.window_of(0))(q, k, v), want, atol=1e-5), impl
+
+
+def test_the_runtime_stack_refuses_context_parallelism_of_sliding_layers():
+    """The runtime's context parallelism gathers K and V for causal attention without a window: a model whose
+    reference decoder slides is refused at cp > 1, by the one rule set the planner and the runtime share."""
+    from hardware_profiles.errors import UserInputError
+    import planner
+    from planner.capture.model_sources import resolve_model
+
+    windowed = resolve_model("tiny-llama").model_copy(update={"sliding_window": 64})
+    common = dict(device="h100-sxm", num_devices=2, devices_per_node=2, global_batch=2, seq_len=256,
+                  stack="parallel-planner")
+    with pytest.raises(UserInputError, match="slide"):
+        planner.evaluate(windowed, layout="tp=1,pp=1,dp=1,cp=2,ep=1,vp=1,mbs=1,zero=0,recompute=none", **common)
+    assert planner.evaluate(windowed, layout="tp=1,pp=1,dp=2,cp=1,ep=1,vp=1,mbs=1,zero=0,recompute=none",
+                            **common).fits

@@ -78,6 +78,11 @@ class ModelConfig(_Strict):
     qk_norm: bool = False           # RMSNorm over each head's q and k (Qwen3, Gemma 3)
     parallel_residual: bool = False # attention and MLP both read the layer input (GPT-NeoX)
     sandwich_norm: bool = False     # a norm after attention and after the MLP too (Gemma 2/3)
+    # sliding-window attention: each query sees this many keys (itself and those before) on the layers
+    # `sliding_layers` names (0-based), or on every layer where it names none (transformers' sliding_window
+    # and layer_types); a layer's window is a kind apart in capture (graph_analysis.block_window)
+    sliding_window: int | None = Field(default=None, gt=0, le=MAX_SEQ)
+    sliding_layers: tuple[int, ...] | None = Field(default=None, strict=False)
     attention_softcap: float | None = Field(default=None, gt=0, strict=False)  # cap*tanh(s/cap) on scores
     logit_softcap: float | None = Field(default=None, gt=0, strict=False)      # the same on the logits
     dropout: float = Field(default=0.0, ge=0, lt=1, strict=False)
@@ -112,7 +117,15 @@ class ModelConfig(_Strict):
             raise ValueError("attention is 'mla' but the 'mla' section is missing")
         if self.moe and self.moe.first_k_dense_layers > self.num_layers:
             raise ValueError("moe.first_k_dense_layers exceeds num_layers")
+        if self.sliding_layers is not None and any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers names a layer outside 0..{self.num_layers - 1}")
         return self
+
+    def window_of(self, index: int) -> int:
+        """The keys each query of layer `index` sees, 0 for all (multi-token prediction layers: full)."""
+        if self.sliding_window is None or index >= self.num_layers:
+            return 0
+        return self.sliding_window if self.sliding_layers is None or index in self.sliding_layers else 0
 
     def is_moe_layer(self, index: int) -> bool:
         if self.moe is None or index < self.moe.first_k_dense_layers:

@@ -139,6 +139,7 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         # softcapped scores cannot run in a fused kernel: transformers runs such models' attention eagerly
         "attention_softcap": softcap,
         "logit_softcap": config.get("final_logit_softcapping"),
+        **_sliding(config, model_type, layers),
     }
     if softcap:
         data["attention_impl"] = "math"
@@ -221,3 +222,27 @@ def resolve_model(spec) -> ModelConfig | UserModule:
     raise UserInputError(f"unknown model '{text}'",
                          expected="a built-in name (" + ", ".join(list_builtin_models())
                          + "), a model .yaml, a config.json or 'file.py:factory'")
+
+
+def _sliding(config: dict, model_type: str, layers: int) -> dict:
+    """A config.json's sliding window and the layers it applies to: its layer_types where it lists them, else as
+    transformers derives them (Gemma 2 alternates from a sliding first layer; Gemma 3 makes every
+    sliding_window_pattern-th layer full; Qwen2's use_sliding_window from max_window_layers on), else every layer."""
+    window = config.get("sliding_window")
+    # Qwen's configs (max_window_layers beside it) slide only where use_sliding_window says so, default off
+    switched_off = config.get("use_sliding_window", "max_window_layers" not in config) is not True
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or switched_off:
+        return {}
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    elif model_type == "gemma2":
+        sliding = list(range(0, layers, 2))
+    elif model_type in ("gemma3", "gemma3_text"):
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        sliding = [i for i in range(layers) if (i + 1) % pattern]
+    elif "max_window_layers" in config:
+        sliding = list(range(int(config["max_window_layers"]), layers))
+    else:
+        sliding = list(range(layers))
+    return {"sliding_window": window, "sliding_layers": tuple(sliding)}

@@ -51,21 +51,31 @@ class Rotary(nn.Module):
         return x * cos + rotate_half(x) * sin
 
 
+def sliding_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """True where query i may see key j: j <= i and j > i - window (transformers' sliding_window_overlay)."""
+    ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    return ones.tril() & ~ones.tril(-window)
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v, causal. The unit that selective recomputation and CP replace."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
         self.impl = cfg.attention_impl
         self.dropout = cfg.dropout
         self.softcap = cfg.attention_softcap
         self.kv_repeat = 1 if cfg.attention == "mla" else cfg.num_attention_heads // cfg.query_groups
+        self.sliding_window = window or None   # keys each query sees, itself included (None: all before it)
         if self.impl == "math":
-            causal = torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool).triu(1)
-            self.register_buffer("causal_mask", causal, persistent=False)
+            allowed = sliding_mask(cfg.seq_length, cfg.seq_length, window or cfg.seq_length, None)
+            self.register_buffer("causal_mask", ~allowed, persistent=False)
 
     def forward(self, q, k, v):
         if self.impl == "flash":  # GQA inside the kernel: kv heads are not materialised per query head
+            if self.sliding_window:   # the window as a mask (capture bills the kernel's windowed work)
+                mask = sliding_mask(q.shape[-2], k.shape[-2], self.sliding_window, q.device)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_repeat > 1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_repeat > 1)
         if self.kv_repeat > 1:  # every kv head serves kv_repeat query heads
             k = k.repeat_interleave(self.kv_repeat, dim=1)
@@ -81,7 +91,7 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
         h, d = cfg.hidden_size, cfg.kv_channels
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.query_groups, d
@@ -92,7 +102,7 @@ class Attention(nn.Module):
         # Qwen3 / Gemma 3: an RMSNorm over each head's channels of q and k, before RoPE
         self.q_norm = make_norm(cfg, d) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, d) if cfg.qk_norm else None
-        self.core = CoreAttention(cfg)
+        self.core = CoreAttention(cfg, window)
         self.o_proj = nn.Linear(self.heads * d, h, bias=cfg.add_bias)
         self.rotary = Rotary(d, cfg.seq_length) if cfg.position_embedding == "rope" else None
 
@@ -113,7 +123,7 @@ class Attention(nn.Module):
 class MLAttention(nn.Module):
     """Multi-head latent attention: low-rank compressed q and kv (DeepSeek-V2 section 2.1)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
         m, h = cfg.mla, cfg.hidden_size
         self.heads, self.m = cfg.num_attention_heads, m
@@ -127,7 +137,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj = nn.Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
         self.kv_a_norm = RMSNorm(m.kv_lora_rank)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
-        self.core = CoreAttention(cfg)
+        self.core = CoreAttention(cfg, window)
         self.o_proj = nn.Linear(self.heads * m.v_head_dim, h, bias=False)
         self.rotary = Rotary(m.qk_rope_head_dim, cfg.seq_length)
 
@@ -266,7 +276,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_norm = make_norm(cfg, cfg.hidden_size)
-        self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        window = cfg.window_of(index)
+        self.attention = MLAttention(cfg, window) if cfg.attention == "mla" else Attention(cfg, window)
         self.post_attention_norm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg, cfg.ffn_hidden_size)
         # Gemma 2/3: each sublayer's output is normalised again before its residual add

@@ -27,6 +27,10 @@ def model_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
             and not all(b.reference_attention for b in blocks):
         problems.append(f"cp={pins.cp}: the {name} stack splits the sequence only for the reference decoder's "
                         f"attention (CoreAttention), which {graph.name} does not use")
+    if pins.cp and pins.cp > 1 and stack.context_parallel_attention in ("sdpa", "reference") \
+            and all(b.reference_attention for b in blocks) and any(b.sliding_window for b in blocks):
+        problems.append(f"cp={pins.cp}: the {name} stack splits the sequence for the reference decoder's causal "
+                        f"attention without a sliding window, and {graph.name}'s layers slide")
     if pins.cp and pins.cp > 1 and stack.context_parallel_attention == "sdpa" \
             and not all(b.reference_attention for b in blocks):
         if not all(b.sdpa_attention and not b.sliding_window for b in blocks):
