@@ -38,7 +38,7 @@ class ExpertCommunication:
         if self.stack.moe_dispatcher == "allgather":
             return self._gathered_exchanges_s(kind, tokens)
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
-        one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.ep_imbalance).seconds
+        one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.spec.expert_load).seconds
         return one, one
 
     def ep_pass_s(self, kind: LayerKind) -> float:
@@ -133,6 +133,6 @@ class ExpertCommunication:
             if key not in self._shared.collectives:
                 self._shared.collectives[key] = deduplicated_exchange(
                     tokens, token_bytes, kind.router_topk, kind.num_experts, group, self.cluster,
-                    kind.router_num_groups, kind.router_group_topk, self.ep_imbalance)
+                    kind.router_num_groups, kind.router_group_topk, self.spec.expert_load)
             seconds.append(self._shared.collectives[key].seconds)
         return seconds[0], seconds[1]

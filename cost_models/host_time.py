@@ -36,7 +36,7 @@ def host_billed(device: Device, stack: SoftwareStack) -> bool:
 
 def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, spec: ShardSpec) -> HostSeconds:
     """The calls of one layer, forward and backward, in the stack's units, times the node's time per unit."""
-    if not host_billed(device, stack) or (kind.role == "block" and stack.cuda_graphs):
+    if not host_billed(device, stack):
         return HostSeconds()
     calls = stack.host_calls
     fp8 = spec.precision == Precision.fp8 and kind.role == "block"   # embedding and head stay in bf16 (compute.py)
@@ -45,7 +45,7 @@ def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, sp
     forward = backward = 0.0
     projected: set[str] = set()   # inputs a tensor-parallel projection has read
     for current in kind.ops:
-        units = _op_units(current, current.reads in projected, gemm, op, stack, spec, kind)
+        units = _op_units(current, current.reads in projected, gemm, op, stack, spec)
         forward += units[0]
         backward += units[1]
         if current.kind is OpKind.gemm and current.sharding is Sharding.tensor and current.reads:
@@ -55,11 +55,10 @@ def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, sp
 
 
 def _op_units(current: OpCost, sibling: bool, gemm: tuple[float, float], op: tuple[float, float],
-              stack: SoftwareStack, spec: ShardSpec, kind: LayerKind) -> tuple[float, float]:
+              stack: SoftwareStack, spec: ShardSpec) -> tuple[float, float]:
     """(forward, backward) units of one op: its GEMM calls, and the kernels its node launches beside them (each
     with one in backward), those inside routed expert modules only for the rank's own experts."""
-    local_share = 1 / spec.ep if kind.num_experts else 1.0
-    launches = current.launches + current.expert_launches * local_share
+    launches = current.launches + current.expert_launches / spec.ep   # a rank's loops run its own experts
     forward, backward = launches * op[0], launches * op[1]
     if current.kind is OpKind.gemm and current.sharding is Sharding.expert:
         local = max(1, current.gemm_count // spec.ep)
@@ -70,8 +69,8 @@ def _op_units(current: OpCost, sibling: bool, gemm: tuple[float, float], op: tup
     # them as one column-parallel GEMM (Megatron's linear_qkv for q, k and v; linear_fc1 for gate and up)
     if current.kind is OpKind.gemm and not (stack.fused_projections and sibling and current.sharding is Sharding.tensor):
         return forward + gemm[0], backward + gemm[1]
-    if current.kind is OpKind.attention_matmul:   # an unfused q k^T or probs x v: one batched GEMM kernel
-        return forward + op[0], backward + 2 * op[1]
+    if current.kind is OpKind.attention_matmul:   # an unfused q k^T or probs x v: one batched GEMM kernel, and
+        return forward + op[0], backward + 2 * op[1]   # one per operand's gradient in backward
     if current.kind is OpKind.token_copy:   # the dispatcher's sorts, where a rank has more than one expert
         copies = spec.sort_copies if current.gemm_count // spec.ep > 1 else 0
         return forward + copies * op[0], backward + copies * op[1]

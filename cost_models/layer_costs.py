@@ -113,7 +113,6 @@ class MeshCosts(ExpertCommunication):
                  ep_imbalance: float = 1.0, shared: SharedCosts | None = None):
         self.model, self.cluster, self.layout, self.stack = model, cluster, layout, stack
         self.spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
-        self.ep_imbalance = self.spec.expert_load   # the busiest expert rank's tokens over the mean, at this ep
         self.state_sharding = StateSharding.of(layout, stack)
         self._cache: dict[str, LayerCost] = {}
         self._shared = shared if shared is not None else SharedCosts()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cost_models.compute import ShardSpec, layer_compute, rank_load
-from cost_models.host_time import layer_host_seconds
+from cost_models.host_time import host_billed, layer_host_seconds
 from cost_models.layout import Layout, Recompute
 from cost_models.records import ModelCosts
 from cost_models.layout_codec import text_of
@@ -142,9 +142,9 @@ def host_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwa
               ep_imbalance: float = 1.0) -> list[str]:
     """How close the host comes to the device in the layer kind where it comes closest, or why it is not billed."""
     device = cluster.device
-    if stack.cuda_graphs:
-        return [f"the {stack.name} stack replays its layers as CUDA graphs: host time is not billed"]
-    if device.host_call_us is None or stack.host_calls is None:
+    if not host_billed(device, stack):
+        if stack.cuda_graphs:
+            return [f"the {stack.name} stack replays its layers as CUDA graphs: host time is not billed"]
         missing = f"the {device.name} profile gives no host CPU time (host_call_us)" if device.host_call_us is None \
             else f"the {stack.name} stack states no host time per call (host_calls)"
         return [f"{missing}: a host slower than the device at issuing kernels is not billed"]

@@ -16,7 +16,8 @@ from torch import nn
 
 from cost_models.layout import RecomputeModule
 
-from .graph_analysis import EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, routed_experts, shared_children
+from .graph_analysis import (EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, routed_experts, shared_children,
+                             while_running)
 from .op_costs import expert_down_width, experts_gated, storage_key
 
 
@@ -67,13 +68,8 @@ class ExpertLeafAttribution:
         def leave(*_):
             self.beside_routed.pop()
 
-        handles = [h for _, child, shared in shared_children(container)
-                   for h in (child.register_forward_pre_hook(enter_as(shared)), child.register_forward_hook(leave))]
-        try:
+        with while_running([(child, enter_as(shared)) for _, child, shared in shared_children(container)], leave):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def _running_experts(self):
         """(the routed experts, the hidden size) of the expert container now running as a leaf; (None, 0)."""

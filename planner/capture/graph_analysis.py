@@ -1,6 +1,7 @@
 """Structure from an fx graph: leaves, tensor-parallel pairs by dataflow, attention heads, experts."""
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -188,16 +189,6 @@ def function_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-
-
-def declares_window(module: nn.Module) -> bool:
-    """A sliding attention window on the module, or on the config it reads (transformers' Phi-3 reads
-    `self.config.sliding_window`)."""
-    for owner in (module, getattr(module, "config", None)):
-        window = getattr(owner, "sliding_window", None)
-        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
-            return True
-    return False
 
 
 def block_window(block: nn.Module) -> int:
@@ -425,3 +416,16 @@ def attention_heads(graph: fx.Graph, shapes: dict[str, tuple]) -> tuple[int, int
                 parent = _kv_parent(parent)
             return q_shape[1], shapes[k.name][1], q_shape[3]
     return 0, 0, 0
+
+
+@contextlib.contextmanager
+def while_running(entered: list[tuple[nn.Module, object]], leave):
+    """Hooks around each module's forward while the block runs: its own `enter(module, args)` before, `leave`
+    after; removed on exit."""
+    handles = [h for module, enter in entered
+               for h in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .graph_analysis import while_running
+
 _aten = torch.ops.aten
 # ops that allocate, alias or read metadata: no kernel
 NOT_KERNELS = frozenset({_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided, _aten.new_empty_strided,
@@ -61,10 +63,5 @@ class LaunchCounter(TorchDispatchMode):
         def leave(*_):
             self.expert_depth -= 1
 
-        handles = [h for expert in expert_modules
-                   for h in (expert.register_forward_pre_hook(enter), expert.register_forward_hook(leave))]
-        try:
+        with while_running([(expert, enter) for expert in expert_modules], leave):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()

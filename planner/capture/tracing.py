@@ -23,7 +23,7 @@ from hardware_profiles.errors import UserInputError
 
 from .expert_leaf import ExpertLeafAttribution
 from .expert_structure import router_groups, router_topk, stacked_experts
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, declares_window, find_tp_pairs, function_name, graph_topk,
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, block_window, find_tp_pairs, function_name, graph_topk,
                              head_norms, is_activation_node, is_expert_container, is_linear_like, is_multiply,
                              is_norm_like, routed_experts)
 from .graph import BlockStructure
@@ -314,7 +314,7 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
         reference_attention=any(isinstance(m, CoreAttention) for m in block.modules()),
         stacked_experts=bool(experts) and stacked_experts(experts[1]),
         sdpa_attention=any(function_name(n) == "scaled_dot_product_attention" for n in gm.graph.nodes),
-        sliding_window=any(declares_window(m) for m in block.modules()),
+        sliding_window=block_window(block) > 0,
         reference_experts=bool(experts) and stacked_experts(experts[1]) and hasattr(experts[1], "routed"),
         **(dict(zip(("router_num_groups", "router_group_topk"), router_groups(experts[1]))) if experts else {}),
         head_norms=head_norms(gm.graph, modules, measured.shapes),
