@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cost_models.layout import Layout, Recompute  # noqa: E402
+from cost_models.layout import Layout  # noqa: E402
 from cost_models.reliability import Recovery  # noqa: E402
 from cost_models.layout_codec import layout_from, parse_text, text_of  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
@@ -164,14 +164,15 @@ def run_layout(args, graph) -> Layout:
         others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
         values["dp"] = max(1, dist.get_world_size() // others)
     if "zero" not in values:   # the layout's default stage where this runtime runs it, else the lowest it runs
+        dualpipev = str(values.get("schedule")) == "dualpipev"
         stages = load_stack(RUNTIME_STACK).zero_stages_for(values["dp"] * values.get("cp", 1), values.get("tp", 1),
-                                                           values.get("ep", 1))
+                                                           values.get("ep", 1), dualpipev)
         if Layout.zero not in stages:
             values["zero"] = min(stages)
             if dist.get_rank() == 0:
+                where = "under DualPipeV" if dualpipev else "beside tensor or expert parallelism"
                 print(f"note: --layout states no zero: ZeRO-{values['zero']}, the lowest this runtime runs with "
-                      f"dp={values['dp']}, cp={values.get('cp', 1)} beside tensor or expert parallelism",
-                      file=sys.stderr, flush=True)
+                      f"dp={values['dp']}, cp={values.get('cp', 1)} {where}", file=sys.stderr, flush=True)
     return layout_from(values, global_batch=args.global_batch)
 
 

@@ -67,6 +67,12 @@ class SoftwareStack(Strict):
     # layers a multiple of 2 pp, split evenly over the chunks (MindSpeed's DualPipeV), else any split
     dualpipev_even_split: bool = False
     dualpipev_beside_cp: bool = True         # DualPipeV and context parallelism together
+    # recomputation inside DualPipeV: its split backward unpacks a checkpointed block's saved tensors twice
+    # (input, then weight gradients)
+    dualpipev_recompute: bool = True
+    # the ZeRO stages it runs DualPipeV with where gradients are reduced over more than one rank (dp x cp > 1;
+    # none: all it runs); over one rank ZeRO 0 and 1 shard and reduce nothing, so they run too
+    dualpipev_zero_stages: tuple[int, ...] | None = Field(default=None, min_length=1, strict=False)
     sequence_parallel: bool                  # Megatron sequence parallelism beside TP
     selective_recompute: bool                # recompute the attention core only (Korthikanti et al. 2022)
     # what its selective recomputation can repeat besides the attention core (Megatron-Core's
@@ -173,6 +179,10 @@ class SoftwareStack(Strict):
             raise ValueError("interleaved_schedule needs pp in parallelism")
         if self.dualpipev_schedule and "pp" not in self.parallelism:
             raise ValueError("dualpipev_schedule needs pp in parallelism")
+        if self.dualpipev_zero_stages is not None and not (
+                self.dualpipev_schedule and set(self.dualpipev_zero_stages) <= set(self.zero_stages)):
+            raise ValueError(f"dualpipev_zero_stages {list(self.dualpipev_zero_stages)}: needs dualpipev_schedule, "
+                             f"and each must be one of zero_stages {list(self.zero_stages)}")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
             raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
         if self.moe_shared_expert_overlap and self.moe_dispatcher != "alltoall":
@@ -207,11 +217,16 @@ class SoftwareStack(Strict):
             self.precision_aware_optimizer == "bf16" and layout.precision == "bf16")
         return precision and layout.zero == 1
 
-    def zero_stages_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
-        """The ZeRO stages it runs for these degrees (`dp`: the ranks gradients are reduced over, dp x cp)."""
+    def zero_stages_for(self, dp: int, tp: int, ep: int, dualpipev: bool = False) -> tuple[int, ...]:
+        """The ZeRO stages it runs for these degrees (`dp`: the ranks gradients are reduced over, dp x cp) and
+        schedule."""
+        stages = self.zero_stages
         if dp > 1 and (tp > 1 or ep > 1) and self.zero_stages_beside_model_parallel is not None:
-            return tuple(z for z in self.zero_stages if z in self.zero_stages_beside_model_parallel)
-        return self.zero_stages
+            stages = tuple(z for z in stages if z in self.zero_stages_beside_model_parallel)
+        if dualpipev and self.dualpipev_zero_stages is not None:
+            allowed = set(self.dualpipev_zero_stages) | ({0, 1} if dp == 1 else set())
+            stages = tuple(z for z in stages if z in allowed)
+        return stages
 
     def hides_moe_a2a(self, layout) -> bool:
         """MoE A2A overlap applies: the stack has it, the layout asks for it (the search chooses it, or

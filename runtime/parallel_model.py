@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_models.layout import Layout, Recompute
@@ -34,7 +34,7 @@ from . import mixed_precision
 from .parallelize import apply_ac, apply_dp, apply_tp, uses_fsdp
 from .sequential_stage import sequential_stage
 from .split import split_stage
-from .tied import StageTies, retie, tied_names
+from .tied import StageTies, retie, tied_names, untie_head
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,8 @@ class ParallelModel:
         self.local = self.dims.local_ranks(self.mesh)
         self.tied = tied_names(model)
         self.modules = self._build_modules(model, graph, recompute)
-        self.stage_ties = StageTies(self.tied, self.mesh, graph.embedding_modules, graph.head_modules) \
+        self.stage_ties = StageTies(self.tied, self.mesh, graph.embedding_modules, graph.head_modules,
+                                    self.layout.chunk_rank(len(stage_layers) - 1)) \
             if self.tied and self.dims.pp > 1 else None
         self.params = [p for m in self.modules for p in m.parameters()]
         self._check_forward(graph)
@@ -95,9 +96,12 @@ class ParallelModel:
         if dims.pp == 1:
             modules = [model]
         else:
-            mine = [j for j in range(len(chunks)) if j % dims.pp == self.local["pp"]]
+            # round robin, or DualPipeV's V (the rank holding chunk 0 holds the last chunk too)
+            mine = [j for j in range(len(chunks)) if self.layout.chunk_rank(j) == self.local["pp"]]
             modules = [self._stage(model, graph, chunks[j], j == 0, j == len(chunks) - 1) for j in mine]
             self.chunk_ids = mine
+            if self.tied and 0 in mine and len(chunks) - 1 in mine:
+                untie_head(modules[-1], self.tied, graph.head_modules)
         self.expert_params: list[nn.Parameter] = []
         if dims.ep > 1:
             self.ep_mesh, self.edp_mesh, self.expert_mesh = expert_meshes(self.mesh, dims.ep, dims.etp)
@@ -185,6 +189,8 @@ class ParallelModel:
         stages = [PipelineStage(module, j, chunks, self.device, group=pp_group)
                   for module, j in zip(self.modules, self.chunk_ids)]
         micro = self.layout.num_micro_batches
+        if self.layout.dualpipev:   # torch places the stages as a V itself and checks micro >= 2 pp
+            return ScheduleDualPipeV(stages, n_microbatches=micro, loss_fn=cross_entropy)
         if dims.vp > 1:
             return ScheduleInterleaved1F1B(stages, n_microbatches=micro, loss_fn=cross_entropy)
         return Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=cross_entropy)

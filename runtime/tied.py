@@ -5,7 +5,9 @@ more than one name. Tensor parallelism builds one DTensor per name, so the names
 parameter when their shardings agree (vocabulary-parallel embedding and column-parallel output layer
 both shard the weight's rows). Pipeline stages hold the names on different ranks, so the copies' gradients
 are summed over the pipeline group before the optimizer step, as Megatron-LM does for its shared word
-embeddings; both copies start equal (the same model) and so stay equal.
+embeddings; both copies start equal (the same model) and so stay equal. Under DualPipeV's V the first and
+the last chunk sit on one rank: the output layer's copy is made a parameter of its own there too (each
+chunk's data-parallel wrapper owns its parameters) and the two gradients are summed in place.
 """
 from __future__ import annotations
 
@@ -63,12 +65,25 @@ def _chunk_side(name: str, embedding: tuple[str, ...], head: tuple[str, ...]) ->
     return None
 
 
+def untie_head(head_chunk: nn.Module, groups: list[tuple[str, ...]], head: tuple[str, ...]) -> None:
+    """Give the output layer's names in `head_chunk` a copy of the tied weight of their own: the chunk shares
+    the model's modules with the embedding's chunk on the same rank (DualPipeV's V)."""
+    for names in groups:
+        for name in names:
+            if _chunk_side(name, (), head) == "last" and _present(head_chunk, name):
+                owner, attr = _owner(head_chunk, name)
+                setattr(owner, attr, nn.Parameter(getattr(owner, attr).detach().clone()))
+
+
 class StageTies:
     """Tied weights whose copies sit in the first chunk (the embedding) and the last (the output layer):
-    their gradients are summed over the two pipeline ranks holding them, one pair group per pipeline."""
+    their gradients are summed over the two pipeline ranks holding them, one pair group per pipeline, or in
+    place where one rank holds both chunks (`last_rank` 0: DualPipeV's V)."""
 
-    def __init__(self, groups: list[tuple[str, ...]], mesh, embedding: tuple[str, ...], head: tuple[str, ...]):
+    def __init__(self, groups: list[tuple[str, ...]], mesh, embedding: tuple[str, ...], head: tuple[str, ...],
+                 last_rank: int):
         self.groups = groups
+        self.in_place = last_rank == 0
         for names in groups:
             sides = {_chunk_side(name, embedding, head) for name in names}
             if sides != {"first", "last"}:
@@ -79,16 +94,19 @@ class StageTies:
         ranks = mesh.mesh.movedim(pp_axis, -1).reshape(-1, mesh.mesh.shape[pp_axis])
         me = dist.get_rank()
         self.group = None
-        for row in ranks.tolist():   # every rank creates every pair group, in the same order
-            pair = dist.new_group([row[0], row[-1]])
-            if me in (row[0], row[-1]):
+        for row in ([] if self.in_place else ranks.tolist()):   # every rank creates every pair group, in order
+            pair = dist.new_group([row[0], row[last_rank]])
+            if me in (row[0], row[last_rank]):
                 self.group = pair
 
     def sum_gradients(self, modules: list[nn.Module]) -> None:
-        if self.group is None:
-            return
         for names in self.groups:
             held = [module.get_parameter(name) for module in modules for name in names if _present(module, name)]
+            if self.in_place and len(held) == 2:   # both copies here (pipeline rank 0 of a V)
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in held]
+                held[0].grad, held[1].grad = grads[0] + grads[1], grads[0] + grads[1]
+            if self.group is None:
+                continue
             for param in held[:1]:   # one copy per rank: the first and the last chunk are on different ranks
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)

@@ -189,6 +189,15 @@ CASES = [
     ("hf-llama-pp2-tp2-sp", 4, "pp=2,tp=2,sp=true,mbs=2", HF_LLAMA),
     ("hf-qwen3-cp2-tp2", 4, "cp=2,tp=2,sp=false,mbs=4", HF_QWEN3),
     ("hf-mixtral-ep2-tp2", 4, "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=2", HF_MIXTRAL),
+    # DualPipeV (torch's ScheduleDualPipeV): two chunks per rank as a V, the backward split into input and
+    # weight gradients; FSDP2 without resharding where gradients are reduced (ZeRO-0/1's DDP and ZeRO-3 gave
+    # gradients up to 100% off: the stack's dualpipev_zero_stages refuses them); the tied embedding and output
+    # layer both on rank 0
+    ("pp2-dualpipev", 2, "pp=2,schedule=dualpipev,mbs=2"),
+    ("tied-pp2-dualpipev", 2, "pp=2,schedule=dualpipev,mbs=2", "tiny-tied"),
+    ("hf-llama-pp2-dp2-dualpipev", 4, "pp=2,dp=2,zero=2,schedule=dualpipev,mbs=1", HF_LLAMA),
+    ("ep2-pp2-dualpipev", 4, "pp=2,dp=2,ep=2,zero=2,schedule=dualpipev,mbs=1", "tiny-moe"),
+    ("cp2-pp2-dualpipev", 4, "pp=2,cp=2,zero=2,schedule=dualpipev,mbs=2"),
 ]
 
 
@@ -203,6 +212,7 @@ CLIPPED_CASES = [("clip-pp2", 2, "pp=2,mbs=2"), ("clip-dp2-tp2-zero3", 4, "dp=2,
 # layouts (the 2-rank launch saves before it resumes; the 4-rank launch comes after it); the last resumes
 # with AdamW's moments dropped, which the comparison must notice
 RESUMES = [("dp2-zero1-from-async", 2, "dp=2,zero=1", "async"), ("pp2", 2, "pp=2,mbs=2", "sync"),
+           ("pp2-dualpipev-resumed", 2, "pp=2,schedule=dualpipev,mbs=2", "sync"),
            ("tp2-dp2", 4, "tp=2,dp=2", "sync")]
 
 
@@ -321,6 +331,11 @@ REFUSALS = [
     ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1", "tiny-llama"),
     # ZeRO-0/1 beside expert (or tensor) parallelism: FSDP2 shards there, which is not what the plan says
     ("dp=2,ep=2,zero=1", "zero=1 with dp=2 beside tensor or expert parallelism", "tiny-moe"),
+    # DualPipeV beside FSDP2 resharding after forward gave wrong gradients (as DDP's reducer does, which
+    # its split backward never arms: tests/test_dualpipev.py): refused before step 1
+    ("pp=2,zero=3,schedule=dualpipev,mbs=2", "runs DualPipeV with ZeRO stages [2]", "tiny-llama"),
+    # the composable checkpoint recomputes once per forward; DualPipeV's weight-gradient pass asks again
+    ("pp=2,recompute=full,schedule=dualpipev,mbs=2", "runs DualPipeV without recomputation", "tiny-llama"),
     # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set; the
     # model reads its position table's weight by length, which no shard's positions could follow
     ("cp=2", "reads wpe's weight directly", USER_MODEL),

@@ -132,6 +132,15 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
         return [f"schedule=dualpipev: the {name} stack has no DualPipeV schedule (torch ScheduleDualPipeV, "
                 "torchtitan's DualPipeV, MindSpeed's --schedules-method dualpipev)"]
     problems = dualpipev_rules(stack).problems(pins.pp, pins.cp, graph.num_blocks if graph is not None else None, name)
+    group = pins.dp * (pins.cp or 1) if pins.dp is not None else None   # the gradient group, where pinned
+    if pins.zero is not None and stack.dualpipev_zero_stages is not None \
+            and pins.zero not in stack.zero_stages_for(group or 1, 1, 1, dualpipev=True):
+        problems.append(f"zero={pins.zero} with schedule=dualpipev{f' and dp x cp = {group}' if group else ''}: "
+                        f"the {name} stack runs DualPipeV with ZeRO stages {list(stack.dualpipev_zero_stages)} "
+                        "where gradients are reduced over more than one rank, and 0 and 1 over one")
+    if not stack.dualpipev_recompute and (pins.recompute not in (None, Recompute.none) or pins.recompute_layers):
+        problems.append(f"recompute={pins.recompute or 'full'} with schedule=dualpipev: the {name} stack runs DualPipeV "
+                        "without recomputation")
     if pins.a2a_overlap:
         problems.append("a2a_overlap=true with schedule=dualpipev: combined 1F1B is another schedule; DualPipeV's "
                         f"own pairs {'hide' if stack.dualpipev_hides_moe_a2a else 'do not hide'} MoE all-to-alls "
@@ -193,6 +202,18 @@ def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]
     if pins.recompute is not None:
         return (pins.recompute,)
     return tuple(r for r in Recompute if r is not Recompute.selective or stack.selective_recompute)
+
+
+def leaf_recompute_methods(stack: SoftwareStack, layout: Layout,
+                           allowed: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
+    """The methods a whole layout's layers may take, of `allowed`: none fully where the stack hides its MoE
+    all-to-alls (Megatron-Core refuses the pair beside full recomputation, so the costs' overlap stays true),
+    none but no recomputation inside a DualPipeV the stack cannot recompute in."""
+    if layout.dualpipev and not stack.dualpipev_recompute:
+        return tuple(r for r in allowed if r is Recompute.none)
+    if stack.hides_moe_a2a(layout):
+        return tuple(r for r in allowed if r is not Recompute.full)
+    return allowed
 
 
 def fp8_recipe_of(pins: Pins, stack: SoftwareStack) -> Fp8Recipe | None:

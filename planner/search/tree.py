@@ -27,6 +27,7 @@ from hardware_profiles.schema import Cluster
 
 from .bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from .partition import LEAF_WORK_LIMIT, PartitionResult, model_key, solve_partition
+from .stack_rules import leaf_recompute_methods
 from .space import (MeshShape, Pins, make_layout, mesh_shapes, placement_choices, schedule_choices,
                     zero_choices)
 
@@ -183,12 +184,12 @@ class _Tree:
 
     def zeros(self, node: _Node) -> tuple[int, ...]:
         """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
-        return self._zeros_for(node.shape.dp * node.shape.cp, node.shape.tp, node.placement[1])
+        return self._zeros_for(node.shape.dp * node.shape.cp, node.shape.tp, node.placement[1], node.dualpipev)
 
-    def _zeros_for(self, dp: int, tp: int, ep: int) -> tuple[int, ...]:
-        key = (dp, tp, ep)
+    def _zeros_for(self, dp: int, tp: int, ep: int, dualpipev: bool) -> tuple[int, ...]:
+        key = (dp, tp, ep, dualpipev)
         if key not in self._zeros:
-            runs = self.problem.stack.zero_stages_for(dp, tp, ep)
+            runs = self.problem.stack.zero_stages_for(dp, tp, ep, dualpipev)
             self._zeros[key] = tuple(zero for zero in self.problem.zeros if zero in runs)
         return self._zeros[key]
 
@@ -198,7 +199,8 @@ class _Tree:
         if node.placement is not None:
             return len(self.zeros(node))
         s = node.shape
-        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, placement[1])) * len(self.overlaps(node, placement))
+        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, placement[1], node.dualpipev))
+                   * len(self.overlaps(node, placement))
                    for placement in self.placements(s))
 
     def leaves(self, node: _Node):
@@ -294,9 +296,7 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
         # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
         cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(
             layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
-        # where the stack hides MoE all-to-alls for this layout, no layer may recompute fully (Megatron-Core
-        # refuses the pair), so the partition does not choose it and the costs' overlap stays true
-        methods = tuple(r for r in allowed if r is not Recompute.full) if stack.hides_moe_a2a(layout) else allowed
+        methods = leaf_recompute_methods(stack, layout, allowed)
         if not methods:
             continue
         key = model_key(costs, methods, module_choices)
