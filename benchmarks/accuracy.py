@@ -21,7 +21,7 @@ from planner.api import capture_for, evaluate, plan  # noqa: E402
 from planner.capture.model_sources import resolve_model  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
 from benchmarks.published import (DEFAULT_RUNS, FAMILY_STACKS, UNSTATED_CHOICES, check_published, load_runs,  # noqa: E402
-                                  predict, run_stack)
+                                  missing_model_fields, predict, run_stack)
 from planner.search.space import layout_problems  # noqa: E402
 from benchmarks.calibrate import split_runs  # noqa: E402
 from benchmarks.ascend_runs import ascend_rows, report_lines as ascend_report_lines  # noqa: E402
@@ -90,14 +90,39 @@ OTHER_MEASUREMENTS = [
 
 
 # Rows whose model the source states only in part, completed from the model's public description: predicted
-# like every row (`predict`), reported apart, never fitted. (run id prefix, fills, source of the fills)
+# like every row (`predict`), reported apart, never fitted. (the rows' model name, fills, the fills as the
+# table shows them, source of the fills)
+GPT_OSS_120B = {"num_layers": 36, "hidden_size": 2880, "num_attention_heads": 64, "num_query_groups": 8,
+                "head_dim": 64, "ffn_hidden_size": 2880, "vocab_size": 201088, "activation": "swiglu",
+                "tied_embeddings": False, "attention": "gqa", "add_bias": True, "sliding_window": 128,
+                "sliding_layers": list(range(0, 36, 2)), "moe.num_experts": 128, "moe.router_topk": 4,
+                "moe.moe_ffn_hidden_size": 2880}
 COMPLETED_MODELS = [
-    ("dgxc-", {"moe.num_experts": 8, "activation": "geglu"},
+    ("Grok-1 314B", {"moe.num_experts": 8, "activation": "geglu"}, "moe.num_experts=8, activation=geglu",
      "Grok-1: 'Mixture of 8 Experts', 2 per token, RMSNorm and RoPE (xai-org/grok-1 README and model.py, whose "
      "MLP is gelu(x W) * (x V), a gated GELU); the rows' 4.27e15 model FLOPs per sample agree with three expert "
      "matrices (4.4e15 counted so, 3.2e15 with two). dgxc's 25.03 and 25.05 releases measured the same BF16 "
      "layout on 512 H100 at 21.01 and 15.93 s, 24% apart: one prediction sits between them"),
+    ("GPT OSS 120B", GPT_OSS_120B, "36 layers, h 2880, 64 heads of 64 (8 groups), 128 experts top-4 of 2880, "
+     "window 128 on every other layer, biases",
+     "GPT-OSS 120B as Megatron-Bridge trains it (GPTOSSProvider120B, src/megatron/bridge/models/gpt_oss/"
+     "gpt_oss_provider.py @12bc34a8: 36 layers, hidden 2880, 64 heads of 64 channels in 8 query groups, expert "
+     "FFN 2880 gated with a clamped quick-GELU, 128 experts top-4, no shared expert, biases on every linear, "
+     "vocabulary 201088 untied, window (128, 0) on every other layer from the first, as transformers' "
+     "GptOssConfig's layer_types; its learnable softmax sinks add one logit per head, not billed); the "
+     "gated quick-GELU is counted as SwiGLU (the same GEMMs)"),
 ]
+
+
+def completed_model_rows(path) -> list[tuple]:
+    rows = []
+    for name, fills, shown, source in COMPLETED_MODELS:
+        ids = [r["id"] for r in yaml.safe_load(Path(path).read_text())
+               if r["model"].get("name") == name and missing_model_fields(r)]
+        runs, _ = load_runs(path, {run_id: fills for run_id in ids})
+        for run in runs:
+            rows.append((run, shown, source, predict(run)))
+    return rows
 
 
 def unstated_precision_rows(path) -> list[tuple]:
@@ -105,18 +130,6 @@ def unstated_precision_rows(path) -> list[tuple]:
     bf16, _ = load_runs(path, unstated_precision="bf16")
     fp8, _ = load_runs(path, unstated_precision="fp8")
     return [(run, predict(run), predict(run_fp8)) for run, run_fp8 in zip(bf16, fp8)]
-
-
-def completed_model_rows(path) -> list[tuple]:
-    rows = []
-    for prefix, fills, source in COMPLETED_MODELS:
-        ids = [r["id"] for r in yaml.safe_load(Path(path).read_text())
-               if r["id"].startswith(prefix) and r["model"].get("moe") and r["model"]["moe"].get("num_experts") is None]
-        runs, _ = load_runs(path, {run_id: fills for run_id in ids})
-        for run in runs:
-            result = predict(run)
-            rows.append((run, ", ".join(f"{k}={v}" for k, v in fills.items()), source, result))
-    return rows
 
 
 # Published layouts of runs outside the runs file, predicted through the public API with what the user states

@@ -213,7 +213,9 @@ def _model(run: dict) -> ModelConfig:
         position_embedding="learned" if gpt else "rope",
         tied_embeddings=gpt if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
         attention="mla" if mla else ("mha" if (m.get("num_query_groups") or heads) == heads else "gqa"),
-        add_bias=gpt, mla=MLAConfig(**mla) if mla else None,
+        add_bias=gpt if m.get("add_bias") is None else bool(m["add_bias"]), mla=MLAConfig(**mla) if mla else None,
+        # sliding windows: no runs-file field; a completed model's fills give them (accuracy.py COMPLETED_MODELS)
+        sliding_window=m.get("sliding_window"), sliding_layers=m.get("sliding_layers"),
         moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None,
         mtp_layers=MTP_MODULES if MTP_MARK in m["name"] or run["id"] in MTP_BY_LAUNCHER else 0)
 

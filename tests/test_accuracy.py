@@ -168,3 +168,22 @@ def test_deepseek_v3_on_256_b200_is_predicted_with_its_megatron_bridge_recipe(ru
     assert result.layout.zero == 1 and result.layout.etp == 1 and result.layout.fp8_recipe == "mxfp8"
     assert result.layout.recompute == "selective" and result.layout.recompute_modules == "mla_up_proj"
     assert result.step_time_s == pytest.approx(run.measured_step_s, rel=0.25)
+
+
+def test_gpt_oss_rows_are_completed_with_the_model_transformers_builds():
+    """The GPT-OSS 120B rows leave the architecture out; accuracy.py completes them from Megatron-Bridge's
+    provider. The completed model has the parameters of transformers' GptOssForCausalLM built from GptOssConfig's
+    defaults (the 120B, on the meta device) within 0.1% (its attention sinks and router biases are the rest),
+    and its windows on the layers that config's layer_types make sliding."""
+    import torch
+    import transformers
+    from benchmarks.accuracy import GPT_OSS_120B
+    from planner.capture.model_capture import capture
+    run_id = "mbridge-25p11-h100-gpt-oss-120b-bf16-64gpu"
+    model = load_runs(model_fills={run_id: GPT_OSS_120B})[0][0].model
+    config = transformers.GptOssConfig()
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in transformers.GptOssForCausalLM(config).parameters())
+    assert capture(model, 1024).total_params == pytest.approx(reference, rel=1e-3)
+    assert [model.window_of(i) for i in range(model.num_layers)] == [
+        config.sliding_window if kind == "sliding_attention" else 0 for kind in config.layer_types]
