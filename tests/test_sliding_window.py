@@ -9,6 +9,7 @@ import transformers
 
 from hardware_profiles.loader import load_stack
 from planner.api import capture_for
+from cost_models.records import OpKind
 from planner.capture.graph_analysis import block_window
 
 SEQ, WINDOW, HEADS, HEAD_DIM = 32, 8, 4, 16
@@ -130,3 +131,44 @@ def test_the_runtime_stack_refuses_context_parallelism_of_sliding_layers():
         planner.evaluate(windowed, layout="tp=1,pp=1,dp=1,cp=2,ep=1,vp=1,mbs=1,zero=0,recompute=none", **common)
     assert planner.evaluate(windowed, layout="tp=1,pp=1,dp=2,cp=1,ep=1,vp=1,mbs=1,zero=0,recompute=none",
                             **common).fits
+
+
+TINY_GPT_OSS = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 64, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "vocab_size": 256, "sliding_window": 8, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("stack,stands_in", [("megatron-bridge", True), ("megatron-lm-2021", False)])
+def test_gpt_oss_config_runs_attention_as_the_stack_does(stack, stands_in):
+    """transformers' GptOssForCausalLM runs attention only eagerly (its sinks; no SDPA). Under a stack that fuses
+    attention the config.json is captured as the reference decoder, which bills fused attention and says so;
+    under one that does not (megatron-lm-2021: flash_attention false) the class itself is recorded. The parameters are
+    the class's, less what the reference decoder does not build (the experts' biases, sinks and the router's
+    bias: 0.03% of GPT-OSS 120B); windowed layers (the class's layer_types) are a kind apart under fused
+    attention, and the class's eager scores are billed only where the stack runs them."""
+    import transformers
+    seq = 32
+    graph = capture_for(dict(TINY_GPT_OSS), seq, (), load_stack(stack))
+    config = transformers.GptOssConfig(**{k: v for k, v in TINY_GPT_OSS.items() if k != "model_type"})
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in transformers.GptOssForCausalLM(config).parameters())
+    # what the reference decoder leaves out: the experts' biases, each head's sink, the router's bias
+    c = TINY_GPT_OSS
+    unbuilt = c["num_hidden_layers"] * (c["num_local_experts"] * (2 * c["intermediate_size"] + c["hidden_size"])
+                                        + c["num_attention_heads"] + c["num_local_experts"])
+    assert graph.total_params == reference - (unbuilt if stands_in else 0)
+    said = [n for n in graph.capture_notes if "GptOssForCausalLM runs attention only eagerly" in n]
+    assert bool(said) == stands_in
+    layers = [slot.kind for slot in graph.layers[1:-1]]
+    kinds = [graph.kind(name) for name in layers]
+    assert [any(op.kind is OpKind.attention_matmul for op in kind.ops) for kind in kinds] == [not stands_in] * 4
+    if stands_in:   # windowed layers (layer_types' sliding ones) a kind apart, billed for fewer pairs
+        sliding = [kind == "sliding_attention" for kind in config.layer_types]
+        assert [layers[i] == layers[0] for i in range(4)] == [s == sliding[0] for s in sliding] and len(set(layers)) == 2
+        work = {name: next(op.causal_work for op in graph.kind(name).ops if op.kind is OpKind.attention)
+                for name in set(layers)}
+        window = c["sliding_window"]   # of the w s pairs billed, those a causal window of w lets through
+        assert work[layers[0]] == pytest.approx((window * seq - window * (window - 1) / 2) / (window * seq))
+        assert work[layers[1]] is None   # full: the stack's causal share
+    else:           # eager attention computes every pair whatever the window: the same FLOPs in every layer
+        assert len({sum(op.forward_flops for op in kind.ops) for kind in kinds}) == 1

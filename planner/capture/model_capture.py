@@ -23,7 +23,7 @@ from .model_config import MAX_SEQ, ModelConfig
 from .model_sources import UserModule, resolve_model
 from .op_costs import tensor_bytes
 from .reference_model import build_model
-from .transformers_models import build_transformers_model
+from .transformers_models import build_transformers_model, eager_only_class
 
 ACTIVATION_DTYPE = torch.bfloat16
 
@@ -264,7 +264,7 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
                       capture_seconds=time.perf_counter() - start,
                       front_end=_front_end(front_end, analyzer.kinds.values()), model_class=model_class,
                       capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())])
-                      + _unbuilt_mtp_notes(source, heads - 1),
+                      + _unbuilt_mtp_notes(source, heads - 1) + _stand_in_notes(source),
                       mtp_layers=heads - 1)
 
 
@@ -277,6 +277,16 @@ def _unbuilt_mtp_notes(source, captured: int) -> tuple[str, ...]:
     return (f"config.json names {named} multi-token prediction module(s) (num_nextn_predict_layers), which the "
             "transformers class does not build: not billed; a model YAML with mtp_layers bills them "
             "(docs/models.md)",)
+
+
+def _stand_in_notes(source) -> tuple[str, ...]:
+    """A config.json whose transformers class runs attention only eagerly, captured as the reference decoder."""
+    name = eager_only_class(source) if isinstance(source, ModelConfig) else None
+    if name is None:
+        return ()
+    return (f"transformers' {name} runs attention only eagerly (no SDPA) where the stack fuses it: captured as the "
+            "reference decoder from config.json (docs/models.md), so fused attention is billed; what the reference "
+            "decoder lacks (GPT-OSS's attention sinks, one logit per head) is not",)
 
 
 def _front_end(top: str, kinds) -> str:

@@ -60,12 +60,13 @@ def _first(config: dict, *keys, default=None):
 
 # model_type values whose config.json this reader maps (decoder families; docs/models.md)
 HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2",
-                  "deepseek_v3", "gpt2", "gpt_neox", "phi3", "gemma", "gemma2", "gemma3_text")
+                  "deepseek_v3", "gpt2", "gpt_neox", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_oss")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")       # RMSNorm on each head's q and k
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")                      # q, k, v projections carry biases
 SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text")               # norms after attention and MLP as well
 FP32_ROUTER_TYPES = ("deepseek_v2", "deepseek_v3")            # the router GEMM in fp32
 TIED_BY_DEFAULT = ("gpt2", "gemma", "gemma2", "gemma3_text")  # their config classes default to tied embeddings
+BIASED_TYPES = ("gpt_oss",)   # biases on every linear: attention_bias, the experts' and the router's own
 HF_INT_KEYS = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer",
                "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size",
                "max_position_embeddings", "n_positions", "n_ctx", "num_local_experts", "n_routed_experts",
@@ -130,7 +131,7 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         "position_embedding": "learned" if model_type == "gpt2" else "rope",
         "tied_embeddings": bool(config.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)),
         "attention": "gqa",
-        "add_bias": gpt_like,
+        "add_bias": gpt_like or model_type in BIASED_TYPES,
         "qkv_bias": model_type in QKV_BIAS_TYPES or bool(config.get("attention_bias")),
         "qk_norm": model_type in QK_NORM_TYPES,
         "parallel_residual": model_type == "gpt_neox" and config.get("use_parallel_residual", True),
@@ -226,7 +227,7 @@ def resolve_model(spec) -> ModelConfig | UserModule:
 
 def _sliding(config: dict, model_type: str, layers: int) -> dict:
     """A config.json's sliding window and the layers it applies to: its layer_types where it lists them, else as
-    transformers derives them (Gemma 2 alternates from a sliding first layer; Gemma 3 makes every
+    transformers derives them (Gemma 2 and GPT-OSS alternate from a sliding first layer; Gemma 3 makes every
     sliding_window_pattern-th layer full; Qwen2's use_sliding_window from max_window_layers on), else every layer."""
     window = config.get("sliding_window")
     # Qwen's configs (max_window_layers beside it) slide only where use_sliding_window says so, default off
@@ -236,7 +237,7 @@ def _sliding(config: dict, model_type: str, layers: int) -> dict:
     types = config.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
-    elif model_type == "gemma2":
+    elif model_type in ("gemma2", "gpt_oss"):   # GptOssConfig too: sliding where (i + 1) % 2
         sliding = list(range(0, layers, 2))
     elif model_type in ("gemma3", "gemma3_text"):
         pattern = int(config.get("sliding_window_pattern") or 6)

@@ -26,10 +26,25 @@ def transformers_available() -> bool:
 def build_transformers_model(cfg: ModelConfig) -> nn.Module | None:
     """The transformers class for `cfg.hf_config`, weightless; None where transformers is not installed or
     does not know the model type (the reference decoder stands in)."""
-    if not cfg.hf_config or not transformers_available():
+    if not cfg.hf_config or not transformers_available() or eager_only_class(cfg):
         return None
     # the stack runs no fused attention (or the model cannot: softcapping): transformers' eager attention
     return transformers_model(json.loads(cfg.hf_config), "eager" if cfg.attention_impl == "math" else None, cfg.name)
+
+
+def eager_only_class(cfg: ModelConfig) -> str | None:
+    """The transformers class's name where it runs attention only eagerly (no SDPA: GPT-OSS's sinks) and the
+    stack fuses it: recording that class would bill the eager scores, so the reference decoder stands in."""
+    if not cfg.hf_config or cfg.attention_impl != "flash" or not transformers_available():
+        return None
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    model_type = json.loads(cfg.hf_config).get("model_type")
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+    except KeyError:
+        return None
+    return None if getattr(model_class, "_supports_sdpa", True) else model_class.__name__
 
 
 def transformers_model(raw: dict, attn_implementation: str | None = None, name: str = "the model") -> nn.Module | None:
