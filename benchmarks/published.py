@@ -67,12 +67,16 @@ RUN_STACK_SETTINGS = {
     # `--moe-a2a-overlap`, TP overlap off
     "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu": {"moe_a2a_overlap": True, "tp_comm_overlap": False},
     # NVIDIA/NeMo 6f2c6fda (dgxc-benchmarking v25.05.04 grok1/setup.sh's NEMO_COMMIT) scripts/performance/llm/
-    # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`
-    "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True},
+    # pretrain_grok1_314b.py: MegatronCommOverlapCallback(tp_comm_overlap=True): `--tp-comm-overlap`; and
+    # MegatronTokenDropCallback (padded to capacity: no host split sizes)
+    "dgxc-250504-grok-bf16-h100-512gpu": {"tp_comm_overlap": True, "moe_dispatch_host_sync": "never"},
     # NVIDIA/NeMo 7a8f1cc7 (dgxc-benchmarking v25.05.04 deepseek_v3 setup.sh's NEMO_COMMIT) scripts/performance/llm/
     # pretrain_deepseek_v3.py: cross_entropy_fusion_impl "te" (GPTConfig's cross_entropy_loss_fusion on); its
     # DeepSeekV3Config (nemo/collections/llm/gpt/model/deepseek.py): alltoall dispatcher, moe_shared_expert_overlap
-    "dgxc-250504-dsv3-bf16-h100-512gpu": {"loss_gradient": "fused", "moe_shared_expert_overlap": True},
+    # ... and its USE_TOKEN_DROP adds MegatronTokenDropCallback (nemo/lightning/pytorch/callbacks/moe_token_drop.py:
+    # capacity factor 1.0, padded to capacity), whose dispatcher reads no split sizes on the host
+    "dgxc-250504-dsv3-bf16-h100-512gpu": {"loss_gradient": "fused", "moe_shared_expert_overlap": True,
+                                          "moe_dispatch_host_sync": "never"},
 }
 
 

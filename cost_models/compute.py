@@ -93,6 +93,8 @@ class LayerCompute:
     # the shared experts inside a MoE layer's expert container (what --moe-shared-expert-overlap moves beside
     # the all-to-alls): its GEMMs sharded over tp
     shared_experts: SharedExpertSeconds = SharedExpertSeconds()
+    # the forward before the first routed op (the attention, the router): where a dispatcher's host sync falls
+    before_dispatch_forward_s: float = 0.0
 
     def selective_forward_s(self, modules: tuple[RecomputeModule, ...]) -> float:
         """What selective recomputation of `modules` repeats: their forward."""
@@ -189,8 +191,11 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
     by_module = [0.0] * len(RecomputeModule)
     experts = [0.0, 0.0, 0.0]
     shared_up, shared_down = [0.0, 0.0], [0.0, 0.0]   # a shared projection's forward, backward
+    before_dispatch = None
     for op in kind.ops:
         f, bi, bw = op_seconds(op, device, spec)
+        if op.routed and before_dispatch is None:
+            before_dispatch = forward
         forward += f
         backward_input += bi
         backward_weight += bw
@@ -208,4 +213,5 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
             by_module[MODULE_INDEX[op.inner_module]] += f
     return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts),
                         SharedExpertSeconds(up_forward_s=shared_up[0], up_backward_s=shared_up[1],
-                                            down_forward_s=shared_down[0], down_backward_s=shared_down[1]))
+                                            down_forward_s=shared_down[0], down_backward_s=shared_down[1]),
+                        forward if before_dispatch is None else before_dispatch)

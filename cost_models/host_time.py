@@ -5,8 +5,9 @@ the host's issuing of it (where the host is slower the device idles between kern
 Transformer Engine issue 2053, a 7B model's Linear as slow on the CPU as on the GPU). The host's time is a
 count of calls, each weighed in the stack's units (`SoftwareStack.host_calls`: a GEMM module's forward and
 backward in BF16 or FP8, any other op) times the node's CPU time per unit (`Device.host_call_us`, one
-torch.nn.Linear forward). Not modelled: device-to-host syncs that stop the host running ahead (a dropless
-all-to-all dispatcher's token counts), the optimizer step's launches, and recomputation's calls.
+torch.nn.Linear forward). Where the MoE dispatcher copies token counts to the host (`moe_dispatch_host_sync`),
+the host cannot queue past that point: the forward is two stretches, each the longer of its host and device
+times. Not modelled: the sync's own latency, the optimizer step's launches, and recomputation's calls.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from hardware_profiles.schema import Device
 from hardware_profiles.stack import SoftwareStack
 
-from .compute import ShardSpec
+from .compute import LayerCompute, ShardSpec
 from .layout import Precision
 from .records import LayerKind, OpCost, OpKind, Sharding
 
@@ -27,6 +28,19 @@ class HostSeconds:
     """The host's time to issue one layer's forward and backward for one micro-batch."""
     forward_s: float = 0.0
     backward_s: float = 0.0
+    # of forward_s, up to the dispatcher's host sync (before the first routed op); None: no sync in this layer
+    before_sync_s: float | None = None
+
+
+def host_excess_seconds(host: HostSeconds, compute: LayerCompute) -> float:
+    """What the device waits for the host in one layer's forward and backward: each stretch the host issues
+    without a sync takes the longer of its host and device times (the host runs ahead within it)."""
+    backward = max(0.0, host.backward_s - compute.backward_s)
+    if host.before_sync_s is None:
+        return max(0.0, host.forward_s - compute.forward_s) + backward
+    device_before = compute.before_dispatch_forward_s
+    return (max(0.0, host.before_sync_s - device_before)
+            + max(0.0, (host.forward_s - host.before_sync_s) - (compute.forward_s - device_before)) + backward)
 
 
 def host_billed(device: Device, stack: SoftwareStack) -> bool:
@@ -43,15 +57,20 @@ def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, sp
     gemm = (calls.fp8_gemm_forward, calls.fp8_gemm_backward) if fp8 else (calls.gemm_forward, calls.gemm_backward)
     op = (calls.op_forward, calls.op_backward)
     forward = backward = 0.0
+    before_sync = None   # the forward's units up to the dispatcher's host sync
+    syncs = stack.moe_dispatch_host_sync == "always" or (stack.moe_dispatch_host_sync == "spread" and spec.ep > 1)
     projected: set[str] = set()   # inputs a tensor-parallel projection has read
     for current in kind.ops:
+        if current.routed and before_sync is None and syncs:
+            before_sync = forward
         units = _op_units(current, current.reads in projected, gemm, op, stack, spec)
         forward += units[0]
         backward += units[1]
         if current.kind is OpKind.gemm and current.sharding is Sharding.tensor and current.reads:
             projected.add(current.reads)
     unit_s = device.host_call_us * US
-    return HostSeconds(forward_s=forward * unit_s, backward_s=backward * unit_s)
+    return HostSeconds(forward_s=forward * unit_s, backward_s=backward * unit_s,
+                       before_sync_s=None if before_sync is None else before_sync * unit_s)
 
 
 def _op_units(current: OpCost, sibling: bool, gemm: tuple[float, float], op: tuple[float, float],

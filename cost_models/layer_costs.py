@@ -14,7 +14,7 @@ from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, p
 from .communication import ACTIVATION_BYTES, Collective, CollectiveCost, collective_time
 from .compute import ShardSpec, layer_compute, memory_seconds
 from .expert_comm import ExpertCommunication
-from .host_time import layer_host_seconds
+from .host_time import host_excess_seconds, layer_host_seconds
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Recompute, RecomputeModule
@@ -219,8 +219,7 @@ class MeshCosts(ExpertCommunication):
         selective = compute.selective_forward_s(self.layout.recompute_modules)
         host = self._host(kind)
         return LayerWork(forward_s=compute.forward_s, backward_s=compute.backward_s,
-                         host_excess_s=max(0.0, host.forward_s - compute.forward_s)
-                         + max(0.0, host.backward_s - compute.backward_s),
+                         host_excess_s=host_excess_seconds(host, compute),
                          recompute_s=(0.0, selective, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),

@@ -135,6 +135,12 @@ class SoftwareStack(Strict):
     grouped_experts: bool = True
     # layers replayed as CUDA graphs: their host time is one replay, not billed
     cuda_graphs: bool = False
+    # where the MoE dispatcher copies the routed token counts to the host in each MoE layer's forward, before the
+    # experts: the host stops running ahead there (cost_models/host_time.py). always: Megatron-Core's alltoall
+    # dispatcher unless it pads to capacity (token_dispatcher.py cuda_sync_point "before_ep_alltoall", or
+    # "before_finish" with one local expert); spread: only with experts spread (ep > 1: an all-to-all whose
+    # split sizes the host reads, torchtitan's ExpertParallel); never
+    moe_dispatch_host_sync: Literal["never", "spread", "always"] = "never"
     dp_window_fraction: float = Field(ge=0, le=1)   # share of the last backward that hides the DP reduction
     cp_hidden: float = Field(ge=0, le=1)     # share of the CP ring exchange hidden behind attention
     pp_hidden: float = Field(ge=0, le=1)     # share of pipeline sends hidden behind compute

@@ -153,8 +153,10 @@ def host_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwa
     for kind, _ in model.block_counts:
         compute, host = layer_compute(kind, device, spec), layer_host_seconds(kind, device, stack, spec)
         device_s = compute.forward_s + compute.backward_s
-        ratios.append(((host.forward_s + host.backward_s) / device_s if device_s else 0.0, kind.name))
-    ratio, name = max(ratios)
+        ratios.append(((host.forward_s + host.backward_s) / device_s if device_s else 0.0, kind.name,
+                       host.before_sync_s is not None))
+    ratio, name, synced = max(ratios)
     verdict = "host-bound: the device waits for launches" if ratio > 1 else "device-bound"
+    sync = "; its dispatcher's host sync stops the host running ahead before the experts" if synced else ""
     return [f"the host issues a {name} layer's kernels in {ratio:.0%} of the device's time for them ({verdict}; "
-            f"{device.host_call_us:g} us per call on this node's CPU, {stack.name}'s calls)"]
+            f"{device.host_call_us:g} us per call on this node's CPU, {stack.name}'s calls{sync})"]

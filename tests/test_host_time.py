@@ -132,3 +132,74 @@ def test_a_longer_micro_batch_leaves_the_host_behind():
     short = planner.evaluate("tiny-llama", layout=layout.format(1), seq_len=128, **common)
     long = planner.evaluate("tiny-llama", layout=layout.format(8), seq_len=2048, **common)
     assert short.breakdown["host_s"] / short.step_time_s > long.breakdown["host_s"] / long.step_time_s
+
+
+def _per_op_seconds(kind, device, stack, spec):
+    """Each op's host seconds (the stack's units, as host_time counts them) and device forward seconds."""
+    from cost_models.compute import op_seconds
+    from cost_models.host_time import _op_units
+    from cost_models.records import OpKind, Sharding
+    calls = stack.host_calls
+    gemm, op_units = (calls.gemm_forward, calls.gemm_backward), (calls.op_forward, calls.op_backward)
+    host, dev, projected = [], [], set()
+    for op in kind.ops:
+        host.append(_op_units(op, op.reads in projected, gemm, op_units, stack, spec)[0] * device.host_call_us * 1e-6)
+        dev.append(op_seconds(op, device, spec)[0])
+        if op.kind is OpKind.gemm and op.sharding is Sharding.tensor and op.reads:
+            projected.add(op.reads)
+    return host, dev
+
+
+def _queued_forward_s(host, dev, sync_at):
+    """An event replay of one forward: the host issues op i after its own time for it, the device runs it once
+    issued and free; at the sync the host first waits for the device to finish everything queued."""
+    issued = done = 0.0
+    for i, (h, d) in enumerate(zip(host, dev)):
+        if i == sync_at:
+            issued = max(issued, done)
+        issued += h
+        done = max(done, issued) + d
+    return done
+
+
+@pytest.mark.parametrize("sync", ["never", "always"])
+def test_a_dispatcher_host_sync_splits_the_forward_where_the_experts_begin(sync):
+    """Megatron-Core's dropless alltoall dispatcher copies its split sizes to the host before the all-to-all
+    (token_dispatcher.py, cuda_sync_point): the host cannot run ahead past the first routed op. A Mixtral layer
+    on a GB200 node: with the sync the forward is billed as two stretches, each the longer of its host and
+    device times (the per-op sums split at the first routed op); without it, as one. Either way an event replay
+    of the same ops (host issuing, device running in order) takes at least as long: the bill is a lower bound,
+    within the replay."""
+    from cost_models.host_time import HostSeconds, host_excess_seconds, layer_host_seconds
+    from cost_models.compute import layer_compute
+    from hardware_profiles.loader import load_device
+    _, kind, own = _captured_layer("mixtral_logits")
+    stack = load_stack("megatron-core").model_copy(update={**OWN_CODE, "moe_dispatch_host_sync": sync})
+    device, spec = load_device("gb200"), ShardSpec(ep=2)
+    host, dev = _per_op_seconds(kind, device, stack, spec)
+    first_routed = next(i for i, op in enumerate(kind.ops) if op.routed)
+    billed = layer_host_seconds(kind, device, stack, spec)
+    compute = layer_compute(kind, device, spec)
+    forward_excess = host_excess_seconds(HostSeconds(billed.forward_s, 0.0, billed.before_sync_s), compute)
+    if sync == "never":
+        assert billed.before_sync_s is None
+        expected = max(0.0, sum(host) - sum(dev))
+    else:
+        assert billed.before_sync_s == pytest.approx(sum(host[:first_routed]), rel=1e-9)
+        expected = (max(0.0, sum(host[:first_routed]) - sum(dev[:first_routed]))
+                    + max(0.0, sum(host[first_routed:]) - sum(dev[first_routed:])))
+    assert forward_excess == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    replay = _queued_forward_s(host, dev, first_routed if sync == "always" else None)
+    assert compute.forward_s + forward_excess <= replay * (1 + 1e-9)
+
+
+def test_spread_syncs_only_with_experts_spread():
+    """torchtitan's ExpertParallel reads the all-to-all's split sizes on the host (ep > 1); with every expert on
+    the rank there is no all-to-all and no sync."""
+    from cost_models.host_time import layer_host_seconds
+    from hardware_profiles.loader import load_device
+    _, kind, stack = _captured_layer("mixtral_logits")
+    assert stack.moe_dispatch_host_sync == "spread"
+    device = load_device("gb200")
+    assert layer_host_seconds(kind, device, stack, ShardSpec(ep=1)).before_sync_s is None
+    assert layer_host_seconds(kind, device, stack, ShardSpec(ep=2)).before_sync_s is not None
