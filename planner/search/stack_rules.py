@@ -208,7 +208,7 @@ def leaf_recompute_methods(stack: SoftwareStack, layout: Layout,
                            allowed: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
     """The methods a whole layout's layers may take, of `allowed`: none fully where the stack hides its MoE
     all-to-alls (Megatron-Core refuses the pair beside full recomputation, so the costs' overlap stays true),
-    none but no recomputation inside a DualPipeV the stack cannot recompute in."""
+    and only no recomputation inside a DualPipeV the stack cannot recompute in."""
     if layout.dualpipev and not stack.dualpipev_recompute:
         return tuple(r for r in allowed if r is Recompute.none)
     if stack.hides_moe_a2a(layout):
