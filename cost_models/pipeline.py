@@ -79,6 +79,15 @@ def dualpipev_least_micro_batches(stages: int) -> int:
     return 2 * stages
 
 
+def dualpipev_micro_batch_problem(micro_batches: int, stages: int) -> str | None:
+    """Why DualPipeV cannot run this many micro-batches on `stages` ranks, or None."""
+    least = dualpipev_least_micro_batches(stages)
+    if micro_batches >= least:
+        return None
+    return (f"schedule=dualpipev with {micro_batches} micro-batches: it needs at least 2 pp = {least} "
+            "(torch ScheduleDualPipeV)")
+
+
 def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int) -> float:
     """Critical path of DualPipeV (torch ScheduleDualPipeV) over p ranks and m >= 2p micro-batches.
 

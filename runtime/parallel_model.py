@@ -15,7 +15,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDu
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_models.layout import Layout, Recompute
-from cost_models.pipeline import even_partition
+from cost_models.pipeline import dualpipev_micro_batch_problem, even_partition
 from cost_models.step_time import chunk_blocks
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import RUNTIME_STACK
@@ -56,6 +56,10 @@ class ParallelModel:
         if refused:
             raise PlanError("the plan asks for what this runtime does not run: " + "; ".join(refused)
                             + f" (plan with --stack {RUNTIME_STACK} to stay inside it)")
+        too_few = dualpipev_micro_batch_problem(layout.num_micro_batches, layout.pp) if layout.dualpipev else None
+        if too_few:
+            raise PlanError(too_few + f": a global batch of at least {2 * layout.pp * layout.dp * layout.micro_batch}"
+                            f" or a smaller mbs")
         stage_layers = layout.stage_layers or even_partition(graph.num_blocks, layout.pp * layout.vp)
         self.layout = replace(layout, stage_layers=stage_layers)
         recompute = layout.block_recompute(stage_layers)

@@ -336,6 +336,8 @@ REFUSALS = [
     ("pp=2,zero=3,schedule=dualpipev,mbs=2", "runs DualPipeV with ZeRO stages [2]", "tiny-llama"),
     # the composable checkpoint recomputes once per forward; DualPipeV's weight-gradient pass asks again
     ("pp=2,recompute=full,schedule=dualpipev,mbs=2", "runs DualPipeV without recomputation", "tiny-llama"),
+    # torch's ScheduleDualPipeV needs a micro-batch per chunk: refused with the planner's rule, not torch's error
+    ("pp=2,schedule=dualpipev,mbs=4", "it needs at least 2 pp = 4", "tiny-llama"),
     # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set; the
     # model reads its position table's weight by length, which no shard's positions could follow
     ("cp=2", "reads wpe's weight directly", USER_MODEL),

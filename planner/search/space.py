@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Recompute, RecomputeModule, Schedule,
                                  nested_modules)
 from cost_models.layout_codec import CHOICES, FULL_KEYS, layout_from, values_of
-from cost_models.pipeline import dualpipev_least_micro_batches, most_chunks, partition_problem
+from cost_models.pipeline import (dualpipev_least_micro_batches, dualpipev_micro_batch_problem, most_chunks,
+                                  partition_problem)
 
 from ..capture.graph import ModelGraph
 
@@ -191,10 +192,9 @@ def _schedule_pin_problems(pins: Pins, global_batch: int) -> list[str]:
         problems.append("schedule=dualpipev needs pp > 1")
     if pins.vp and pins.vp != 2:
         problems.append(f"schedule=dualpipev with vp={pins.vp}: DualPipeV runs two chunks per rank (vp=2)")
-    if pins.dp and pins.mbs and pins.pp and global_batch % (pins.dp * pins.mbs) == 0 \
-            and global_batch // (pins.dp * pins.mbs) < dualpipev_least_micro_batches(pins.pp):
-        problems.append(f"schedule=dualpipev with {global_batch // (pins.dp * pins.mbs)} micro-batches: it needs at "
-                        f"least 2 pp = {dualpipev_least_micro_batches(pins.pp)} (torch ScheduleDualPipeV)")
+    if pins.dp and pins.mbs and pins.pp and global_batch % (pins.dp * pins.mbs) == 0:
+        problem = dualpipev_micro_batch_problem(global_batch // (pins.dp * pins.mbs), pins.pp)
+        problems += [problem] if problem else []
     return problems
 
 
