@@ -7,7 +7,9 @@ count of calls, each weighed in the stack's units (`SoftwareStack.host_calls`: a
 backward in BF16 or FP8, any other op) times the node's CPU time per unit (`Device.host_call_us`, one
 torch.nn.Linear forward). Where the MoE dispatcher copies token counts to the host (`moe_dispatch_host_sync`),
 the host cannot queue past that point: the forward is two stretches, each the longer of its host and device
-times. Not modelled: the sync's own latency, the optimizer step's launches, and recomputation's calls.
+times. CUDA graphs (`cuda_graphs`) replay whole layers, or each layer's attention and router
+(`cuda_graph_scope`), whose calls are then not billed. Not modelled: the sync's own latency, a graph replay's
+own call, the optimizer step's launches, and recomputation's calls.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from hardware_profiles.schema import Device
 from hardware_profiles.stack import SoftwareStack
 
 from .compute import LayerCompute, ShardSpec
-from .layout import Precision
+from .layout import Precision, RecomputeModule
 from .records import LayerKind, OpCost, OpKind, Sharding
 
 US = 1e-6
@@ -44,8 +46,19 @@ def host_excess_seconds(host: HostSeconds, compute: LayerCompute) -> float:
 
 
 def host_billed(device: Device, stack: SoftwareStack) -> bool:
-    """Whether host time is billed: the node's CPU measured, the stack's calls stated, and not replayed graphs."""
-    return device.host_call_us is not None and stack.host_calls is not None and not stack.cuda_graphs
+    """Whether host time is billed: the node's CPU measured, the stack's calls stated, and not whole layers
+    replayed as graphs."""
+    whole_layers = stack.cuda_graphs and stack.cuda_graph_scope == "layers"
+    return device.host_call_us is not None and stack.host_calls is not None and not whole_layers
+
+
+def graphed_ops(kind: LayerKind, stack: SoftwareStack) -> int:
+    """How many of the layer's first ops a partial CUDA graph scope replays: the attention and, in a MoE layer,
+    the router and the dispatcher's preprocessing (up to the first routed op; in a dense layer up to its MLP)."""
+    if not (stack.cuda_graphs and stack.cuda_graph_scope == "attention_and_router"):
+        return 0
+    ends = [i for i, op in enumerate(kind.ops) if op.routed or op.module is RecomputeModule.mlp]
+    return ends[0] if ends else 0
 
 
 def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, spec: ShardSpec) -> HostSeconds:
@@ -60,10 +73,11 @@ def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, sp
     before_sync = None   # the forward's units up to the dispatcher's host sync
     syncs = stack.moe_dispatch_host_sync == "always" or (stack.moe_dispatch_host_sync == "spread" and spec.ep > 1)
     projected: set[str] = set()   # inputs a tensor-parallel projection has read
-    for current in kind.ops:
+    replayed = graphed_ops(kind, stack)   # issued as graph replays: no host time billed
+    for index, current in enumerate(kind.ops):
         if current.routed and before_sync is None and syncs:
             before_sync = forward
-        units = _op_units(current, current.reads in projected, gemm, op, stack, spec)
+        units = _op_units(current, current.reads in projected, gemm, op, stack, spec) if index >= replayed else (0, 0)
         forward += units[0]
         backward += units[1]
         if current.kind is OpKind.gemm and current.sharding is Sharding.tensor and current.reads:

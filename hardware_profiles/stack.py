@@ -135,6 +135,10 @@ class SoftwareStack(Strict):
     grouped_experts: bool = True
     # layers replayed as CUDA graphs: their host time is one replay, not billed
     cuda_graphs: bool = False
+    # what the graphs hold: whole layers, or each layer's attention and, in MoE layers, the router and the
+    # dispatcher's preprocessing (Megatron-Core --cuda-graph-impl transformer_engine --cuda-graph-scope attn
+    # moe_router moe_preprocess, what a dropless MoE can graph): the rest is issued by the host
+    cuda_graph_scope: Literal["layers", "attention_and_router"] = "layers"
     # where the MoE dispatcher copies the routed token counts to the host in each MoE layer's forward, before the
     # experts: the host stops running ahead there (cost_models/host_time.py). always: Megatron-Core's alltoall
     # dispatcher unless it pads to capacity (token_dispatcher.py cuda_sync_point "before_ep_alltoall", or

@@ -157,6 +157,8 @@ def host_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwa
                        host.before_sync_s is not None))
     ratio, name, synced = max(ratios)
     verdict = "host-bound: the device waits for launches" if ratio > 1 else "device-bound"
-    sync = "; its dispatcher's host sync stops the host running ahead before the experts" if synced else ""
+    also = "; its dispatcher's host sync stops the host running ahead before the experts" if synced else ""
+    if stack.cuda_graphs:   # a partial scope (whole layers bill no host time at all)
+        also += "; each layer's attention and router replayed as CUDA graphs"
     return [f"the host issues a {name} layer's kernels in {ratio:.0%} of the device's time for them ({verdict}; "
-            f"{device.host_call_us:g} us per call on this node's CPU, {stack.name}'s calls{sync})"]
+            f"{device.host_call_us:g} us per call on this node's CPU, {stack.name}'s calls{also})"]

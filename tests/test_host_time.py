@@ -203,3 +203,26 @@ def test_spread_syncs_only_with_experts_spread():
     device = load_device("gb200")
     assert layer_host_seconds(kind, device, stack, ShardSpec(ep=1)).before_sync_s is None
     assert layer_host_seconds(kind, device, stack, ShardSpec(ep=2)).before_sync_s is not None
+
+
+@pytest.mark.parametrize("factory,first_issued", [("mixtral_logits", "routed"), ("llama_logits", "mlp")])
+def test_graphed_attention_and_router_leave_the_rest_to_the_host(factory, first_issued):
+    """Megatron-Core's --cuda-graph-scope attn moe_router moe_preprocess replays each layer's attention and, in a
+    MoE layer, the router and the dispatcher's preprocessing: the host issues the rest, from the first routed op
+    (Mixtral) or the MLP (Llama), forward and backward; whole-layer graphs bill nothing."""
+    from cost_models.host_time import layer_host_seconds
+    from cost_models.layout import RecomputeModule
+    from hardware_profiles.loader import load_device
+    _, kind, _ = _captured_layer(factory)
+    device, spec = load_device("gb200"), ShardSpec(ep=2)
+    eager = load_stack("megatron-core").model_copy(update={**OWN_CODE, "moe_dispatch_host_sync": "never"})
+    partial = eager.model_copy(update={"cuda_graphs": True, "cuda_graph_scope": "attention_and_router"})
+    host, _ = _per_op_seconds(kind, device, eager, spec)
+    start = next(i for i, op in enumerate(kind.ops)
+                 if (op.routed if first_issued == "routed" else op.module is RecomputeModule.mlp))
+    assert 0 < start < len(kind.ops)
+    billed = layer_host_seconds(kind, device, partial, spec)
+    assert billed.forward_s == pytest.approx(sum(host[start:]), rel=1e-9)
+    assert 0 < billed.backward_s < layer_host_seconds(kind, device, eager, spec).backward_s
+    whole = partial.model_copy(update={"cuda_graph_scope": "layers"})
+    assert layer_host_seconds(kind, device, whole, spec).forward_s == 0
