@@ -139,8 +139,8 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
                         f"the {name} stack runs DualPipeV with ZeRO stages {list(stack.dualpipev_zero_stages)} "
                         "where gradients are reduced over more than one rank, and 0 and 1 over one")
     if not stack.dualpipev_recompute and (pins.recompute not in (None, Recompute.none) or pins.recompute_layers):
-        problems.append(f"recompute={pins.recompute or 'full'} with schedule=dualpipev: the {name} stack runs DualPipeV "
-                        "without recomputation")
+        problems.append(f"recompute={pins.recompute or 'full'} with schedule=dualpipev: the {name} stack runs "
+                        "DualPipeV without recomputation")
     if pins.a2a_overlap:
         problems.append("a2a_overlap=true with schedule=dualpipev: combined 1F1B is another schedule; DualPipeV's "
                         f"own pairs {'hide' if stack.dualpipev_hides_moe_a2a else 'do not hide'} MoE all-to-alls "
