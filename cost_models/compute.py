@@ -191,11 +191,11 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
     by_module = [0.0] * len(RecomputeModule)
     experts = [0.0, 0.0, 0.0]
     shared_up, shared_down = [0.0, 0.0], [0.0, 0.0]   # a shared projection's forward, backward
-    before_dispatch = None
-    for op in kind.ops:
+    before_dispatch = 0.0
+    for index, op in enumerate(kind.ops):
         f, bi, bw = op_seconds(op, device, spec)
-        if op.routed and before_dispatch is None:
-            before_dispatch = forward
+        if index < kind.dispatch_index:
+            before_dispatch += f
         forward += f
         backward_input += bi
         backward_weight += bw
@@ -214,4 +214,4 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
     return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts),
                         SharedExpertSeconds(up_forward_s=shared_up[0], up_backward_s=shared_up[1],
                                             down_forward_s=shared_down[0], down_backward_s=shared_down[1]),
-                        forward if before_dispatch is None else before_dispatch)
+                        before_dispatch)

@@ -57,8 +57,9 @@ def graphed_ops(kind: LayerKind, stack: SoftwareStack) -> int:
     the router and the dispatcher's preprocessing (up to the first routed op; in a dense layer up to its MLP)."""
     if not (stack.cuda_graphs and stack.cuda_graph_scope == "attention_and_router"):
         return 0
-    ends = [i for i, op in enumerate(kind.ops) if op.routed or op.module is RecomputeModule.mlp]
-    return ends[0] if ends else 0
+    mlp = next((i for i, op in enumerate(kind.ops) if op.module is RecomputeModule.mlp), len(kind.ops))
+    end = min(kind.dispatch_index, mlp)
+    return end if end < len(kind.ops) else 0
 
 
 def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, spec: ShardSpec) -> HostSeconds:
@@ -69,22 +70,21 @@ def layer_host_seconds(kind: LayerKind, device: Device, stack: SoftwareStack, sp
     fp8 = spec.precision == Precision.fp8 and kind.role == "block"   # embedding and head stay in bf16 (compute.py)
     gemm = (calls.fp8_gemm_forward, calls.fp8_gemm_backward) if fp8 else (calls.gemm_forward, calls.gemm_backward)
     op = (calls.op_forward, calls.op_backward)
-    forward = backward = 0.0
-    before_sync = None   # the forward's units up to the dispatcher's host sync
-    syncs = stack.moe_dispatch_host_sync == "always" or (stack.moe_dispatch_host_sync == "spread" and spec.ep > 1)
+    forward = backward = before_sync = 0.0   # before_sync: the forward's units up to the dispatcher
     projected: set[str] = set()   # inputs a tensor-parallel projection has read
     replayed = graphed_ops(kind, stack)   # issued as graph replays: no host time billed
     for index, current in enumerate(kind.ops):
-        if current.routed and before_sync is None and syncs:
-            before_sync = forward
         units = _op_units(current, current.reads in projected, gemm, op, stack, spec) if index >= replayed else (0, 0)
         forward += units[0]
         backward += units[1]
+        if index < kind.dispatch_index:
+            before_sync += units[0]
         if current.kind is OpKind.gemm and current.sharding is Sharding.tensor and current.reads:
             projected.add(current.reads)
     unit_s = device.host_call_us * US
+    syncs = kind.dispatch_index < len(kind.ops) and stack.syncs_host_at_dispatch(spec.ep)
     return HostSeconds(forward_s=forward * unit_s, backward_s=backward * unit_s,
-                       before_sync_s=None if before_sync is None else before_sync * unit_s)
+                       before_sync_s=before_sync * unit_s if syncs else None)
 
 
 def _op_units(current: OpCost, sibling: bool, gemm: tuple[float, float], op: tuple[float, float],

@@ -149,6 +149,12 @@ class LayerKind:
         return frozenset(op.node for op in self.ops if op.routed and op.node)
 
     @cached_property
+    def dispatch_index(self) -> int:
+        """Where its first routed op stands in `ops` (the dispatcher hands tokens to the experts there); len(ops)
+        where it routes nothing."""
+        return next((i for i, op in enumerate(self.ops) if op.routed), len(self.ops))
+
+    @cached_property
     def only_routed_nodes(self) -> frozenset[str]:
         """Of `routed_nodes`, those that run nothing else (not an expert container captured as one node)."""
         return self.routed_nodes - frozenset(op.node for op in self.ops if not op.routed)

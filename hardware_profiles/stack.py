@@ -238,6 +238,10 @@ class SoftwareStack(Strict):
             stages = tuple(z for z in stages if z in allowed)
         return stages
 
+    def syncs_host_at_dispatch(self, ep: int) -> bool:
+        """Whether its MoE dispatcher copies token counts to the host in each MoE layer's forward at this ep."""
+        return self.moe_dispatch_host_sync == "always" or (self.moe_dispatch_host_sync == "spread" and ep > 1)
+
     def hides_moe_a2a(self, layout) -> bool:
         """MoE A2A overlap applies: the stack has it, the layout asks for it (the search chooses it, or
         `a2a_overlap=true`), experts spread, a schedule Megatron can pair, and no layer recomputed fully

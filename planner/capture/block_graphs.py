@@ -29,7 +29,7 @@ class CaptureTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if id(m) in self.leaf_ids or is_norm_like(m) or is_expert_container(m):
             return True
-        if any(qualname == n or qualname.endswith("." + n) for n in self.leaf_names):
+        if _named(qualname, self.leaf_names):
             return True
         return super().is_leaf_module(m, qualname)
 
