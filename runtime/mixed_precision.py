@@ -1,17 +1,18 @@
 """The plan's precision, applied with torch's own mechanisms (and torchao's float8 training) or refused
 before the first step.
 
-bf16: parameters stay fp32 and are the master weights (what the optimizer steps); where FSDP2 shards,
+bf16: parameters stay fp32 and are the master weights (what the optimizer steps); where FSDP2's machinery
+wraps them (ZeRO-2/3, and ZeRO-0 over dp > 1 through torch's replicate built on it),
 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=...)` casts them per use and reduces gradients in
-the plan's `grad_reduce` dtype; elsewhere (DDP / ZeRO-1 / TP without FSDP, pipeline stages) the forward
-runs under `torch.autocast(dtype=bfloat16)` and gradients are reduced in fp32, as torchtitan does without
-FSDP. fp8: all of bf16, and the blocks' linear layers train through torchao's `Float8Linear` with the
+the plan's `grad_reduce` dtype; elsewhere (ZeRO-1's DDP, one data-parallel rank, pipeline stages) the
+forward runs under `torch.autocast(dtype=bfloat16)` and gradients are reduced in fp32, as torchtitan does
+without FSDP. fp8: all of bf16, and the blocks' linear layers train through torchao's `Float8Linear` with the
 tensorwise (current, dynamic) scaling recipe, as torchtitan's float8 converter does: the embedding and
 the output layer stay bf16 (as Transformer Engine keeps them), and layers whose widths are not multiples
 of 16 (the FP8 GEMM's tile) too; under tensor parallelism torchao's Float8Colwise/RowwiseParallel shard
 them. Refused before the first step: fp8 without torchao installed (`pip install 'parallel-planner[fp8]'`),
 on a device whose `torch._scaled_mm` does not run e4m3 (probed), or with another recipe (delayed scaling
-is gone from torchao); a bf16 reduction without FSDP2. fp32 (numerical checks only, asked for
+is gone from torchao); a bf16 reduction under ZeRO-1. fp32 (numerical checks only, asked for
 explicitly): no casts. It never trains otherwise than the plan says.
 """
 from __future__ import annotations
@@ -42,9 +43,10 @@ def check(precision: str, layout: Layout, dims: ParallelDims, device_type: str =
             raise PlanError("precision fp8 with tp > 1 on cpu: torchao's float8 tensor parallelism moves FP8 tensors "
                             "through collectives, which gloo cannot carry (NCCL and HCCL can); run fp8 with tp=1 "
                             "on CPUs, or bf16")
-    if precision in MIXED and layout.grad_reduce == GradReduce.bf16 and dims.zero < 2:
-        raise PlanError("grad_reduce=bf16 with ZeRO-0/1: this runtime reduces in bf16 only through FSDP2's "
-                        "MixedPrecisionPolicy (ZeRO-2/3); plan with grad_reduce=fp32 or zero=2")
+    if precision in MIXED and layout.grad_reduce == GradReduce.bf16 and dims.zero == 1:
+        raise PlanError("grad_reduce=bf16 with ZeRO-1: this runtime reduces in bf16 only through FSDP2's "
+                        "MixedPrecisionPolicy (ZeRO-0's replicate, ZeRO-2/3); plan with grad_reduce=fp32, zero=0 "
+                        "or zero=2")
     return precision
 
 
@@ -93,8 +95,8 @@ def fsdp_policy(precision: str, layout: Layout) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
-def autocast(precision: str, device_type: str, sharded_by_fsdp: bool):
+def autocast(precision: str, device_type: str, cast_by_fsdp: bool):
     """The context the forward runs in: autocast to bf16 where FSDP2's policy does not cast."""
-    if precision in MIXED and not sharded_by_fsdp:
+    if precision in MIXED and not cast_by_fsdp:
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

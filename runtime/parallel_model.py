@@ -125,11 +125,11 @@ class ParallelModel:
             wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, set(experts),
                                     pipelined=dims.pp > 1,
                                     mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))
-        # ZeRO-0/1 beside tp or ep with dp > 1 never gets here: the stack's zero_stages_beside_model_parallel
-        # refuses it before step 1 (the composable replicate takes no DTensor), and the planner never plans it
-        sharded = uses_fsdp(dims.zero)
-        self.replicated = not sharded   # every data-parallel rank holds the same parameters
-        self.autocast = mixed_precision.autocast(self.precision, self.device.type, sharded)
+        # ZeRO-1 beside tp or ep with dp > 1 never gets here: the stack's zero_stages_beside_model_parallel
+        # refuses it before step 1 (ZeroRedundancyOptimizer takes no DTensor), and the planner never plans it
+        self.replicated = dims.zero < 2   # every data-parallel rank holds the same parameters
+        self.autocast = mixed_precision.autocast(self.precision, self.device.type,
+                                                 uses_fsdp(dims.zero, self._dp_mesh().size()))
         return wrapped
 
     def _stage(self, model: nn.Module, graph: ModelGraph, blocks: range, is_first: bool, is_last: bool) -> nn.Module:

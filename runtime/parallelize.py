@@ -6,6 +6,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint, replicate
+from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_with_fsdp
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -166,22 +167,45 @@ def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, .
             checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_attention_only))
 
 
-def uses_fsdp(zero: int) -> bool:
-    """Whether `apply_dp` shards with FSDP2 (which then also applies the mixed-precision policy). ZeRO-0/1
-    beside tensor or expert parallelism with dp > 1 is refused before this (the stack's
-    zero_stages_beside_model_parallel): the composable replicate takes no DTensor."""
-    return zero >= 2
+def uses_fsdp(zero: int, dp: int) -> bool:
+    """Whether `apply_dp` wraps with FSDP2's machinery, which then also applies the mixed-precision policy:
+    fully_shard for ZeRO-2/3, and for ZeRO-0 over dp > 1 torch's replicate built on it. ZeRO-1 beside
+    tensor or expert parallelism with dp > 1 is refused before this (the stack's
+    zero_stages_beside_model_parallel): ZeroRedundancyOptimizer and the DDP-based replicate take no DTensor."""
+    return zero >= 2 or (zero == 0 and dp > 1)
 
 
 def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int,
              ignored: set[nn.Parameter], pipelined: bool = False, mp_policy=None) -> nn.Module:
-    """ZeRO 0: replicate (DDP); 1: replicate + sharded optimizer (see ParallelModel); 2 and 3: FSDP2
-    without and with resharding after forward.
-    A pipeline stage under ZeRO 0/1 is wrapped in DistributedDataParallel, whose reduction torch's
-    pipeline stages hold back until the last micro-batch's backward: the composable replicate cannot be
-    told so and reduced wrong gradients with several forwards in flight (1F1B). Returns the module to run."""
-    if not uses_fsdp(zero) and dp_mesh.size() == 1:
+    """ZeRO 0: torch's replicate built on FSDP2 (replicate_with_fsdp, as torchtitan applies DDP: each block,
+    then the root), whose parameters are DTensors replicated over dp, so it stands beside tensor and expert
+    parallelism, and whose reduction torch's pipeline stages run themselves after the last micro-batch (also
+    under DualPipeV's split backward, which arms no DDP reducer); 1: the DDP-based replicate +
+    ZeroRedundancyOptimizer (see ParallelModel), a pipeline stage in DistributedDataParallel, whose reduction
+    torch's stages hold back until the last micro-batch's backward (the composable replicate cannot be told
+    so and reduced wrong gradients with several forwards in flight under 1F1B); 2 and 3: FSDP2 without and
+    with resharding after forward. Returns the module to run."""
+    if not uses_fsdp(zero, dp_mesh.size()) and dp_mesh.size() == 1:
         return module
+    if uses_fsdp(zero, dp_mesh.size()):
+        wrap = partial(fully_shard, reshard_after_forward=zero >= 3) if zero >= 2 else replicate_with_fsdp
+        present = _present(module)
+        options = dict(mesh=dp_mesh, ignored_params=ignored or None)
+        if mp_policy is not None:
+            options["mp_policy"] = mp_policy
+        for slot in graph.blocks:
+            if slot.module_name in present:
+                wrap(module.get_submodule(slot.module_name), **options)
+        wrap(module, **options)
+    elif pipelined:
+        wrapped = DistributedDataParallel(module, process_group=dp_mesh.get_group())
+        # forwards must not arm the reducer: 1F1B runs several before their backwards, so the stage arms
+        # it itself for the last micro-batch's backward (PipelineStage's prepare_for_backward)
+        wrapped.require_backward_grad_sync = False
+        return wrapped
+    else:
+        replicate(module, device_mesh=dp_mesh)
+    return module
     if uses_fsdp(zero):
         reshard = zero >= 3
         present = _present(module)

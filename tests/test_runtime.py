@@ -94,7 +94,8 @@ CLIPPED = {"max_grad_norm": 0.05, "steps": 3}   # a norm the gradients exceed: e
 
 # bf16 compute over fp32 master parameters: autocast on one rank, FSDP2's policy where it shards, stages
 BF16_CASES = [("bf16-single", 1, "precision=bf16"), ("bf16-dp2-zero3", 2, "dp=2,zero=3,precision=bf16,mbs=2"),
-              ("bf16-pp2", 2, "pp=2,mbs=2,precision=bf16")]
+              ("bf16-pp2", 2, "pp=2,mbs=2,precision=bf16"),
+              ("bf16-dp2-zero0-bf16-reduce", 2, "dp=2,zero=0,precision=bf16,grad_reduce=bf16,mbs=2")]
 # FP8 through torchao's Float8Linear (tensorwise scaling), which runs on this CPU (torch._scaled_mm)
 FP8 = "precision=fp8,fp8_recipe=tensorwise"
 FP8_CASES = [("fp8-single", 1, FP8), ("fp8-dp2-zero3", 2, f"dp=2,zero=3,mbs=2,{FP8}"), ("fp8-pp2", 2, f"pp=2,mbs=2,{FP8}")]
@@ -145,6 +146,9 @@ CASES = [
     # pp x dp with every ZeRO stage: with ZeRO-0/1 the DDP-based replicate reduced wrong gradients under
     # 1F1B (83% off on layers.0.input_norm.weight) while the losses still agreed to 1e-5
     ("pp2-dp2-zero0", 4, "pp=2,dp=2,zero=0,mbs=2"),
+    # ZeRO-0 through torch's replicate built on FSDP2, whose DTensor parameters stand beside tensor and expert
+    # parallelism (the DDP-based replicate takes no DTensor)
+    ("tp2-dp2-zero0", 4, "tp=2,dp=2,zero=0,mbs=2"),
     ("pp2-dp2-zero1", 4, "pp=2,dp=2,zero=1,mbs=2"),
     ("pp2-dp2-zero2", 4, "pp=2,dp=2,zero=2,mbs=2"),
     ("pp2-dp2-zero3", 4, "pp=2,dp=2,zero=3,mbs=2"),
@@ -153,6 +157,7 @@ CASES = [
     ("cp2", 2, "cp=2,mbs=4"),
     ("cp2-tp2", 4, "cp=2,tp=2,mbs=4"),
     ("ep2", 2, "dp=2,ep=2,mbs=2", "tiny-moe"),
+    ("ep2-zero0", 2, "dp=2,ep=2,zero=0,mbs=2", "tiny-moe"),
     ("ep2-tp2", 4, "dp=2,ep=2,tp=2,mbs=2", "tiny-moe"),
     ("ep2-tp2-etp2", 4, "dp=2,ep=2,tp=2,etp=2,mbs=2", "tiny-moe"),
     # tied embeddings: tensor parallelism made two parameters of one, pipeline stages two copies whose
@@ -190,12 +195,13 @@ CASES = [
     ("hf-qwen3-cp2-tp2", 4, "cp=2,tp=2,sp=false,mbs=4", HF_QWEN3),
     ("hf-mixtral-ep2-tp2", 4, "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=2", HF_MIXTRAL),
     # DualPipeV (torch's ScheduleDualPipeV): two chunks per rank as a V, the backward split into input and
-    # weight gradients; FSDP2 without resharding where gradients are reduced (ZeRO-0/1's DDP and ZeRO-3 gave
-    # gradients up to 100% off: the stack's dualpipev_zero_stages refuses them); the tied embedding and output
-    # layer both on rank 0
+    # weight gradients; FSDP2's replicate (ZeRO-0) or FSDP2 without resharding where gradients are reduced (DDP,
+    # which ZeRO-0 ran on before and ZeRO-1 runs on, and ZeRO-3 gave gradients up to 100% off: the stack's
+    # dualpipev_zero_stages refuses them); the tied embedding and output layer both on rank 0
     ("pp2-dualpipev", 2, "pp=2,schedule=dualpipev,mbs=2"),
     ("tied-pp2-dualpipev", 2, "pp=2,schedule=dualpipev,mbs=2", "tiny-tied"),
     ("hf-llama-pp2-dp2-dualpipev", 4, "pp=2,dp=2,zero=2,schedule=dualpipev,mbs=1", HF_LLAMA),
+    ("pp2-dp2-dualpipev-zero0", 4, "pp=2,dp=2,zero=0,schedule=dualpipev,mbs=1"),
     ("ep2-pp2-dualpipev", 4, "pp=2,dp=2,ep=2,zero=2,schedule=dualpipev,mbs=1", "tiny-moe"),
     ("cp2-pp2-dualpipev", 4, "pp=2,cp=2,zero=2,schedule=dualpipev,mbs=2"),
 ]
@@ -291,8 +297,9 @@ def test_checkpoint_resumes_the_whole_training_state_under_other_layouts(referen
     assert layout_runs["steps:dropped"] == [3, 4]
     assert fresh[0] == pytest.approx(ref_losses[2], rel=LOSS_TOLERANCE)
     assert fresh[1] != pytest.approx(ref_losses[3], rel=LOSS_TOLERANCE * 100)
-    # no zero= stated beside tp (tp2-dp2): the lowest stage this runtime runs there (FSDP2's), and that is said
-    assert "--layout states no zero: ZeRO-2" in layout_runs["stderr4"]
+    # no zero= stated beside tp (tp2-dp2): the lowest stage this runtime runs there (FSDP2's replicate), and
+    # that is said: the resume under tp2 x dp2 is one of ZeRO-0's DTensor parameters
+    assert "--layout states no zero: ZeRO-0" in layout_runs["stderr4"]
 
 
 def test_plan_from_the_planner_runs_as_is(reference, layout_runs):
@@ -328,12 +335,12 @@ REFUSALS = [
     # FP8 with torchao's recipe only; FP8 tensor parallelism needs FP8 collectives, which gloo lacks
     ("dp=2,precision=fp8", "tensorwise (current) scaling only", "tiny-llama"),
     ("tp=2,precision=fp8,fp8_recipe=tensorwise", "which gloo cannot carry", "tiny-llama"),
-    ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-0/1", "tiny-llama"),
-    # ZeRO-0/1 beside expert (or tensor) parallelism: FSDP2 shards there, which is not what the plan says
+    ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-1", "tiny-llama"),
+    # ZeRO-1 beside expert (or tensor) parallelism: ZeroRedundancyOptimizer takes no DTensor
     ("dp=2,ep=2,zero=1", "zero=1 with dp=2 beside tensor or expert parallelism", "tiny-moe"),
     # DualPipeV beside FSDP2 resharding after forward gave wrong gradients (as DDP's reducer does, which
     # its split backward never arms: tests/test_dualpipev.py): refused before step 1
-    ("pp=2,zero=3,schedule=dualpipev,mbs=2", "runs DualPipeV with ZeRO stages [2]", "tiny-llama"),
+    ("pp=2,zero=3,schedule=dualpipev,mbs=2", "runs DualPipeV with ZeRO stages [0, 2]", "tiny-llama"),
     # the composable checkpoint recomputes once per forward; DualPipeV's weight-gradient pass asks again
     ("pp=2,recompute=full,schedule=dualpipev,mbs=2", "runs DualPipeV without recomputation", "tiny-llama"),
     # torch's ScheduleDualPipeV needs a micro-batch per chunk: refused with the planner's rule, not torch's error
