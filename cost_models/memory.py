@@ -31,7 +31,8 @@ class StateSharding:
     zero: int
     gradient_bytes: int     # per parameter: `Layout.gradient_bytes`
     fp32_parameters: bool = False   # the parameters are the fp32 master, cast to bf16 per use (FSDP2 mixed
-    #                                 precision, autocast): no bf16 copy is kept, the optimizer holds moments only
+    #                                 precision, autocast): the optimizer holds moments only
+    copied_roles: tuple[str, ...] = ()   # `copied_roles`: layers whose parameters a bf16 copy shadows in the step
     optimizer_swap_chunks: int = 0  # `SoftwareStack.optimizer_swap_chunks`: states in host memory, one
     #                                 chunk of them on the device at a time
     moment_bytes: int = 4           # each of Adam's two moments (`SoftwareStack.adam_moment_bytes`)
@@ -42,9 +43,11 @@ class StateSharding:
         # Megatron-Core keeps remainders where TE manages the master: no FP8, or FP8 with delayed scaling
         # (OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         remainders = stack.precision_aware_in(layout) and (layout.precision == "bf16" or layout.fp8_recipe == "delayed")
+        fp32_parameters = stack.master_weights == "parameters"
         return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                    expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
-                   fp32_parameters=stack.master_weights == "parameters",
+                   fp32_parameters=fp32_parameters,
+                   copied_roles=copied_roles(fp32_parameters, layout.zero, layout.dp * layout.cp),
                    optimizer_swap_chunks=stack.optimizer_swap_chunks, moment_bytes=stack.moment_bytes_in(layout),
                    master_bytes=REMAINDER_BYTES if remainders else MASTER_BYTES)
 
@@ -72,6 +75,22 @@ class ModelStateBytes:
         return ModelStateBytes(count * self.weights, count * self.gradients, count * self.optimizer)
 
 
+def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int) -> tuple[str, ...]:
+    """The layers (by role) whose parameters a step computes with in a bf16 copy held from their forward to their
+    backward, where the fp32 parameters are the master (torch's mixed precision; a separate master's bf16 weights
+    are the weights themselves). FSDP2's MixedPrecisionPolicy (fully_shard for ZeRO-2/3, torch's replicate on it
+    for ZeRO-0 over dp > 1) casts every parameter into its unsharded copy, which only resharding after forward
+    frees: ZeRO-3 (`reshard_after_forward=True`, the root too) frees each module's, and the two layers it gathers
+    ahead are `comm_buffer_bytes`. torch.autocast (ZeRO-1's DDP, one data-parallel rank) keeps a copy of each
+    weight a GEMM reads in its cache for the step's autocast region; an embedding lookup is no autocast op.
+    tests/test_compute_copy.py reads both from torch."""
+    if not fp32_parameters or zero >= 3:
+        return ()
+    if zero == 2 or dp_cp > 1 and zero == 0:
+        return ("embedding", "block", "head")
+    return ("block", "head")
+
+
 def params_on_rank(kind: LayerKind, sharding: StateSharding) -> tuple[float, float]:
     """(dense, expert) parameters of one layer held by one rank before ZeRO."""
     dense = kind.params_by(Sharding.tensor) / sharding.tp + kind.params_by(Sharding.sequence)
@@ -88,6 +107,8 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
     weight_bytes = MASTER_BYTES if sharding.fp32_parameters else WEIGHT_BYTES
     optimizer_bytes = optimizer_state_bytes_per_param(sharding)
     weights = weight_bytes * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
+    if kind.role in sharding.copied_roles:
+        weights += WEIGHT_BYTES * (dense + expert)
     grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
     optim = optimizer_bytes * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
     return ModelStateBytes(weights, grads, optim * sharding.optimizer_resident_fraction)

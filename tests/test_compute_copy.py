@@ -1,0 +1,113 @@
+"""The bf16 copy of fp32 master parameters that torch's mixed precision holds through a step, against torch.
+
+Where the parameters are the fp32 master (`master_weights: parameters`: this runtime, torchtitan), a step
+computes with bf16 copies: FSDP2's MixedPrecisionPolicy unshards each module into one, and torch.autocast
+caches one per weight a GEMM reads. `cost_models.memory.copied_roles` says which layers' copies are still held
+when backward starts (the activation peak); here torch itself shows it, on the reference decoder: after the
+forward, FSDP2 leaves a module's unsharded bf16 parameters registered where it has not resharded them, and
+autocast's copies are what backward's saved tensors hold.
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from cost_models.memory import MASTER_BYTES, StateSharding, copied_roles, model_state_bytes
+from planner.capture.model_capture import capture
+from planner.capture.model_sources import resolve_model
+from planner.capture.reference_model import build_model
+
+MODEL, SEQ = "tiny-llama", 7   # a sequence length no parameter dimension equals: saved copies read unambiguously
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _decoder():
+    torch.manual_seed(0)
+    config = resolve_model(MODEL)
+    graph = capture(config, SEQ)
+    return build_model(config, "cpu", torch.float32), graph
+
+
+def _role(name: str, graph) -> str:
+    top = name.split(".")[0]
+    if top in graph.embedding_modules:
+        return "embedding"
+    return "head" if top in graph.head_modules else "block"
+
+
+def _predicted_copy_bytes(graph, roles: tuple[str, ...]) -> dict[str, float]:
+    """Per role, what the memory model adds to the weights for the copy (one data-parallel rank, no tp)."""
+    sharding = StateSharding(tp=1, ep=1, etp=1, dp_cp=1, expert_dp=1, zero=0, gradient_bytes=4,
+                             fp32_parameters=True, copied_roles=roles)
+    copies: dict[str, float] = {}
+    for slot in graph.layers:
+        kind = graph.kind(slot.kind)
+        extra = model_state_bytes(kind, sharding).weights - MASTER_BYTES * kind.param_count
+        copies[kind.role] = copies.get(kind.role, 0.0) + extra
+    return {role: value for role, value in copies.items() if value}
+
+
+def _forward(model) -> torch.Tensor:
+    tokens = torch.randint(0, resolve_model(MODEL).vocab_size, (1, SEQ))
+    return model(tokens).float().sum()
+
+
+@pytest.mark.parametrize("zero,wrap", [
+    (2, lambda module, mesh, policy: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)),
+    (0, lambda module, mesh, policy: replicate(module, mesh=mesh, mp_policy=policy)),
+    (3, lambda module, mesh, policy: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)),
+], ids=["zero2-fully_shard", "zero0-replicate", "zero3-fully_shard"])
+def test_fsdp2_holds_the_unsharded_copies_the_memory_model_bills(one_rank_group, zero, wrap):
+    """Wrapped as this runtime wraps (each block, then the root): the bf16 parameters still registered after
+    the forward are, by role and in bytes, the copy `copied_roles` bills (dp x cp > 1 for ZeRO-0's replicate)."""
+    model, graph = _decoder()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for slot in graph.blocks:
+        wrap(model.get_submodule(slot.module_name), one_rank_group, policy)
+    wrap(model, one_rank_group, policy)
+    _forward(model)
+    held: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        registered = model.get_parameter(name)
+        if registered.dtype == torch.bfloat16:
+            held[_role(name, graph)] = held.get(_role(name, graph), 0.0) + 2 * registered.numel()
+    expected = _predicted_copy_bytes(graph, copied_roles(True, zero, dp_cp=2))
+    assert held == pytest.approx(expected, rel=1e-9)
+    assert set(held) == (set() if zero == 3 else {"embedding", "block", "head"})
+
+
+def test_autocast_keeps_a_copy_of_each_gemm_weight_for_the_step():
+    """torch.autocast over fp32 parameters (ZeRO-1's DDP, one data-parallel rank): the bf16 weight copies
+    backward's saved tensors hold are the block and head GEMM weights, none of the embedding; the model bills
+    them, and the few norm weights beside them that autocast runs in fp32 (within 2%)."""
+    model, graph = _decoder()
+    saved: list[torch.Tensor] = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _forward(model)
+    copies = [t for t in saved if t.dtype == torch.bfloat16]
+    held: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        cast = param.detach().to(torch.bfloat16)
+        if any(c.numel() == cast.numel() and any(torch.equal(view, cast) for view in (c, c.T) if view.shape == cast.shape)
+               for c in copies):
+            held[_role(name, graph)] = held.get(_role(name, graph), 0.0) + 2 * param.numel()
+    expected = _predicted_copy_bytes(graph, copied_roles(True, zero=1, dp_cp=2))
+    assert set(held) == set(expected) == {"block", "head"}
+    for role, value in expected.items():
+        assert held[role] <= value <= 1.02 * held[role], role
