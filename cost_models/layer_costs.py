@@ -231,7 +231,7 @@ class MeshCosts(ExpertCommunication):
             return self._cache[kind.name]
         lay = self.layout
         compute = self._compute(kind)
-        shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, lay.precision)
+        shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, self.stack.saved_input_precision(lay.precision))
         load = self.spec.expert_load
         activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules, load) for r in RECOMPUTE_ORDER)
         freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,), load)

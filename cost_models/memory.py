@@ -83,7 +83,7 @@ def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int) -> tuple[str, ...
     frees: ZeRO-3 (`reshard_after_forward=True`, the root too) frees each module's, and the two layers it gathers
     ahead are `comm_buffer_bytes`. torch.autocast (ZeRO-1's DDP, one data-parallel rank) keeps a copy of each
     weight a GEMM reads in its cache for the step's autocast region; an embedding lookup is no autocast op.
-    tests/test_compute_copy.py reads both from torch."""
+    tests/test_precision_memory.py reads both from torch."""
     if not fp32_parameters or zero >= 3:
         return ()
     if zero == 2 or dp_cp > 1 and zero == 0:
@@ -138,8 +138,9 @@ def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, c
     parallelism; everything by cp. Selective drops what recomputing `modules` frees (by default the
     attention core's own tensors: the s x s ones where attention is not fused); full keeps the input.
     What the routed ops make or keep (`OpCost.routed`) is the most loaded expert rank's: `expert_load` x the mean.
-    FP8 transformer layers keep their weight-GEMM inputs as 1-byte copies (Transformer Engine); the
-    embedding and output layers stay in bf16 (Megatron-Core builds them without Transformer Engine).
+    FP8 transformer layers keep their weight-GEMM inputs as 1-byte copies (Transformer Engine; `precision` is
+    the stack's `saved_input_precision`, bf16 where FP8 layers keep bf16 inputs); the embedding and output
+    layers stay in bf16 (Megatron-Core builds them without Transformer Engine).
     """
     if recompute is Recompute.full:
         return kind.input_bytes * micro_batch / ((tp if sp else 1) * cp)

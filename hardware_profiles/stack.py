@@ -83,6 +83,9 @@ class SoftwareStack(Strict):
     # fully (Megatron-Core's --recompute-granularity takes one value, full or selective)
     selective_every_layer: bool = False
     fp8_recipes: tuple[Fp8RecipeName, ...] = Field(strict=False)   # first is the default; empty: no FP8 training
+    # what an FP8 linear keeps of its input for backward: an FP8 copy (Transformer Engine's Linear saves its
+    # quantised input) or the bf16 input (torchao's Float8Linear: matmul_with_hp_or_float8_args saves input_hp)
+    fp8_saved_inputs: Literal["fp8", "bf16"] = "fp8"
     context_parallel_attention: Literal["any", "reference", "sdpa"]   # attention it can split by sequence:
     #                                        its own layers' ("any": the model is written for the framework),
     #                                        only the reference decoder's CoreAttention, or that and any causal
@@ -207,6 +210,11 @@ class SoftwareStack(Strict):
             raise ValueError("adam_moment_bytes 2 (bf16 moments) needs precision_aware_optimizer: on, as "
                              "Megatron-Core's OptimizerConfig does")
         return self
+
+    def saved_input_precision(self, precision) -> str:
+        """The precision whose saved tensors the activation memory bills: fp8 only where FP8 layers keep FP8 copies
+        of their GEMM inputs (`fp8_saved_inputs`)."""
+        return "bf16" if precision == "fp8" and self.fp8_saved_inputs == "bf16" else str(precision)
 
     def moment_bytes_in(self, layout) -> int:
         """Bytes of each Adam moment `layout` keeps: the stack's where the precision-aware optimizer runs, fp32

@@ -188,7 +188,8 @@ class Bounds:
                       max(w * f for w, f in zip(weights, flights)))
 
     def _activations(self, layout: Layout, recompute: Recompute) -> tuple[float, ...]:
-        key = (recompute, layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.precision,
+        key = (recompute, layout.tp, layout.sp, layout.cp, layout.micro_batch,
+               self.stack.saved_input_precision(layout.precision),
                self._least_memory_modules(layout))
         if key not in self.activations:
             self.activations[key] = tuple(activation_bytes(kind, recompute, *key[1:])

@@ -1,4 +1,5 @@
-"""The bf16 copy of fp32 master parameters that torch's mixed precision holds through a step, against torch.
+"""What torch's mixed precision holds for backward, against torch: the bf16 copy of fp32 master parameters, and
+the inputs torchao's FP8 linears keep.
 
 Where the parameters are the fp32 master (`master_weights: parameters`: this runtime, torchtitan), a step
 computes with bf16 copies: FSDP2's MixedPrecisionPolicy unshards each module into one, and torch.autocast
@@ -13,12 +14,14 @@ import socket
 
 import pytest
 import torch
+from torch import nn
 import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from cost_models.memory import MASTER_BYTES, StateSharding, copied_roles, model_state_bytes
+from planner import api
 from planner.capture.model_capture import capture
 from planner.capture.model_sources import resolve_model
 from planner.capture.reference_model import build_model
@@ -111,3 +114,26 @@ def test_autocast_keeps_a_copy_of_each_gemm_weight_for_the_step():
     assert set(held) == set(expected) == {"block", "head"}
     for role, value in expected.items():
         assert held[role] <= value <= 1.02 * held[role], role
+
+
+def test_torchao_float8_keeps_bf16_inputs_and_its_stacks_bill_them():
+    """torchao's Float8Linear (this runtime's and torchtitan's FP8) saves the bf16 input and weight for backward,
+    no FP8 copy: under those stacks FP8 activations are billed as bf16 ones, where Transformer Engine's stacks
+    (Megatron-Core) bill 1-byte copies of the GEMM inputs."""
+    from torchao.float8 import convert_to_float8_training
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)).to(torch.bfloat16)
+    convert_to_float8_training(layers)
+    assert {type(layer).__name__ for layer in layers} == {"Float8Linear"}
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layers(torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    assert saved and {t.dtype for t in saved} == {torch.bfloat16}
+    common = dict(device="h100-sxm", num_devices=8, global_batch=8, seq_len=4096,
+                  layout="tp=1,pp=1,dp=8,cp=1,mbs=1,zero=3,recompute=none")
+
+    def activations(stack: str, precision: str) -> float:
+        return api.evaluate("llama3-8b", stack=stack, precision=precision, **common).memory[0].parts["activations"]
+    assert activations("torchtitan", "fp8") == activations("torchtitan", "bf16")
+    assert activations("parallel-planner", "fp8") == activations("parallel-planner", "bf16")
+    assert activations("megatron-core", "fp8") < activations("megatron-core", "bf16")
