@@ -303,12 +303,13 @@ class MeshCosts(ExpertCommunication):
         return self._line(max(dense, 1.0), "dpcp"), self._line(max(expert, 1.0), "edp") if expert else (0.0, 0.0)
 
     def _line(self, size: float, dim: str) -> tuple[float, float]:
-        """Once per step: ZeRO-0 all-reduces gradients; ZeRO-1 reduce-scatters them; ZeRO-1 and 2 all-gather
-        the updated bf16 weights; ZeRO-2/3 reduce gradients per micro-batch instead (sharded_dp_comm_s)."""
+        """Once per step: ZeRO-0 all-reduces gradients; ZeRO-1 reduce-scatters them, as ZeRO-2/3 do where they
+        accumulate unsharded; ZeRO-1 and 2 all-gather the updated bf16 weights; ZeRO-2/3 reduce gradients per
+        micro-batch otherwise (sharded_dp_comm_s)."""
         lay = self.layout
         latency = per_byte = 0.0
-        if lay.zero <= 1:
-            op = Collective.reduce_scatter if lay.zero == 1 else Collective.all_reduce
+        if lay.zero <= 1 or self.state_sharding.unsharded_gradients:
+            op = Collective.all_reduce if lay.zero == 0 else Collective.reduce_scatter
             cost = self.collective(op, size, dim)
             per_byte, latency = cost.bandwidth_seconds / size, cost.latency_seconds
         if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step
@@ -330,13 +331,16 @@ class MeshCosts(ExpertCommunication):
         return max(0.0, self.dp_latency_s + reduce_s - self.stack.dp_window_fraction * compute_s)
 
     def sharded_dp_comm_s(self, dense_params: float, expert_params: float) -> float:
-        """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (they cannot accumulate
-        unsharded); ZeRO-3 (FSDP) also all-gathers the bf16 weights for forward and again for backward."""
+        """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (unless the stack accumulates them
+        unsharded, reducing once per step: `_line`); ZeRO-3 (FSDP) also all-gathers the bf16 weights for forward
+        and again for backward."""
         seconds = 0.0
+        per_micro_batch = not self.state_sharding.unsharded_gradients
         for params, dim in ((dense_params, "dpcp"), (expert_params, "edp")):
             if not params:
                 continue
-            seconds += self.collective(Collective.reduce_scatter, params * self.layout.gradient_bytes, dim).seconds
+            if per_micro_batch:
+                seconds += self.collective(Collective.reduce_scatter, params * self.layout.gradient_bytes, dim).seconds
             if self.layout.zero >= 3:
                 seconds += 2 * self.collective(Collective.all_gather, params * 2, dim).seconds
         return seconds

@@ -33,6 +33,7 @@ class StateSharding:
     fp32_parameters: bool = False   # the parameters are the fp32 master, cast to bf16 per use (FSDP2 mixed
     #                                 precision, autocast): the optimizer holds moments only
     copied_roles: tuple[str, ...] = ()   # `copied_roles`: layers whose parameters a bf16 copy shadows in the step
+    unsharded_gradients: bool = False    # ZeRO-2/3 gradients accumulate whole (`SoftwareStack.accumulates_unsharded`)
     optimizer_swap_chunks: int = 0  # `SoftwareStack.optimizer_swap_chunks`: states in host memory, one
     #                                 chunk of them on the device at a time
     moment_bytes: int = 4           # each of Adam's two moments (`SoftwareStack.adam_moment_bytes`)
@@ -44,10 +45,12 @@ class StateSharding:
         # (OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         remainders = stack.precision_aware_in(layout) and (layout.precision == "bf16" or layout.fp8_recipe == "delayed")
         fp32_parameters = stack.master_weights == "parameters"
+        unsharded = stack.accumulates_unsharded(layout)
         return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                    expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
                    fp32_parameters=fp32_parameters,
-                   copied_roles=copied_roles(fp32_parameters, layout.zero, layout.dp * layout.cp),
+                   copied_roles=copied_roles(fp32_parameters, layout.zero, layout.dp * layout.cp, unsharded),
+                   unsharded_gradients=unsharded,
                    optimizer_swap_chunks=stack.optimizer_swap_chunks, moment_bytes=stack.moment_bytes_in(layout),
                    master_bytes=REMAINDER_BYTES if remainders else MASTER_BYTES)
 
@@ -75,7 +78,7 @@ class ModelStateBytes:
         return ModelStateBytes(count * self.weights, count * self.gradients, count * self.optimizer)
 
 
-def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int) -> tuple[str, ...]:
+def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int, unsharded_accumulation: bool = False) -> tuple[str, ...]:
     """The layers (by role) whose parameters a step computes with in a bf16 copy held from their forward to their
     backward, where the fp32 parameters are the master (torch's mixed precision; a separate master's bf16 weights
     are the weights themselves). FSDP2's MixedPrecisionPolicy (fully_shard for ZeRO-2/3, torch's replicate on it
@@ -83,8 +86,14 @@ def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int) -> tuple[str, ...
     frees: ZeRO-3 (`reshard_after_forward=True`, the root too) frees each module's, and the two layers it gathers
     ahead are `comm_buffer_bytes`. torch.autocast (ZeRO-1's DDP, one data-parallel rank) keeps a copy of each
     weight a GEMM reads in its cache for the step's autocast region; an embedding lookup is no autocast op.
-    tests/test_precision_memory.py reads both from torch."""
-    if not fp32_parameters or zero >= 3:
+    Where gradients accumulate unsharded under pipelining, torch keeps each module's unsharded copy after its
+    backward until the step's reduction, ZeRO-3's too (held by the end of each backward; billed whole, which can
+    over-count by one micro-batch's activations). tests/test_precision_memory.py reads these from torch."""
+    if not fp32_parameters:
+        return ()
+    if zero >= 3 and unsharded_accumulation:
+        return ("embedding", "block", "head")
+    if zero >= 3:
         return ()
     if zero == 2 or dp_cp > 1 and zero == 0:
         return ("embedding", "block", "head")
@@ -109,7 +118,9 @@ def model_state_bytes(kind: LayerKind, sharding: StateSharding) -> ModelStateByt
     weights = weight_bytes * (shard(dense, sharding.dp_cp, 3) + shard(expert, sharding.expert_dp, 3))
     if kind.role in sharding.copied_roles:
         weights += WEIGHT_BYTES * (dense + expert)
-    grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, 2) + shard(expert, sharding.expert_dp, 2))
+    grads_from = 4 if sharding.unsharded_gradients else 2   # no ZeRO stage shards them inside the step then
+    grads = sharding.gradient_bytes * (shard(dense, sharding.dp_cp, grads_from) +
+                                       shard(expert, sharding.expert_dp, grads_from))
     optim = optimizer_bytes * (shard(dense, sharding.dp_cp, 1) + shard(expert, sharding.expert_dp, 1))
     return ModelStateBytes(weights, grads, optim * sharding.optimizer_resident_fraction)
 

@@ -169,6 +169,11 @@ class SoftwareStack(Strict):
     precision_aware_optimizer: Literal["off", "bf16", "on"] = "off"
     adam_moment_bytes: Literal[2, 4] = 4
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
+    # under pipelining, how ZeRO-2/3 gradients accumulate over a step's micro-batches: reduce-scattered after each
+    # ("sharded") or kept unsharded, with the unsharded parameters, and reduced once after the last ("unsharded":
+    # torch.distributed.pipelining runs every backward with FSDP2's requires_gradient_sync and
+    # reshard_after_backward off, and reduces in the stage's perform_reduce_grad)
+    pipeline_gradient_accumulation: Literal["sharded", "unsharded"] = "sharded"
     # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or into
     # the bf16 logits a fused kernel keeps (Megatron-Core --cross-entropy-fusion-impl te; cost_models/memory.py)
     loss_gradient: Literal["in_place", "eager", "fused"]
@@ -210,6 +215,11 @@ class SoftwareStack(Strict):
             raise ValueError("adam_moment_bytes 2 (bf16 moments) needs precision_aware_optimizer: on, as "
                              "Megatron-Core's OptimizerConfig does")
         return self
+
+    def accumulates_unsharded(self, layout) -> bool:
+        """Whether ZeRO-2/3 gradients stay unsharded through the step and are reduced once, after the last
+        micro-batch (`pipeline_gradient_accumulation` under pipelining)."""
+        return self.pipeline_gradient_accumulation == "unsharded" and layout.pp > 1 and layout.zero >= 2
 
     def saved_input_precision(self, precision) -> str:
         """The precision whose saved tensors the activation memory bills: fp8 only where FP8 layers keep FP8 copies

@@ -152,9 +152,9 @@ def dualpipev_stack(hides: bool):
 @pytest.mark.parametrize("pp,dp,ep,zero", [(2, 16, 2, 2), (4, 8, 8, 0)])
 def test_pinned_search_equals_the_best_split_by_enumeration(pp, dp, ep, zero, hides):
     """DualPipeV pinned on a model of dense and expert layers, memory a quarter of the way from the even
-    split's need with full recomputation to its need without: the search's plan is the best of every split into 2 pp chunks placed as a V
-    and every per-layer recomputation, enumerated through `estimate`; every bound of the search's levels is
-    at or below it."""
+    split's need with full recomputation to its need without: the search's plan (at the enumeration's rank
+    order) is the best of every split into 2 pp chunks placed as a V and every per-layer recomputation,
+    enumerated through `estimate`; every bound of the search's levels is at or below it."""
     graph, stack = capture(mixed_moe_model(seq=4096)), dualpipev_stack(hides)
     choices = (Recompute.none, Recompute.full)
     base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=2, ep=ep, global_batch=64, zero=zero, dualpipev=True)
@@ -171,8 +171,9 @@ def test_pinned_search_equals_the_best_split_by_enumeration(pp, dp, ep, zero, hi
                               mesh_costs=costs)
             if result.fits and (best is None or result.step_time_s < best.step_time_s):
                 best = result
-    pins = stack_pins(Pins(dp=dp, tp=base.tp, pp=pp, cp=1, ep=ep, etp=1, mbs=1, zero=zero, schedule="dualpipev"),
-                      stack, graph)
+    # the enumeration's rank order, pinned: the search would also weigh others
+    pins = stack_pins(Pins(dp=dp, tp=base.tp, pp=pp, cp=1, ep=ep, etp=1, mbs=1, zero=zero, schedule="dualpipev",
+                           order=base.mesh_order), stack, graph)
     outcome = search(graph.costs(), cluster, 64, pins, stack=stack, graph=graph, top_k=1, recompute_choices=choices)
     assert best is not None and outcome.unexplored == 0
     found = outcome.ranked[0].estimate

@@ -137,3 +137,46 @@ def test_torchao_float8_keeps_bf16_inputs_and_its_stacks_bill_them():
     assert activations("torchtitan", "fp8") == activations("torchtitan", "bf16")
     assert activations("parallel-planner", "fp8") == activations("parallel-planner", "bf16")
     assert activations("megatron-core", "fp8") < activations("megatron-core", "bf16")
+
+
+def test_pipelined_fsdp2_keeps_whole_gradients_until_the_step_reduces_them(one_rank_group):
+    """torch.distributed.pipelining over FSDP2 (ZeRO-2 here): just before the stage's one reduction of the step
+    (`perform_reduce_grad`, after the last micro-batch), every registered parameter is still the unsharded one
+    with a whole gradient; after it, sharded. Stacks built on it (`pipeline_gradient_accumulation: unsharded`)
+    bill ZeRO-2/3 gradients whole under pipelining, dp times what they bill otherwise."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.tensor import DTensor
+
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import load_stack
+    model, graph = _decoder()
+    # fp32 throughout, so the whole gradient is the registered parameter's own (under a bf16 policy FSDP2
+    # accumulates it in fp32 beside the parameter, `unsharded_accumulated_grad`, out of public reach)
+    for slot in graph.blocks:
+        fully_shard(model.get_submodule(slot.module_name), mesh=one_rank_group, reshard_after_forward=False)
+    fully_shard(model, mesh=one_rank_group, reshard_after_forward=False)
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    before: list[tuple[bool, bool]] = []
+    reduce = stage.perform_reduce_grad
+
+    def look_then_reduce(*args, **kwargs):
+        for name, _ in model.named_parameters():
+            param = model.get_parameter(name)
+            before.append((isinstance(param, DTensor), param.grad is not None and param.grad.shape == param.shape))
+        return reduce(*args, **kwargs)
+    stage.perform_reduce_grad = look_then_reduce
+    vocab = resolve_model(MODEL).vocab_size
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda logits, target: torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), target.flatten()))
+    tokens = torch.randint(0, vocab, (2, SEQ))
+    schedule.step(tokens, target=torch.randint(0, vocab, (2, SEQ)))
+    assert before and all(not sharded and whole for sharded, whole in before)
+    assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in model.parameters())
+
+    runtime = load_stack("parallel-planner")
+    per_micro_batch = runtime.model_copy(update={"pipeline_gradient_accumulation": "sharded"})
+    layout = Layout(dp=4, pp=2, global_batch=16, zero=2)
+    kind = graph.kind(graph.blocks[0].kind)
+    whole, sharded = (model_state_bytes(kind, StateSharding.of(layout, stack)).gradients
+                      for stack in (runtime, per_micro_batch))
+    assert whole == pytest.approx(4 * sharded) and whole == pytest.approx(layout.gradient_bytes * kind.param_count)
