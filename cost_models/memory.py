@@ -78,7 +78,15 @@ class ModelStateBytes:
         return ModelStateBytes(count * self.weights, count * self.gradients, count * self.optimizer)
 
 
-def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int, unsharded_accumulation: bool = False) -> tuple[str, ...]:
+def casts_by_fsdp_policy(zero: int, dp_cp: int) -> bool:
+    """Whether torch's FSDP2 machinery wraps the parameters, casting them by its MixedPrecisionPolicy rather than
+    torch.autocast: fully_shard for ZeRO-2/3, torch's replicate built on it for ZeRO-0 over dp x cp > 1 (as this
+    runtime, `runtime/parallelize.apply_dp`, and torchtitan wrap them); not ZeRO-1's DDP, nor one rank."""
+    return zero >= 2 or (zero == 0 and dp_cp > 1)
+
+
+def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int,
+                 unsharded_accumulation: bool = False) -> tuple[str, ...]:
     """The layers (by role) whose parameters a step computes with in a bf16 copy held from their forward to their
     backward, where the fp32 parameters are the master (torch's mixed precision; a separate master's bf16 weights
     are the weights themselves). FSDP2's MixedPrecisionPolicy (fully_shard for ZeRO-2/3, torch's replicate on it
@@ -95,9 +103,7 @@ def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int, unsharded_accumul
         return ("embedding", "block", "head")
     if zero >= 3:
         return ()
-    if zero == 2 or dp_cp > 1 and zero == 0:
-        return ("embedding", "block", "head")
-    return ("block", "head")
+    return ("embedding", "block", "head") if casts_by_fsdp_policy(zero, dp_cp) else ("block", "head")
 
 
 def params_on_rank(kind: LayerKind, sharding: StateSharding) -> tuple[float, float]:

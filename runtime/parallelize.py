@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from cost_models.layout import Recompute
+from cost_models.memory import casts_by_fsdp_policy
 from planner.capture.graph import ModelGraph
 
 from . import mixed_precision
@@ -169,10 +170,11 @@ def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, .
 
 def uses_fsdp(zero: int, dp: int) -> bool:
     """Whether `apply_dp` wraps with FSDP2's machinery, which then also applies the mixed-precision policy:
-    fully_shard for ZeRO-2/3, and for ZeRO-0 over dp > 1 torch's replicate built on it. ZeRO-1 beside
-    tensor or expert parallelism with dp > 1 is refused before this (the stack's
-    zero_stages_beside_model_parallel): ZeroRedundancyOptimizer and the DDP-based replicate take no DTensor."""
-    return zero >= 2 or (zero == 0 and dp > 1)
+    fully_shard for ZeRO-2/3, and for ZeRO-0 over dp > 1 torch's replicate built on it (the rule the memory
+    model bills the bf16 copies by). ZeRO-1 beside tensor or expert parallelism with dp > 1 is refused before
+    this (the stack's zero_stages_beside_model_parallel): ZeroRedundancyOptimizer and the DDP-based replicate
+    take no DTensor."""
+    return casts_by_fsdp_policy(zero, dp)
 
 
 def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: int,

@@ -98,8 +98,8 @@ BF16_CASES = [("bf16-single", 1, "precision=bf16"), ("bf16-dp2-zero3", 2, "dp=2,
               ("bf16-dp2-zero0-bf16-reduce", 2, "dp=2,zero=0,precision=bf16,grad_reduce=bf16,mbs=2")]
 # FP8 through torchao's Float8Linear (tensorwise scaling), which runs on this CPU (torch._scaled_mm)
 FP8 = "precision=fp8,fp8_recipe=tensorwise"
-FP8_CASES = [("fp8-single", 1, FP8), ("fp8-dp2-zero3", 2, f"dp=2,zero=3,mbs=2,{FP8}"), ("fp8-pp2", 2, f"pp=2,mbs=2,{FP8}"),
-             ("fp8-dp2-zero0", 2, f"dp=2,zero=0,mbs=2,{FP8}")]
+FP8_CASES = [("fp8-single", 1, FP8), ("fp8-dp2-zero3", 2, f"dp=2,zero=3,mbs=2,{FP8}"),
+             ("fp8-pp2", 2, f"pp=2,mbs=2,{FP8}"), ("fp8-dp2-zero0", 2, f"dp=2,zero=0,mbs=2,{FP8}")]
 
 
 @pytest.fixture(scope="module")
