@@ -12,7 +12,7 @@ from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
-from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons
+from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .capture.graph import ModelGraph
 from .capture.model_capture import capture
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
@@ -130,7 +130,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
         alternatives=alternatives(best, ranked[1:]),
         reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster)
-        + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
+        + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance), ep_imbalance=ep_imbalance,
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers)
 

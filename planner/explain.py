@@ -4,6 +4,7 @@ from __future__ import annotations
 from cost_models.compute import ShardSpec, layer_compute, rank_load
 from cost_models.host_time import host_billed, layer_host_seconds
 from cost_models.layout import Layout, Recompute
+from cost_models.memory import StateSharding
 from cost_models.records import ModelCosts
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
@@ -94,6 +95,22 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
         out.append(combined_1f1b_reason(best, twin))
     if others:
         out.append(f"the next best ({text_of(others[0].layout)}) {_loses(best, others[0])}")
+    return out
+
+
+def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:
+    """What the stack's torch mixed precision and pipelining hold beyond ZeRO's shares (`StateSharding`), said."""
+    sharding = StateSharding.of(best.layout, stack)
+    out = []
+    if sharding.copied_roles:
+        what, how = ("every layer's parameters", "FSDP2's unsharded parameters") \
+            if "embedding" in sharding.copied_roles else ("the blocks' and output layer's weights", "autocast's cache")
+        out.append(f"the fp32 parameters are the master: a bf16 copy of {what} ({how}, 2 bytes each, unsharded) "
+                   "is held from their forward to their backward")
+    if sharding.unsharded_gradients:
+        out.append(f"ZeRO-{best.layout.zero} under torch's pipelining keeps the gradients whole through the step "
+                   "(pipeline_gradient_accumulation: unsharded): they are reduce-scattered once, after the last "
+                   "micro-batch")
     return out
 
 

@@ -180,3 +180,14 @@ def test_pipelined_fsdp2_keeps_whole_gradients_until_the_step_reduces_them(one_r
     whole, sharded = (model_state_bytes(kind, StateSharding.of(layout, stack)).gradients
                       for stack in (runtime, per_micro_batch))
     assert whole == pytest.approx(4 * sharded) and whole == pytest.approx(layout.gradient_bytes * kind.param_count)
+
+
+def test_a_plan_says_what_torch_holds_beyond_zeros_shares():
+    """Nothing silent: a plan for a torch stack names the bf16 copy and the whole gradients it billed; a
+    Megatron plan, whose bf16 weights are the weights and whose gradients ZeRO shares as usual, names neither."""
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, seq_len=4096, pp=2, zero=2, time_limit_s=20)
+    torch_plan = api.plan("llama3-8b", stack="parallel-planner", **common)
+    megatron = api.plan("llama3-8b", stack="megatron-core", **common)
+    said = " ".join(torch_plan.reasons)
+    assert "a bf16 copy of every layer's parameters" in said and "keeps the gradients whole" in said
+    assert not any("bf16 copy" in line or "gradients whole" in line for line in megatron.reasons)
