@@ -74,15 +74,23 @@ class LayerCost(LayerWork):
     selective_forward_flops: float                 # matmul forward FLOPs per sample that selective repeats
 
     zero_exposed_s: float = 0.0                    # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
+    weight_pass_recomputes: int = 0                # recomputations per split weight pass (the stack's
+    #                                                dualpipev_weight_pass_recompute: its parameter groups)
 
     def work_s(self, recompute: Recompute) -> float:
         return self.work_before_zero_s(recompute) + self.zero_exposed_s
 
-    def dualpipev_bubble_s(self, recompute: Recompute, weight_factor: int) -> float:
+    def dualpipev_bubble_s(self, recompute: Recompute, weight_factor: int, split_factor: float = 0.0) -> float:
         """This layer's part of DualPipeV's bubble term A + B - kW (`cost_models.pipeline.dualpipev_seconds`):
-        recomputation lengthens both the work alone and the backward."""
+        recomputation lengthens both the work alone and the backward, and, where split weight passes recompute
+        once per parameter group, those passes (`split_factor`: `pipeline.dualpipev_split_recompute_factor`)."""
         return (self.work_s(recompute) + self.unpaired_extra_s + self.backward_alone_s(recompute)
-                - weight_factor * self.backward_weight_s)
+                - weight_factor * self.backward_weight_s + split_factor * self.dualpipev_split_recompute_s(recompute))
+
+    def dualpipev_split_recompute_s(self, recompute: Recompute) -> float:
+        """What one split weight pass recomputes of this layer beyond a whole backward: its recomputation once per
+        parameter group (`weight_pass_recomputes`; 0 where the stack's pass recomputes nothing more)."""
+        return self.weight_pass_recomputes * self.recompute_s[RECOMPUTE_INDEX[recompute]]
 
 
 @dataclass(frozen=True)
@@ -251,6 +259,7 @@ class MeshCosts(ExpertCommunication):
             dp_reduce_s=dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
             optimizer_step_s=self.optimizer_s(optimizer_params),
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
+            weight_pass_recomputes=kind.weight_pass_groups if self.stack.dualpipev_weight_pass_recompute else 0,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
             selective_forward_flops=selective_flops)
         if lay.zero >= 2:

@@ -74,6 +74,16 @@ def dualpipev_weight_factor(weight_split_in_cooldown: bool) -> int:
     return 3 if weight_split_in_cooldown else 1
 
 
+def dualpipev_split_recompute_factor(stages: int, weight_pass_recompute: bool) -> float:
+    """The coefficient on a layer's split-pass recomputation (`LayerCost.dualpipev_split_recompute_s`) in the
+    bubble term, whose (p - 1)/2 it multiplies: (2p - 1)/(p - 1), so that the step gains (2p - 1)/2 times a rank's
+    recomputation per split weight pass. Rank 1 of torch's list splits p - 1 backwards of each of its chunks
+    (rank 0 as many of its second; the first chunk's weight pass is one autograd.backward); the replay with that
+    much more work in those passes gains 2p - 1 times one pass's extra as it grows past the slack the passes fill
+    (tests/test_dualpipev.py). 0 where the stack's weight pass recomputes nothing more."""
+    return (2 * stages - 1) / (stages - 1) if weight_pass_recompute and stages > 1 else 0.0
+
+
 def dualpipev_least_micro_batches(stages: int) -> int:
     """Micro-batches DualPipeV needs: 2 p, one per chunk (torch's ScheduleDualPipeV refuses fewer)."""
     return 2 * stages

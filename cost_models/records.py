@@ -123,6 +123,9 @@ class LayerKind:
     logits_fp32_bytes: float = 0.0  # head only: fp32 logits kept for the loss
     tp_pair_count: int = 0          # column->row pairs: each costs one TP collective forward and one backward
     kv_channels: int = 0            # kv heads x head dim: what context parallelism all-gathers
+    # parameter groups torch's split weight pass computes one autograd.grad each for (capture's
+    # `weight_pass_groups`): a recomputed layer is recomputed once per group in such a pass (`LayerCost`)
+    weight_pass_groups: int = 0
 
     @property
     def param_count(self) -> int:

@@ -13,8 +13,8 @@ from hardware_profiles.stack import SoftwareStack
 from .layout import Layout, Recompute
 from .memory import (ModelStateBytes, StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes,
                      usable_bytes)
-from .pipeline import (RankPasses, dualpipev_seconds, dualpipev_weight_factor, even_partition, in_flight_micro_batches,
-                       p2p_transfers_on_critical_path, pipeline_seconds)
+from .pipeline import (RankPasses, dualpipev_seconds, dualpipev_split_recompute_factor, dualpipev_weight_factor,
+                       even_partition, in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds)
 from .records import ModelCosts
 
 
@@ -117,8 +117,9 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
     passes = None
     if lay.dualpipev:   # what DualPipeV's critical path reads beside the steady state's work
         weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
+        split = dualpipev_split_recompute_factor(lay.pp, costs.stack.dualpipev_weight_pass_recompute)
         passes = RankPasses(paired_s=work, alone_s=work + sum(n * c.unpaired_extra_s for c, _, n in items),
-                            bubble_s=sum(n * c.dualpipev_bubble_s(r, weight_factor) for c, r, n in items))
+                            bubble_s=sum(n * c.dualpipev_bubble_s(r, weight_factor, split) for c, r, n in items))
     return StageTotals(
         work_s=work, compute_s=compute, recompute_s=recomputed, passes=passes,
         tp_s=sum(n * c.tp_comm_s for c, _, n in items), cp_s=sum(n * c.cp_comm_s for c, _, n in items),

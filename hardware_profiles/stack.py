@@ -70,6 +70,11 @@ class SoftwareStack(Strict):
     # recomputation inside DualPipeV: its split backward unpacks a checkpointed block's saved tensors twice
     # (input, then weight gradients)
     dualpipev_recompute: bool = True
+    # its DualPipeV runs torch's split weight pass (stage_backward_weight: one autograd.grad per parameter group)
+    # over non-reentrant checkpointing, which recomputes a region once per backward graph task: each split
+    # backward recomputes a recomputed layer once more per parameter group (LayerKind.weight_pass_groups), and
+    # selective checkpointing, which allows one backward per region, cannot run there
+    dualpipev_weight_pass_recompute: bool = False
     # the ZeRO stages it runs DualPipeV with where gradients are reduced over more than one rank (dp x cp > 1;
     # none: all it runs); over one rank ZeRO 0 and 1 shard and reduce nothing, so they run too
     dualpipev_zero_stages: tuple[int, ...] | None = Field(default=None, min_length=1, strict=False)
@@ -201,6 +206,8 @@ class SoftwareStack(Strict):
                 self.dualpipev_schedule and set(self.dualpipev_zero_stages) <= set(self.zero_stages)):
             raise ValueError(f"dualpipev_zero_stages {list(self.dualpipev_zero_stages)}: needs dualpipev_schedule, "
                              f"and each must be one of zero_stages {list(self.zero_stages)}")
+        if self.dualpipev_weight_pass_recompute and not (self.dualpipev_schedule and self.dualpipev_recompute):
+            raise ValueError("dualpipev_weight_pass_recompute needs dualpipev_schedule and dualpipev_recompute")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
             raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
         if self.moe_shared_expert_overlap and self.moe_dispatcher != "alltoall":

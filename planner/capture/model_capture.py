@@ -16,7 +16,7 @@ from hardware_profiles.errors import UserInputError
 
 from .recording import record
 from .block_graphs import find_block_stack, trace
-from .tracing import Measured, _Analyzer, block_params, measure_block
+from .tracing import Measured, _Analyzer, block_params, measure_block, weight_pass_groups
 from .graph import BlockStructure, LayerSlot, ModelGraph
 from .graph_analysis import block_window, signature
 from .model_config import MAX_SEQ, ModelConfig
@@ -235,7 +235,8 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
                                router_num_groups=structure.router_num_groups,
                                router_group_topk=structure.router_group_topk,
                                tp_pair_count=len(structure.tp_pairs),
-                               kv_channels=structure.kv_groups * structure.head_dim))
+                               kv_channels=structure.kv_groups * structure.head_dim,
+                               weight_pass_groups=weight_pass_groups(block)))
         structures.append(structure)
         if hidden is None:
             hidden = _hidden_width(measured.output)

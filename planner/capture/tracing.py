@@ -344,4 +344,18 @@ def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, 
     return counts
 
 
-__all__ = ["Measured", "measure_block", "block_params"]
+def weight_pass_groups(block: nn.Module) -> int:
+    """Groups torch's split weight pass computes one by one (torch.distributed.pipelining's
+    stage_backward_weight: one autograd.grad per set of parameters meeting the activations at one op): a Linear's
+    weight and bias meet at its GEMM, a norm's at its scale; any other module's parameters each at an op of its own
+    (stacked expert weights, a router's)."""
+    groups = 0
+    for module in block.modules():
+        direct = list(module.parameters(recurse=False))
+        if direct:
+            groups += 1 if is_linear_like(module) or is_norm_like(module) or isinstance(module, nn.LayerNorm) \
+                else len(direct)
+    return groups
+
+
+__all__ = ["Measured", "measure_block", "block_params", "weight_pass_groups"]

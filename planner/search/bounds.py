@@ -17,7 +17,8 @@ from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule,
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
-from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, p2p_transfers_on_critical_path
+from cost_models.pipeline import (dualpipev_split_recompute_factor, dualpipev_weight_factor, in_flight_micro_batches,
+                                  p2p_transfers_on_critical_path)
 from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
@@ -85,9 +86,10 @@ def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recomp
     bubble = 0.0
     if layout.dualpipev:   # DualPipeV's bubble term at its least: the ranks' mean (a max is at least it)
         weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
+        split = dualpipev_split_recompute_factor(layout.pp, costs.stack.dualpipev_weight_pass_recompute)
         layers = [(n, costs.layer(kind), fastest) for kind, n in model.block_counts] + \
             [(1, c, Recompute.none) for c in edges]
-        bubble = max(0.0, sum(n * c.dualpipev_bubble_s(r, weight_factor) for n, c, r in layers) / layout.pp)
+        bubble = max(0.0, sum(n * c.dualpipev_bubble_s(r, weight_factor, split) for n, c, r in layers) / layout.pp)
     return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s, bubble)
             + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s() + dp + optimizer)
 

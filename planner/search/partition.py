@@ -16,7 +16,8 @@ from ortools.sat.python import cp_model
 from cost_models.layer_costs import RECOMPUTE_INDEX, RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule, first_blocks_of_each_chunk, nested_modules
 from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
-from cost_models.pipeline import dualpipev_weight_factor, in_flight_micro_batches, least_blocks
+from cost_models.pipeline import (dualpipev_split_recompute_factor, dualpipev_weight_factor, in_flight_micro_batches,
+                                  least_blocks)
 
 TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
 MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
@@ -214,6 +215,7 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     held = gradients_held_at_peak(costs.stack.gradient_buffer, m)
     paired = costs.stack.hides_moe_a2a(lay)   # combined 1F1B holds one more forward's activations
     weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
+    split = dualpipev_split_recompute_factor(pp, costs.stack.dualpipev_weight_pass_recompute) if lay.dualpipev else 0.0
 
     def peak_states(c) -> float:
         return c.states.total if held else c.states.total - c.states.gradients
@@ -231,6 +233,7 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
         flight = in_flight_micro_batches(i, pp, m, v, paired, lay.dualpipev)
         w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
         r_terms, a_terms, b_terms = [], [], []   # recomputation's time; DualPipeV's A and bubble term
+        s_terms = []   # DualPipeV: recomputation split weight passes repeat per parameter group, in the bubble term
         for j in owned:
             for r, (kind, _, _) in enumerate(runs):
                 c = layer[kind]
@@ -249,15 +252,18 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
                 if choose and k is Recompute.selective:
                     for mod in chosen:
                         r_terms.append(_t_extra(c.module_recompute_s[MODULE_INDEX[mod]]) * part[i, r, mod])
+                        s_terms.append(_t_extra(split * c.weight_pass_recomputes * c.module_recompute_s[
+                            MODULE_INDEX[mod]]) * part[i, r, mod])
                         mem_terms.append(-_m(flight * c.module_freed_bytes[MODULE_INDEX[mod]]) * part[i, r, mod])
                     continue
                 r_terms.append(_t_extra(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
+                s_terms.append(_t_extra(split * c.dualpipev_split_recompute_s(k)) * redo[i, r, k])
                 mem_terms.append(_m(flight * (c.activation_bytes[RECOMPUTE_INDEX[k]] - c.activation_bytes[0])) * redo[i, r, k])
         fixed = [c for c, on in ((emb, first), (head, last)) if on]
         fixed_work = sum(_t(c.work_s(Recompute.none)) for c in fixed)
         # DualPipeV: the rank alone (A) and its bubble term (A + B - kW); recomputation lengthens A and B
         alone.append(sum(a_terms) + sum(r_terms) + sum(_t(alone_s(c)) for c in fixed))
-        bubble.append(sum(b_terms) + 2 * sum(r_terms) + sum(_t(bubble_s(c)) for c in fixed))
+        bubble.append(sum(b_terms) + 2 * sum(r_terms) + sum(s_terms) + sum(_t(bubble_s(c)) for c in fixed))
         w_terms += r_terms
         fixed_mem = sum(peak_states(c) + flight * c.activation_bytes[0] for c in fixed)
         loss = costs.stack.loss_gradient

@@ -141,6 +141,10 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
     if not stack.dualpipev_recompute and (pins.recompute not in (None, Recompute.none) or pins.recompute_layers):
         problems.append(f"recompute={pins.recompute or 'full'} with schedule=dualpipev: the {name} stack runs "
                         "DualPipeV without recomputation")
+    if stack.dualpipev_weight_pass_recompute and (pins.recompute is Recompute.selective or pins.recompute_modules):
+        problems.append(f"recompute=selective with schedule=dualpipev: the {name} stack's selective checkpointing "
+                        "allows one backward per region, and DualPipeV's split weight pass runs a second (full "
+                        "recomputation runs, once more per parameter group in those passes)")
     if pins.a2a_overlap:
         problems.append("a2a_overlap=true with schedule=dualpipev: combined 1F1B is another schedule; DualPipeV's "
                         f"own pairs {'hide' if stack.dualpipev_hides_moe_a2a else 'do not hide'} MoE all-to-alls "
@@ -208,9 +212,12 @@ def leaf_recompute_methods(stack: SoftwareStack, layout: Layout,
                            allowed: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
     """The methods a whole layout's layers may take, of `allowed`: none fully where the stack hides its MoE
     all-to-alls (Megatron-Core refuses the pair beside full recomputation, so the costs' overlap stays true),
-    and only no recomputation inside a DualPipeV the stack cannot recompute in."""
+    and only no recomputation inside a DualPipeV the stack cannot recompute in (no selective one where its split
+    weight pass would run selective checkpointing twice)."""
     if layout.dualpipev and not stack.dualpipev_recompute:
         return tuple(r for r in allowed if r is Recompute.none)
+    if layout.dualpipev and stack.dualpipev_weight_pass_recompute:
+        return tuple(r for r in allowed if r is not Recompute.selective)
     if stack.hides_moe_a2a(layout):
         return tuple(r for r in allowed if r is not Recompute.full)
     return allowed
