@@ -241,6 +241,8 @@ def test_the_search_chooses_dualpipev_where_it_is_faster_and_says_so(tmp_path):
     ("parallel-planner", "tp=1,pp=4,dp=4,cp=1,mbs=1,zero=2,recompute=selective,schedule=dualpipev",
      "without recomputation"),
     ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=1,vp=3,schedule=dualpipev", "vp=2"),
+    # torch's selective checkpoint allows one backward per region; the split weight pass runs a second
+    ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=1,recompute=selective,schedule=dualpipev", "one backward per region"),
     ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=4,schedule=dualpipev", "at least 2 pp"),
     ("mindspeed", "tp=1,pp=2,dp=4,cp=2,mbs=1,schedule=dualpipev", "without context parallelism"),
     ("mindspeed", "tp=1,pp=8,dp=2,cp=1,ep=1,etp=1,vp=2,mbs=1,zero=1,recompute=none,schedule=dualpipev,stages=1-2*14-3", "splits the layers evenly"),
@@ -284,3 +286,45 @@ def test_megatron_export_says_it_cannot_run_the_v():
                       stack="mindspeed", layout="tp=1,pp=4,dp=8,cp=1,ep=8,mbs=1,schedule=dualpipev")
     _, notes = megatron_args(result)
     assert any("no DualPipeV" in n and "--schedules-method dualpipev --moe-fb-overlap" in n for n in notes)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+def test_weight_pass_groups_are_the_groups_torchs_split_backward_finds(model):
+    """Capture's `weight_pass_groups` per block kind against torch's own: the parameter groups
+    `stage_backward_input` returns for the split weight pass (one autograd.grad each), on the reference decoder."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from planner.capture.model_sources import resolve_model
+    from planner.capture.reference_model import build_model
+    config, graph = resolve_model(model), capture(model)
+    torch.manual_seed(0)
+    decoder = build_model(config, "cpu", torch.float32)
+    seen = set()
+    for slot in graph.blocks:
+        if slot.kind in seen:
+            continue
+        seen.add(slot.kind)
+        hidden = torch.randn(1, 8, config.hidden_size, requires_grad=True)
+        block = decoder.get_submodule(slot.module_name)
+        out = block(hidden)
+        out = out[0] if isinstance(out, tuple) else out
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [hidden], block.parameters())
+        assert graph.kind(slot.kind).weight_pass_groups == len(groups) > 0, slot.kind
+
+
+def test_torchtitan_dualpipev_bills_the_weight_pass_recomputations():
+    """Full recomputation under torchtitan's DualPipeV costs (2p - 1)/2 x groups x each rank's recomputation more
+    than where the weight pass recomputed once, and nothing more without recomputation."""
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, seq_len=4096,
+                  layout="tp=1,pp=4,dp=4,cp=1,mbs=1,zero=2,schedule=dualpipev,recompute={}")
+    once = TORCHTITAN.model_copy(update={"dualpipev_weight_pass_recompute": False})
+    full, plain = (evaluate("llama3-8b", stack=TORCHTITAN, **{**common, "layout": common["layout"].format(r)})
+                   for r in ("full", "none"))
+    full_once, plain_once = (evaluate("llama3-8b", stack=once, **{**common, "layout": common["layout"].format(r)})
+                             for r in ("full", "none"))
+    assert plain.step_time_s == pytest.approx(plain_once.step_time_s, rel=1e-12)
+    recompute_per_micro_batch = full_once.breakdown["recompute_s"] / 16   # m = 64 / (4 dp x 1)
+    groups = capture("llama3-8b").kind("dense").weight_pass_groups
+    extra = (2 * 4 - 1) / 2 * groups * recompute_per_micro_batch   # p = 4, every rank alike
+    assert full.step_time_s - full_once.step_time_s == pytest.approx(extra, rel=0.02)
