@@ -121,7 +121,7 @@ class ParallelModel:
                 apply_cp(module, graph, self.mesh["cp"], graph.seq_len)
             experts = apply_ep(module, graph, self.ep_mesh, self.expert_mesh) if dims.ep > 1 else []
             self.expert_params += experts
-            apply_ac(module, graph, recompute)
+            apply_ac(module, graph, recompute, self.layout.dualpipev)
             wrapped.append(apply_dp(module, graph, self._dp_mesh(), dims.zero, set(experts),
                                     pipelined=dims.pp > 1,
                                     mp_policy=mixed_precision.fsdp_policy(self.precision, self.layout)))

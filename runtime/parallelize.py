@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as checkpoint_function
 
 from cost_models.layout import Recompute
 from cost_models.memory import casts_by_fsdp_policy
@@ -155,14 +156,20 @@ def _recompute_attention_only(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_OPS else CheckpointPolicy.MUST_SAVE
 
 
-def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, ...]) -> None:
-    """Composable checkpoint keeps parameter names: full per block, or attention-only per block."""
+def apply_ac(module: nn.Module, graph: ModelGraph, recompute: tuple[Recompute, ...], dualpipev: bool = False) -> None:
+    """Composable checkpoint keeps parameter names: full per block, or attention-only per block. Under DualPipeV
+    full recomputation is torch's non-reentrant checkpoint around each block's forward instead (as torchtitan's
+    checkpoint_wrapper, names kept): the composable one recomputes once per forward, and the split weight pass
+    asks again (one graph task per parameter group, each recomputing: billed by the stack's
+    dualpipev_weight_pass_recompute); selective recomputation is refused there before this."""
     present = _present(module)
     for index, slot in enumerate(graph.blocks):
         if slot.module_name not in present or recompute[index] is Recompute.none:
             continue
         block = module.get_submodule(slot.module_name)
-        if recompute[index] is Recompute.full:
+        if recompute[index] is Recompute.full and dualpipev:
+            block.forward = partial(checkpoint_function, block.forward, use_reentrant=False)
+        elif recompute[index] is Recompute.full:
             checkpoint(block)
         else:
             checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, _recompute_attention_only))

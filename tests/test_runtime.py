@@ -205,6 +205,9 @@ CASES = [
     ("pp2-dp2-dualpipev-zero0", 4, "pp=2,dp=2,zero=0,schedule=dualpipev,mbs=1"),
     ("ep2-pp2-dualpipev", 4, "pp=2,dp=2,ep=2,zero=2,schedule=dualpipev,mbs=1", "tiny-moe"),
     ("cp2-pp2-dualpipev", 4, "pp=2,cp=2,zero=2,schedule=dualpipev,mbs=2"),
+    # full recomputation under the V: torch's non-reentrant checkpoint, recomputing in each split weight pass
+    ("pp2-dualpipev-recompute", 2, "pp=2,recompute=full,schedule=dualpipev,mbs=2"),
+    ("hf-llama-pp2-dp2-dualpipev-recompute", 4, "pp=2,dp=2,zero=2,recompute=full,schedule=dualpipev,mbs=1", HF_LLAMA),
 ]
 
 
@@ -342,8 +345,8 @@ REFUSALS = [
     # DualPipeV beside FSDP2 resharding after forward gave wrong gradients (as DDP's reducer does, which
     # its split backward never arms: tests/test_dualpipev.py): refused before step 1
     ("pp=2,zero=3,schedule=dualpipev,mbs=2", "runs DualPipeV with ZeRO stages [0, 2]", "tiny-llama"),
-    # the composable checkpoint recomputes once per forward; DualPipeV's weight-gradient pass asks again
-    ("pp=2,recompute=full,schedule=dualpipev,mbs=2", "runs DualPipeV without recomputation", "tiny-llama"),
+    # torch's selective checkpoint allows one backward per region; DualPipeV's weight-gradient pass runs another
+    ("pp=2,recompute=selective,schedule=dualpipev,mbs=2", "allows one backward per region", "tiny-llama"),
     # torch's ScheduleDualPipeV needs a micro-batch per chunk: refused with the planner's rule, not torch's error
     ("pp=2,schedule=dualpipev,mbs=4", "it needs at least 2 pp = 4", "tiny-llama"),
     # the rule `planner plan --stack parallel-planner` follows (tests/test_stacks.py): one rule set; the

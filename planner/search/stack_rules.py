@@ -141,7 +141,7 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
     if not stack.dualpipev_recompute and (pins.recompute not in (None, Recompute.none) or pins.recompute_layers):
         problems.append(f"recompute={pins.recompute or 'full'} with schedule=dualpipev: the {name} stack runs "
                         "DualPipeV without recomputation")
-    if stack.dualpipev_weight_pass_recompute and (pins.recompute is Recompute.selective or pins.recompute_modules):
+    if stack.dualpipev_weight_pass_recompute and pins.recompute is Recompute.selective:
         problems.append(f"recompute=selective with schedule=dualpipev: the {name} stack's selective checkpointing "
                         "allows one backward per region, and DualPipeV's split weight pass runs a second (full "
                         "recomputation runs, once more per parameter group in those passes)")
@@ -176,6 +176,11 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> l
     elif Recompute.selective in methods and len(methods) > 1 and stack.selective_every_layer:
         problems.append(f"selective recomputation on some layers only: the {stack.name} stack recomputes "
                         "selectively every layer or none (one recompute granularity for the model)")
+    if Recompute.selective in methods and layout.dualpipev and stack.dualpipev_weight_pass_recompute \
+            and layout.recompute is not Recompute.selective:   # a whole-layout selective is said by the pins
+        problems.append(f"selective recomputation on some layers with schedule=dualpipev: the {stack.name} stack's "
+                        "selective checkpointing allows one backward per region, and DualPipeV's split weight pass "
+                        "runs a second")
     return problems
 
 
