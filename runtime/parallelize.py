@@ -217,24 +217,3 @@ def apply_dp(module: nn.Module, graph: ModelGraph, dp_mesh: DeviceMesh, zero: in
     else:
         replicate(module, device_mesh=dp_mesh, gradient_as_bucket_view=True)
     return module
-    if uses_fsdp(zero):
-        reshard = zero >= 3
-        present = _present(module)
-        options = dict(mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
-        if mp_policy is not None:
-            options["mp_policy"] = mp_policy
-        for slot in graph.blocks:
-            if slot.module_name in present:
-                fully_shard(module.get_submodule(slot.module_name), **options)
-        fully_shard(module, **options)
-    elif pipelined:
-        # gradients as views into DDP's reduction buckets: otherwise DDP keeps a second copy of every gradient
-        # ("the saved memory size will be equal to the total gradients size", DistributedDataParallel's docs)
-        wrapped = DistributedDataParallel(module, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
-        # forwards must not arm the reducer: 1F1B runs several before their backwards, so the stage arms
-        # it itself for the last micro-batch's backward (PipelineStage's prepare_for_backward)
-        wrapped.require_backward_grad_sync = False
-        return wrapped
-    else:
-        replicate(module, device_mesh=dp_mesh, gradient_as_bucket_view=True)
-    return module
