@@ -112,7 +112,7 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) if with_head else 0.0,
         loss_gradient=loss_gradient_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) if with_head else 0.0,
         recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device),
-        gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer, micro_batches))
+        gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer_in(lay), micro_batches))
     work = sum(n * c.work_s(r) for c, r, n in items)
     passes = None
     if lay.dualpipev:   # what DualPipeV's critical path reads beside the steady state's work

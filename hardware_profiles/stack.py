@@ -174,6 +174,9 @@ class SoftwareStack(Strict):
     precision_aware_optimizer: Literal["off", "bf16", "on"] = "off"
     adam_moment_bytes: Literal[2, 4] = 4
     gradient_buffer: Literal["persistent", "per_step"]   # allocated once and held, or allocated by backward
+    # ZeRO stages whose gradients live in a buffer allocated once whatever `gradient_buffer` says (DDP's reduction
+    # buckets, which gradient_as_bucket_view makes the gradients)
+    persistent_gradient_zero_stages: tuple[int, ...] = Field(default=(), strict=False)
     # under pipelining, how ZeRO-2/3 gradients accumulate over a step's micro-batches: reduce-scattered after each
     # ("sharded") or kept unsharded, with the unsharded parameters, and reduced once after the last ("unsharded":
     # torch.distributed.pipelining runs every backward with FSDP2's requires_gradient_sync and
@@ -206,6 +209,9 @@ class SoftwareStack(Strict):
                 self.dualpipev_schedule and set(self.dualpipev_zero_stages) <= set(self.zero_stages)):
             raise ValueError(f"dualpipev_zero_stages {list(self.dualpipev_zero_stages)}: needs dualpipev_schedule, "
                              f"and each must be one of zero_stages {list(self.zero_stages)}")
+        if not set(self.persistent_gradient_zero_stages) <= set(self.zero_stages):
+            raise ValueError(f"persistent_gradient_zero_stages {list(self.persistent_gradient_zero_stages)}: each must "
+                             f"be one of zero_stages {list(self.zero_stages)}")
         if self.dualpipev_weight_pass_recompute and not (self.dualpipev_schedule and self.dualpipev_recompute):
             raise ValueError("dualpipev_weight_pass_recompute needs dualpipev_schedule and dualpipev_recompute")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
@@ -222,6 +228,10 @@ class SoftwareStack(Strict):
             raise ValueError("adam_moment_bytes 2 (bf16 moments) needs precision_aware_optimizer: on, as "
                              "Megatron-Core's OptimizerConfig does")
         return self
+
+    def gradient_buffer_in(self, layout) -> str:
+        """Where `layout`'s gradients live: `gradient_buffer`, or a persistent buffer at the stages that keep one."""
+        return "persistent" if layout.zero in self.persistent_gradient_zero_stages else self.gradient_buffer
 
     def accumulates_unsharded(self, layout) -> bool:
         """Whether ZeRO-2/3 gradients stay unsharded through the step and are reduced once, after the last

@@ -191,3 +191,35 @@ def test_a_plan_says_what_torch_holds_beyond_zeros_shares():
     said = " ".join(torch_plan.reasons)
     assert "a bf16 copy of every layer's parameters" in said and "keeps the gradients whole" in said
     assert not any("bf16 copy" in line or "gradients whole" in line for line in megatron.reasons)
+
+
+def test_ddp_buckets_are_the_gradients_from_step_to_step(one_rank_group):
+    """ZeRO-1 in this runtime is DDP with gradient_as_bucket_view: each step's gradients are views into the same
+    bucket, allocated once (rebuilt once after the first step; zero_grad(set_to_none) drops only the views), so
+    they are held at the activation peak
+    even in a step of one micro-batch, as the runtime stack bills them (`persistent_gradient_zero_stages`), where
+    FSDP2's ZeRO-2 gradients are not."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from cost_models.layout import Layout
+    from cost_models.step_time import estimate
+    from hardware_profiles.loader import cluster_from_device, load_stack
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    ddp = DistributedDataParallel(layers, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=1e-3)
+    storages = []   # DDP rebuilds its buckets once, after the first step, in the order gradients came
+    for _ in range(3):
+        ddp(torch.randn(4, 32)).sum().backward()
+        storages.append({p.grad.untyped_storage().data_ptr() for p in layers.parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert len(storages[1]) == 1 and storages[1] == storages[2]
+
+    runtime, graph = load_stack("parallel-planner"), capture(MODEL, SEQ)
+    cluster = cluster_from_device("h100-sxm", 8)
+
+    def held(zero: int) -> bool:   # one micro-batch a step: dp 8 x mbs 1 = the global batch
+        layout = Layout(dp=8, global_batch=8, zero=zero)
+        return estimate(graph.costs(), cluster, layout, runtime).stage_memory[0].gradients_held
+    assert held(1) and not held(2)

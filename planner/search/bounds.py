@@ -157,7 +157,7 @@ class Bounds:
         split (LP duality). w_i proportional to 1 / (S + f_i A) (S, A: the model's totals) makes it exact
         for a model of one layer kind, where the best split equalises the stages."""
         sharding = StateSharding.of(layout, self.stack)
-        held = gradients_held_at_peak(self.stack.gradient_buffer, layout.num_micro_batches)
+        held = gradients_held_at_peak(self.stack.gradient_buffer_in(layout), layout.num_micro_batches)
 
         def states_at_peak(kind) -> float:  # max(a + g_held, g) >= a + g_held: still a floor
             states = model_state_bytes(kind, sharding)

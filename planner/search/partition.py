@@ -212,7 +212,7 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     capacity = usable_bytes(costs.cluster.device)
     # gradients that backward allocates (one micro-batch per step) are not held at the activation peak:
     # the stage then fits when both peaks fit (`StageMemory.total`)
-    held = gradients_held_at_peak(costs.stack.gradient_buffer, m)
+    held = gradients_held_at_peak(costs.stack.gradient_buffer_in(lay), m)
     paired = costs.stack.hides_moe_a2a(lay)   # combined 1F1B holds one more forward's activations
     weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
     split = dualpipev_split_recompute_factor(pp, costs.stack.dualpipev_weight_pass_recompute) if lay.dualpipev else 0.0
