@@ -223,3 +223,50 @@ def test_ddp_buckets_are_the_gradients_from_step_to_step(one_rank_group):
         layout = Layout(dp=8, global_batch=8, zero=zero)
         return estimate(graph.costs(), cluster, layout, runtime).stage_memory[0].gradients_held
     assert held(1) and not held(2)
+
+
+
+def test_pipelined_zero3_all_gathers_twice_per_micro_batch(one_rank_group):
+    """FSDP2 resharding after forward (ZeRO-3) under torch's 1F1B, though the stage turns resharding after backward
+    off: each module but the stage's last all-gathers in every forward and every backward (counted per FSDP
+    group as the unshards that found it sharded; the last, whose backward comes first, keeps its parameters), so
+    gradients accumulating whole do not change ZeRO-3's two all-gathers per micro-batch, which the runtime stack
+    bills (and no per-micro-batch reduce-scatter there)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from cost_models.communication import Collective
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import cluster_from_device, load_stack
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    for block in blocks:
+        fully_shard(block, mesh=one_rank_group, reshard_after_forward=True)
+    fully_shard(blocks, mesh=one_rank_group, reshard_after_forward=True)
+    gathers: dict[int, int] = {}
+    unshard = FSDPParamGroup.unshard
+
+    def counted(group, *args, **kwargs):
+        if group.is_sharded:
+            gathers[id(group)] = gathers.get(id(group), 0) + 1
+        return unshard(group, *args, **kwargs)
+    micro_batches = 8
+    schedule = Schedule1F1B(PipelineStage(blocks, 0, 1, torch.device("cpu")), n_microbatches=micro_batches,
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    FSDPParamGroup.unshard = counted
+    try:
+        for _ in range(2):   # the second step: the first also lazily initialises FSDP2's state
+            gathers.clear()
+            schedule.step(torch.randn(16, 16), target=torch.randn(16, 16))
+    finally:
+        FSDPParamGroup.unshard = unshard
+    counts = [gathers.get(id(block._get_fsdp_state()._fsdp_param_group), 0) for block in blocks]
+    assert counts == [2 * micro_batches + 1] * 3 + [micro_batches + 1]
+
+    runtime, graph = load_stack("parallel-planner"), capture(MODEL, SEQ)
+    costs = MeshCosts(graph.costs(), cluster_from_device("h100-sxm", 16), Layout(dp=8, pp=2, global_batch=64, zero=3),
+                      runtime)
+    params = float(graph.kind("dense").param_count)
+    gather = costs.collective(Collective.all_gather, params * 2, "dpcp").seconds
+    assert costs.sharded_dp_comm_s(params, 0.0) == pytest.approx(2 * gather, rel=1e-12)
