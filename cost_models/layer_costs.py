@@ -321,7 +321,8 @@ class MeshCosts(ExpertCommunication):
             op = Collective.all_reduce if lay.zero == 0 else Collective.reduce_scatter
             cost = self.collective(op, size, dim)
             per_byte, latency = cost.bandwidth_seconds / size, cost.latency_seconds
-        if lay.zero in (1, 2):  # bf16 parameter all-gather after the optimizer step
+        if lay.zero == 1 or (lay.zero == 2 and not self.stack.gathers_per_micro_batch(lay)):
+            # bf16 parameter all-gather after the optimizer step
             gather = self.collective(Collective.all_gather, size * WEIGHT_BYTES / lay.gradient_bytes, dim)
             per_byte += gather.bandwidth_seconds / size
             latency += gather.latency_seconds
@@ -342,7 +343,8 @@ class MeshCosts(ExpertCommunication):
     def sharded_dp_comm_s(self, dense_params: float, expert_params: float) -> float:
         """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (unless the stack accumulates them
         unsharded, reducing once per step: `_line`); ZeRO-3 (FSDP) also all-gathers the bf16 weights for forward
-        and again for backward."""
+        and again for backward, and ZeRO-2 for forward where the stack reshards after backward
+        (`SoftwareStack.gathers_per_micro_batch`; tests/test_precision_memory.py counts both in torch)."""
         seconds = 0.0
         per_micro_batch = not self.state_sharding.unsharded_gradients
         for params, dim in ((dense_params, "dpcp"), (expert_params, "edp")):
@@ -350,6 +352,7 @@ class MeshCosts(ExpertCommunication):
                 continue
             if per_micro_batch:
                 seconds += self.collective(Collective.reduce_scatter, params * self.layout.gradient_bytes, dim).seconds
-            if self.layout.zero >= 3:
-                seconds += 2 * self.collective(Collective.all_gather, params * 2, dim).seconds
+            if self.layout.zero >= 3 or self.stack.gathers_per_micro_batch(self.layout):
+                gathers = 2 if self.layout.zero >= 3 else 1   # ZeRO-2: the forward's, kept for the backward
+                seconds += gathers * self.collective(Collective.all_gather, params * 2, dim).seconds
         return seconds

@@ -182,6 +182,10 @@ class SoftwareStack(Strict):
     # torch.distributed.pipelining runs every backward with FSDP2's requires_gradient_sync and
     # reshard_after_backward off, and reduces in the stage's perform_reduce_grad)
     pipeline_gradient_accumulation: Literal["sharded", "unsharded"] = "sharded"
+    # ZeRO-2 frees each module's unsharded parameters after its backward (FSDP's reshard after backward), so every
+    # micro-batch's forward all-gathers them again, not the step once, except where gradients accumulate unsharded
+    # under pipelining, which keeps them to the step's end
+    zero2_gathers_per_micro_batch: bool = False
     # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or into
     # the bf16 logits a fused kernel keeps (Megatron-Core --cross-entropy-fusion-impl te; cost_models/memory.py)
     loss_gradient: Literal["in_place", "eager", "fused"]
@@ -237,6 +241,11 @@ class SoftwareStack(Strict):
         """Whether ZeRO-2/3 gradients stay unsharded through the step and are reduced once, after the last
         micro-batch (`pipeline_gradient_accumulation` under pipelining)."""
         return self.pipeline_gradient_accumulation == "unsharded" and layout.pp > 1 and layout.zero >= 2
+
+    def gathers_per_micro_batch(self, layout) -> bool:
+        """Whether ZeRO-2 all-gathers the parameters for every micro-batch's forward (`zero2_gathers_per_micro_batch`),
+        rather than once a step after the optimizer."""
+        return self.zero2_gathers_per_micro_batch and layout.zero == 2 and not self.accumulates_unsharded(layout)
 
     def saved_input_precision(self, precision) -> str:
         """The precision whose saved tensors the activation memory bills: fp8 only where FP8 layers keep FP8 copies

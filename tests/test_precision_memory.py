@@ -270,3 +270,62 @@ def test_pipelined_zero3_all_gathers_twice_per_micro_batch(one_rank_group):
     params = float(graph.kind("dense").param_count)
     gather = costs.collective(Collective.all_gather, params * 2, "dpcp").seconds
     assert costs.sharded_dp_comm_s(params, 0.0) == pytest.approx(2 * gather, rel=1e-12)
+
+
+def test_zero2_all_gathers_per_micro_batch_unless_pipelined(one_rank_group):
+    """FSDP2 without resharding after forward (ZeRO-2) reshards after backward: accumulating 8 micro-batches,
+    every module all-gathers 8 times a step; under torch's 1F1B, which keeps the parameters to the step's end,
+    once. The torch stacks bill one all-gather per micro-batch (beside the reduce-scatter) without pipelining,
+    and the step's one after the optimizer with it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from cost_models.communication import Collective
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import cluster_from_device, load_stack
+    gathers: dict[int, int] = {}
+    unshard = FSDPParamGroup.unshard
+
+    def counted(group, *args, **kwargs):
+        if group.is_sharded:
+            gathers[id(group)] = gathers.get(id(group), 0) + 1
+        return unshard(group, *args, **kwargs)
+
+    def zero2():
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+        for block in blocks:
+            fully_shard(block, mesh=one_rank_group, reshard_after_forward=False)
+        fully_shard(blocks, mesh=one_rank_group, reshard_after_forward=False)
+        return blocks
+
+    def second_step_gathers(blocks, step) -> list[int]:
+        FSDPParamGroup.unshard = counted
+        try:
+            for _ in range(2):   # the first step also lazily initialises FSDP2's state
+                gathers.clear()
+                step()
+        finally:
+            FSDPParamGroup.unshard = unshard
+        return [gathers.get(id(block._get_fsdp_state()._fsdp_param_group), 0) for block in blocks]
+    accumulated = zero2()
+    assert second_step_gathers(accumulated, lambda: [(accumulated(torch.randn(2, 16)) ** 2).mean().backward()
+                                                     for _ in range(8)]) == [8] * 4
+    pipelined = zero2()
+    schedule = Schedule1F1B(PipelineStage(pipelined, 0, 1, torch.device("cpu")), n_microbatches=8,
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    assert second_step_gathers(pipelined, lambda: schedule.step(torch.randn(16, 16), target=torch.randn(16, 16))) \
+        == [1] * 4
+
+    runtime, graph = load_stack("parallel-planner"), capture(MODEL, SEQ)
+    cluster = cluster_from_device("h100-sxm", 16)
+    params = float(graph.kind("dense").param_count)
+    for layout, per_micro_batch in ((Layout(dp=16, global_batch=64, zero=2), True),
+                                    (Layout(dp=8, pp=2, global_batch=64, zero=2), False)):
+        costs = MeshCosts(graph.costs(), cluster, layout, runtime)
+        gather = costs.collective(Collective.all_gather, params * 2, "dpcp").seconds
+        reduce = costs.collective(Collective.reduce_scatter, params * layout.gradient_bytes, "dpcp").seconds
+        billed = costs.sharded_dp_comm_s(params, 0.0)
+        assert billed == pytest.approx(gather + reduce if per_micro_batch else 0.0, rel=1e-12, abs=1e-15)
+        assert runtime.gathers_per_micro_batch(layout) is per_micro_batch
