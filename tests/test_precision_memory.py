@@ -226,24 +226,10 @@ def test_ddp_buckets_are_the_gradients_from_step_to_step(one_rank_group):
 
 
 
-def test_pipelined_zero3_all_gathers_twice_per_micro_batch(one_rank_group):
-    """FSDP2 resharding after forward (ZeRO-3) under torch's 1F1B, though the stage turns resharding after backward
-    off: each module but the stage's last all-gathers in every forward and every backward (counted per FSDP
-    group as the unshards that found it sharded; the last, whose backward comes first, keeps its parameters), so
-    gradients accumulating whole do not change ZeRO-3's two all-gathers per micro-batch, which the runtime stack
-    bills (and no per-micro-batch reduce-scatter there)."""
+def _gathers_per_module(blocks: nn.Sequential, step) -> list[int]:
+    """How often each module's FSDP2 group all-gathers in one `step()` (the unshards that found it sharded),
+    counted in a second step: the first also lazily initialises FSDP2's state."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from cost_models.communication import Collective
-    from cost_models.layer_costs import MeshCosts
-    from cost_models.layout import Layout
-    from hardware_profiles.loader import cluster_from_device, load_stack
-    torch.manual_seed(0)
-    blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
-    for block in blocks:
-        fully_shard(block, mesh=one_rank_group, reshard_after_forward=True)
-    fully_shard(blocks, mesh=one_rank_group, reshard_after_forward=True)
     gathers: dict[int, int] = {}
     unshard = FSDPParamGroup.unshard
 
@@ -251,17 +237,41 @@ def test_pipelined_zero3_all_gathers_twice_per_micro_batch(one_rank_group):
         if group.is_sharded:
             gathers[id(group)] = gathers.get(id(group), 0) + 1
         return unshard(group, *args, **kwargs)
-    micro_batches = 8
-    schedule = Schedule1F1B(PipelineStage(blocks, 0, 1, torch.device("cpu")), n_microbatches=micro_batches,
-                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
     FSDPParamGroup.unshard = counted
     try:
-        for _ in range(2):   # the second step: the first also lazily initialises FSDP2's state
+        for _ in range(2):
             gathers.clear()
-            schedule.step(torch.randn(16, 16), target=torch.randn(16, 16))
+            step()
     finally:
         FSDPParamGroup.unshard = unshard
-    counts = [gathers.get(id(block._get_fsdp_state()._fsdp_param_group), 0) for block in blocks]
+    return [gathers.get(id(block._get_fsdp_state()._fsdp_param_group), 0) for block in blocks]
+
+
+def _fsdp_linears(mesh, reshard_after_forward: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(blocks, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return blocks
+
+
+def test_pipelined_zero3_all_gathers_twice_per_micro_batch(one_rank_group):
+    """FSDP2 resharding after forward (ZeRO-3) under torch's 1F1B, though the stage turns resharding after backward
+    off: each module but the stage's last all-gathers in every forward and every backward (counted per FSDP
+    group as the unshards that found it sharded; the last, whose backward comes first, keeps its parameters), so
+    gradients accumulating whole do not change ZeRO-3's two all-gathers per micro-batch, which the runtime stack
+    bills (and no per-micro-batch reduce-scatter there)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from cost_models.communication import Collective
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import cluster_from_device, load_stack
+    blocks, micro_batches = _fsdp_linears(one_rank_group, reshard_after_forward=True), 8
+    schedule = Schedule1F1B(PipelineStage(blocks, 0, 1, torch.device("cpu")), n_microbatches=micro_batches,
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    counts = _gathers_per_module(blocks, lambda: schedule.step(torch.randn(16, 16), target=torch.randn(16, 16)))
     assert counts == [2 * micro_batches + 1] * 3 + [micro_batches + 1]
 
     runtime, graph = load_stack("parallel-planner"), capture(MODEL, SEQ)
@@ -277,45 +287,19 @@ def test_zero2_all_gathers_per_micro_batch_unless_pipelined(one_rank_group):
     every module all-gathers 8 times a step; under torch's 1F1B, which keeps the parameters to the step's end,
     once. The torch stacks bill one all-gather per micro-batch (beside the reduce-scatter) without pipelining,
     and the step's one after the optimizer with it."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from cost_models.communication import Collective
     from cost_models.layer_costs import MeshCosts
     from cost_models.layout import Layout
     from hardware_profiles.loader import cluster_from_device, load_stack
-    gathers: dict[int, int] = {}
-    unshard = FSDPParamGroup.unshard
-
-    def counted(group, *args, **kwargs):
-        if group.is_sharded:
-            gathers[id(group)] = gathers.get(id(group), 0) + 1
-        return unshard(group, *args, **kwargs)
-
-    def zero2():
-        torch.manual_seed(0)
-        blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
-        for block in blocks:
-            fully_shard(block, mesh=one_rank_group, reshard_after_forward=False)
-        fully_shard(blocks, mesh=one_rank_group, reshard_after_forward=False)
-        return blocks
-
-    def second_step_gathers(blocks, step) -> list[int]:
-        FSDPParamGroup.unshard = counted
-        try:
-            for _ in range(2):   # the first step also lazily initialises FSDP2's state
-                gathers.clear()
-                step()
-        finally:
-            FSDPParamGroup.unshard = unshard
-        return [gathers.get(id(block._get_fsdp_state()._fsdp_param_group), 0) for block in blocks]
-    accumulated = zero2()
-    assert second_step_gathers(accumulated, lambda: [(accumulated(torch.randn(2, 16)) ** 2).mean().backward()
+    accumulated = _fsdp_linears(one_rank_group, reshard_after_forward=False)
+    assert _gathers_per_module(accumulated, lambda: [(accumulated(torch.randn(2, 16)) ** 2).mean().backward()
                                                      for _ in range(8)]) == [8] * 4
-    pipelined = zero2()
+    pipelined = _fsdp_linears(one_rank_group, reshard_after_forward=False)
     schedule = Schedule1F1B(PipelineStage(pipelined, 0, 1, torch.device("cpu")), n_microbatches=8,
                             loss_fn=lambda out, target: ((out - target) ** 2).mean())
-    assert second_step_gathers(pipelined, lambda: schedule.step(torch.randn(16, 16), target=torch.randn(16, 16))) \
+    assert _gathers_per_module(pipelined, lambda: schedule.step(torch.randn(16, 16), target=torch.randn(16, 16))) \
         == [1] * 4
 
     runtime, graph = load_stack("parallel-planner"), capture(MODEL, SEQ)
