@@ -329,3 +329,5 @@ def test_torchtitan_dualpipev_bills_the_weight_pass_recomputations():
     groups = capture("llama3-8b").kind("dense").weight_pass_groups
     extra = (2 * 4 - 1) / 2 * groups * recompute_per_micro_batch   # p = 4, every rank alike
     assert full.step_time_s - full_once.step_time_s == pytest.approx(extra, rel=0.02)
+    assert any("once per parameter group" in line for line in full.reasons)
+    assert not any("once per parameter group" in line for line in plain.reasons + full_once.reasons)
