@@ -49,7 +49,7 @@ class StateSharding:
         return cls(tp=layout.tp, ep=layout.ep, etp=layout.etp, dp_cp=layout.dp * layout.cp,
                    expert_dp=layout.expert_data_parallel, zero=layout.zero, gradient_bytes=layout.gradient_bytes,
                    fp32_parameters=fp32_parameters,
-                   copied_roles=copied_roles(fp32_parameters, layout.zero, layout.dp * layout.cp, unsharded),
+                   copied_roles=copied_roles(fp32_parameters, layout.zero, layout.dp * layout.cp),
                    unsharded_gradients=unsharded,
                    optimizer_swap_chunks=stack.optimizer_swap_chunks, moment_bytes=stack.moment_bytes_in(layout),
                    master_bytes=REMAINDER_BYTES if remainders else MASTER_BYTES)
@@ -85,8 +85,7 @@ def casts_by_fsdp_policy(zero: int, dp_cp: int) -> bool:
     return zero >= 2 or (zero == 0 and dp_cp > 1)
 
 
-def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int,
-                 unsharded_accumulation: bool = False) -> tuple[str, ...]:
+def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int) -> tuple[str, ...]:
     """The layers (by role) whose parameters a step computes with in a bf16 copy held from their forward to their
     backward, where the fp32 parameters are the master (torch's mixed precision; a separate master's bf16 weights
     are the weights themselves). FSDP2's MixedPrecisionPolicy (fully_shard for ZeRO-2/3, torch's replicate on it
@@ -94,14 +93,10 @@ def copied_roles(fp32_parameters: bool, zero: int, dp_cp: int,
     frees: ZeRO-3 (`reshard_after_forward=True`, the root too) frees each module's, and the two layers it gathers
     ahead are `comm_buffer_bytes`. torch.autocast (ZeRO-1's DDP, one data-parallel rank) keeps a copy of each
     weight a GEMM reads in its cache for the step's autocast region; an embedding lookup is no autocast op.
-    Where gradients accumulate unsharded under pipelining, torch keeps each module's unsharded copy after its
-    backward until the step's reduction, ZeRO-3's too (held by the end of each backward; billed whole, which can
-    over-count by one micro-batch's activations). tests/test_precision_memory.py reads these from torch."""
-    if not fp32_parameters:
-        return ()
-    if zero >= 3 and unsharded_accumulation:
-        return ("embedding", "block", "head")
-    if zero >= 3:
+    Under torch's pipelining too: ZeRO-2 gathers once a step and keeps the copy, ZeRO-3 gathers every module but
+    a stage's last in each forward and backward (its copy freed between them; the last module's is one layer).
+    tests/test_precision_memory.py reads these from torch."""
+    if not fp32_parameters or zero >= 3:
         return ()
     return ("embedding", "block", "head") if casts_by_fsdp_policy(zero, dp_cp) else ("block", "head")
 

@@ -178,7 +178,7 @@ class SoftwareStack(Strict):
     # buckets, which gradient_as_bucket_view makes the gradients)
     persistent_gradient_zero_stages: tuple[int, ...] = Field(default=(), strict=False)
     # under pipelining, how ZeRO-2/3 gradients accumulate over a step's micro-batches: reduce-scattered after each
-    # ("sharded") or kept unsharded, with the unsharded parameters, and reduced once after the last ("unsharded":
+    # ("sharded") or kept unsharded (ZeRO-2's unsharded parameters too) and reduced once after the last ("unsharded":
     # torch.distributed.pipelining runs every backward with FSDP2's requires_gradient_sync and
     # reshard_after_backward off, and reduces in the stage's perform_reduce_grad)
     pipeline_gradient_accumulation: Literal["sharded", "unsharded"] = "sharded"
