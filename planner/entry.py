@@ -54,6 +54,14 @@ def main() -> None:
         raise
     if recorder.seen:
         _interrupted()
-    cli_main()
-    if recorder.seen:   # swallowed somewhere after the imports, and the command ran to its end
+    try:
+        cli_main()
+        status = 0
+    except SystemExit as done:
+        status = done.code
+    # the command is done: a Ctrl-C from here on would land in the interpreter's teardown, which restores the
+    # default handler and ends the process by the signal (status -2) after its output is complete
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if recorder.seen and status != INTERRUPTED:   # swallowed somewhere after the imports, and the command ran on
         _interrupted()
+    sys.exit(status)
