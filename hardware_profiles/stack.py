@@ -67,8 +67,8 @@ class SoftwareStack(Strict):
     # layers a multiple of 2 pp, split evenly over the chunks (MindSpeed's DualPipeV), else any split
     dualpipev_even_split: bool = False
     dualpipev_beside_cp: bool = True         # DualPipeV and context parallelism together
-    # recomputation inside DualPipeV: its split backward unpacks a checkpointed block's saved tensors twice
-    # (input, then weight gradients)
+    # recomputation inside DualPipeV: its split backward asks a checkpointed block for its saved tensors in two
+    # passes (input, then weight gradients), which a checkpoint that recomputes once per forward cannot serve
     dualpipev_recompute: bool = True
     # its DualPipeV runs torch's split weight pass (stage_backward_weight: one autograd.grad per parameter group)
     # over non-reentrant checkpointing, which recomputes a region once per backward graph task: each split

@@ -107,8 +107,7 @@ def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:
             if "embedding" in sharding.copied_roles else ("the blocks' and output layer's weights", "autocast's cache")
         out.append(f"the fp32 parameters are the master: a bf16 copy of {what} ({how}, 2 bytes each, unsharded) "
                    "is held from their forward to their backward")
-    layout = best.layout
-    if layout.dualpipev and stack.dualpipev_weight_pass_recompute and Recompute.full in best.layer_recompute:
+    if best.layout.dualpipev and stack.dualpipev_weight_pass_recompute and Recompute.full in best.layer_recompute:
         out.append("DualPipeV's split weight passes recompute each recomputed layer once per parameter group "
                    "(torch's stage_backward_weight over non-reentrant checkpointing): billed in its bubble term")
     if sharding.unsharded_gradients:

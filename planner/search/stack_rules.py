@@ -142,8 +142,7 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
         problems.append(f"recompute={pins.recompute or 'full'} with schedule=dualpipev: the {name} stack runs "
                         "DualPipeV without recomputation")
     if stack.dualpipev_weight_pass_recompute and pins.recompute is Recompute.selective:
-        problems.append(f"recompute=selective with schedule=dualpipev: the {name} stack's selective checkpointing "
-                        "allows one backward per region, and DualPipeV's split weight pass runs a second (full "
+        problems.append(f"recompute=selective with schedule=dualpipev: {_selective_under_v(name)} (full "
                         "recomputation runs, once more per parameter group in those passes)")
     if pins.a2a_overlap:
         problems.append("a2a_overlap=true with schedule=dualpipev: combined 1F1B is another schedule; DualPipeV's "
@@ -178,9 +177,8 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> l
                         "selectively every layer or none (one recompute granularity for the model)")
     if Recompute.selective in methods and layout.dualpipev and stack.dualpipev_weight_pass_recompute \
             and layout.recompute is not Recompute.selective:   # a whole-layout selective is said by the pins
-        problems.append(f"selective recomputation on some layers with schedule=dualpipev: the {stack.name} stack's "
-                        "selective checkpointing allows one backward per region, and DualPipeV's split weight pass "
-                        "runs a second")
+        problems.append("selective recomputation on some layers with schedule=dualpipev: "
+                        + _selective_under_v(stack.name))
     return problems
 
 
@@ -211,6 +209,12 @@ def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]
     if pins.recompute is not None:
         return (pins.recompute,)
     return tuple(r for r in Recompute if r is not Recompute.selective or stack.selective_recompute)
+
+
+def _selective_under_v(name: str) -> str:
+    """Why a stack whose DualPipeV splits the weight pass over non-reentrant checkpointing refuses selective."""
+    return (f"the {name} stack's selective checkpointing allows one backward per region, and DualPipeV's split "
+            "weight pass runs a second")
 
 
 def leaf_recompute_methods(stack: SoftwareStack, layout: Layout,
