@@ -3,7 +3,8 @@ error on the runs left out of the fit.
 
 For each device with published runs: `gemm.sustained_fraction` (share of the measured MAMF kept inside a
 training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size), the latter
-taken from GPU measurements where the silicon has them (`MEASURED_GEMMS`, docs/gpu-validation.md). Runs are
+taken from GPU measurements where the silicon has them (`MEASURED_GEMMS`, docs/gpu-validation.md), as
+is FP8's own scale there (`gemm.fp8_half_work_gflop`; elsewhere FP8 GEMMs share the fitted one). Runs are
 split alternately (sorted by id) into a fitting half and a held-out half. Layouts (partition,
 recomputation, unknown fields) come from one search with the current profiles and stay fixed while
 the figures are fitted by grid search on mean absolute percentage error, each run's error capped at 25%. `--write` updates the YAML
@@ -105,11 +106,13 @@ def fit_silicon_half(fitting_by_device: dict[str, list]) -> float:
     return min(HALF_WORK_GRID_GFLOP, key=pooled)
 
 
-def write_profile(device: str, sustained: float, half: float) -> None:
+def write_profile(device: str, sustained: float, half: float, fp8_half: float | None) -> None:
     path = DEVICE_DIR / f"{device}.yaml"
     text = path.read_text()
     text = re.sub(r"(  sustained_fraction: )[0-9.]+", rf"\g<1>{sustained}", text, count=1)
     text = re.sub(r"(  half_work_gflop: )[0-9.]+", rf"\g<1>{half}", text, count=1)
+    if fp8_half is not None:   # measured apart: the profile's line is rewritten, never added
+        text = re.sub(r"(  fp8_half_work_gflop: )[0-9.]+", rf"\g<1>{fp8_half}", text, count=1)
     path.write_text(text)
 
 
@@ -133,11 +136,19 @@ def main(argv=None) -> int:
         device_runs = fitting_runs + held_runs
         fitting, held_out = fitted[device]
         measured = MEASURED_GEMMS.get(device)
-        measured_half = (measured_half_work(json.loads(measured.read_text()), device_runs[0].cluster.device)
-                         if measured else silicon_half.get(device))
+        results = json.loads(measured.read_text()) if measured else None
+        profile = device_runs[0].cluster.device
+        measured_half = measured_half_work(results, profile) if measured else silicon_half.get(device)
+        # FP8's own scale, where measured (the profile's, read by every run's prediction, must be it already)
+        fp8_half = measured_half_work(results, profile, "fp8") if measured else None
+        if fp8_half is not None and profile.gemm.fp8_half_work_gflop != fp8_half:
+            print(f"{device}: the profile's fp8_half_work_gflop {profile.gemm.fp8_half_work_gflop} is not the "
+                  f"measured {fp8_half}: set it, then fit", file=sys.stderr)
+            return 1
         score, sustained, half = fit(fitting, measured_half)
         held = errors_with(held_out, sustained, half) if held_out else []
         print(f"{device}: sustained_fraction={sustained} half_work_gflop={half}"
+              f"{f' fp8_half_work_gflop={fp8_half}' if fp8_half is not None else ''}"
               f"{' (measured)' if measured else ' (silicon)' if device in silicon_half else ''}  fit MAPE {score:.1%} on "
               f"{len(fitting)} runs; held-out MAPE "
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
@@ -145,7 +156,7 @@ def main(argv=None) -> int:
         if args.write:
             # a same-silicon device takes this fit only where it has no runs of its own to fit
             for name in (device, *(d for d in SAME_SILICON.get(device, ()) if d not in halves)):
-                write_profile(name, sustained, half)
+                write_profile(name, sustained, half, fp8_half)
     return 0
 
 

@@ -27,12 +27,14 @@ FLASH_BACKWARD_FLOPS = 2 * FLASH_BACKWARD_RECOMPUTE   # x forward FLOPs; an unfu
 MEASURED_STACK = str(ROOT / "benchmarks" / "stacks" / "gpu-measure-loop.yaml")
 
 
-def measured_half_work(results: dict, device) -> float:
+def measured_half_work(results: dict, device, precision: str = "bf16") -> float:
     """GEMM saturation scale (GFLOP) of the profile's curve W / (W + W_half), least squares on the measured
-    BF16 GEMMs as a share of the profile's MAMF ceiling, over those the GPU rather than the host bounds."""
-    ceiling = device.peak_flops("bf16") * device.gemm.peak_fraction
-    points = [(work, work / g["bf16_s"] / ceiling) for g in results["gemm"] if g["bf16_s"] >= LAUNCH_BOUND_S
-              for work in [2.0 * g["m"] * g["n"] * g["k"]]]
+    GEMMs of `precision` (bf16, or fp8: `torch._scaled_mm` on FP8 operands) as a share of the profile's MAMF
+    ceiling in it, over those the GPU rather than the host bounds."""
+    fraction = device.gemm.fp8_peak_fraction if precision == "fp8" else device.gemm.peak_fraction
+    ceiling = device.peak_flops(precision) * fraction
+    points = [(work, work / g[f"{precision}_s"] / ceiling) for g in results["gemm"]
+              if g[f"{precision}_s"] >= LAUNCH_BOUND_S for work in [2.0 * g["m"] * g["n"] * g["k"]]]
     return min(HALF_WORK_GRID_GFLOP,
                key=lambda half: sum((eff - work / (work + half * 1e9)) ** 2 for work, eff in points))
 
@@ -65,10 +67,13 @@ def gemm_section(results: dict, device) -> list[str]:
              f"({_pct(ceiling['bf16'], best['bf16'])}, {_pct(ceiling['fp8'], best['fp8'])}). 'FP8 + quantise' "
              "includes current scaling of the activation (amax, scale, cast: unfused eager ops, as a "
              "framework without fused casts pays them).", "",
-             f"The BF16 rates of GEMMs longer than {LAUNCH_BOUND_S * 1e6:.0f} us (shorter ones measure the host's "
+             f"The rates of GEMMs longer than {LAUNCH_BOUND_S * 1e6:.0f} us (shorter ones measure the host's "
              f"launches) follow the profile's saturating curve W / (W + W_half) best at W_half = "
-             f"{measured_half_work(results, device):g} GFLOP (least squares on the grid `benchmarks/calibrate.py` "
-             "uses), which calibrate takes for Hopper profiles instead of fitting it.", "",
+             f"{measured_half_work(results, device):g} GFLOP in BF16 and "
+             f"{measured_half_work(results, device, 'fp8'):g} GFLOP in FP8 (least squares on the grid "
+             "`benchmarks/calibrate.py` uses): an FP8 GEMM of a given size reaches a smaller share of its "
+             "ceiling. Calibrate takes both for Hopper profiles (`half_work_gflop`, `fp8_half_work_gflop`) "
+             "instead of fitting them.", "",
              "| GEMM | M x N x K | BF16 TFLOP/s | FP8 TFLOP/s | FP8 + quantise TFLOP/s |", "|---|---|---|---|---|"]
     for g in results["gemm"]:
         flops = 2 * g["m"] * g["n"] * g["k"]

@@ -113,11 +113,13 @@ def work_divisor(sharding: Sharding, spec: ShardSpec) -> int:
 
 def gemm_efficiency(device: Device, gemm_flops: float, precision: str) -> float:
     # saturating curve: peak_fraction * W / (W + W_half) (profile parameters, calibrated on MAMF tables)
-    fraction = device.gemm.peak_fraction
-    if precision == "fp8" and device.gemm.fp8_peak_fraction:
-        fraction = device.gemm.fp8_peak_fraction
-    fraction *= device.gemm.sustained_fraction
-    half = device.gemm.half_work_gflop * 1e9
+    gemm = device.gemm
+    fraction, half = gemm.peak_fraction, gemm.half_work_gflop * 1e9
+    if precision == "fp8" and gemm.fp8_peak_fraction:
+        fraction = gemm.fp8_peak_fraction
+    if precision == "fp8" and gemm.fp8_half_work_gflop is not None:
+        half = gemm.fp8_half_work_gflop * 1e9
+    fraction *= gemm.sustained_fraction
     return fraction * gemm_flops / (gemm_flops + half) if half else fraction
 
 

@@ -38,7 +38,8 @@ class PeakTflops(Strict):
 
 
 class GemmEfficiency(Strict):
-    """Achievable GEMM throughput: peak_fraction * work / (work + half_work_flops).
+    """Achievable GEMM throughput: peak_fraction * work / (work + half_work_flops), in FP8 with the FP8
+    fraction and scale where the profile gives them.
 
     The saturating curve makes small GEMMs (small micro-batch, high TP) less efficient; the
     fraction at large sizes is the measured maximum achievable matmul FLOPS (MAMF).
@@ -46,6 +47,8 @@ class GemmEfficiency(Strict):
     peak_fraction: float = Field(gt=0, le=1)
     fp8_peak_fraction: float | None = Field(default=None, gt=0, le=1)
     half_work_gflop: float = Field(ge=0)
+    # FP8 GEMMs' scale where measured apart (they saturate later: docs/gpu-validation.md); None: the one above
+    fp8_half_work_gflop: float | None = Field(default=None, ge=0)
     kernel_floor_us: float = Field(ge=0)
     # share of MAMF sustained inside a training step (fusions, launch gaps, non-ideal shapes); fitted on
     # published runs by benchmarks/calibrate.py, 1.0 where no run exists
