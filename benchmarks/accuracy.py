@@ -59,7 +59,7 @@ MISS_NOTES = {
         "them this layout's host keeps well ahead of its device: the plan's reasons give the share). NVIDIA's GB200 guide found "
         "DeepSeek-V3 in MXFP8 bound by the host at half the speed its fusions and CUDA graphs later reached "
         "(table below the expert layouts). The same release's three GPT-OSS 120B rows, another small "
-        "fine-grained expert model, completed from its provider and predicted apart, run 27-56% slower than "
+        "fine-grained expert model, completed from its provider and predicted apart, run 28-60% slower than "
         "predicted in BF16 too (table of completed rows). What the 25.11 FP8 recipe spent is in no source, and a "
         "per-run factor is not allowed: the miss stands."),
 }

@@ -4,7 +4,8 @@ error on the runs left out of the fit.
 For each device with published runs: `gemm.sustained_fraction` (share of the measured MAMF kept inside a
 training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size), the latter
 taken from GPU measurements where the silicon has them (`MEASURED_GEMMS`, docs/gpu-validation.md), as
-is FP8's own scale there (`gemm.fp8_half_work_gflop`; elsewhere FP8 GEMMs share the fitted one). Runs are
+is FP8's own scale there (`gemm.fp8_half_work_gflop`); devices of one silicon without a measurement (B200,
+GB200) fit both scales together. Runs are
 split alternately (sorted by id) into a fitting half and a held-out half. Layouts (partition,
 recomputation, unknown fields) come from one search with the current profiles and stay fixed while
 the figures are fitted by grid search on mean absolute percentage error, each run's error capped at 25%. `--write` updates the YAML
@@ -19,6 +20,7 @@ import json
 import re
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,10 +62,21 @@ def fixed_layouts(runs, time_limit_s):
     return out
 
 
-def errors_with(items, sustained: float, half: float) -> list[float]:
+@dataclass(frozen=True)
+class Scales:
+    """A device's GEMM saturation scales (GFLOP): BF16's, and FP8's where it has its own (None: BF16's)."""
+    bf16: float
+    fp8: float | None = None
+
+    def text(self) -> str:
+        return f"half_work_gflop={self.bf16}" + (f" fp8_half_work_gflop={self.fp8}" if self.fp8 is not None else "")
+
+
+def errors_with(items, sustained: float, scales: Scales) -> list[float]:
     errs = []
     for run, layout in items:
-        gemm = run.cluster.device.gemm.model_copy(update={"sustained_fraction": sustained, "half_work_gflop": half})
+        gemm = run.cluster.device.gemm.model_copy(update={"sustained_fraction": sustained, "half_work_gflop": scales.bf16,
+                                                          "fp8_half_work_gflop": scales.fp8})
         device = run.cluster.device.model_copy(update={"gemm": gemm})
         cluster = run.cluster.model_copy(update={"device": device})
         stack = run_stack(run.id)
@@ -73,46 +86,48 @@ def errors_with(items, sustained: float, half: float) -> list[float]:
     return errs
 
 
-def fit(items, measured_half: float | None = None):
-    """Grid search on the mean error with each run's error capped at OUTLIER_CAP: a run the model misses
-    for reasons it does not represent (docs/accuracy.md) must not drag a figure every run shares. Fewer
-    runs than MIN_RUNS_FOR_TWO fit the sustained fraction only (two figures on one run are underdetermined);
-    a saturation scale measured on the silicon is kept, not fitted."""
-    best = None
-    halves = HALF_WORK_GRID_GFLOP if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK_GRID_GFLOP[:1]
-    for half in ([measured_half] if measured_half is not None else halves):
-        score, sustained = fit_sustained(items, half)
-        if best is None or score < best[0]:
-            best = (score, sustained, half)
-    return best
+def fit(items, fixed: Scales | None = None) -> tuple[float, float, Scales]:
+    """(capped mean error, sustained fraction, scales): grid search on the mean error with each run's error
+    capped at OUTLIER_CAP: a run the model misses for reasons it does not represent (docs/accuracy.md) must
+    not drag a figure every run shares. Fewer runs than MIN_RUNS_FOR_TWO fit the sustained fraction only (two
+    figures on one run are underdetermined); scales measured on the silicon or fitted for it are kept."""
+    if fixed is not None:
+        candidates = [fixed]
+    else:
+        halves = HALF_WORK_GRID_GFLOP if len(items) >= MIN_RUNS_FOR_TWO else HALF_WORK_GRID_GFLOP[:1]
+        candidates = [Scales(half) for half in halves]
+    return min(((*fit_sustained(items, scales), scales) for scales in candidates), key=lambda fitted: fitted[0])
 
 
-def fit_sustained(items, half: float) -> tuple[float, float]:
-    """(capped mean error, sustained fraction) of the best sustained fraction at a saturation scale."""
-    return min((statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, half)), sustained)
+def fit_sustained(items, scales: Scales) -> tuple[float, float]:
+    """(capped mean error, sustained fraction) of the best sustained fraction at given saturation scales."""
+    return min((statistics.mean(min(e, OUTLIER_CAP) for e in errors_with(items, sustained, scales)), sustained)
                for sustained in SUSTAINED)
 
 
-def fit_silicon_half(fitting_by_device: dict[str, list]) -> float:
-    """The GEMM saturation scale shared by devices of one silicon (B200 alone and in GB200 NVL72: the same
-    GPU and kernels), fitted on their fitting runs together, each device keeping its own sustained fraction
-    (clocks and power differ): the scale is the kernels', and one device's few runs cannot fix it alone."""
+def fit_silicon_scales(fitting_by_device: dict[str, list]) -> Scales:
+    """The GEMM saturation scales shared by devices of one silicon (B200 alone and in GB200 NVL72: the same
+    GPU and kernels), BF16's and FP8's, fitted on their fitting runs together, each device keeping its own
+    sustained fraction (clocks and power differ): the scales are the kernels', and one device's few runs
+    cannot fix them alone. FP8's is at least BF16's: no measured FP8 GEMM saturates earlier (Hopper's:
+    docs/gpu-validation.md)."""
     items = [item for group in fitting_by_device.values() for item in group]
     if len(items) < MIN_RUNS_FOR_TWO:
-        return HALF_WORK_GRID_GFLOP[0]
-    def pooled(half: float) -> float:
-        errors = [fit_sustained(group, half)[0] * len(group) for group in fitting_by_device.values() if group]
+        return Scales(HALF_WORK_GRID_GFLOP[0])
+    def pooled(scales: Scales) -> float:
+        errors = [fit_sustained(group, scales)[0] * len(group) for group in fitting_by_device.values() if group]
         return sum(errors) / len(items)
-    return min(HALF_WORK_GRID_GFLOP, key=pooled)
+    return min((Scales(bf16, fp8) for bf16 in HALF_WORK_GRID_GFLOP for fp8 in HALF_WORK_GRID_GFLOP if fp8 >= bf16),
+               key=pooled)
 
 
-def write_profile(device: str, sustained: float, half: float, fp8_half: float | None) -> None:
+def write_profile(device: str, sustained: float, scales: Scales) -> None:
     path = DEVICE_DIR / f"{device}.yaml"
     text = path.read_text()
     text = re.sub(r"(  sustained_fraction: )[0-9.]+", rf"\g<1>{sustained}", text, count=1)
-    text = re.sub(r"(  half_work_gflop: )[0-9.]+", rf"\g<1>{half}", text, count=1)
-    if fp8_half is not None:   # measured apart: the profile's line is rewritten, never added
-        text = re.sub(r"(  fp8_half_work_gflop: )[0-9.]+", rf"\g<1>{fp8_half}", text, count=1)
+    text = re.sub(r"(  half_work_gflop: )[0-9.]+", rf"\g<1>{scales.bf16}", text, count=1)
+    if scales.fp8 is not None:   # its own: the profile's line is rewritten, never added
+        text = re.sub(r"(  fp8_half_work_gflop: )[0-9.]+", rf"\g<1>{scales.fp8}", text, count=1)
     path.write_text(text)
 
 
@@ -126,37 +141,32 @@ def main(argv=None) -> int:
     halves = split_runs(runs)
     fitted = {device: (fixed_layouts(fitting_runs, args.time_limit), fixed_layouts(held_runs, args.time_limit))
               for device, (fitting_runs, held_runs) in halves.items()}
-    silicon_half = {}
-    for device, others in SAME_SILICON.items():   # devices of one silicon that all have runs share the scale
+    silicon_scales = {}
+    for device, others in SAME_SILICON.items():   # devices of one silicon that all have runs share the scales
         members = [d for d in (device, *others) if d in fitted and d not in MEASURED_GEMMS]
         if len(members) > 1:
-            shared = fit_silicon_half({d: fitted[d][0] for d in members})
-            silicon_half.update({d: shared for d in members})
+            shared = fit_silicon_scales({d: fitted[d][0] for d in members})
+            silicon_scales.update({d: shared for d in members})
     for device, (fitting_runs, held_runs) in sorted(halves.items()):
-        device_runs = fitting_runs + held_runs
+        profile = (fitting_runs + held_runs)[0].cluster.device
         fitting, held_out = fitted[device]
         measured = MEASURED_GEMMS.get(device)
-        results = json.loads(measured.read_text()) if measured else None
-        profile = device_runs[0].cluster.device
-        measured_half = measured_half_work(results, profile) if measured else silicon_half.get(device)
-        # FP8's own scale, where measured (the profile's, read by every run's prediction, must be it already)
-        fp8_half = measured_half_work(results, profile, "fp8") if measured else None
-        if fp8_half is not None and profile.gemm.fp8_half_work_gflop != fp8_half:
-            print(f"{device}: the profile's fp8_half_work_gflop {profile.gemm.fp8_half_work_gflop} is not the "
-                  f"measured {fp8_half}: set it, then fit", file=sys.stderr)
-            return 1
-        score, sustained, half = fit(fitting, measured_half)
-        held = errors_with(held_out, sustained, half) if held_out else []
-        print(f"{device}: sustained_fraction={sustained} half_work_gflop={half}"
-              f"{f' fp8_half_work_gflop={fp8_half}' if fp8_half is not None else ''}"
-              f"{' (measured)' if measured else ' (silicon)' if device in silicon_half else ''}  fit MAPE {score:.1%} on "
+        if measured:   # both scales from the GPU's own GEMMs
+            results = json.loads(measured.read_text())
+            fixed = Scales(measured_half_work(results, profile), measured_half_work(results, profile, "fp8"))
+        else:
+            fixed = silicon_scales.get(device)
+        score, sustained, scales = fit(fitting, fixed)
+        held = errors_with(held_out, sustained, scales) if held_out else []
+        print(f"{device}: sustained_fraction={sustained} {scales.text()}"
+              f"{' (measured)' if measured else ' (silicon)' if device in silicon_scales else ''}  fit MAPE {score:.1%} on "
               f"{len(fitting)} runs; held-out MAPE "
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
               f"({', '.join(run.id for run, _ in held_out)})")
         if args.write:
             # a same-silicon device takes this fit only where it has no runs of its own to fit
             for name in (device, *(d for d in SAME_SILICON.get(device, ()) if d not in halves)):
-                write_profile(name, sustained, half, fp8_half)
+                write_profile(name, sustained, scales)
     return 0
 
 
