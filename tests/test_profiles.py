@@ -96,6 +96,7 @@ BAD_DEVICES = [
     ("peak_tflops.fp8", -5, "peak_tflops.fp8"),
     ("gemm.peak_fraction", 1.5, "gemm.peak_fraction"),
     ("gemm.half_work_gflop", -1, "gemm.half_work_gflop"),
+    ("gemm.fp8_half_work_gflop", "large", "gemm.fp8_half_work_gflop"),
     ("intra_node.kind", "token-ring", "intra_node.kind"),
     ("intra_node.bandwidth_per_direction_gbytes_per_s", -450, "intra_node.bandwidth_per_direction_gbytes_per_s"),
     ("intra_node.in_network_fraction", _DELETE, "in_network_fraction"),
