@@ -47,7 +47,8 @@ class GemmEfficiency(Strict):
     peak_fraction: float = Field(gt=0, le=1)
     fp8_peak_fraction: float | None = Field(default=None, gt=0, le=1)
     half_work_gflop: float = Field(ge=0)
-    # FP8 GEMMs' scale where measured apart (they saturate later: docs/gpu-validation.md); None: the one above
+    # FP8 GEMMs' own scale (they saturate later: docs/gpu-validation.md; measured on Hopper, fitted on
+    # Blackwell by benchmarks/calibrate.py); None: FP8 GEMMs take the one above
     fp8_half_work_gflop: float | None = Field(default=None, ge=0)
     kernel_floor_us: float = Field(ge=0)
     # share of MAMF sustained inside a training step (fusions, launch gaps, non-ideal shapes); fitted on
