@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not DEFAULT_RUNS.exists(), reason="shared/valida
 # runs from calibrate's held-out half (checked below), one per stack family where the half has one
 QUICK = ["narayanan21-18b", "korthikanti22-22b-full", "nemo2407-gpt3-5b-64gpu", "nemo2407-nemotron-8b-64gpu"]
 # MoE on Blackwell, held out too: GB200 NVL72 as NVIDIA's launcher placed it (64 GPUs in each rack: Slurm
-# --segment), B200 with the saturation scale fitted on both devices' runs
+# --segment), B200 with the saturation scales (BF16's and FP8's) fitted on both devices' runs
 QUICK_MOE = ["mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp", "mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu",
              "mbridge-25p11-b200-qwen3-235b-a22b-mxfp8-64gpu"]
 # published layouts that ran with every degree and the micro-batch given
@@ -25,7 +25,7 @@ PUBLISHED_LAYOUTS = ["korthikanti22-22b-selective", "korthikanti22-175b-selectiv
                      "mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu",
                      "mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp",
                      # its launcher states the whole layout (benchmarks/published.py RECIPE_SETTINGS); the memory
-                     # model puts its second stage at 83.6 GB against 78.4 GB usable (85.5 GB of HBM), where the
+                     # model puts its second stage at 80.7 GB against 78.4 GB usable (85.5 GB of HBM), where the
                      # run fit: a known overestimate, kept visible (strict: it fails once the model fits it)
                      pytest.param("dgxc-250504-dsv3-bf16-h100-512gpu", marks=pytest.mark.xfail(
                          strict=True, reason="the memory model overestimates this stated MoE layout"))]
