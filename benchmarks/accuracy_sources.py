@@ -80,6 +80,13 @@ OTHER_MEASUREMENTS = [
                      "tp=1,pp=2,vp=12,cp=1,ep=8,mbs=1", "fp8", 51.27, global_batch=1024),
     OtherMeasurement(Q30B, f"Megatron-Bridge's own 26.02.01 table, the same layout and batch as its 26.02 row "
                      f"({ARCHIVE})", "tp=1,pp=2,vp=12,cp=1,ep=8,mbs=1", "fp8", 28.94, global_batch=1024),
+    # the 26.02 and 26.02.01 tables, FP8 on 256 H100, the row's degrees at four times its batch (GBS 8192):
+    # 1,633 and 1,611 tokens/s per GPU, 8192 x 4096 / (tokens/s x 256) = 80.27 and 81.36 s; their launcher
+    # settings are taken as the 25.11 row's (combined 1F1B, no TP overlap, its recipe's layout)
+    *(OtherMeasurement(Q235B, f"Megatron-Bridge's own {release} table, FP8, GBS 8192, the row's launcher settings "
+                       f"assumed ({ARCHIVE})",
+                       "tp=2,pp=8,vp=4,dp=16,cp=1,ep=32,etp=1,mbs=1,zero=1,recompute=none,a2a_overlap=true,stages=2-3*30-2",
+                       "fp8", step_s, global_batch=8192) for release, step_s in (("26.02", 80.27), ("26.02.01", 81.36))),
     # 1,204 tokens/s per GPU: 2048 x 4096 / (1,204 x 256) = 27.22 s. Its launcher (Megatron-Bridge @6476ea0f
     # run_script.py, configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml): TP overlap on, combined 1F1B only for
     # DeepSeek-V3, recompute_granularity null; the stack flags differ from the 25.11 row's
