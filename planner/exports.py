@@ -180,6 +180,9 @@ def torchtitan_args(plan: Plan) -> tuple[list[str], list[str]]:
             f"--parallelism.pipeline_parallel_degree {lay.pp}",
             f"--training.local_batch_size {local}", f"--training.global_batch_size {lay.gbs}",
             f"--training.seq_len {plan.seq_len}"]
+    if sharded:   # FSDP2 resharding after forward is ZeRO-3, keeping the parameters to backward ZeRO-2; torchtitan's
+        # "default" policy picks by pipelining instead (torchtitan/distributed/fsdp.py), so the plan's is stated
+        args.append(f"--parallelism.fsdp_reshard_after_forward {'always' if lay.zero >= 3 else 'never'}")
     if lay.pp > 1:
         schedule = {"dualpipev": "DualPipeV", "interleaved-1f1b": "Interleaved1F1B"}.get(str(lay.schedule), "1F1B")
         args += [f"--parallelism.pipeline_parallel_schedule {schedule}",
@@ -201,8 +204,9 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if mode == "selective":
         notes.append("torchtitan 0.3's selective checkpointing is op-level (saves matmul outputs, recomputes the "
                      f"rest), not the recomputation of {lay.recompute_modules.replace('+', ', ')} the plan costs")
-    if lay.zero in (1, 2):
-        notes.append(f"torchtitan shards with FSDP2 (ZeRO-3 style); ZeRO-{lay.zero} has no exact equivalent")
+    if lay.zero == 1:
+        notes.append("torchtitan shards with FSDP2, gradients too: ZeRO-1 has no exact equivalent; exported as FSDP2 "
+                     "keeping the parameters from forward to backward (ZeRO-2)")
     if lay.etp > 1:
         notes.append(f"torchtitan 0.3 has no expert tensor-parallel degree: etp={lay.etp} cannot be expressed")
     if lay.tp_comm_overlap:

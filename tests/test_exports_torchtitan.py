@@ -13,6 +13,7 @@ configs = pytest.importorskip("torchtitan.config.configs")
 from torchtitan.config.manager import ConfigManager, custom_registry  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import (ActivationCheckpointingConfig, FullAC,  # noqa: E402
                                                            SelectiveAC)
+from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping  # noqa: E402
 
@@ -26,6 +27,9 @@ TORCHTITAN_PLANS = PLANS + [
     ("dualpipev", "llama3-8b", "h100-sxm", 16, 64,
      FULL.format(tp=1, pp=4, vp=2, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=2, rc="none") + ",schedule=dualpipev", "bf16",
      load_stack("torchtitan")),
+    # ZeRO-3 under a pipeline, where torchtitan's default policy would keep the parameters (ZeRO-2)
+    ("zero3-pp", "llama3-8b", "h100-sxm", 16, 64,
+     FULL.format(tp=1, pp=2, vp=1, dp=8, cp=1, ep=1, etp=1, mbs=1, zero=3, rc="none"), "bf16", load_stack("torchtitan")),
 ]
 SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "dualpipev": "DualPipeV"}
 
@@ -58,6 +62,8 @@ def test_torchtitan_reads_the_export_as_the_plan(case):
     assert dims.dp_replicate * dims.dp_shard == lay.dp
     assert (dims.dp_shard > 1 or lay.dp == 1) == (lay.zero >= 1)   # FSDP2 for ZeRO >= 1, replicas for ZeRO-0
     assert (dims.tp, dims.cp, dims.pp, dims.ep) == (lay.tp, lay.cp, lay.pp, lay.ep)
+    if lay.zero >= 1:   # ZeRO-3 reshards the parameters after forward, ZeRO-2 keeps them, as torchtitan resolves it
+        assert get_fsdp_reshard_after_forward_policy(par.fsdp_reshard_after_forward, dims.pp_enabled) == (lay.zero >= 3)
     assert par.enable_sequence_parallel == (lay.sp and lay.tp > 1)
     assert training.seq_len == plan.seq_len and training.global_batch_size == lay.gbs
     # the Trainer accumulates global / (local x batch degree) steps; the pipeline splits local into micro-batches
