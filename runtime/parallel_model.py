@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_models.layout import Layout, Recompute
@@ -32,6 +32,7 @@ from .context_parallel import apply_cp, shard_sequence
 from .experts import apply_ep, expert_meshes, finish_expert_grads
 from . import mixed_precision
 from .parallelize import apply_ac, apply_dp, apply_tp, uses_fsdp
+from .pipeline_stage import GatheringPipelineStage
 from .sequential_stage import sequential_stage
 from .split import split_stage
 from .tied import StageTies, retie, tied_names, untie_head
@@ -190,7 +191,7 @@ class ParallelModel:
         dims = self.dims
         pp_group = self.mesh["pp"].get_group()
         chunks = len(self.layout.stage_layers)
-        stages = [PipelineStage(module, j, chunks, self.device, group=pp_group)
+        stages = [GatheringPipelineStage(module, j, chunks, self.device, group=pp_group)
                   for module, j in zip(self.modules, self.chunk_ids)]
         micro = self.layout.num_micro_batches
         if self.layout.dualpipev:   # torch places the stages as a V itself and checks micro >= 2 pp

@@ -237,9 +237,10 @@ def test_the_search_chooses_dualpipev_where_it_is_faster_and_says_so(tmp_path):
 @pytest.mark.parametrize("stack,layout,said", [
     ("megatron-core", "tp=1,pp=4,dp=4,cp=1,mbs=1,schedule=dualpipev", "no DualPipeV"),
     ("deepspeed", "tp=1,pp=4,dp=4,cp=1,mbs=1,schedule=dualpipev", "no DualPipeV"),
-    # this runtime: FSDP2's replicate or FSDP2 without resharding where gradients are reduced over more than one rank
-    ("parallel-planner", "tp=1,pp=4,dp=4,cp=1,mbs=1,zero=1,schedule=dualpipev", r"ZeRO stages \[0, 2\] where"),
-    ("parallel-planner", "tp=1,pp=4,dp=4,cp=1,mbs=1,zero=3,schedule=dualpipev", r"ZeRO stages \[0, 2\] where"),
+    # this runtime: FSDP2 or its replicate where gradients are reduced over more than one rank, not DDP (ZeRO-1)
+    ("parallel-planner", "tp=1,pp=4,dp=4,cp=1,mbs=1,zero=1,schedule=dualpipev", r"ZeRO stages \[0, 2, 3\] where"),
+    # torchtitan: torch's stage takes the sharded parameters where ZeRO-3 resharded (runtime/pipeline_stage.py)
+    ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=1,zero=3,schedule=dualpipev", r"ZeRO stages \[0, 2\] where"),
     ("parallel-planner", "tp=1,pp=4,dp=4,cp=1,mbs=1,zero=2,recompute=selective,schedule=dualpipev",
      "one backward per region"),
     ("torchtitan", "tp=1,pp=4,dp=4,cp=1,mbs=1,vp=3,schedule=dualpipev", "vp=2"),
@@ -261,8 +262,8 @@ def test_what_a_stack_cannot_run_is_refused(stack, layout, said):
 
 def test_the_runtime_stack_plans_the_v_only_as_its_runtime_runs_it():
     """One rule set: with gradients reduced over more than one rank the runtime's stack plans DualPipeV with
-    ZeRO-0 (FSDP2's replicate) or ZeRO-2 (FSDP2 without resharding; tests/test_runtime.py trains both against
-    one process), over one rank with ZeRO 0-2, and never with selective recomputation (full recomputation is
+    ZeRO-0 (FSDP2's replicate), ZeRO-2 or ZeRO-3 (FSDP2; tests/test_runtime.py trains each against one
+    process), never ZeRO-1 (DDP), over one rank with any, and never with selective recomputation (full recomputation is
     torch's non-reentrant checkpoint there, its weight passes billed); each plan passes the checks the runtime
     makes before step 1."""
     from planner.search.stack_rules import layout_stack_problems
@@ -270,14 +271,14 @@ def test_the_runtime_stack_plans_the_v_only_as_its_runtime_runs_it():
     common = dict(device="h100-sxm", num_devices=16, global_batch=64, seq_len=4096, stack="parallel-planner",
                   schedule="dualpipev", tp=1, cp=1)
     wide = plan("llama3-8b", pp=4, dp=4, **common)
-    assert wide.layout.schedule == "dualpipev" and wide.layout.zero in (0, 2)
+    assert wide.layout.schedule == "dualpipev" and wide.layout.zero in (0, 2, 3)
     alone = plan("llama3-8b", pp=8, dp=1, tp=2, **{k: v for k, v in common.items() if k != "tp"})
-    assert alone.layout.schedule == "dualpipev" and alone.layout.zero in (0, 1, 2)
+    assert alone.layout.schedule == "dualpipev" and alone.layout.zero in (0, 1, 2, 3)
     for result in (wide, alone):
         assert not layout_stack_problems(result.to_layout(), runtime)
         assert Recompute.selective not in result.to_layout().block_recompute(result.to_layout().stage_layers)
-    assert runtime.zero_stages_for(4, 1, 1, dualpipev=True) == (0, 2)
-    assert runtime.zero_stages_for(1, 2, 1, dualpipev=True) == (0, 1, 2)
+    assert runtime.zero_stages_for(4, 1, 1, dualpipev=True) == (0, 2, 3)
+    assert runtime.zero_stages_for(1, 2, 1, dualpipev=True) == (0, 1, 2, 3)
     assert runtime.zero_stages_for(4, 1, 1) == (0, 1, 2, 3)
 
 

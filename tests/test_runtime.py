@@ -196,13 +196,15 @@ CASES = [
     ("hf-qwen3-cp2-tp2", 4, "cp=2,tp=2,sp=false,mbs=4", HF_QWEN3),
     ("hf-mixtral-ep2-tp2", 4, "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=2", HF_MIXTRAL),
     # DualPipeV (torch's ScheduleDualPipeV): two chunks per rank as a V, the backward split into input and
-    # weight gradients; FSDP2's replicate (ZeRO-0) or FSDP2 without resharding where gradients are reduced (DDP,
-    # which ZeRO-0 ran on before and ZeRO-1 runs on, and ZeRO-3 gave gradients up to 100% off: the stack's
-    # dualpipev_zero_stages refuses them); the tied embedding and output layer both on rank 0
+    # weight gradients; FSDP2's replicate (ZeRO-0) or FSDP2 where gradients are reduced (DDP, which ZeRO-0 ran
+    # on before and ZeRO-1 runs on, gave gradients up to 100% off: the stack's dualpipev_zero_stages refuses
+    # it); ZeRO-3 with its parameters gathered before a split backward's input pass (runtime/pipeline_stage.py:
+    # without, the loss chunk's first micro-batch lost its weight gradients); tied embedding and output on rank 0
     ("pp2-dualpipev", 2, "pp=2,schedule=dualpipev,mbs=2"),
     ("tied-pp2-dualpipev", 2, "pp=2,schedule=dualpipev,mbs=2", "tiny-tied"),
     ("hf-llama-pp2-dp2-dualpipev", 4, "pp=2,dp=2,zero=2,schedule=dualpipev,mbs=1", HF_LLAMA),
     ("pp2-dp2-dualpipev-zero0", 4, "pp=2,dp=2,zero=0,schedule=dualpipev,mbs=1"),
+    ("pp2-dp2-dualpipev-zero3", 4, "pp=2,dp=2,zero=3,schedule=dualpipev,mbs=1"),
     ("ep2-pp2-dualpipev", 4, "pp=2,dp=2,ep=2,zero=2,schedule=dualpipev,mbs=1", "tiny-moe"),
     ("cp2-pp2-dualpipev", 4, "pp=2,cp=2,zero=2,schedule=dualpipev,mbs=2"),
     # full recomputation under the V: torch's non-reentrant checkpoint, recomputing in each split weight pass
@@ -342,9 +344,6 @@ REFUSALS = [
     ("dp=2,zero=1,precision=bf16,grad_reduce=bf16", "grad_reduce=bf16 with ZeRO-1", "tiny-llama"),
     # ZeRO-1 beside expert (or tensor) parallelism: ZeroRedundancyOptimizer takes no DTensor
     ("dp=2,ep=2,zero=1", "zero=1 with dp=2 beside tensor or expert parallelism", "tiny-moe"),
-    # DualPipeV beside FSDP2 resharding after forward gave wrong gradients (as DDP's reducer does, which
-    # its split backward never arms: tests/test_dualpipev.py): refused before step 1
-    ("pp=2,zero=3,schedule=dualpipev,mbs=2", "runs DualPipeV with ZeRO stages [0, 2]", "tiny-llama"),
     # torch's selective checkpoint allows one backward per region; DualPipeV's weight-gradient pass runs another
     ("pp=2,recompute=selective,schedule=dualpipev,mbs=2", "allows one backward per region", "tiny-llama"),
     # torch's ScheduleDualPipeV needs a micro-batch per chunk: refused with the planner's rule, not torch's error
