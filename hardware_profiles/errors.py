@@ -19,6 +19,7 @@ class UserInputError(Exception):
 
     def __init__(self, message: str, *, source: str | None = None, field: str | None = None,
                  expected: str | None = None):
+        self.message = message
         self.source = source
         self.field = field
         self.expected = expected

@@ -310,10 +310,15 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
             raise UserInputError("stages= needs the whole layout", field="--layout",
                                  expected=f"every one of {', '.join(FULL_KEYS)} beside stages=")
         if not set(FULL_KEYS) <= set(values):  # search the rest with these pinned
-            return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
-                        precision=precision, time_limit_s=time_limit_s, stack=stack,
-                        ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
-                        **values)
+            try:
+                return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
+                            precision=precision, time_limit_s=time_limit_s, stack=stack,
+                            ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
+                            **values)
+            except UserInputError as exc:   # the pins came from --layout here: the message names it
+                if exc.field != "--fix":
+                    raise
+                raise UserInputError(exc.message, source=exc.source, field="--layout", expected=exc.expected) from None
         given = layout_from(_stack_defaults(values, stack), global_batch=global_batch, precision=precision)
     given = replace(given, global_batch=global_batch)
     refused = layout_stack_problems(given, stack, graph)

@@ -92,6 +92,13 @@ def test_out_is_checked_before_the_search(tmp_path, capsys, monkeypatch):
                                   f"--global-batch 16 --out {report}", capsys, monkeypatch)
 
 
+def test_a_partial_layout_that_cannot_run_names_the_flag_it_came_in(capsys, monkeypatch):
+    """`evaluate --layout` with fields left out searches the rest with them pinned; its refusal named --fix."""
+    message = refused(f"evaluate {TINY} --layout tp=3", capsys, monkeypatch)
+    assert "field '--layout'" in message and "--fix" not in message
+    assert "field '--fix'" in refused(f"plan {TINY} --fix tp=3", capsys, monkeypatch)
+
+
 def test_messages_clip_what_they_quote(capsys, monkeypatch):
     """A 1 MB --fix value was echoed back in a 1,000,097-character error."""
     message = refused(["plan", *TINY.split(), "--fix", f"tp={'9' * 1_000_000}"], capsys, monkeypatch)
