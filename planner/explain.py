@@ -4,7 +4,7 @@ from __future__ import annotations
 from cost_models.compute import ShardSpec, layer_compute, rank_load
 from cost_models.host_time import host_billed, layer_host_seconds
 from cost_models.layout import Layout, Recompute
-from cost_models.memory import StateSharding
+from cost_models.memory import StateSharding, casts_by_fsdp_policy
 from cost_models.records import ModelCosts
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
@@ -104,7 +104,8 @@ def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:
     out = []
     if sharding.copied_roles:
         what, how = ("every layer's parameters", "FSDP2's unsharded parameters") \
-            if "embedding" in sharding.copied_roles else ("the blocks' and output layer's weights", "autocast's cache")
+            if casts_by_fsdp_policy(sharding.zero, sharding.dp_cp) \
+            else ("the blocks' and output layer's weights", "autocast's cache")
         out.append(f"the fp32 parameters are the master: a bf16 copy of {what} ({how}, 2 bytes each, unsharded) "
                    "is held from their forward to their backward")
     if best.layout.dualpipev and stack.dualpipev_weight_pass_recompute and Recompute.full in best.layer_recompute:

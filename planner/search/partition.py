@@ -233,7 +233,9 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
         flight = in_flight_micro_batches(i, pp, m, v, paired, lay.dualpipev)
         w_terms, c_terms, mem_terms, g_terms, o_terms, grad_terms = [], [], [], [], [], []
         r_terms, a_terms, b_terms = [], [], []   # recomputation's time; DualPipeV's A and bubble term
-        s_terms = []   # DualPipeV: recomputation split weight passes repeat per parameter group, in the bubble term
+        # DualPipeV: full recomputation split weight passes repeat per parameter group, in the bubble term (where
+        # they do, the stack refuses selective recomputation: `leaf_recompute_methods`)
+        s_terms = []
         for j in owned:
             for r, (kind, _, _) in enumerate(runs):
                 c = layer[kind]
@@ -252,8 +254,6 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
                 if choose and k is Recompute.selective:
                     for mod in chosen:
                         r_terms.append(_t_extra(c.module_recompute_s[MODULE_INDEX[mod]]) * part[i, r, mod])
-                        s_terms.append(_t_extra(split * c.weight_pass_recomputes * c.module_recompute_s[
-                            MODULE_INDEX[mod]]) * part[i, r, mod])
                         mem_terms.append(-_m(flight * c.module_freed_bytes[MODULE_INDEX[mod]]) * part[i, r, mod])
                     continue
                 r_terms.append(_t_extra(c.work_s(k) - c.work_s(Recompute.none)) * redo[i, r, k])
