@@ -17,12 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import load_stack  # noqa: E402
-from planner.api import capture_for, evaluate, plan  # noqa: E402
+from planner.api import evaluate, plan  # noqa: E402
+from planner.job import capture_for  # noqa: E402
 from planner.capture.model_sources import resolve_model  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
 from benchmarks.published import (DEFAULT_RUNS, FAMILY_STACKS, UNSTATED_CHOICES, check_published, load_runs,  # noqa: E402
                                   missing_model_fields, predict, run_stack)
-from planner.search.space import layout_problems  # noqa: E402
+from planner.rules.layout import layout_problems  # noqa: E402
 from benchmarks.calibrate import split_runs  # noqa: E402
 from benchmarks.ascend_runs import ascend_rows, report_lines as ascend_report_lines  # noqa: E402
 from benchmarks.accuracy_sources import (COMPLETED_MODELS, MISS_NOTES, OTHER_MEASUREMENTS, UNPREDICTED_NOTES,  # noqa: E402

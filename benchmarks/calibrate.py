@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.step_time import estimate  # noqa: E402
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
-from planner.api import capture_for  # noqa: E402
+from planner.job import capture_for  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, load_runs, predict, run_stack  # noqa: E402
 from benchmarks.gpu_compare import DEFAULT_RESULTS, HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
 

@@ -11,7 +11,7 @@ from hardware_profiles.loader import cluster_from_device, list_devices, load_dev
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
-from planner.api import resolve_cluster
+from planner.job import resolve_cluster
 from planner.capture.model_config import MLAConfig, ModelConfig, MoEConfig
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "published_runs.yaml"

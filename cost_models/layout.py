@@ -1,101 +1,28 @@
-"""`Layout`: one parallel layout, the third typed input beside the model graph and the cluster."""
+"""`Layout`: one parallel layout, the third typed input beside the model graph and the cluster.
+
+Each attribute is declared here once, with what it carries (`layout_domains.LayoutField`): the key users
+write, the plan file's key, its domain, whether the search chooses it and the stack's default.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, fields
+
+from .layout_choices import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, MODULE_INDEX, Fp8Recipe, GradReduce,
+                             Precision, Recompute, RecomputeModule, Schedule, TextEnum, nested_modules)
+from .layout_domains import (Choice, Count, LayoutField, MeshOrder, ModuleSet, StageCounts, Switch, ZeroStage,
+                             declare)
+
+__all__ = ["Layout", "first_blocks_of_each_chunk", "DEFAULT_RECOMPUTE_MODULES", "MEGATRON_ORDER", "MODULE_INDEX",
+           "Fp8Recipe", "GradReduce", "Precision", "Recompute", "RecomputeModule", "Schedule", "TextEnum",
+           "nested_modules"]
+
+DEGREE = Count()
+RECOMPUTE_WHAT = "none, selective or full"
+SCHEDULE_WHAT = "1f1b (vp=1), interleaved-1f1b (vp > 1) or dualpipev (vp=2, two chunks per rank as a V)"
 
 
-class TextEnum(str, Enum):
-    """A choice written as text: equal to, printed and formatted as its value (names equal values, so
-    it also hashes as its text and dict lookups by text work)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def texts(cls) -> tuple[str, ...]:
-        return tuple(member.value for member in cls)
-
-
-class Recompute(TextEnum):
-    none = "none"
-    selective = "selective"   # recompute the attention core (Megatron --recompute-granularity selective)
-    full = "full"             # keep only the layer input, recompute the whole layer
-
-
-class RecomputeModule(TextEnum):
-    """What selective recomputation repeats, as Megatron-Core names it (TransformerConfig.recompute_modules,
-    default ["core_attn"]): the first three by checkpointing (the module's input kept, everything it saves
-    dropped), the others by output-discarding checkpointing (its output freed once used, remade in backward).
-    moe_act and shared_experts lie inside moe: where the expert container is captured as one node, its ops and
-    tensors name them as their `inner_module`."""
-    core_attn = "core_attn"       # the attention core (softmax(q k^T) v, fused or not)
-    mlp = "mlp"                   # a dense layer's MLP: its column -> row pair (not a MoE layer's)
-    moe = "moe"                   # a MoE layer's routed experts, as captured in one expert container
-    layernorm = "layernorm"       # the norms on the residual stream (input and pre-MLP layernorm)
-    mla_up_proj = "mla_up_proj"   # MLA's query and key-value up-projections and RoPE, up to the attention core
-    # the routed experts' activation between their GEMMs, gating multiply included: what the down-projection
-    # keeps (Megatron-Core's GroupedMLP checkpoints it without its output, experts.py `activation_recompute`)
-    moe_act = "moe_act"
-    # a MoE layer's shared experts (and their gate), checkpointed with their input kept (Megatron-Core 0.14 on)
-    shared_experts = "shared_experts"
-
-    @property
-    def discards_output(self) -> bool:
-        return self in (RecomputeModule.layernorm, RecomputeModule.mla_up_proj, RecomputeModule.moe_act)
-
-    @property
-    def container(self) -> "RecomputeModule | None":
-        """The module this one lies inside (moe_act and shared_experts inside moe): recomputing both would
-        count its tensors and time twice, so a set names one of them."""
-        return RecomputeModule.moe if self in (RecomputeModule.moe_act, RecomputeModule.shared_experts) else None
-
-    @property
-    def refused_with_delayed_fp8(self) -> bool:
-        """Megatron-Core's TransformerConfig refuses moe_act and layernorm recomputation under FP8 delayed
-        scaling (transformer_config.py __post_init__): a recomputed cast would update the amax history twice."""
-        return self in (RecomputeModule.layernorm, RecomputeModule.moe_act)
-
-
-def nested_modules(modules) -> tuple[RecomputeModule, ...]:
-    """The modules of a set that lie inside another of it (moe_act or shared_experts beside moe): a set that
-    has any counts their tensors and time twice, and is refused or never chosen."""
-    return tuple(m for m in modules if m.container in modules)
-
-
-DEFAULT_RECOMPUTE_MODULES = (RecomputeModule.core_attn,)
-MODULE_INDEX = {module: i for i, module in enumerate(RecomputeModule)}   # per-module tuples are in this order
-
-
-class Precision(TextEnum):
-    bf16 = "bf16"
-    fp8 = "fp8"                 # FP8 GEMMs (Transformer Engine); embedding and output layers stay bf16
-
-
-class GradReduce(TextEnum):
-    fp32 = "fp32"               # gradient buffers and reductions in fp32 (Megatron-LM with --bf16)
-    bf16 = "bf16"               # --grad-reduce-in-bf16
-
-
-class Fp8Recipe(TextEnum):
-    delayed = "delayed"         # amax history (Megatron --fp8-recipe delayed)
-    tensorwise = "tensorwise"   # current scaling, one more read per cast (Megatron-Bridge "FP8-CS")
-    mxfp8 = "mxfp8"             # an E8M0 scale per 32 elements, Blackwell tensor cores (Megatron-Bridge "FP8-MX")
-    blockwise = "blockwise"     # DeepSeek-V3's fp32 scale per 1x128 activation and 128x128 weight tile
-
-
-class Schedule(TextEnum):
-    one_f_one_b = "1f1b"
-    interleaved = "interleaved-1f1b"
-    # DeepSeek's DualPipe cut in half (torch ScheduleDualPipeV): two chunks per rank placed as a V, each
-    # forward run beside another micro-batch's backward in the steady state
-    dualpipev = "dualpipev"
-
-
-MEGATRON_ORDER = ("tp", "cp", "ep", "dp", "pp")  # innermost first (design-notes: tp-cp-ep-dp-pp)
+def _degree(key: str, whole: bool = True) -> object:
+    return declare(1, LayoutField(key, DEGREE, plan_key=key, searched=True, whole=whole))
 
 
 @dataclass(frozen=True)
@@ -105,43 +32,65 @@ class Layout:
     With MoE parallel folding, attention layers use tp x cp x dp x pp and expert layers etp x ep x edp x pp
     over the same ranks: ep divides dp x cp x tp / etp.
     """
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    vp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    micro_batch: int = 1
-    global_batch: int = 1
-    zero: int = 1
-    sequence_parallel: bool = True
+    # the degrees (whole: a layout that gives them all is evaluated as given; the search chooses them)
+    tp: int = _degree("tp")
+    pp: int = _degree("pp")
+    dp: int = _degree("dp")
+    cp: int = _degree("cp")
+    ep: int = _degree("ep")
+    etp: int = _degree("etp")
+    vp: int = _degree("vp")
+    micro_batch: int = _degree("mbs")
+    zero: int = declare(1, LayoutField("zero", ZeroStage(), plan_key="zero", searched=True, whole=True))
+    recompute: Recompute = declare(Recompute.none, LayoutField(
+        "recompute", Choice(Recompute, RECOMPUTE_WHAT, plan_extra=("per-layer",)), plan_key="recompute",
+        searched=True, whole=True))
+    # the job's: given beside the layout (--global-batch, --precision), the same if also in the layout text
+    global_batch: int = declare(1, LayoutField("gbs", Count(plan_most=None), plan_key="gbs", pin=False))
+    sequence_parallel: bool = declare(True, LayoutField(
+        "sp", Switch(), plan_key="sp", stack_default=lambda stack: None if stack.sequence_parallel else False))
+    # the DualPipeV schedule (layout text `schedule=dualpipev`, vp = 2): chunk j < pp on rank j, chunk j >= pp
+    # on rank 2 pp - 1 - j; where the stack has it (SoftwareStack.dualpipev_schedule). The text's `schedule`
+    # reads the `schedule` property: 1f1b and interleaved-1f1b follow vp
+    dualpipev: bool = declare(False, LayoutField("schedule", Choice(Schedule, SCHEDULE_WHAT), plan_key="schedule",
+                                                 searched=True, reads="schedule"))
+    precision: Precision = declare(Precision.bf16, LayoutField(
+        "precision", Choice(Precision, "bf16 or fp8"), plan_key="precision", pin=False))
+    mesh_order: tuple[str, ...] = declare(MEGATRON_ORDER, LayoutField("order", MeshOrder(), plan_key="order",
+                                                                      searched=True))
     # Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm): MoE all-to-alls beside another
     # micro-batch's compute, where the stack has it and the layout pairs passes (SoftwareStack.hides_moe_a2a)
-    moe_a2a_overlap: bool = False
-    # the DualPipeV schedule (layout text `schedule=dualpipev`, vp = 2): chunk j < pp on rank j, chunk j >= pp
-    # on rank 2 pp - 1 - j; where the stack has it (SoftwareStack.dualpipev_schedule)
-    dualpipev: bool = False
-    recompute: Recompute = Recompute.none
-    precision: Precision = Precision.bf16
-    grad_reduce: GradReduce = GradReduce.fp32
-    fp8_recipe: Fp8Recipe = Fp8Recipe.delayed
-    mesh_order: tuple[str, ...] = MEGATRON_ORDER
-    stage_layers: tuple[int, ...] | None = None        # blocks per virtual stage (pp * vp entries)
-    layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute`
-    # what a selectively recomputed layer repeats (Megatron --recompute-modules), in RecomputeModule order
-    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES
+    moe_a2a_overlap: bool = declare(False, LayoutField(
+        "a2a_overlap", Switch(), plan_key="moe_a2a_overlap", searched=True, plan_default=True,
+        stack_default=lambda stack: stack.moe_a2a_overlap))
+    grad_reduce: GradReduce = declare(GradReduce.fp32, LayoutField(
+        "grad_reduce", Choice(GradReduce, "fp32 or bf16"), plan_key="grad_reduce", plan_default=True,
+        stack_default=lambda stack: stack.gradient_reduce))
+    fp8_recipe: Fp8Recipe = declare(Fp8Recipe.delayed, LayoutField(
+        "fp8_recipe", Choice(Fp8Recipe, "delayed, tensorwise, mxfp8 or blockwise (Megatron --fp8-recipe)"),
+        plan_key="fp8_recipe", plan_default=True,
+        stack_default=lambda stack: stack.fp8_recipes[0] if stack.fp8_recipes else None))
+    # what a selectively recomputed layer repeats (Megatron --recompute-modules), in RecomputeModule order;
+    # chosen with the partition where the stack recomputes more than core_attn
+    recompute_modules: tuple[RecomputeModule, ...] = declare(DEFAULT_RECOMPUTE_MODULES, LayoutField(
+        "recompute_modules", ModuleSet(), plan_key="recompute_modules", searched=True, plan_default=True))
     # with recompute=full: the first N blocks of each chunk recompute fully, the others not at all (Megatron
-    # --recompute-method block --recompute-num-layers N, TransformerBlock._checkpointed_forward: per chunk)
-    recompute_layers: int | None = None
+    # --recompute-method block --recompute-num-layers N, TransformerBlock._checkpointed_forward: per chunk);
+    # a plan file's stages say per layer what this meant
+    recompute_layers: int | None = declare(None, LayoutField("recompute_layers", Count()))
+    # blocks per virtual stage (pp * vp entries), chosen by the search; a plan file keeps them as stage records
+    stage_layers: tuple[int, ...] | None = declare(None, LayoutField("stages", StageCounts(), pin=False,
+                                                                     searched=True))
+    layer_recompute: tuple[Recompute, ...] | None = None  # per block; overrides `recompute` (the partition's)
 
     def __post_init__(self):
         # choices given as their text become the enum; anything else is left for value_problems to name
-        for name, kind in (("recompute", Recompute), ("precision", Precision), ("grad_reduce", GradReduce),
-                           ("fp8_recipe", Fp8Recipe)):
-            value = getattr(self, name)
-            if isinstance(value, str) and not isinstance(value, kind) and value in kind.texts():
-                object.__setattr__(self, name, kind(value))
+        for item in fields(self):
+            declared = item.metadata.get("layout")
+            if declared and isinstance(declared.domain, Choice) and declared.reads is None:
+                value, kind = getattr(self, item.name), declared.domain.kind
+                if isinstance(value, str) and not isinstance(value, kind) and value in kind.texts():
+                    object.__setattr__(self, item.name, kind(value))
 
     @property
     def world_size(self) -> int:

@@ -1,34 +1,51 @@
 """One layout vocabulary: the keys users write and the `Layout` fields they mean, parsed and printed once.
 
-The same keys are the layout text (`--layout`, `--fix`, `examples/train_tiny.py --layout`), the keyword
-arguments of the API (`planner.plan(..., tp=8, recompute="full")`), the fields of a plan file's `layout`
-record and the strings the plan prints for its alternatives. Every conversion between them goes
-through this module, so a key means the same thing everywhere.
+The same keys are the layout text (`--layout`, `--fix`, the runtime's `--layout`), the keyword arguments
+of the API (`planner.plan(..., tp=8, recompute="full")`), the fields of a plan file's `layout` record and
+the strings the plan prints for its alternatives. Every table here is derived from the declarations on
+`Layout` (`cost_models/layout.py`); every conversion between the forms goes through this module.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 from hardware_profiles.errors import UserInputError
 
-from .layout import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute,
-                     RecomputeModule, Schedule, TextEnum)
+from .layout import DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Schedule
+from .layout_domains import MODULES_WHAT, Choice, DomainError, LayoutField, Switch
 
-# key as users write it -> the Layout attribute it sets
-ATTRIBUTES = {"dp": "dp", "tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "ep": "ep", "etp": "etp",
-              "mbs": "micro_batch", "gbs": "global_batch", "zero": "zero", "recompute": "recompute",
-              "sp": "sequence_parallel", "a2a_overlap": "moe_a2a_overlap", "precision": "precision",
-              "grad_reduce": "grad_reduce", "fp8_recipe": "fp8_recipe", "order": "mesh_order",
-              "stages": "stage_layers", "recompute_modules": "recompute_modules", "schedule": "schedule",
-              "recompute_layers": "recompute_layers"}
-LAYOUT_KEYS = tuple(ATTRIBUTES)
-CHOICES: dict[str, type[TextEnum]] = {"recompute": Recompute, "precision": Precision, "grad_reduce": GradReduce,
-                                      "fp8_recipe": Fp8Recipe, "schedule": Schedule}
-WHAT = {"recompute": "none, selective or full", "precision": "bf16 or fp8", "grad_reduce": "fp32 or bf16",
-        "fp8_recipe": "delayed, tensorwise, mxfp8 or blockwise (Megatron --fp8-recipe)",
-        "schedule": "1f1b (vp=1), interleaved-1f1b (vp > 1) or dualpipev (vp=2, two chunks per rank as a V)"}
-SWITCHES = ("sp", "a2a_overlap")   # true or false
-FULL_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "zero", "recompute")   # a whole layout's degrees
-MAX_CHUNKS = 1 << 14
-MODULES_WHAT = f"modules joined by '+', each one of {', '.join(RecomputeModule.texts())} (Megatron --recompute-modules)"
+__all__ = ["FIELDS", "LAYOUT_KEYS", "FULL_KEYS", "ATTRIBUTES", "MODULES_WHAT", "Declared", "parse_text",
+           "parse_values", "layout_from", "values_of", "text_of", "modules_text"]
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A declared layout field with the `Layout` attribute it sits on."""
+    attribute: str
+    field: LayoutField
+
+    @property
+    def key(self) -> str:
+        return self.field.key
+
+    @property
+    def reads(self) -> str:
+        """The attribute or property that holds the value users write."""
+        return self.field.reads or self.attribute
+
+
+FIELDS: dict[str, Declared] = {item.metadata["layout"].key: Declared(item.name, item.metadata["layout"])
+                               for item in fields(Layout) if "layout" in item.metadata}
+LAYOUT_KEYS = tuple(FIELDS)
+ATTRIBUTES = {key: declared.reads for key, declared in FIELDS.items()}     # key -> what Layout holds it in
+FULL_KEYS = tuple(key for key, declared in FIELDS.items() if declared.field.whole)   # a whole layout's degrees
+SWITCHES = tuple(key for key, declared in FIELDS.items() if isinstance(declared.field.domain, Switch))
+CHOICES = {key: declared.field.domain.kind for key, declared in FIELDS.items()
+           if isinstance(declared.field.domain, Choice)}
+
+
+def _domain_error(exc: DomainError, source: str) -> UserInputError:
+    return UserInputError(exc.message, field=source, expected=exc.expected)
 
 
 def parse_text(text: str, source: str = "--layout") -> dict:
@@ -42,7 +59,10 @@ def parse_text(text: str, source: str = "--layout") -> dict:
         _check_key(key, source)
         if key in values:
             raise UserInputError(f"'{key}' is given twice", field=source, expected=f"each key once ({key}=...)")
-        values[key] = _parse_value(key, raw, source)
+        try:
+            values[key] = FIELDS[key].field.domain.from_text(key, raw)
+        except DomainError as exc:
+            raise _domain_error(exc, source) from None
     return values
 
 
@@ -53,35 +73,10 @@ def parse_values(given: dict, source: str = "layout") -> dict:
     values = {}
     for key, value in given.items():
         _check_key(key, source)
-        if key in CHOICES:
-            if not isinstance(value, str):
-                raise UserInputError(f"{key}={value!r}", field=source, expected=WHAT[key])
-            values[key] = _parse_value(key, str(value), source)
-        elif key in SWITCHES:
-            if not isinstance(value, bool):
-                raise UserInputError(f"{key}={value!r}", field=source, expected=f"{key}=True or {key}=False")
-            values[key] = value
-        elif key == "stages":
-            if isinstance(value, (tuple, list)):
-                value = "-".join(str(c) if isinstance(c, int) and not isinstance(c, bool) else "x" for c in value)
-            if not isinstance(value, str):
-                raise UserInputError(f"stages={value!r}", field=source, expected="layer counts per chunk")
-            values[key] = _parse_value(key, value, source)
-        elif key == "recompute_modules":
-            names = value.split("+") if isinstance(value, str) else value
-            if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-                raise UserInputError(f"recompute_modules={value!r}", field=source, expected=MODULES_WHAT)
-            values[key] = _parse_value(key, "+".join(names), source)
-        elif key == "order":
-            dims = value.split("-") if isinstance(value, str) else value
-            if not isinstance(dims, (tuple, list)) or not all(isinstance(d, str) for d in dims):
-                raise UserInputError(f"order={value!r}", field=source, expected="a sequence of mesh dims")
-            values[key] = _parse_value(key, "-".join(dims), source)
-        else:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise UserInputError(f"{key}={value!r} is not an integer", field=source,
-                                     expected=f"{key}=<positive integer>")
-            values[key] = _parse_value(key, str(value), source)
+        try:
+            values[key] = FIELDS[key].field.domain.from_value(key, value)
+        except DomainError as exc:
+            raise _domain_error(exc, source) from None
     return values
 
 
@@ -97,8 +92,9 @@ def layout_from(values: dict, **fixed) -> Layout:
     implied = Schedule.dualpipev if schedule == Schedule.dualpipev and vp == 2 else \
         Schedule.interleaved if vp > 1 else Schedule.one_f_one_b
     if schedule is not None and schedule != implied:
-        raise UserInputError(f"schedule={schedule} with vp={vp}", field="schedule", expected=WHAT["schedule"])
-    return Layout(**{ATTRIBUTES[key]: value for key, value in values.items()}, **fixed,
+        raise UserInputError(f"schedule={schedule} with vp={vp}", field="schedule",
+                             expected=FIELDS["schedule"].field.domain.what)
+    return Layout(**{FIELDS[key].attribute: value for key, value in values.items()}, **fixed,
                   **({"dualpipev": True} if schedule == Schedule.dualpipev else {}))
 
 
@@ -127,65 +123,10 @@ def text_of(layout: Layout) -> str:
     return ",".join(parts)
 
 
-def modules_text(modules: tuple[RecomputeModule, ...]) -> str:
-    return "+".join(map(str, modules))
-
-
-def _parse_modules(raw: str, source: str) -> tuple[RecomputeModule, ...]:
-    """'mla_up_proj+mlp' -> the modules in RecomputeModule order, each once."""
-    names = [n.strip() for n in raw.split("+")]
-    if not all(n in RecomputeModule.texts() for n in names) or len(set(names)) != len(names):
-        raise UserInputError(f"recompute_modules={raw}", field=source, expected=MODULES_WHAT + ", each once")
-    return tuple(m for m in RecomputeModule if m.value in names)
-
-
-def _parse_stages(raw: str, source: str) -> tuple[int, ...]:
-    """'0-2*7-1' -> decoder layers per chunk, in chunk order (chunk c * pp + i runs on pipeline rank i):
-    counts joined by '-', a count followed by '*n' repeated n times."""
-    counts = []
-    for part in raw.split("-"):
-        count, _, repeat = part.partition("*")
-        if not count.isdigit() or (repeat and not repeat.isdigit()) or len(part) > 12:
-            raise UserInputError(f"stages={raw}", field=source,
-                                 expected="layer counts per chunk joined by '-', e.g. stages=0-2*7-1")
-        counts += [int(count)] * (int(repeat) if repeat else 1)
-        if len(counts) > MAX_CHUNKS:
-            raise UserInputError(f"stages= lists more than {MAX_CHUNKS} chunks", field=source,
-                                 expected=f"at most {MAX_CHUNKS} chunks")
-    return tuple(counts)
+def modules_text(modules) -> str:
+    return FIELDS["recompute_modules"].field.domain.text(modules)
 
 
 def _check_key(key: str, source: str) -> None:
-    if key not in ATTRIBUTES:
+    if key not in FIELDS:
         raise UserInputError(f"unknown key '{key}'", field=source, expected=f"one of {', '.join(LAYOUT_KEYS)}")
-
-
-def _parse_value(key: str, raw: str, source: str):
-    if key in CHOICES:
-        try:
-            return CHOICES[key](raw)
-        except ValueError:
-            raise UserInputError(f"{key}={raw}", field=source, expected=WHAT[key]) from None
-    if key == "order":
-        order = tuple(raw.split("-"))
-        if sorted(order) != sorted(MEGATRON_ORDER):
-            raise UserInputError(f"order={raw}", field=source,
-                                 expected="the five mesh dims innermost first, each once, e.g. tp-cp-ep-dp-pp")
-        return order
-    if key == "stages":
-        return _parse_stages(raw, source)
-    if key == "recompute_modules":
-        return _parse_modules(raw, source)
-    if key in SWITCHES:
-        if raw.lower() not in ("true", "false", "1", "0"):
-            raise UserInputError(f"{key}={raw}", field=source, expected="true or false")
-        return raw.lower() in ("true", "1")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UserInputError(f"{key}={raw} is not an integer", field=source, expected=f"{key}=<positive integer>") from None
-    if key == "zero" and value not in (0, 1, 2, 3):
-        raise UserInputError(f"zero={value}", field=source, expected="a ZeRO stage 0, 1, 2 or 3")
-    if key != "zero" and value <= 0:
-        raise UserInputError(f"{key}={value}", field=source, expected=f"{key} >= 1")
-    return value

@@ -345,7 +345,7 @@ def checkpoint_cadence(args) -> Cadence:
         raise ValueError("--save-every auto needs the job's MTBF: --mtbf-s, or a --plan whose cluster profile "
                          "gives the failure rate")
     from cost_models.reliability import job_mtbf_s
-    from planner.api import plan_cluster
+    from planner.job import plan_cluster
     return Cadence(None, job_mtbf_s(plan_cluster(args.job_plan), dist.get_world_size()))
 
 
@@ -370,7 +370,7 @@ def telemetry_header(args, layout) -> TelemetryHeader:
     """What the job runs and what its plan predicted (nothing predicted for a bare --layout)."""
     if not args.plan:
         return TelemetryHeader(args.model, "", "", dist.get_world_size(), text_of(layout), None, {})
-    from planner.api import plan_device
+    from planner.job import plan_device
     plan = args.job_plan
     return TelemetryHeader(plan.model, plan.cluster, plan_device(plan), plan.num_devices, text_of(layout),
                            plan.step_time_s, dict(plan.breakdown), plan.model_dump(mode="json"),

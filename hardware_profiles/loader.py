@@ -172,7 +172,8 @@ def cluster_from_device(device_name: str, num_devices: int, devices_per_node: in
                              field="--device", expected="a device with a built-in cluster, or --cluster FILE")
     if devices_per_node is not None and devices_per_node <= 0:
         raise UserInputError(f"{devices_per_node}", field="--devices-per-node", expected="a positive count")
-    per_node = devices_per_node or template.devices_per_node
+    # a job smaller than a node sits inside one node, using that many of its devices
+    per_node = devices_per_node or min(template.devices_per_node, max(num_devices, 1))
     if num_devices <= 0:
         raise UserInputError(f"{num_devices} devices", field="--num-devices", expected="a positive count")
     if num_devices % per_node:

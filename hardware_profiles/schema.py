@@ -279,7 +279,13 @@ class Cluster(Strict):
         return text
 
     def with_devices(self, num_devices: int) -> "Cluster":
-        """The same cluster with another device count (what-if sweeps)."""
+        """The same cluster with another device count (what-if sweeps); a job smaller than a node sits inside
+        one node, using that many of its devices."""
+        if 0 < num_devices < self.devices_per_node and self.segment_devices is None:
+            node_is_domain = self.fast_domain_devices == self.devices_per_node
+            return self.model_copy(update={"num_nodes": 1, "devices_per_node": num_devices,
+                                           "fast_domain_devices": num_devices if node_is_domain
+                                           else self.fast_domain_devices})
         if num_devices <= 0 or num_devices % self.devices_per_node:
             raise ValueError(f"{num_devices} devices do not fill whole nodes of {self.devices_per_node}")
         if self.segment_problem(num_devices):

@@ -1,100 +1,36 @@
-"""The Python API: `plan`, `evaluate` and the helpers the CLI and the what-if reports share."""
+"""The Python API: `plan`, `evaluate` and `replan` of a `Job` (`planner/job.py`), and the functions that take
+what a user states and build the job first."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Layout, Precision, Recompute
-from cost_models.layout_codec import FULL_KEYS, layout_from, parse_text, parse_values
+from cost_models.layout import Layout, Recompute
+from cost_models.layout_codec import FIELDS, FULL_KEYS, layout_from, parse_text, parse_values
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.errors import UserInputError
-from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_stack
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .capture.graph import ModelGraph
-from .capture.model_capture import capture
+from .job import Job, check_count, job_of, plan_device
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.tree import SearchOutcome, search
-from .search.space import Pins, layout_problems, pin_problems, pins_from
-from .input_checks import check_device_for, check_model_on_stack
-from .search.stack_rules import (layout_stack_problems, module_choices, recompute_choices, stack_pins, stack_problems,
-                                 uniform_recompute)
+from .rules.device import check_device_for
+from .rules.layout import layout_problems, pin_problems
+from .rules.pins import Pins
+from .rules.stack import (layout_stack_problems, module_choices, recompute_choices, stack_pins, stack_problems,
+                          uniform_recompute)
 
 
 class InfeasibleError(UserInputError):
     """No layout fits: says the smallest memory need found, its dominant part and how many devices would."""
 
 
-def resolve_cluster(cluster=None, device: str | None = None, num_devices: int | None = None,
-                    devices_per_node: int | None = None, segment_devices: int | None = None) -> Cluster:
-    """The job's cluster: a profile (name, file or `Cluster`) at `num_devices`, or one built from a device;
-    `segment_devices` lays the job out in equal segments of the scale-up domains (Cluster.segment_devices)."""
-    _check_count("--num-devices", num_devices)
-    _check_count("--devices-per-node", devices_per_node)
-    _check_count("--segment-devices", segment_devices)
-    resolved = _resolve_cluster(cluster, device, num_devices, devices_per_node)
-    if segment_devices is None:
-        return resolved
-    segmented = resolved.model_copy(update={"segment_devices": segment_devices})   # checked here, not by pydantic
-    problem = segmented.segment_problem(segmented.num_devices)
-    if problem:
-        raise UserInputError(problem, field="--segment-devices",
-                             expected=f"whole nodes of {resolved.devices_per_node}, at most the "
-                             f"{resolved.fast_domain_devices}-device domain, dividing {resolved.num_devices} devices")
-    return segmented
-
-
-def _resolve_cluster(cluster, device: str | None, num_devices: int | None, devices_per_node: int | None) -> Cluster:
-    if cluster is not None and (device is not None or devices_per_node is not None):
-        given = "--device" if device is not None else "--devices-per-node"
-        raise UserInputError(f"{given} is given with --cluster, which already names the device and its nodes",
-                             field=given, expected="either --cluster NAME|FILE [--num-devices N] or --device NAME "
-                             "--num-devices N [--devices-per-node K]")
-    if isinstance(cluster, Cluster):
-        resolved = cluster
-    elif cluster is not None:
-        resolved = load_cluster(str(cluster))
-    elif device is not None:
-        if num_devices is None:
-            raise UserInputError("--device needs --num-devices", field="--num-devices", expected="a device count")
-        return cluster_from_device(device, num_devices, devices_per_node)
-    else:
-        raise UserInputError("no cluster given", field="--cluster",
-                             expected="--cluster NAME|FILE or --device NAME --num-devices N")
-    if num_devices is not None and num_devices != resolved.num_devices:
-        if num_devices <= 0 or num_devices % resolved.devices_per_node:
-            raise UserInputError(f"{num_devices} devices do not fill whole nodes of {resolved.devices_per_node}",
-                                 field="--num-devices", expected=f"a positive multiple of {resolved.devices_per_node}")
-        if resolved.segment_problem(num_devices):
-            raise UserInputError(resolved.segment_problem(num_devices), field="--num-devices",
-                                 expected="a device count the cluster's segment_devices divides")
-        resolved = resolved.with_devices(num_devices)
-    return resolved
-
-
-def _check_count(field: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise UserInputError(f"{value!r}", field=field, expected="a positive integer")
-
-
-def _check_batch(global_batch: int) -> None:
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch <= 0:
-        raise UserInputError(f"{global_batch!r}", field="global_batch", expected="a positive number of sequences")
-
-
-def _check_time_limit(seconds) -> None:
+def check_time_limit(seconds) -> None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
         raise UserInputError(f"{seconds!r}", field="--time-limit", expected="a finite number of seconds >= 0")
-
-
-def _check_imbalance(ep_imbalance) -> None:
-    if isinstance(ep_imbalance, bool) or not isinstance(ep_imbalance, (int, float)) \
-            or not 1.0 <= ep_imbalance < float("inf"):
-        raise UserInputError(f"{ep_imbalance!r}", field="--ep-imbalance",
-                             expected="the most loaded expert-parallel rank's routed tokens over the mean: a finite "
-                             "number >= 1 (1 = balanced routing, as a benchmark that forces balance runs)")
 
 
 def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: SearchOutcome | None,
@@ -136,7 +72,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
 
 
 def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome: SearchOutcome,
-                pins: Pins, precision: str, stack: SoftwareStack) -> InfeasibleError:
+                pins: Pins, precision: str, stack: SoftwareStack, pins_field: str = "--fix") -> InfeasibleError:
     capacity = usable_bytes(cluster.device)
     need = outcome.smallest_memory_need
     if outcome.unexplored and need <= capacity:
@@ -148,7 +84,7 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
     if outcome.unproven and need <= capacity:
         return InfeasibleError(f"{outcome.unproven} stage partitions stopped at the solver's work limit without a "
                                f"plan or a proof that none fits, and no plan was found for {graph.name} on "
-                               f"{cluster.num_devices} x {cluster.device.name}", field="--fix",
+                               f"{cluster.num_devices} x {cluster.device.name}", field=pins_field,
                                expected="pins (--fix) that narrow the space, e.g. the pipeline degree")
     if need == float("inf"):
         return InfeasibleError(f"no layout of {cluster.num_devices} devices divides this model and batch "
@@ -197,41 +133,47 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     recompute_modules: else chosen with the partition where the stack has more than core_attn).
     `strict_capture`: refuse a model that capture could only bill in part (see Plan.capture_notes).
     """
-    _check_batch(global_batch)
-    _check_time_limit(time_limit_s)
-    _check_imbalance(ep_imbalance)
-    values = parse_values(fix, "fix")
+    check_time_limit(time_limit_s)
+    values = pin_values(parse_values(fix, "fix"))
+    job = job_of(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision, device=device,
+                 num_devices=num_devices, devices_per_node=devices_per_node, segment_devices=segment_devices,
+                 stack=stack, ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
+                 layout_values=values)
+    return plan_job(job, time_limit_s, top_k, progress)
+
+
+def pin_values(values: dict) -> dict:
+    """Typed values by key as pins: everything but a whole pipeline split, which the search chooses."""
     if "stages" in values:
         raise UserInputError("stages= gives a whole pipeline split, which the search chooses", field="--fix",
                              expected="stages= in planner evaluate --layout, with every degree given")
-    stack = resolve_stack(stack)
-    graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
-    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
-    precision = resolve_precision(precision, values)
-    check_model_on_stack(graph, stack)
-    check_device_for(resolved, stack, precision, values.get("fp8_recipe"))
-    _given_once("--global-batch", global_batch, values.pop("gbs", None))
-    pins = pins_from(values)
-    problems = stack_problems(pins, stack, precision, graph) + pin_problems(pins, graph, resolved.num_devices,
-                                                                           global_batch)
+    return values
+
+
+def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None, pins_field: str = "--fix") -> Plan:
+    """Search the job's fastest layout inside what its stack runs, its pins kept (named as `pins_field`)."""
+    stack, graph, cluster, pins = job.stack, job.graph, job.cluster, job.pins
+    problems = stack_problems(pins, stack, job.precision, graph) + pin_problems(pins, graph, cluster.num_devices,
+                                                                              job.global_batch)
     if problems:
-        raise UserInputError("no layout can satisfy the pins: " + "; ".join(problems), field="--fix",
+        raise UserInputError("no layout can satisfy the pins: " + "; ".join(problems), field=pins_field,
                              expected=f"pins that the model, the device count, the batch and the {stack.name} "
                              "stack allow")
     pins = stack_pins(pins, stack, graph)
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
         else [recompute_choices(pins, stack)]
-    modules = module_choices(pins, stack, graph, precision)
-    outcomes = [search(graph.costs_record, resolved, global_batch, pins, precision, time_limit_s / len(methods),
-                       max(top_k, 1), stack=stack, ep_imbalance=ep_imbalance, graph=graph, progress=progress,
-                       recompute_choices=allowed, module_choices=modules if Recompute.none in allowed else ())
+    modules = module_choices(pins, stack, graph, job.precision)
+    outcomes = [search(graph.costs_record, cluster, job.global_batch, pins, job.precision,
+                       time_limit_s / len(methods), max(top_k, 1), stack=stack, ep_imbalance=job.ep_imbalance,
+                       graph=graph, progress=progress, recompute_choices=allowed,
+                       module_choices=modules if Recompute.none in allowed else ())
                 for allowed in methods]
     found = [o for o in outcomes if o.ranked]
     if not found:
-        raise _infeasible(graph, resolved, global_batch, outcomes[0], pins, precision, stack)
+        raise _infeasible(graph, cluster, job.global_batch, outcomes[0], pins, job.precision, stack, pins_field)
     best = min(found, key=lambda o: o.ranked[0].estimate.step_time_s)
-    result = build_plan(graph, resolved, best.ranked[0].estimate, best, stack, ep_imbalance)
+    result = build_plan(graph, cluster, best.ranked[0].estimate, best, stack, job.ep_imbalance)
     if len(methods) > 1:
         tried = ", ".join(f"{allowed[0]}: " + (f"{o.ranked[0].estimate.step_time_s:.3f} s" if o.ranked else "no fit")
                           for allowed, o in zip(methods, outcomes))
@@ -240,47 +182,12 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     return result
 
 
-def capture_for(model, seq_len: int | None, leaf_modules: tuple[str, ...], stack: SoftwareStack,
-                strict: bool = False) -> ModelGraph:
-    """Capture, with a config-built model's attention as the stack runs it (a module's own code decides)
-    and norms as the stack runs them (fused kernels, or the model's own code). `strict`: a capture that
-    had to bill any part inexactly (capture_notes) is an error instead of a note in the plan."""
-    graph = capture(model, seq_len, leaf_modules, attention_impl="flash" if stack.flash_attention else "math",
-                    fused_kernels=stack.fused_kernels, fused_gated_activation=stack.fused_gated_activation)
-    if strict and graph.capture_notes:
-        raise UserInputError(f"capture of {graph.name} is not exact: " + "; ".join(graph.capture_notes),
-                             field="--strict-capture", expected="a model whose every part capture can read "
-                             "(drop --strict-capture to plan with these parts billed as the notes say)")
-    return graph
-
-
-def _stack_defaults(values: dict, stack: SoftwareStack) -> dict:
-    """Layout values with what the text leaves open taken from the stack (gradient dtype, FP8 recipe, SP, and
-    combined 1F1B where the stack runs it)."""
-    filled = {"grad_reduce": stack.gradient_reduce, "a2a_overlap": stack.moe_a2a_overlap}
-    if stack.fp8_recipes:
-        filled["fp8_recipe"] = stack.fp8_recipes[0]
-    if not stack.sequence_parallel:
-        filled["sp"] = False
-    return parse_values({**filled, **values}, "stack")
-
-
-def _given_once(field: str, argument, in_layout):
-    """A field given both as an argument and inside the layout text must say the same."""
-    if argument is not None and in_layout is not None and argument != in_layout:
-        raise UserInputError(f"{field.lstrip('-')} is given twice, as {argument} and as {in_layout} in the layout",
-                             field=field, expected="one value, or the same value in both places")
-    return in_layout if in_layout is not None else argument
-
-
-def resolve_precision(argument: str | None, values: dict) -> str:
-    """The precision of an argument and of `precision=` in layout values (removed from them), bf16 if neither."""
-    precision = _given_once("--precision", argument, values.pop("precision", None))
-    if precision is None:
-        return Precision.bf16
-    if precision not in Precision.texts():
-        raise UserInputError(f"'{precision}'", field="--precision", expected="bf16 or fp8")
-    return Precision(precision)
+def stack_defaults(values: dict, stack: SoftwareStack) -> dict:
+    """Layout values with what the text leaves open taken from the stack (`LayoutField.stack_default`: gradient
+    dtype, FP8 recipe, SP, and combined 1F1B where the stack runs it)."""
+    filled = {key: declared.field.stack_default(stack) for key, declared in FIELDS.items()
+              if declared.field.stack_default is not None}
+    return parse_values({**{k: v for k, v in filled.items() if v is not None}, **values}, "stack")
 
 
 def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_batch: int,
@@ -290,49 +197,54 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
              leaf_modules: tuple[str, ...] = (), strict_capture: bool = False) -> Plan:
     """Predict a given layout under a software stack (`plan`'s `stack`). Fields left out are searched; a
     layout that does not divide, fit or run on the stack is explained."""
-    _check_batch(global_batch)
-    _check_time_limit(time_limit_s)
-    _check_imbalance(ep_imbalance)
-    stack = resolve_stack(stack)
-    graph = capture_for(model, seq_len, leaf_modules, stack, strict_capture)
-    check_model_on_stack(graph, stack)
-    resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
+    check_time_limit(time_limit_s)
+    values = {} if isinstance(layout, Layout) else layout_values(layout)
+    job = job_of(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision, device=device,
+                 num_devices=num_devices, devices_per_node=devices_per_node, segment_devices=segment_devices,
+                 stack=stack, ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
+                 layout_values=values)
+    return evaluate_job(job, layout if isinstance(layout, Layout) else values, time_limit_s)
+
+
+def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0) -> Plan:
+    """The job's prediction for `layout` (typed values by key, or a `Layout`): a whole layout as given, with
+    what it leaves open taken from the stack; a partial one searched with its fields pinned."""
     if isinstance(layout, Layout):
-        given = layout
-    else:
-        if not isinstance(layout, (str, dict)):
-            raise UserInputError(f"{type(layout).__name__}", field="layout",
-                                 expected="layout text ('tp=8,pp=2'), a dict of fields or a Layout")
-        values = parse_text(layout) if isinstance(layout, str) else parse_values(layout)
-        precision = resolve_precision(precision, values)
-        _given_once("--global-batch", global_batch, values.pop("gbs", None))
-        if not set(FULL_KEYS) <= set(values) and "stages" in values:
-            raise UserInputError("stages= needs the whole layout", field="--layout",
-                                 expected=f"every one of {', '.join(FULL_KEYS)} beside stages=")
-        if not set(FULL_KEYS) <= set(values):  # search the rest with these pinned
-            try:
-                return plan(model, resolved, global_batch=global_batch, seq_len=graph.seq_len,
-                            precision=precision, time_limit_s=time_limit_s, stack=stack,
-                            ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
-                            **values)
-            except UserInputError as exc:   # the pins came from --layout here: the message names it
-                if exc.field != "--fix":
-                    raise
-                raise UserInputError(exc.message, source=exc.source, field="--layout", expected=exc.expected) from None
-        given = layout_from(_stack_defaults(values, stack), global_batch=global_batch, precision=precision)
-    given = replace(given, global_batch=global_batch)
+        return predict(job, replace(layout, global_batch=job.global_batch))
+    if not set(FULL_KEYS) <= set(layout):  # search the rest with these pinned
+        return plan_job(job, time_limit_s, pins_field="--layout")
+    given = {key: value for key, value in layout.items() if key not in ("precision", "gbs")}
+    return predict(job, layout_from(stack_defaults(given, job.stack), global_batch=job.global_batch,
+                                    precision=job.precision))
+
+
+def layout_values(layout) -> dict:
+    """Typed values by key of layout text or a dict; stages only beside a whole layout."""
+    if not isinstance(layout, (str, dict)):
+        raise UserInputError(f"{type(layout).__name__}", field="layout",
+                             expected="layout text ('tp=8,pp=2'), a dict of fields or a Layout")
+    values = parse_text(layout) if isinstance(layout, str) else parse_values(layout)
+    if not set(FULL_KEYS) <= set(values) and "stages" in values:
+        raise UserInputError("stages= needs the whole layout", field="--layout",
+                             expected=f"every one of {', '.join(FULL_KEYS)} beside stages=")
+    return values
+
+
+def predict(job: Job, given: Layout) -> Plan:
+    """The job's prediction for a whole layout, refused where the stack or the model cannot run it."""
+    graph, cluster, stack = job.graph, job.cluster, job.stack
     refused = layout_stack_problems(given, stack, graph)
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
-    check_device_for(resolved, stack, given.precision, given.fp8_recipe)
-    problems = layout_problems(given, graph, resolved.num_devices)
+    check_device_for(cluster, stack, given.precision, given.fp8_recipe)
+    problems = layout_problems(given, graph, cluster.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",
                              expected="degrees whose product is the device count and that divide the model, "
                              "and recompute modules it has")
-    result = estimate(graph.costs_record, resolved, given, stack, ep_imbalance)
-    plan_ = build_plan(graph, resolved, result, None, stack, ep_imbalance)
+    result = estimate(graph.costs_record, cluster, given, stack, job.ep_imbalance)
+    plan_ = build_plan(graph, cluster, result, None, stack, job.ep_imbalance)
     if given.pp > 1 and given.stage_layers is None:
         plan_ = plan_.model_copy(update={"reasons": plan_.reasons + [
             "layers split evenly over the stages and recomputation as given (Megatron's defaults); plan with "
@@ -351,46 +263,21 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
     precision and stack; its `reasons` start with what changed. `model` is needed where the plan's model
     name is not a built-in (a file or module the plan cannot name)."""
     from .capture.model_sources import list_builtin_models
-    _check_count("--num-devices", num_devices)
+    check_count("--num-devices", num_devices)
     if model is None:
         if plan_.model not in list_builtin_models():
             raise UserInputError(f"the plan's model '{plan_.model}' is not a built-in name", field="--model",
                                  expected="the model the plan was made for (--model NAME|FILE)")
         model = plan_.model
-    device = plan_device(plan_)
-    new = plan(model, device=device, num_devices=num_devices, devices_per_node=plan_.devices_per_node,
-               segment_devices=plan_.segment_devices,
-               global_batch=plan_.layout.gbs, seq_len=plan_.seq_len, precision=str(plan_.layout.precision),
-               stack=plan_.stack, ep_imbalance=plan_.ep_imbalance, time_limit_s=time_limit_s)
+    job = job_of(model, device=plan_device(plan_), num_devices=num_devices, devices_per_node=plan_.devices_per_node,
+                 segment_devices=plan_.segment_devices, global_batch=plan_.layout.gbs, seq_len=plan_.seq_len,
+                 precision=str(plan_.layout.precision), stack=plan_.stack, ep_imbalance=plan_.ep_imbalance)
+    check_time_limit(time_limit_s)
+    new = plan_job(job, time_limit_s)
     old, lay = plan_.layout, new.layout
-    changed = [f"{key} {getattr(old, key)} -> {getattr(lay, key)}" for key in ("dp", "tp", "pp", "vp", "cp", "ep",
-                                                                              "mbs", "zero")
+    keys = [FIELDS[key].field.plan_key for key in FULL_KEYS]
+    changed = [f"{key} {getattr(old, key)} -> {getattr(lay, key)}" for key in keys
                if getattr(old, key) != getattr(lay, key)]
     summary = (f"replanned from {plan_.num_devices} to {num_devices} devices, global batch {lay.gbs} kept: "
                f"{', '.join(changed) or 'same degrees'}; step {plan_.step_time_s:.3f} s -> {new.step_time_s:.3f} s")
     return new.model_copy(update={"reasons": [summary] + new.reasons})
-
-
-def plan_device(plan_: Plan) -> str:
-    """The device profile a plan was made on (a built-in name or a file's path), for another process to load."""
-    from hardware_profiles.loader import list_clusters, list_devices
-    if plan_.device_profile:
-        return plan_.device_profile
-    if plan_.cluster in list_clusters():   # plans written before profiles were kept
-        return load_cluster(plan_.cluster).device.name
-    device = plan_.cluster.rsplit("-x", 1)[0]
-    if device not in list_devices():
-        raise UserInputError(f"cannot tell the device of cluster '{plan_.cluster}'", field="device_profile",
-                             expected="a plan that names its device profile (plans written by this version do)")
-    return device
-
-
-def plan_cluster(plan_: Plan) -> Cluster:
-    """The cluster a plan was made for, at the plan's device count: its profile, or its device's."""
-    from hardware_profiles.loader import list_clusters
-    profile = plan_.cluster_profile or (plan_.cluster if plan_.cluster in list_clusters() else "")
-    if profile:
-        return resolve_cluster(profile, None, plan_.num_devices, segment_devices=plan_.segment_devices)
-    return resolve_cluster(None, plan_device(plan_), plan_.num_devices, plan_.devices_per_node,
-                           plan_.segment_devices)
-

@@ -17,11 +17,11 @@ from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher
 
 from . import api, exports, views
 from .entry import INTERRUPTED, recorded_interrupts
-from .capture.model_capture import capture
 from .goodput_report import goodput_summary, parse_recovery, plan_goodput
+from .job import Job, capture_for, job_of, plan_cluster
 from .output_paths import check_plan_file, check_report_dir
 from .plans import Plan
-from .whatif import whatif, write_report
+from .whatif import ClusterArguments, parse_sweep, parse_tokens, whatif_job, write_report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Plan, evaluate and export parallel layouts for LLM training.\n\n"
@@ -130,19 +130,15 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
     if out_path is not None:
         out_path = check_plan_file(out_path)
-    pins = parse_text(fix, "--fix")
     recovery_settings = parse_recovery(recovery)
-    precision = api.resolve_precision(precision, pins)
+    api.check_time_limit(time_limit)
+    job = _job(model, cluster, device, num_devices, devices_per_node, segment_devices, global_batch, seq_len,
+               precision, api.pin_values(parse_text(fix, "--fix")), stack, tp_comm_overlap, moe_a2a_overlap,
+               moe_dispatcher, ep_imbalance, leaf_modules, strict_capture)
     progress, report = _progress()
     with progress:
-        result = api.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                          device=device, num_devices=num_devices, devices_per_node=devices_per_node,
-                          segment_devices=segment_devices,
-                          time_limit_s=time_limit, top_k=top + 1, progress=report,
-                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher),
-                          ep_imbalance=ep_imbalance, leaf_modules=_leaves(leaf_modules),
-                          strict_capture=strict_capture, **pins)
-    extra = _goodput_summary(result, model, seq_len, recovery_settings) if objective == "goodput" else None
+        result = api.plan_job(job, time_limit, top + 1, report)
+    extra = _goodput_summary(result, job, recovery_settings) if objective == "goodput" else None
     if out_path:
         result.save(out_path)
     _emit(result, as_json, extra)
@@ -150,10 +146,19 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         out.print(f"plan written to {out_path}")
 
 
-def _goodput_summary(result: Plan, model, seq_len, recovery) -> dict:
+def _job(model, cluster, device, num_devices, devices_per_node, segment_devices, global_batch, seq_len, precision,
+         layout_values, stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher, ep_imbalance, leaf_modules="",
+         strict_capture=False) -> Job:
+    """The job the options state, built once for plan, evaluate and whatif."""
+    return job_of(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision, device=device,
+                  num_devices=num_devices, devices_per_node=devices_per_node, segment_devices=segment_devices,
+                  stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher), ep_imbalance=ep_imbalance,
+                  leaf_modules=_leaves(leaf_modules), strict_capture=strict_capture, layout_values=layout_values)
+
+
+def _goodput_summary(result: Plan, job: Job, recovery) -> dict:
     """Goodput on the cluster the plan names (its profile, device count and segments)."""
-    return goodput_summary(plan_goodput(result, api.plan_cluster(result), capture(model, seq_len).total_params,
-                                        recovery))
+    return goodput_summary(plan_goodput(result, plan_cluster(result), job.graph.total_params, recovery))
 
 
 @app.command()
@@ -174,12 +179,12 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
     """Predict a layout you give (and explain it if it does not fit or divide)."""
     if out_path is not None:
         out_path = check_plan_file(out_path)
-    result = api.evaluate(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                          device=device, num_devices=num_devices, devices_per_node=devices_per_node,
-                          segment_devices=segment_devices,
-                          time_limit_s=time_limit, leaf_modules=_leaves(leaf_modules),
-                          strict_capture=strict_capture, ep_imbalance=ep_imbalance,
-                          stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher))
+    api.check_time_limit(time_limit)
+    values = api.layout_values(layout)
+    job = _job(model, cluster, device, num_devices, devices_per_node, segment_devices, global_batch, seq_len,
+               precision, values, stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher, ep_imbalance,
+               leaf_modules, strict_capture)
+    result = api.evaluate_job(job, values, time_limit)
     if out_path:
         result.save(out_path)
     _emit(result, as_json)
@@ -208,10 +213,14 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
             raise UserInputError("no cluster given", field="--cluster", expected="--cluster or --device")
     if sweep.startswith("device=") and num_devices is None:
         raise UserInputError("a device sweep needs --num-devices", field="--num-devices", expected="a device count")
-    report = whatif(model, sweep=sweep, global_batch=global_batch, seq_len=seq_len, tokens=tokens, cluster=cluster,
-                    device=device or ("h100-sxm" if cluster is None else None), num_devices=num_devices,
-                    devices_per_node=devices_per_node, segment_devices=segment_devices, time_limit_s=time_limit,
-                    stack=_stack(stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher), ep_imbalance=ep_imbalance)
+    key, points = parse_sweep(sweep)
+    budget = parse_tokens(tokens)
+    api.check_time_limit(time_limit)
+    where = ClusterArguments(cluster, device or ("h100-sxm" if cluster is None else None), num_devices,
+                             devices_per_node, segment_devices)
+    job = _job(model, where.at(key, points[0]), None, None, None, None, global_batch, seq_len, None, {}, stack,
+               tp_comm_overlap, moe_a2a_overlap, moe_dispatcher, ep_imbalance)
+    report = whatif_job(job, key, points, budget, where, time_limit)
     if as_json:
         out.print_json(json.dumps({"model": report.model, "sweep": report.sweep_key, "tokens": report.tokens,
                                    "rows": [row.__dict__ for row in report.rows]}))
@@ -335,7 +344,7 @@ def models_show(name: str = typer.Argument(..., help="built-in name, YAML, confi
                 seq_len: Optional[int] = SeqOpt, as_json: bool = typer.Option(False, "--json"),
                 leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
     """Parameters, layers by kind and FLOPs per token, from the captured graph."""
-    graph = api.capture_for(name, seq_len, _leaves(leaf_modules), api.resolve_stack(None), strict_capture)
+    graph = capture_for(name, seq_len, _leaves(leaf_modules), resolve_stack(None), strict_capture)
     summary = views.model_summary(graph)
     if as_json:
         out.print_json(json.dumps(summary))

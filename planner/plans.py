@@ -8,21 +8,21 @@ from typing import Literal
 
 import yaml
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from cost_models.layout import (MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Recompute,
-                                 Schedule)
-from cost_models.layout_codec import layout_from, modules_text, parse_text, values_of
+from cost_models.layout import Layout, Recompute
+from cost_models.layout_codec import FIELDS, layout_from, parse_values
+from cost_models.layout_domains import MAX_DEGREE
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import UserInputError, format_pydantic_error
 from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher, SoftwareStack
 
 from .output_paths import write_no_follow
+from .rules.plan_file import plan_problems, record_problems
 
 
 MAX_PLAN_FILE_BYTES = 64 << 20   # a plan of 16,384 devices and 1,000 stages is under 1 MB
 PLAIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._+:/-]{0,199}$"   # goes into shell commands: no spaces, quotes or ;
-MAX_DEGREE = 1 << 20
 REPORT_KEYS = ("recompute_per_layer", "peak_memory_bytes_per_stage", "goodput")   # derived, in --json only
 
 
@@ -30,89 +30,67 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
-Degree = Field(gt=0, le=MAX_DEGREE)
 
 
-class LayoutRecord(_Frozen):
-    """A plan file's layout: the keys of the layout text (`cost_models.layout_codec`), one value each."""
-    dp: int = Degree
-    tp: int = Degree
-    pp: int = Degree
-    vp: int = Degree
-    cp: int = Degree
-    ep: int = Degree
-    etp: int = Degree
-    mbs: int = Degree
-    gbs: int = Field(gt=0)
-    zero: Literal[0, 1, 2, 3]
-    sp: bool                        # sequence parallelism in effect (with tp > 1)
-    recompute: Literal["none", "selective", "full", "per-layer"]
-    schedule: Schedule = Field(strict=False)
-    precision: Precision = Field(strict=False)
-    order: str                      # mesh order, innermost first, as in the layout text: tp-cp-ep-dp-pp
-    tp_comm_overlap: bool = False   # the prediction assumed TP collectives overlapped with GEMMs
-    moe_a2a_overlap: bool = False   # ... and MoE all-to-alls beside another micro-batch's compute
-    moe_dispatcher: MoeDispatcher = "alltoall"   # ... and this MoE token dispatcher
-    moe_shared_expert_overlap: bool = False   # ... and shared experts beside the all-to-alls
-    precision_aware_optimizer: bool = False   # ... and Megatron-Core's precision-aware optimizer (memory.py)
-    fused_loss: bool = False                  # ... and Transformer Engine's fused cross-entropy (memory.py)
-    adam_moment_bytes: Literal[2, 4] = 4      # ... keeping each Adam moment in these bytes
-    grad_reduce: GradReduce = Field(default=GradReduce.fp32, strict=False)   # bf16: --grad-reduce-in-bf16
-    fp8_recipe: Fp8Recipe = Field(default=Fp8Recipe.delayed, strict=False)  # Megatron --fp8-recipe
-    # what selective recomputation repeats, as the layout text writes it (Megatron --recompute-modules)
-    recompute_modules: str = "core_attn"
+class StackAssumptions(_Frozen):
+    """What the prediction assumed of the software stack beside the layout (a plan file's layout record)."""
+    tp_comm_overlap: bool = False   # TP collectives overlapped with GEMMs
+    moe_dispatcher: MoeDispatcher = "alltoall"   # this MoE token dispatcher
+    moe_shared_expert_overlap: bool = False   # shared experts beside the all-to-alls
+    precision_aware_optimizer: bool = False   # Megatron-Core's precision-aware optimizer (memory.py)
+    fused_loss: bool = False                  # Transformer Engine's fused cross-entropy (memory.py)
+    adam_moment_bytes: Literal[2, 4] = 4      # each Adam moment kept in these bytes
 
-    @field_validator("recompute_modules")
-    @classmethod
-    def _known_modules(cls, modules: str) -> str:
-        try:
-            parse_text(f"recompute_modules={modules}", "layout.recompute_modules")
-        except UserInputError as exc:
-            raise ValueError(str(exc).split(". Expected ")[-1]) from None
-        return modules
 
-    @field_validator("order")
-    @classmethod
-    def _is_permutation(cls, order: str) -> str:
-        try:
-            parse_text(f"order={order}", "layout.order")
-        except UserInputError:
-            raise ValueError(f"must list {', '.join(MEGATRON_ORDER)} once each, innermost first") from None
-        return order
-
+class _LayoutRecordRules(_Frozen):
     @model_validator(mode="after")
     def _consistent(self):
-        if self.vp > 1 and self.pp == 1:
-            raise ValueError(f"vp={self.vp} needs pp > 1")
-        if self.schedule == Schedule.dualpipev:
-            if self.vp != 2:
-                raise ValueError(f"schedule dualpipev runs two chunks per rank, not vp={self.vp}")
-        elif self.schedule != (Schedule.interleaved if self.vp > 1 else Schedule.one_f_one_b):
-            raise ValueError(f"schedule {self.schedule} does not match vp={self.vp}")
-        if self.gbs % (self.dp * self.mbs):
-            raise ValueError(f"gbs={self.gbs} is not a multiple of dp*mbs = {self.dp * self.mbs}")
+        problems = record_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @classmethod
-    def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...],
-           stack: SoftwareStack) -> "LayoutRecord":
+    def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...], stack: SoftwareStack) -> "LayoutRecord":
+        """The record of a planned layout: each declared field's value as a plan file keeps it, with what the
+        prediction took of the stack (SP in effect, combined 1F1B where it hides the all-to-alls)."""
+        values = {declared.field.plan_key: declared.field.domain.to_plan(getattr(layout, declared.reads))
+                  for declared in FIELDS.values() if declared.field.plan_key}
         kinds = {r.value for r in layer_recompute} or {layout.recompute.value}
-        values = values_of(layout, ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", "precision",
-                                    "grad_reduce", "fp8_recipe"))
-        return cls(**values, sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
-                   schedule=layout.schedule, order="-".join(layout.mesh_order),
-                   tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
-                   moe_a2a_overlap=stack.hides_moe_a2a(layout),
+        values.update(sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
+                      moe_a2a_overlap=stack.hides_moe_a2a(layout))
+        return cls(**values, tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
                    moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall",
                    moe_shared_expert_overlap=stack.runs_shared_experts_beside_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
-                   fused_loss=stack.loss_gradient == "fused",
-                   adam_moment_bytes=stack.moment_bytes_in(layout),
-                   recompute_modules=modules_text(layout.recompute_modules))
+                   fused_loss=stack.loss_gradient == "fused", adam_moment_bytes=stack.moment_bytes_in(layout))
+
+    def layout_values(self) -> dict:
+        """The record's layout fields as typed values by user key (`layout_codec`)."""
+        return {key: declared.field.domain.from_plan(getattr(self, declared.field.plan_key))
+                for key, declared in FIELDS.items() if declared.field.plan_key}
 
     @property
     def mesh_order(self) -> tuple[str, ...]:
         return tuple(self.order.split("-"))
+
+
+def _record_fields() -> dict:
+    """The layout record's fields: each declared layout field with a plan key (older files may lack those
+    marked plan_default), then the stack's assumptions."""
+    out = {}
+    for declared in FIELDS.values():
+        field = declared.field
+        if field.plan_key is None:
+            continue
+        default = field.domain.to_plan(Layout.__dataclass_fields__[declared.attribute].default) \
+            if field.plan_default else ...
+        out[field.plan_key] = (field.domain.plan_annotation(), default)
+    return out | {name: (info.annotation, info) for name, info in StackAssumptions.model_fields.items()}
+
+
+# a plan file's layout: the keys of the layout text as declared on `Layout`, one value each
+LayoutRecord = create_model("LayoutRecord", __base__=_LayoutRecordRules, __module__=__name__, **_record_fields())
 
 
 class StageRecord(_Frozen):
@@ -197,26 +175,17 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _layout_matches(self):
-        lay = self.layout
-        world = lay.dp * lay.tp * lay.pp * lay.cp
-        if world != self.num_devices:
-            raise ValueError(f"layout dp*tp*pp*cp = {world} does not equal num_devices={self.num_devices}")
-        if len(self.stages) != lay.pp * lay.vp:
-            raise ValueError(f"{len(self.stages)} stages where pp*vp = {lay.pp * lay.vp}")
-        if self.devices_per_node and self.num_devices % self.devices_per_node \
-                and self.devices_per_node % self.num_devices:
-            raise ValueError(f"num_devices={self.num_devices} does not fill nodes of {self.devices_per_node}")
+        problems = plan_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     def to_layout(self) -> Layout:
         """The runnable layout: degrees plus the stage partition and per-layer recomputation."""
-        lay = self.layout
-        values = {key: getattr(lay, key) for key in ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero",
-                                                     "sp", "precision", "grad_reduce", "fp8_recipe")}
-        modules = parse_text(f"recompute_modules={lay.recompute_modules}", "layout")["recompute_modules"]
-        return layout_from({**values, "order": lay.mesh_order, "a2a_overlap": lay.moe_a2a_overlap,
-                            "recompute_modules": modules, "schedule": lay.schedule,
-                            "recompute": Recompute.none if lay.recompute == "per-layer" else Recompute(lay.recompute)},
+        values = self.layout.layout_values()
+        if values["recompute"] == "per-layer":
+            values["recompute"] = Recompute.none
+        return layout_from(parse_values(values, "layout"),
                            stage_layers=tuple(len(stage.layers) for stage in self.stages),
                            layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))
 

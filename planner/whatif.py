@@ -7,9 +7,11 @@ from pathlib import Path
 
 from hardware_profiles.errors import UserInputError, clip
 
-from .api import InfeasibleError, plan, resolve_cluster
-from .capture.model_capture import capture
+from cost_models.layout_codec import parse_values
+
+from .api import InfeasibleError, check_time_limit, pin_values, plan_job
 from .goodput_report import plan_goodput
+from .job import Job, job_of, resolve_cluster
 
 SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -131,56 +133,72 @@ class Report:
         return path
 
 
-def _point_cluster(base_kwargs: dict, key: str, value: str):
-    kwargs = dict(base_kwargs)
-    if key == "num-devices":
-        kwargs["num_devices"] = int(value)
-    elif key == "device":
-        kwargs["device"], kwargs["cluster"] = value, None
-    cluster = resolve_cluster(**kwargs)
-    if key == "inter-node-bandwidth-gbps":
-        network = cluster.inter_node.model_copy(update={"nic_bandwidth_gbit_per_s": float(value)})
-        cluster = cluster.model_copy(update={"inter_node": network})
-    return cluster
-
-
 def whatif(model, *, sweep: str, global_batch: int, seq_len: int | None = None, tokens: str | float = "1T",
            cluster=None, device: str | None = None, num_devices: int | None = None,
            devices_per_node: int | None = None, segment_devices: int | None = None, time_limit_s: float = 30.0,
-           **fix) -> Report:
+           stack=None, ep_imbalance: float = 1.0, **fix) -> Report:
     """Best plan at every sweep point: `whatif("llama3-70b", sweep="num-devices=512,1024", device="h100-sxm", ...)`."""
     key, points = parse_sweep(sweep)
     budget = parse_tokens(str(tokens))
-    base = {"cluster": cluster, "device": device, "num_devices": num_devices, "devices_per_node": devices_per_node,
-            "segment_devices": segment_devices}
-    rows = []
-    name = capture(model, seq_len).name
-    crossed = None
+    check_time_limit(time_limit_s)
+    where = ClusterArguments(cluster, device, num_devices, devices_per_node, segment_devices)
+    job = job_of(model, where.at(key, points[0]), global_batch=global_batch, seq_len=seq_len, stack=stack,
+                 ep_imbalance=ep_imbalance, layout_values=pin_values(parse_values(fix, "fix")))
+    return whatif_job(job, key, points, budget, where, time_limit_s)
+
+
+@dataclass(frozen=True)
+class ClusterArguments:
+    """The cluster as the user named it, so that each sweep point resolves it again at its own value."""
+    cluster: object = None
+    device: str | None = None
+    num_devices: int | None = None
+    devices_per_node: int | None = None
+    segment_devices: int | None = None
+
+    def at(self, key: str, value: str):
+        given = self
+        if key == "num-devices":
+            given = replace(self, num_devices=int(value))
+        elif key == "device":
+            given = replace(self, device=value, cluster=None)
+        cluster = resolve_cluster(given.cluster, given.device, given.num_devices, given.devices_per_node,
+                                  given.segment_devices)
+        if key == "inter-node-bandwidth-gbps":
+            network = cluster.inter_node.model_copy(update={"nic_bandwidth_gbit_per_s": float(value)})
+            cluster = cluster.model_copy(update={"inter_node": network})
+        return cluster
+
+
+def whatif_job(job: Job, key: str, points: list[str], budget: float, where: ClusterArguments,
+               time_limit_s: float = 30.0) -> Report:
+    """The job's best plan at each point of the sweep `key` over `points`, and what it takes to train `budget`
+    tokens there."""
+    rows, crossed = [], None
     for value in points:
-        point_cluster = _point_cluster(base, key, value)
+        point_cluster = where.at(key, value)
         crosses = point_cluster.domain_use.crosses_domains
         change = ""
         if crossed is not None and crosses != crossed:
             change = ("crosses a scale-up domain boundary: " if crosses else "fits one scale-up domain again: ") \
                 + point_cluster.placement_text()
         crossed = crosses
-        where = dict(placement=point_cluster.placement_text(), domain_change=change)
-        seq = int(value) if key == "seq-len" else seq_len
-        batch = int(value) if key == "global-batch" else global_batch
+        placed = dict(placement=point_cluster.placement_text(), domain_change=change)
+        point = job.at(cluster=point_cluster, seq_len=int(value) if key == "seq-len" else None,
+                       global_batch=int(value) if key == "global-batch" else None)
         try:
-            result = plan(model, point_cluster, global_batch=batch, seq_len=seq, time_limit_s=time_limit_s, **fix)
+            result = plan_job(point, time_limit_s)
         except InfeasibleError as exc:
             rows.append(Row(value, "-", point_cluster.num_devices, point_cluster.device.name, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                            note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}", **where))
+                            note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}", **placed))
             continue
-        graph = capture(model, seq)
-        good = plan_goodput(result, point_cluster, graph.total_params)
+        good = plan_goodput(result, point_cluster, point.graph.total_params)
         days = budget / result.tokens_per_s / good.ettr / 86400
         rows.append(Row(value, _short(result.layout), point_cluster.num_devices, point_cluster.device.name,
                         result.step_time_s, result.mfu, result.tokens_per_s, days,
                         days * 24 * point_cluster.num_devices, good.ettr, good.goodput, good.interruptions_per_day,
-                        good.interval_s / 60, **where))
-    return Report(name, key, budget, tuple(rows))
+                        good.interval_s / 60, **placed))
+    return Report(job.graph.name, key, budget, tuple(rows))
 
 
 def _short(layout) -> str:

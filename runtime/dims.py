@@ -1,13 +1,11 @@
-"""`ParallelDims`: one typed description of the mesh a plan runs on, checked before any collective."""
+"""The mesh a plan runs on: checked by the rulebook on every rank before any collective, then built."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cost_models.layout import Layout
-from cost_models.pipeline import even_partition, most_chunks, partition_problem
+from planner.rules.runtime import runtime_problems
 
 
 class PlanError(ValueError):
@@ -20,56 +18,23 @@ def error_line(error: BaseException, limit: int = 200) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    dp: int
-    tp: int
-    pp: int
-    vp: int
-    cp: int
-    ep: int
-    etp: int
-    sp: bool
-    zero: int
-    mesh_order: tuple[str, ...]     # innermost first, Megatron-Core style
+def check_runnable(layout: Layout, world_size: int, num_blocks: int) -> None:
+    """The rulebook's runtime rules (`planner.rules.runtime`), as one PlanError naming every problem."""
+    problems = runtime_problems(layout, world_size, num_blocks)
+    if problems:
+        raise PlanError("the plan cannot run here: " + "; ".join(problems))
 
-    @classmethod
-    def of(cls, layout: Layout) -> "ParallelDims":
-        return cls(dp=layout.dp, tp=layout.tp, pp=layout.pp, vp=layout.vp, cp=layout.cp, ep=layout.ep,
-                   etp=layout.etp, sp=layout.sp, zero=layout.zero, mesh_order=tuple(layout.mesh_order))
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """World mesh with named dims; DeviceMesh lists dims outermost first (the layout's order is innermost first,
+    Megatron-Core style)."""
+    sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
+    order = [name for name in reversed(layout.mesh_order) if name in sizes]
+    return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=tuple(order))
 
-    def check(self, world_size: int, num_blocks: int, stage_layers: tuple[int, ...] | None) -> None:
-        problems = []
-        if self.world_size != world_size:
-            problems.append(f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} but "
-                            f"the job has {world_size} ranks")
-        chunks = self.pp * self.vp
-        if chunks > most_chunks(num_blocks):
-            problems.append(f"{num_blocks} layers, the embedding and the loss do not split into pp*vp = {chunks} "
-                            "chunks")
-        else:
-            problem = partition_problem(stage_layers or even_partition(num_blocks, chunks), num_blocks, chunks)
-            if problem:
-                problems.append(problem)
-        if self.etp not in (1, self.tp):
-            problems.append(f"etp={self.etp} must be 1 or tp={self.tp} in this runtime")
-        if self.ep > 1 and self.dp % self.ep:
-            problems.append(f"ep={self.ep} must divide dp={self.dp}: this runtime folds experts over data-parallel ranks")
-        if problems:
-            raise PlanError("the plan cannot run here: " + "; ".join(problems))
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """World mesh with named dims; DeviceMesh lists dims outermost first."""
-        sizes = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
-        order = [name for name in reversed(self.mesh_order) if name in sizes]
-        return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=tuple(order))
-
-    def local_ranks(self, mesh: DeviceMesh) -> dict[str, int]:
-        return {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
+def local_ranks(mesh: DeviceMesh) -> dict[str, int]:
+    return {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
 
 
 def world() -> tuple[int, int]:

@@ -26,24 +26,24 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from cost_models.layout import Fp8Recipe, GradReduce, Layout
 from planner.capture.graph import ModelGraph
 
-from .dims import ParallelDims, PlanError, error_line
+from .dims import PlanError, error_line
 
 PRECISIONS = ("bf16", "fp32", "fp8")
 MIXED = ("bf16", "fp8")      # bf16 compute over fp32 master weights (fp8: and FP8 GEMMs besides)
 FP8_GEMM_MULTIPLE = 16       # torch._scaled_mm takes matrices whose dimensions are multiples of 16
 
 
-def check(precision: str, layout: Layout, dims: ParallelDims, device_type: str = "cpu") -> str:
+def check(precision: str, layout: Layout, device_type: str = "cpu") -> str:
     """The precision to train in, or a PlanError naming what this runtime cannot apply."""
     if precision not in PRECISIONS:
         raise PlanError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     if precision == "fp8":
         _check_fp8(layout, device_type)
-        if dims.tp > 1 and device_type == "cpu":
+        if layout.tp > 1 and device_type == "cpu":
             raise PlanError("precision fp8 with tp > 1 on cpu: torchao's float8 tensor parallelism moves FP8 tensors "
                             "through collectives, which gloo cannot carry (NCCL and HCCL can); run fp8 with tp=1 "
                             "on CPUs, or bf16")
-    if precision in MIXED and layout.grad_reduce == GradReduce.bf16 and dims.zero == 1:
+    if precision in MIXED and layout.grad_reduce == GradReduce.bf16 and layout.zero == 1:
         raise PlanError("grad_reduce=bf16 with ZeRO-1: this runtime reduces in bf16 only through FSDP2's "
                         "MixedPrecisionPolicy (ZeRO-0's replicate, ZeRO-2/3); plan with grad_reduce=fp32, zero=0 "
                         "or zero=2")

@@ -20,11 +20,11 @@ from cost_models.step_time import chunk_blocks
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import RUNTIME_STACK
 from planner.capture.graph import ModelGraph
-from planner.search.stack_rules import layout_stack_problems
+from planner.rules.stack import layout_stack_problems
 
 from . import checkpoint
 from .comm_telemetry import CommRecorder, GroupKinds
-from .dims import ParallelDims, PlanError, error_line, world
+from .dims import PlanError, build_mesh, check_runnable, error_line, local_ranks, world
 from .health import HealthMonitor, HealthPolicy
 from .stragglers import ComputeTimer, StragglerMonitor
 from .telemetry import Stopwatch
@@ -49,9 +49,8 @@ class ParallelModel:
                  optimizer: str = "sgd", lr: float = 0.1, max_grad_norm: float | None = None,
                  precision: str | None = None, health: HealthPolicy | None = HealthPolicy()):
         rank, world_size = world()
-        self.dims = ParallelDims.of(layout)
-        self.dims.check(world_size, graph.num_blocks, layout.stage_layers)
-        self.precision = mixed_precision.check(precision or str(layout.precision), layout, self.dims, device_type)
+        check_runnable(layout, world_size, graph.num_blocks)
+        self.precision = mixed_precision.check(precision or str(layout.precision), layout, device_type)
         # one rule set with the planner: what `--stack parallel-planner` would never plan, refused here
         refused = layout_stack_problems(layout, load_stack(RUNTIME_STACK), graph)
         if refused:
@@ -66,18 +65,18 @@ class ParallelModel:
         recompute = layout.block_recompute(stage_layers)
         self.graph, self.device = graph, torch.device(device_type)
         self.notes: list[str] = []   # where the runtime applies the plan otherwise than it says
-        self.mesh = self.dims.build_mesh(device_type)
-        self.local = self.dims.local_ranks(self.mesh)
+        self.mesh = build_mesh(self.layout, device_type)
+        self.local = local_ranks(self.mesh)
         self.tied = tied_names(model)
         self.modules = self._build_modules(model, graph, recompute)
         self.stage_ties = StageTies(self.tied, self.mesh, graph.embedding_modules, graph.head_modules,
                                     self.layout.chunk_rank(len(stage_layers) - 1)) \
-            if self.tied and self.dims.pp > 1 else None
+            if self.tied and self.layout.pp > 1 else None
         self.params = [p for m in self.modules for p in m.parameters()]
         self._check_forward(graph)
         self.optimizer = self._optimizer(optimizer, lr)
         self.max_grad_norm = max_grad_norm
-        self.schedule = self._schedule() if self.dims.pp > 1 else None
+        self.schedule = self._schedule() if self.layout.pp > 1 else None
         self.rank = rank
         self.step = 0              # steps taken (a resumed run starts at the checkpoint's)
         self.timing = None         # the last step's parts (runtime/telemetry.StepTiming)
@@ -96,7 +95,7 @@ class ParallelModel:
 
     # -- construction ---------------------------------------------------------------------------
     def _build_modules(self, model: nn.Module, graph: ModelGraph, recompute) -> list[nn.Module]:
-        dims = self.dims
+        dims = self.layout
         chunks = chunk_blocks(self.layout.stage_layers)
         if dims.pp == 1:
             modules = [model]
@@ -138,7 +137,7 @@ class ParallelModel:
         model running its own forward over the chunk's blocks (runtime/sequential_stage.py)."""
         if graph.front_end == "torch.fx":
             return split_stage(model, [slot.module_name for slot in graph.blocks], blocks, is_first, is_last)
-        shards = self.dims.tp if self.dims.sp and self.dims.tp > 1 else 1
+        shards = self.layout.tp if self.layout.sp and self.layout.tp > 1 else 1
         return sequential_stage(model, graph.block_stack, blocks, is_first, is_last, graph.embedding_modules,
                                 graph.head_modules, shards)
 
@@ -147,7 +146,7 @@ class ParallelModel:
         assumes the full width (nanoGPT's `C // n_head` head width) fails here, on every rank alike, as a
         refusal that names the cause instead of a view error in step 1. (Pipelined and context-parallel
         layouts are not dry-run: their forward needs the schedule or the sequence shards.)"""
-        if self.dims.tp == 1 or self.dims.pp > 1 or self.dims.cp > 1:
+        if self.layout.tp == 1 or self.layout.pp > 1 or self.layout.cp > 1:
             return
         tokens = torch.zeros((1, graph.seq_len), dtype=torch.long, device=self.device)
         module, training = self.modules[0], self.modules[0].training
@@ -158,9 +157,9 @@ class ParallelModel:
                 module(tokens)
         except RuntimeError as exc:
             cause = error_line(exc, 160)
-            raise PlanError(f"under tp={self.dims.tp} the model's forward fails before training ({cause}): its "
+            raise PlanError(f"under tp={self.layout.tp} the model's forward fails before training ({cause}): its "
                             "code assumes the full hidden width where column-parallel projections hand it "
-                            f"1/{self.dims.tp} of it (e.g. a head width computed as C // n_head); compute "
+                            f"1/{self.layout.tp} of it (e.g. a head width computed as C // n_head); compute "
                             "widths from the projection's output (reshape(b, s, heads, -1)) or run tp=1") from None
         finally:
             module.train(training)
@@ -172,7 +171,7 @@ class ParallelModel:
 
     def _dp_mesh(self):
         names = self.mesh.mesh_dim_names
-        if "cp" in names and self.dims.cp > 1:
+        if "cp" in names and self.layout.cp > 1:
             return self.mesh["dp", "cp"]._flatten("dp_cp")
         return self.mesh["dp"]
 
@@ -181,14 +180,14 @@ class ParallelModel:
                 "adamw": lambda params: torch.optim.AdamW(params, lr=lr)}
         if name not in make:
             raise PlanError(f"optimizer '{name}' is not sgd or adamw")
-        if self.dims.zero == 1 and self.dims.tp == 1 and self._dp_mesh().size() > 1 and not self.expert_params:
+        if self.layout.zero == 1 and self.layout.tp == 1 and self._dp_mesh().size() > 1 and not self.expert_params:
             cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
             return ZeroRedundancyOptimizer(self.params, optimizer_class=cls, lr=lr,
                                            process_group=self._dp_mesh().get_group())
         return make[name](self.params)
 
     def _schedule(self):
-        dims = self.dims
+        dims = self.layout
         pp_group = self.mesh["pp"].get_group()
         chunks = len(self.layout.stage_layers)
         stages = [GatheringPipelineStage(module, j, chunks, self.device, group=pp_group)
@@ -203,12 +202,12 @@ class ParallelModel:
     # -- training -------------------------------------------------------------------------------
     def batch_slice(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global batch: rows by its data-parallel index, columns by cp."""
-        dp = self.dims.dp
+        dp = self.layout.dp
         rows = tokens.shape[0] // dp
         start = self.local.get("dp", 0) * rows
         mine = tokens[start:start + rows]
-        if self.dims.cp > 1:  # and its share of the sequence, causally balanced
-            mine = shard_sequence(mine, self.dims.cp, self.local["cp"])
+        if self.layout.cp > 1:  # and its share of the sequence, causally balanced
+            mine = shard_sequence(mine, self.layout.cp, self.local["cp"])
         return mine
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -251,17 +250,17 @@ class ParallelModel:
         if self.stage_ties:
             self.stage_ties.sum_gradients([_inner(module) for module in self.modules])
         if self.expert_params:
-            finish_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
+            finish_expert_grads(self.expert_params, self.edp_mesh, self.layout.dp)
         return loss
 
     def record_communication(self, every: int) -> None:
         """Measure exposed communication by kind on every `every`-th step (runtime/comm_telemetry.py)."""
         meshes = {name: self.mesh[name] for name in self.mesh.mesh_dim_names}
         meshes["dp_cp"] = self._dp_mesh()
-        if self.dims.ep > 1:
+        if self.layout.ep > 1:
             meshes["ep"], meshes["edp"] = self.ep_mesh, self.edp_mesh
         groups = {name: mesh.get_group() for name, mesh in meshes.items() if mesh.size() > 1}
-        self.comm_recorder = CommRecorder(GroupKinds.of(groups, self.dims.zero), self.device.type)
+        self.comm_recorder = CommRecorder(GroupKinds.of(groups, self.layout.zero), self.device.type)
         self.comm_every = every
 
     def _update(self) -> None:
@@ -278,7 +277,7 @@ class ParallelModel:
         total = torch.zeros((), device=self.device)
         module = self.modules[0]
         # ZeRO-0/1: gradients accumulate unreduced and are all-reduced once, after the last micro-batch
-        once = hasattr(module, "set_requires_gradient_sync") and self.dims.zero < 2
+        once = hasattr(module, "set_requires_gradient_sync") and self.layout.zero < 2
         for index, (mb_tokens, mb_targets) in enumerate(zip(tokens.chunk(micro), targets.chunk(micro))):
             if once:
                 module.set_requires_gradient_sync(index == micro - 1)
@@ -310,7 +309,7 @@ class ParallelModel:
         if world > 1:
             dist.all_reduce(value)
         total, flags = value.tolist()
-        return total / (world // self.dims.pp), flags > 0
+        return total / (world // self.layout.pp), flags > 0
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip by the global gradient norm over every group: DTensor norms reduce over their meshes,
@@ -321,7 +320,7 @@ class ParallelModel:
             norm = torch.linalg.vector_norm(grad)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             squares = squares + norm.float() ** 2
-        if self.dims.pp > 1:
+        if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         total = float(squares.sqrt())
         scale = max_norm / (total + 1e-6)
@@ -383,7 +382,7 @@ def _inner(module: nn.Module) -> nn.Module:
 
 def device_type_of(plan) -> str:
     """The torch device type the plan's cluster profile names (cuda for NVIDIA/AMD/Hygon, npu for Ascend)."""
-    from planner.api import plan_cluster
+    from planner.job import plan_cluster
     return plan_cluster(plan).device.torch_device_type
 
 

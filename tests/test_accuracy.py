@@ -5,8 +5,9 @@ import pytest
 
 from benchmarks.calibrate import split_runs
 from benchmarks.published import DEFAULT_RUNS, check_published, load_runs, predict, run_stack
-from planner.api import capture_for, plan
-from planner.search.space import layout_problems
+from planner.api import plan
+from planner.job import capture_for
+from planner.rules.layout import layout_problems
 
 pytestmark = pytest.mark.skipif(not DEFAULT_RUNS.exists(), reason="shared/validation not present")
 

@@ -111,7 +111,7 @@ def test_structure_is_recognised_from_the_graph(family):
     assert captured.layer_counts() == reference.layer_counts()
     assert captured.capture_notes == ()
     # a sliding window as the config.json declares it (context parallelism and pipeline stages of recorded
-    # models refuse it: runtime rules in planner/search/stack_rules.py)
+    # models refuse it: runtime rules in planner/rules/stack.py)
     raw = raw_config(name)
     windowed = raw.get("sliding_window") is not None and raw.get("use_sliding_window") is not False
     assert any(s.sliding_window for s in captured.structures) == windowed

@@ -175,7 +175,7 @@ def test_deduplicated_dispatch_inside_one_domain_is_the_plain_all_to_all():
     """Within one NVLink domain nothing is deduplicated: the DeepEP-style exchange costs what the pairwise
     all-to-all of the same top-k copies costs; across nodes it sends fewer bytes over the scale-out links."""
     from cost_models.expert_dispatch import deduplicated_exchange
-    from planner.api import resolve_cluster
+    from planner.job import resolve_cluster
     cluster = resolve_cluster(device="h100-sxm", num_devices=64)
     inside = _group(cluster, 8)
     tokens, hidden, topk = 4096, 7168, 8

@@ -18,8 +18,8 @@ from hardware_profiles.loader import load_stack
 from planner.api import evaluate, plan
 from planner.capture.model_capture import capture
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
-from planner.search.space import Pins
-from planner.search.stack_rules import stack_pins
+from planner.rules.pins import Pins
+from planner.rules.stack import stack_pins
 from planner.search.tree import search
 from test_search import compositions, mixed_moe_model, small_cluster
 
@@ -266,7 +266,7 @@ def test_the_runtime_stack_plans_the_v_only_as_its_runtime_runs_it():
     process), never ZeRO-1 (DDP), over one rank with any, and never with selective recomputation (full recomputation is
     torch's non-reentrant checkpoint there, its weight passes billed); each plan passes the checks the runtime
     makes before step 1."""
-    from planner.search.stack_rules import layout_stack_problems
+    from planner.rules.stack import layout_stack_problems
     runtime = load_stack("parallel-planner")
     common = dict(device="h100-sxm", num_devices=16, global_batch=64, seq_len=4096, stack="parallel-planner",
                   schedule="dualpipev", tp=1, cp=1)

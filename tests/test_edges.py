@@ -280,11 +280,33 @@ def test_plan_files_are_validated(path, value, named, tiny_plan, tmp_path, capsy
         assert named in refused(f"export {bad} --to {to}", capsys, monkeypatch)
 
 
-def test_the_runtime_does_not_load_the_search():
-    """`import runtime` reads plans, captured graphs and the layout rules it shares with the planner
-    (planner.search.space, planner.search.stack_rules); it must not pull in the search or OR-Tools."""
-    code = "import sys, runtime; print(any(m.startswith('ortools') for m in sys.modules), " \
-           "any(m in sys.modules for m in ('planner.search.tree', 'planner.search.partition', " \
-           "'planner.search.bounds')), 'planner.search.stack_rules' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["False", "False", "True"]
+def test_the_runtime_does_not_load_the_search(tmp_path):
+    """`import runtime` reads plans, captured graphs and the rulebook (planner.rules) it shares with the planner;
+    applying a loaded plan (its device type read from the plan's cluster) loads no search module and no OR-Tools."""
+    plan_file = tmp_path / "plan.yaml"
+    api.plan("tiny-llama", device="cpu", num_devices=1, global_batch=2, stack="parallel-planner",
+             time_limit_s=30).save(plan_file)
+    code = f"""
+import os, socket, sys
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+import runtime
+from planner.plans import Plan
+from planner.capture.model_capture import capture
+from planner.capture.model_sources import resolve_model
+from planner.capture.reference_model import build_model
+plan = Plan.load({str(plan_file)!r})
+import torch.distributed as dist
+dist.init_process_group("gloo")
+graph = capture("tiny-llama")
+model = build_model(resolve_model("tiny-llama"), device="cpu")
+runtime.apply_plan(model, graph, plan)
+from runtime.parallel_model import device_type_of
+print(device_type_of(plan), any(m.startswith("ortools") for m in sys.modules),
+      any(m.startswith("planner.search") for m in sys.modules), "planner.rules.stack" in sys.modules)
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["cpu", "False", "False", "True"]

@@ -51,7 +51,7 @@ def test_the_busiest_rank_keeps_its_share_of_the_routed_activations(factory):
     transformers' own expert module keeps of its routed rows on CPU. The model leaves out the routing weights
     and token indices (10-12 bytes per routed row, against 2 x (h + 3f) of activations), which indexing nodes
     beside the expert GEMMs make: its figure sits within 5% below (2-3% measured)."""
-    from planner.api import capture_for
+    from planner.job import capture_for
 
     own_code = load_stack("megatron-core").model_copy(update={"fused_kernels": False, "fused_gated_activation": False})
     graph = capture_for(f"tests/models/hf_tiny.py:{factory}", SEQ, (), own_code)

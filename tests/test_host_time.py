@@ -12,7 +12,7 @@ from cost_models.compute import ShardSpec
 from cost_models.layer_costs import MeshCosts
 from cost_models.layout_codec import layout_from
 from hardware_profiles.loader import load_cluster, load_stack
-from planner.api import capture_for
+from planner.job import capture_for
 from planner.capture.launches import GEMM_OPS, NOT_KERNELS
 
 SEQ = 32

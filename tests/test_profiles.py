@@ -172,7 +172,8 @@ def test_missing_file_and_unknown_name():
 def test_a_plan_names_the_profile_files_it_was_made_on(tmp_path):
     """A user's device file named like a built-in (`name: h100-sxm`) with another peak: the plan names the
     file, and what reads the plan again (replan, the runtime, calibration) loads that file, not the built-in."""
-    from planner.api import evaluate, plan_cluster, plan_device, replan
+    from planner.api import evaluate, replan
+    from planner.job import plan_cluster, plan_device
     from planner.plans import Plan
     data = yaml.safe_load((DEVICE_DIR / "h100-sxm.yaml").read_text())
     data["peak_tflops"]["bf16"] = 500.0
@@ -192,7 +193,8 @@ def test_a_plan_names_the_profile_files_it_was_made_on(tmp_path):
 
 
 def test_a_plan_keeps_its_segments():
-    from planner.api import evaluate, plan_cluster
+    from planner.api import evaluate
+    from planner.job import plan_cluster
     made = evaluate("tiny-llama", device="gb200", num_devices=128, segment_devices=64, global_batch=128,
                     seq_len=512, layout="tp=1,pp=1,dp=128,cp=1,mbs=1,zero=1,recompute=none")
     assert made.segment_devices == 64 and made.placement == plan_cluster(made).placement_text()

@@ -16,7 +16,7 @@ from cost_models.pipeline import least_blocks, partition_problem
 from cost_models.step_time import estimate
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import cluster_from_device, load_stack
-from planner.api import capture_for
+from planner.job import capture_for
 from planner.exports import megatron_args
 from tests.test_exports_megatron import flags
 from tests.test_search import mixed_moe_model

@@ -155,7 +155,7 @@ def test_one_rule_set_refuses_what_a_stack_cannot_recompute():
     from cost_models.layout import Layout
     from hardware_profiles.loader import load_stack
     from hardware_profiles.stack import RUNTIME_STACK
-    from planner.search.stack_rules import layout_stack_problems
+    from planner.rules.stack import layout_stack_problems
 
     graph = capture(resolve_model("tiny-llama"), seq_len=SEQ)
     runtime, megatron = load_stack(RUNTIME_STACK), load_stack("megatron-core")
@@ -231,7 +231,7 @@ def test_moe_act_recomputation_frees_what_the_experts_activation_made(model, f, 
     the down-projection's input, SEQ x k routed rows of f bf16 values, goes; where the activation is not one
     fused kernel, act(gate) kept by the gating multiply goes too. The shared expert's activation stays (another
     module, Megatron's shared_experts), as does the up-projection's output (the checkpoint's input)."""
-    from planner.api import capture_for
+    from planner.job import capture_for
     from hardware_profiles.loader import load_stack
 
     stack = load_stack("megatron-core").model_copy(update={"fused_gated_activation": fused})
@@ -269,7 +269,7 @@ def test_shared_experts_recomputation_frees_what_the_shared_expert_makes_and_kee
     """Megatron-Core's shared_experts (a checkpoint of SharedExpertMLP, its input kept): the gate and up
     projections' outputs and the down-projection's input, SEQ rows of f bf16 values each, and act(gate) where the
     activation is not one fused kernel; neither the routed experts' tensors nor the router's."""
-    from planner.api import capture_for
+    from planner.job import capture_for
     from hardware_profiles.loader import load_stack
 
     stack = load_stack("megatron-core").model_copy(update={"fused_gated_activation": fused})
@@ -281,7 +281,7 @@ def test_shared_experts_recomputation_frees_what_the_shared_expert_makes_and_kee
 
 
 def test_models_without_shared_experts_do_not_offer_their_recomputation():
-    from planner.api import capture_for
+    from planner.job import capture_for
     from hardware_profiles.loader import load_stack
 
     for model in ("tests/models/hf_tiny.py:qwen3_moe_logits", "tests/models/hf_tiny.py:mixtral_logits"):
@@ -357,7 +357,7 @@ def test_moe_recomputation_of_a_recorded_moe_block_frees_what_torch_checkpoint_f
     """transformers' MoE blocks, which capture records node by node: the nodes the recording made while the
     block ran form Megatron's "moe" module, and recomputing it frees exactly what torch's checkpoint of the
     block frees on the real model (the model's own code: no fused kernels stood in)."""
-    from planner.api import capture_for
+    from planner.job import capture_for
     from hardware_profiles.loader import load_stack
 
     own_code = load_stack("megatron-core").model_copy(update={"fused_kernels": False, "fused_gated_activation": False})

@@ -147,7 +147,7 @@ def test_equal_segments_keep_a_64_rank_group_in_one_rack():
 @pytest.mark.parametrize("segment,why", [(72, "does not divide"), (66, "whole nodes"), (76, "whole nodes")])
 def test_a_segment_that_cannot_lay_out_the_job_is_refused(segment, why):
     from hardware_profiles import UserInputError
-    from planner.api import resolve_cluster
+    from planner.job import resolve_cluster
     with pytest.raises(UserInputError, match=why) as caught:
         resolve_cluster(device="gb200", num_devices=256, segment_devices=segment)
     assert "--segment-devices" in str(caught.value)

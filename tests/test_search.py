@@ -15,7 +15,7 @@ from planner.capture.model_capture import capture
 from planner.capture.model_config import ModelConfig, MoEConfig
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from planner.search.tree import search
-from planner.search.space import Pins
+from planner.rules.pins import Pins
 
 GB = 1e9
 

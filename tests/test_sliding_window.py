@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from hardware_profiles.loader import load_stack
-from planner.api import capture_for
+from planner.job import capture_for
 from cost_models.records import OpKind
 from planner.capture.graph_analysis import block_window
 

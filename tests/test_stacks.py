@@ -12,8 +12,8 @@ from hardware_profiles.loader import list_stacks, load_stack
 from planner import api
 from planner.capture.model_capture import capture
 from planner.plans import Plan
-from planner.search.space import pins_from
-from planner.search.stack_rules import layout_stack_problems, stack_problems
+from planner.rules.pins import pins_from
+from planner.rules.stack import layout_stack_problems, stack_problems
 
 BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "nemo-2", "megatron-bridge", "torchtitan",
             "deepspeed", "llm-foundry", "mindspeed", "parallel-planner", "torchtitan-npu"}

@@ -27,8 +27,9 @@ from hardware_profiles.schema import Cluster
 
 from .bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from .partition import LEAF_WORK_LIMIT, PartitionResult, model_key, solve_partition
-from .stack_rules import leaf_recompute_methods
-from .space import (MeshShape, Pins, make_layout, mesh_shapes, placement_choices, schedule_choices,
+from ..rules.pins import Pins
+from ..rules.stack import leaf_recompute_methods
+from .space import (MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices,
                     zero_choices)
 
 

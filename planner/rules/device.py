@@ -6,7 +6,7 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
-from .search.stack_rules import untrainable_parts
+from .stack import untrainable_parts
 
 
 def check_model_on_stack(graph, stack: SoftwareStack) -> None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Fp8Recipe, GradReduce, Layout, Precision, Recompute, RecomputeModule, Schedule
-from cost_models.layout_codec import FULL_KEYS, values_of
+from cost_models.layout import Fp8Recipe, Layout, Precision, Recompute, RecomputeModule, Schedule
+from cost_models.layout_codec import FIELDS, FULL_KEYS, values_of
 from hardware_profiles.stack import SoftwareStack
 
-from .space import DualPipeVRules, Pins, pins_from
+from .pins import DualPipeVRules, Pins, pins_from
 
 AXES = ("tp", "pp", "cp", "ep")
 
@@ -191,15 +191,24 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
         fixed["etp"] = 1
     if not stack.interleaved_schedule and not stack.dualpipev_schedule and pins.vp is None:
         fixed["vp"] = 1
-    if not stack.sequence_parallel and pins.sp is None:
-        fixed["sp"] = False
-    if pins.grad_reduce is None:
-        fixed["grad_reduce"] = GradReduce(stack.gradient_reduce)
-    if pins.fp8_recipe is None and stack.fp8_recipes:
-        fixed["fp8_recipe"] = Fp8Recipe(stack.fp8_recipes[0])
+    fixed.update(stack_filled(pins, stack))
     dualpipev = dualpipev_rules(stack) if stack.dualpipev_schedule else None
     return replace(pins, zero_stages=stack.zero_stages, dualpipev=dualpipev,
                    interleaved_schedule=stack.interleaved_schedule, **fixed)
+
+
+def stack_filled(pins: Pins, stack: SoftwareStack) -> dict:
+    """The stack's defaults (`LayoutField.stack_default`) of the fields the search does not choose and the
+    pins leave open: gradient dtype, FP8 recipe, and no SP where the stack has none."""
+    filled = {}
+    for key, declared in FIELDS.items():
+        default = declared.field.stack_default
+        if default is None or declared.field.searched or getattr(pins, key) is not None:
+            continue
+        value = default(stack)
+        if value is not None:
+            filled[key] = declared.field.domain.from_value(key, value)
+    return filled
 
 
 def recompute_choices(pins: Pins, stack: SoftwareStack) -> tuple[Recompute, ...]:

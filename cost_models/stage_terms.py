@@ -1,0 +1,101 @@
+"""The per-layer cost terms of a pipeline stage: one table that the step-time estimate sums in seconds and
+bytes (`step_time.stage_totals`), the CP-SAT partition sums as integer expressions over its layer counts
+(`planner/search/partition.py`), and the search bounds take means and minima of (`planner/search/bounds.py`).
+
+Each term is one layer's share for one micro-batch (or, for `dp_reduce_s` and `optimizer_s`, for one step)
+under one recomputation method; a stage's value is the sum over its layers, the embedding and the head.
+The stage-level parts that are not sums (activations times the micro-batches in flight, the peak of a
+recomputed layer's working set, the logits) are the memory model's (`memory.StageMemory`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts
+from .layout import Recompute
+from .pipeline import dualpipev_split_recompute_factor, dualpipev_weight_factor
+
+
+class Unit(Enum):
+    """How a term is counted: seconds per micro-batch, seconds per step (small: a layer's share of one
+    reduction), or bytes. The solver scales each to its own integer unit."""
+    seconds = "seconds"
+    step_seconds = "step_seconds"
+    bytes = "bytes"
+
+
+def _term(unit: Unit):
+    return field(metadata={"unit": unit})
+
+
+@dataclass(frozen=True)
+class TermContext:
+    """What the terms read besides the layer: the schedule's factors on DualPipeV's bubble term."""
+    weight_factor: int = 3         # W's coefficient (`pipeline.dualpipev_weight_factor`)
+    split_factor: float = 0.0      # split weight passes' recomputation (`pipeline.dualpipev_split_recompute_factor`)
+
+    @classmethod
+    def of(cls, costs: MeshCosts) -> "TermContext":
+        lay, stack = costs.layout, costs.stack
+        split = dualpipev_split_recompute_factor(lay.pp, stack.dualpipev_weight_pass_recompute) \
+            if lay.dualpipev else 0.0
+        return cls(dualpipev_weight_factor(stack.dualpipev_weight_split_in_cooldown), split)
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """The table: one layer's terms under one recomputation method (`of`), or their sums over a stage's layers."""
+    work_s: float = _term(Unit.seconds)          # W: forward, backward, recomputation and exposed communication
+    compute_s: float = _term(Unit.seconds)       # forward and backward compute alone
+    recompute_s: float = _term(Unit.seconds)     # what the method repeats
+    tp_s: float = _term(Unit.seconds)            # exposed tensor-parallel collectives
+    cp_s: float = _term(Unit.seconds)            # exposed context-parallel collectives
+    ep_s: float = _term(Unit.seconds)            # exposed expert all-to-alls, as the steady state pays them
+    zero_s: float = _term(Unit.seconds)          # exposed ZeRO-2/3 per-micro-batch traffic
+    host_s: float = _term(Unit.seconds)          # the host issuing kernels beyond the device's time
+    alone_s: float = _term(Unit.seconds)         # DualPipeV's A: forward and backward run alone
+    bubble_s: float = _term(Unit.seconds)        # DualPipeV's bubble term A + B - kW
+    dp_reduce_s: float = _term(Unit.step_seconds)   # share of the per-step data-parallel reduction
+    optimizer_s: float = _term(Unit.step_seconds)   # optimizer step on this rank
+    activation_bytes: float = _term(Unit.bytes)  # saved for backward, per micro-batch in flight
+    state_bytes: float = _term(Unit.bytes)       # weights, gradients and optimizer states
+    gradient_bytes: float = _term(Unit.bytes)    # of which gradients
+
+    @classmethod
+    def of(cls, c: LayerCost, method: Recompute, context: TermContext) -> "LayerTerms":
+        """Each term's formula, once (the layer's parts are `layer_costs.LayerCost`'s)."""
+        index = RECOMPUTE_INDEX[method]
+        return cls(work_s=c.work_s(method), compute_s=c.forward_s + c.backward_s, recompute_s=c.recompute_s[index],
+                   tp_s=c.tp_comm_s, cp_s=c.cp_comm_s, ep_s=c.ep_comm_s, zero_s=c.zero_exposed_s,
+                   host_s=c.host_excess_s, alone_s=c.work_s(method) + c.unpaired_extra_s,
+                   bubble_s=c.dualpipev_bubble_s(method, context.weight_factor, context.split_factor),
+                   dp_reduce_s=c.dp_reduce_s, optimizer_s=c.optimizer_step_s,
+                   activation_bytes=c.activation_bytes[index], state_bytes=c.states.total,
+                   gradient_bytes=c.states.gradients)
+
+    def __add__(self, other: "LayerTerms") -> "LayerTerms":
+        return LayerTerms(**{name: getattr(self, name) + getattr(other, name) for name in TERM_NAMES})
+
+    def __mul__(self, count: float) -> "LayerTerms":
+        return LayerTerms(**{name: getattr(self, name) * count for name in TERM_NAMES})
+
+    __rmul__ = __mul__
+
+    def peak_state_bytes(self, gradients_held: bool) -> float:
+        """States at the activation peak: gradients that backward allocates are not held there
+        (`memory.gradients_held_at_peak`)."""
+        return self.state_bytes if gradients_held else self.state_bytes - self.gradient_bytes
+
+
+ZERO_TERMS = LayerTerms(**{f.name: 0.0 for f in fields(LayerTerms)})
+TERM_NAMES = tuple(f.name for f in fields(LayerTerms))
+TERM_UNITS = {f.name: f.metadata["unit"] for f in fields(LayerTerms)}
+
+
+def terms_sum(items) -> LayerTerms:
+    """The sum of (terms, count) pairs."""
+    total = ZERO_TERMS
+    for terms, count in items:
+        total = total + terms * count
+    return total
