@@ -39,7 +39,7 @@ FLASH_BACKWARD_RECOMPUTE = 1.25
 class ShardSpec:
     """How one micro-batch of one layer is divided on a rank."""
     tp: int = 1
-    sp: bool = False
+    sequence_sharded: bool = False   # activations between TP pairs split over tp (sequence parallelism in effect)
     cp: int = 1
     micro_batch: int = 1
     precision: Precision = Precision.bf16
@@ -57,7 +57,7 @@ class ShardSpec:
            ep_imbalance: float = 1.0) -> "ShardSpec":
         """A layout's division of one micro-batch; `ep`/`etp` override the layout's (search bounds)."""
         ep = layout.ep if ep is None else ep
-        return cls(tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
+        return cls(tp=layout.tp, sequence_sharded=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
                    precision=layout.precision, fp8_recipe=layout.fp8_recipe,
                    causal_attention_work=stack.causal_attention_work,
                    ep=ep, etp=layout.etp if etp is None else etp,
@@ -107,7 +107,7 @@ class LayerCompute:
 
 def work_divisor(sharding: Sharding, spec: ShardSpec) -> int:
     """Ranks sharing an op's work: tp for pair ops and experts (tokens spread), tp with SP elsewhere; cp always."""
-    tp_share = spec.tp if sharding in (Sharding.tensor, Sharding.expert) or spec.sp else 1
+    tp_share = spec.tp if sharding in (Sharding.tensor, Sharding.expert) or spec.sequence_sharded else 1
     return tp_share * spec.cp
 
 

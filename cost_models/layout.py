@@ -85,12 +85,10 @@ class Layout:
 
     def __post_init__(self):
         # choices given as their text become the enum; anything else is left for value_problems to name
-        for item in fields(self):
-            declared = item.metadata.get("layout")
-            if declared and isinstance(declared.domain, Choice) and declared.reads is None:
-                value, kind = getattr(self, item.name), declared.domain.kind
-                if isinstance(value, str) and not isinstance(value, kind) and value in kind.texts():
-                    object.__setattr__(self, item.name, kind(value))
+        for name, kind in _CHOICE_ATTRIBUTES:
+            value = getattr(self, name)
+            if isinstance(value, str) and not isinstance(value, kind) and value in kind.texts():
+                object.__setattr__(self, name, kind(value))
 
     @property
     def world_size(self) -> int:
@@ -148,6 +146,12 @@ class Layout:
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         sizes = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
         return tuple((name, sizes[name]) for name in self.mesh_order if name in sizes)
+
+
+# the attributes whose declared domain is a choice of a text enum (their values are that enum)
+_CHOICE_ATTRIBUTES = tuple((item.name, item.metadata["layout"].domain.kind) for item in fields(Layout)
+                           if "layout" in item.metadata and isinstance(item.metadata["layout"].domain, Choice)
+                           and item.metadata["layout"].reads is None)
 
 
 def first_blocks_of_each_chunk(stage_layers: tuple[int, ...], count: int) -> tuple[Recompute, ...]:

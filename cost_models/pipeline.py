@@ -53,10 +53,19 @@ def pipeline_seconds(stage_work_s: list[float], num_micro_batches: int, virtual_
     (m + p - 1) W, a bubble of (p-1)/m (Narayanan et al. SC21). Interleaved with v chunks per rank
     shrinks the fill and drain v-fold: uniform stages give (m + (p-1)/v) W (SC21, Llama 3 section 3.3.2).
     """
-    slowest = max(stage_work_s)
-    total = sum(stage_work_s)
+    return pipeline_scaled(sum(stage_work_s), max(stage_work_s), num_micro_batches, virtual_stages) / virtual_stages
+
+
+def pipeline_scaled(total_work, slowest_work, num_micro_batches: int, virtual_stages: int):
+    """v times `pipeline_seconds`, of the stages' summed and slowest work: v (m - 1) max W + sum W + (v - 1) max W.
+    Integer coefficients only, so that the partition solver states the same formula over its variables."""
     v = virtual_stages
-    return (num_micro_batches - 1) * slowest + (total + (v - 1) * slowest) / v
+    return v * (num_micro_batches - 1) * slowest_work + total_work + (v - 1) * slowest_work
+
+
+def schedule_scale(layout) -> int:
+    """What `pipeline_scaled` (v) or `dualpipev_scaled` (2) multiply the step by."""
+    return 2 if layout.dualpipev else layout.vp
 
 
 @dataclass(frozen=True)
@@ -108,11 +117,17 @@ def dualpipev_seconds(ranks: list[RankPasses], num_micro_batches: int) -> float:
     chunks): (m - p/2 - 1) X + (p + 2)/2 A + (p - 1)/2 (A + B - 3W); uneven ranks take the slowest in each
     term (tests/test_dualpipev.py replays the action list).
     """
-    p, m = len(ranks), num_micro_batches
     paired = max(r.paired_s for r in ranks)
     alone = max(r.alone_s for r in ranks)
     bubble = max(0.0, max(r.bubble_s for r in ranks))
-    return (m - p / 2 - 1) * paired + (p + 2) / 2 * alone + (p - 1) / 2 * bubble
+    return dualpipev_scaled(paired, alone, bubble, len(ranks), num_micro_batches) / 2
+
+
+def dualpipev_scaled(paired, alone, bubble, stages: int, num_micro_batches: int):
+    """2 times `dualpipev_seconds`, of the ranks' slowest X, A and bubble term: (2m - p - 2) max X + (p + 2) max A
+    + (p - 1) max(A + B - kW, 0), in integer coefficients (the partition solver states it over its variables)."""
+    p, m = stages, num_micro_batches
+    return (2 * m - p - 2) * paired + (p + 2) * alone + (p - 1) * bubble
 
 
 def dualpipev_in_flight(stages: int) -> float:

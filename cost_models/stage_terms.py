@@ -75,10 +75,11 @@ class LayerTerms:
                    gradient_bytes=c.states.gradients)
 
     def __add__(self, other: "LayerTerms") -> "LayerTerms":
-        return LayerTerms(**{name: getattr(self, name) + getattr(other, name) for name in TERM_NAMES})
+        # positional, in field order (vars keeps it): the search's bounds sum these for every leaf
+        return LayerTerms(*[a + b for a, b in zip(vars(self).values(), vars(other).values())])
 
     def __mul__(self, count: float) -> "LayerTerms":
-        return LayerTerms(**{name: getattr(self, name) * count for name in TERM_NAMES})
+        return LayerTerms(*[a * count for a in vars(self).values()])
 
     __rmul__ = __mul__
 
@@ -94,8 +95,8 @@ TERM_UNITS = {f.name: f.metadata["unit"] for f in fields(LayerTerms)}
 
 
 def terms_sum(items) -> LayerTerms:
-    """The sum of (terms, count) pairs."""
-    total = ZERO_TERMS
+    """The sum of (terms, count) pairs (each term summed in the order given)."""
+    columns = [0.0] * len(TERM_NAMES)
     for terms, count in items:
-        total = total + terms * count
-    return total
+        columns = [total + value * count for total, value in zip(columns, vars(terms).values())]
+    return LayerTerms(*columns)

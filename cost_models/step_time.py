@@ -6,16 +6,17 @@ from dataclasses import dataclass
 
 from hardware_profiles.schema import Cluster
 
-from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts
+from .layer_costs import LayerCost, MeshCosts
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import SoftwareStack
 
 from .layout import Layout, Recompute
 from .memory import (ModelStateBytes, StageMemory, gradients_held_at_peak, logits_bytes, loss_gradient_bytes,
                      usable_bytes)
-from .pipeline import (RankPasses, dualpipev_seconds, dualpipev_split_recompute_factor, dualpipev_weight_factor,
-                       even_partition, in_flight_micro_batches, p2p_transfers_on_critical_path, pipeline_seconds)
+from .pipeline import (RankPasses, dualpipev_seconds, even_partition, in_flight_micro_batches,
+                       p2p_transfers_on_critical_path, pipeline_seconds)
 from .records import ModelCosts
+from .stage_terms import LayerTerms, TermContext, terms_sum
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,10 @@ def chunk_blocks(stage_layers: tuple[int, ...]) -> list[range]:
 
 def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: tuple[Recompute, ...],
                  with_embedding: bool, with_head: bool, micro_batches: int) -> StageTotals:
+    """The stage's terms (`stage_terms.LayerTerms`) summed over its blocks, the embedding and the head, and its
+    memory as named parts."""
     model, lay = costs.model, costs.layout
+    context = TermContext.of(costs)
     # (layer, method, how many): blocks of one kind and method cost alike
     groups = Counter((model.blocks[b], recompute[b]) for b in block_ids)
     items: list[tuple[LayerCost, Recompute, int]] = [(costs.layer(model.kind(name)), r, n)
@@ -98,35 +102,24 @@ def stage_totals(costs: MeshCosts, stage: int, block_ids: list[int], recompute: 
         items.append((costs.layer(model.embedding), Recompute.none, 1))
     if with_head:
         items.append((costs.layer(model.head), Recompute.none, 1))
-    compute = sum(n * (c.forward_s + c.backward_s) for c, _, n in items)
-    recomputed = sum(n * c.recompute_s[RECOMPUTE_INDEX[r]] for c, r, n in items)
+    sums = terms_sum((LayerTerms.of(c, r, context), n) for c, r, n in items)
     in_flight = in_flight_micro_batches(stage, lay.pp, micro_batches, lay.vp, costs.stack.hides_moe_a2a(lay),
                                         lay.dualpipev)
-    activations = in_flight * sum(n * c.activation_bytes[RECOMPUTE_INDEX[r]] for c, r, n in items)
     working = max((c.working_bytes for c, r, _ in items if r is not Recompute.none), default=0.0)
     states = sum((n * c.states for c, _, n in items), ModelStateBytes(0.0, 0.0, 0.0))
     loss = costs.stack.loss_gradient
     memory = StageMemory(
         stage=stage, weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-        activations=activations,
+        activations=in_flight * sums.activation_bytes,
         logits=logits_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) if with_head else 0.0,
         loss_gradient=loss_gradient_bytes(model.head, lay.tp, lay.cp, lay.micro_batch, loss) if with_head else 0.0,
         recompute_working=working, comm_buffers=costs.comm_buffer_bytes, capacity=usable_bytes(costs.cluster.device),
         gradients_held=gradients_held_at_peak(costs.stack.gradient_buffer_in(lay), micro_batches))
-    work = sum(n * c.work_s(r) for c, r, n in items)
-    passes = None
-    if lay.dualpipev:   # what DualPipeV's critical path reads beside the steady state's work
-        weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
-        split = dualpipev_split_recompute_factor(lay.pp, costs.stack.dualpipev_weight_pass_recompute)
-        passes = RankPasses(paired_s=work, alone_s=work + sum(n * c.unpaired_extra_s for c, _, n in items),
-                            bubble_s=sum(n * c.dualpipev_bubble_s(r, weight_factor, split) for c, r, n in items))
-    return StageTotals(
-        work_s=work, compute_s=compute, recompute_s=recomputed, passes=passes,
-        tp_s=sum(n * c.tp_comm_s for c, _, n in items), cp_s=sum(n * c.cp_comm_s for c, _, n in items),
-        ep_s=sum(n * c.ep_comm_s for c, _, n in items), zero_s=sum(n * c.zero_exposed_s for c, _, n in items),
-        host_s=sum(n * c.host_excess_s for c, _, n in items),
-        memory=memory, dp_reduce_s=sum(n * c.dp_reduce_s for c, _, n in items),
-        optimizer_s=sum(n * c.optimizer_step_s for c, _, n in items))
+    # what DualPipeV's critical path reads beside the steady state's work
+    passes = RankPasses(paired_s=sums.work_s, alone_s=sums.alone_s, bubble_s=sums.bubble_s) if lay.dualpipev else None
+    return StageTotals(work_s=sums.work_s, compute_s=sums.compute_s, recompute_s=sums.recompute_s, passes=passes,
+                       tp_s=sums.tp_s, cp_s=sums.cp_s, ep_s=sums.ep_s, zero_s=sums.zero_s, host_s=sums.host_s,
+                       memory=memory, dp_reduce_s=sums.dp_reduce_s, optimizer_s=sums.optimizer_s)
 
 
 def physical_stages(costs: MeshCosts, stage_layers: tuple[int, ...], recompute: tuple[Recompute, ...]) -> list[StageTotals]:

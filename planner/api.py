@@ -16,7 +16,8 @@ from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_not
 from .capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_device
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
-from .search.tree import SearchOutcome, search
+from .search.branch_and_bound import search
+from .search.tree import SearchOutcome
 from .rules.device import check_device_for
 from .rules.layout import layout_problems, pin_problems
 from .rules.pins import Pins

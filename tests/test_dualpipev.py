@@ -20,7 +20,7 @@ from planner.capture.model_capture import capture
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from planner.rules.pins import Pins
 from planner.rules.stack import stack_pins
-from planner.search.tree import search
+from planner.search.branch_and_bound import search
 from test_search import compositions, mixed_moe_model, small_cluster
 
 TORCHTITAN = load_stack("torchtitan")

@@ -14,7 +14,7 @@ from planner.api import InfeasibleError, evaluate, plan
 from planner.capture.model_capture import capture
 from planner.capture.model_config import ModelConfig, MoEConfig
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
-from planner.search.tree import search
+from planner.search.branch_and_bound import search
 from planner.rules.pins import Pins
 
 GB = 1e9

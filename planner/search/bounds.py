@@ -17,8 +17,9 @@ from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule,
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
-from cost_models.pipeline import (dualpipev_split_recompute_factor, dualpipev_weight_factor, in_flight_micro_batches,
-                                  p2p_transfers_on_critical_path)
+from cost_models.pipeline import (dualpipev_scaled, in_flight_micro_batches, p2p_transfers_on_critical_path,
+                                  pipeline_scaled)
+from cost_models.stage_terms import LayerTerms, TermContext, terms_sum
 from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
@@ -70,40 +71,34 @@ def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout) -> float:
 def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recompute.none,
                    forced_recompute_s: float = 0.0) -> float:
     """Step time of a perfectly balanced pipeline at the fastest recomputation allowed, plus the least
-    recomputation work per micro-batch that memory forces (`Bounds.forced_recompute_s`)."""
-    model = costs.model
-    edges = (costs.layer(model.embedding), costs.layer(model.head))
-    # the slowest stage's DP exposure and optimizer step are at least the stages' mean (max >= mean)
-    def mean(attribute: str) -> float:
-        return (sum(n * getattr(costs.layer(kind), attribute) for kind, n in model.block_counts)
-                + sum(getattr(c, attribute) for c in edges)) / layout.pp
-    # dp_exposed_s is convex (a max of affine terms), so its value at the mean is below its mean (Jensen)
-    dp = costs.dp_exposed_s(mean("dp_reduce_s"), mean("forward_s") + mean("backward_s"))
-    optimizer = mean("optimizer_step_s")
-    work = work_floor(tuple((n, costs.layer(kind).work_s(fastest)) for kind, n in model.block_counts),
-                      tuple(c.work_s(Recompute.none) for c in edges), layout.pp, layout.vp, layout.dualpipev)
+    recomputation work per micro-batch that memory forces (`Bounds.forced_recompute_s`): the stage terms
+    (`LayerTerms`) of the whole model at their least, over the ranks."""
+    model, context = costs.model, TermContext.of(costs)
+    blocks = [(n, LayerTerms.of(costs.layer(kind), fastest, context)) for kind, n in model.block_counts]
+    edges = [LayerTerms.of(costs.layer(edge), Recompute.none, context) for edge in (model.embedding, model.head)]
+    # the slowest stage's DP exposure, optimizer step and DualPipeV bubble term are at least the stages' mean
+    # (max >= mean); dp_exposed_s is convex (a max of affine terms), so its value at the mean is below its mean
+    mean = terms_sum([(terms, n) for n, terms in blocks] + [(edge, 1) for edge in edges]) * (1 / layout.pp)
+    dp = costs.dp_exposed_s(mean.dp_reduce_s, mean.compute_s)
+    work = work_floor(tuple((n, terms.work_s) for n, terms in blocks), tuple(c.work_s for c in edges),
+                      layout.pp, layout.vp, layout.dualpipev)
     work = WorkFloor(work.total_s + forced_recompute_s, work.busiest_rank_floor_s)
-    bubble = 0.0
-    if layout.dualpipev:   # DualPipeV's bubble term at its least: the ranks' mean (a max is at least it)
-        weight_factor = dualpipev_weight_factor(costs.stack.dualpipev_weight_split_in_cooldown)
-        split = dualpipev_split_recompute_factor(layout.pp, costs.stack.dualpipev_weight_pass_recompute)
-        layers = [(n, costs.layer(kind), fastest) for kind, n in model.block_counts] + \
-            [(1, c, Recompute.none) for c in edges]
-        bubble = max(0.0, sum(n * c.dualpipev_bubble_s(r, weight_factor, split) for n, c, r in layers) / layout.pp)
+    bubble = max(0.0, mean.bubble_s) if layout.dualpipev else 0.0
     return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s, bubble)
-            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s() + dp + optimizer)
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s() + dp
+            + mean.optimizer_s)
 
 
 def pipeline_bound(total_work_s: float, layout: Layout, busiest_floor_s: float = 0.0,
                    dualpipev_bubble_s: float = 0.0) -> float:
-    """pipeline_seconds with max W_i at its least possible value: the mean, or the floor if higher. Under
-    DualPipeV, m times it (each rank's pairs take X, and F + B >= X) plus its bubble term at
-    `dualpipev_bubble_s`, a floor of the slowest rank's A + B - 3W (`cost_models.pipeline.dualpipev_seconds`)."""
+    """The pipeline's critical path with max W_i at its least possible value: the mean, or the floor if higher.
+    Under DualPipeV each rank's pairs take X with F + B >= X, so X and A at that value, and the bubble term at
+    `dualpipev_bubble_s`, a floor of the slowest rank's A + B - kW (`cost_models.pipeline.dualpipev_seconds`)."""
     p, v, m = layout.pp, layout.vp, layout.num_micro_batches
     slowest = max(total_work_s / p, busiest_floor_s)
     if layout.dualpipev:
-        return m * slowest + (p - 1) / 2 * dualpipev_bubble_s
-    return (m - 1) * slowest + (total_work_s + (v - 1) * slowest) / v
+        return dualpipev_scaled(slowest, slowest, dualpipev_bubble_s, p, m) / 2
+    return pipeline_scaled(total_work_s, slowest, m, v) / v
 
 
 @dataclass(frozen=True)

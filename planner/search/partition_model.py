@@ -213,7 +213,7 @@ class PartitionModel:
     def add_rank(self, i: int) -> RankSums:
         """Rank i's stage terms over its blocks, the embedding and the head, and its memory within the usable
         HBM at both peaks of `memory.StageMemory.total`."""
-        lay, flight = self.lay, in_flight_micro_batches(i, self.pp, lay_m(self.lay), self.lay.vp,
+        lay, flight = self.lay, in_flight_micro_batches(i, self.pp, self.lay.num_micro_batches, self.lay.vp,
                                                         self.costs.stack.hides_moe_a2a(self.lay), self.lay.dualpipev)
         work, compute, alone, bubble, reduce, steps, memory, grads = ([] for _ in range(8))
         for j in self.owned_by[i]:
@@ -256,7 +256,7 @@ class PartitionModel:
                 seconds = c.module_recompute_s[MODULE_INDEX[mod]]
                 part = self.part[i, r, mod]
                 out.work.append(t_extra(seconds) * part)
-                out.bubble.append(t_extra(2 * seconds) * part)   # A and B both repeat it
+                out.bubble.append(2 * t_extra(seconds) * part)   # A and B both repeat it
                 out.memory.append(-m(flight * c.module_freed_bytes[MODULE_INDEX[mod]]) * part)
             return out
         base, more, redo = self.terms(c), self.terms(c, method), self.redo[i, r, method]
@@ -309,9 +309,9 @@ class PartitionModel:
             for rank in ranks:
                 cp.Add(alone >= rank.alone)
                 cp.Add(bubble >= rank.bubble)
-            pipeline = dualpipev_scaled(slowest, alone, bubble, self.pp, lay_m(lay))
+            pipeline = dualpipev_scaled(slowest, alone, bubble, self.pp, lay.num_micro_batches)
         else:
-            pipeline = pipeline_scaled(sum(rank.work for rank in ranks), slowest, lay_m(lay), lay.vp)
+            pipeline = pipeline_scaled(sum(rank.work for rank in ranks), slowest, lay.num_micro_batches, lay.vp)
         self.objective = pipeline + self.scale * (dp_exposed + optimizer)
         if cutoff_s < float("inf"):  # branch and bound: a plan no better than the incumbent is of no use
             cp.Add(self.objective <= t(cutoff_s * self.scale))
@@ -331,7 +331,3 @@ class _Extra:
     work: list       # the same on A (DualPipeV's work alone)
     bubble: list     # A and B both repeat it (and split weight passes, where they recompute)
     memory: list
-
-
-def lay_m(layout) -> int:
-    return layout.num_micro_batches

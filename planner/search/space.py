@@ -48,7 +48,7 @@ def mesh_shapes(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pi
 @dataclass(frozen=True)
 class ScheduleChoice:
     vp: int
-    mbs: int
+    micro_batch: int
     dualpipev: bool = False
 
 
@@ -62,16 +62,16 @@ def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pin
     vps = [v for v in range(1, most_chunks(blocks) // shape.pp + 1)
            if v <= 8 or blocks % (shape.pp * v) == 0 or most_chunks(blocks) % (shape.pp * v) == 0]
     interleaved = pins.interleaved_schedule and pins.schedule in (None, Schedule.interleaved)
-    for mbs in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
-        micro = global_batch // (shape.dp * mbs)
+    for micro_batch in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
+        micro = global_batch // (shape.dp * micro_batch)
         for vp in (v for v in vps if (shape.pp > 1 or v == 1) and pins.allows("vp", v)):
             if vp == 1 and pins.schedule in (None, Schedule.one_f_one_b):
-                out.append(ScheduleChoice(vp, mbs))
+                out.append(ScheduleChoice(vp, micro_batch))
             elif vp > 1 and interleaved and micro % shape.pp == 0:
-                out.append(ScheduleChoice(vp, mbs))
+                out.append(ScheduleChoice(vp, micro_batch))
         if _dualpipev_allowed(graph, shape, micro, pins):
-            out.append(ScheduleChoice(2, mbs, dualpipev=True))
-    return sorted(out, key=lambda c: (c.dualpipev, c.vp, c.mbs))
+            out.append(ScheduleChoice(2, micro_batch, dualpipev=True))
+    return sorted(out, key=lambda c: (c.dualpipev, c.vp, c.micro_batch))
 
 
 def _dualpipev_allowed(graph: ModelGraph, shape: MeshShape, micro_batches: int, pins: Pins) -> bool:
@@ -102,16 +102,16 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
     return tuple(z for z in (0, 1, 2, 3) if pins.allows("zero", z))
 
 
-def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, mbs: int = 1,
+def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, micro_batch: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
-                a2a_overlap: bool = False, dualpipev: bool = False) -> Layout:
+                moe_a2a_overlap: bool = False, dualpipev: bool = False) -> Layout:
     chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules",
                                                   "recompute_layers") if getattr(pins, key) is not None}
-    chosen["a2a_overlap"] = a2a_overlap
+    chosen["a2a_overlap"] = moe_a2a_overlap
     if dualpipev:
         chosen["schedule"] = Schedule.dualpipev
     return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,
-                        "etp": etp, "mbs": mbs, "gbs": global_batch, "zero": zero, "precision": precision,
+                        "etp": etp, "mbs": micro_batch, "gbs": global_batch, "zero": zero, "precision": precision,
                         "order": order, **chosen})
 
 
@@ -123,7 +123,7 @@ def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pi
         placements = placement_choices(graph, shape, pins, fast_domain)
         for choice in schedule_choices(graph, shape, global_batch, pins):
             for etp, ep, order in placements:
-                out.extend(make_layout(shape, global_batch, pins, precision, vp=choice.vp, mbs=choice.mbs, etp=etp,
+                out.extend(make_layout(shape, global_batch, pins, precision, vp=choice.vp, micro_batch=choice.micro_batch, etp=etp,
                                        ep=ep, order=order, zero=zero, dualpipev=choice.dualpipev)
                            for zero in zero_choices(pins))
     return out

@@ -1,4 +1,5 @@
-"""Best-first branch and bound over meshes, micro-batches, ZeRO stages and virtual stages, CP-SAT inside.
+"""The search tree over meshes, micro-batches, ZeRO stages and virtual stages, and how its plans rank
+(`branch_and_bound.py` walks it best bound first, CP-SAT inside).
 
 The space is a tree: a mesh shape with a schedule (tp, cp, pp, dp, vp, micro-batch) is bounded by its
 compute alone; its children add the expert folding and mesh order, bounded by compute plus exposed
@@ -10,27 +11,17 @@ least as slow. Leaves go to the partition solver.
 """
 from __future__ import annotations
 
-import heapq
-import time
 from dataclasses import dataclass, replace
 
-from cost_models.layer_costs import MeshCosts, SharedCosts
-from cost_models.layout import MEGATRON_ORDER, Layout, Recompute, RecomputeModule
-from hardware_profiles.loader import load_stack
-from hardware_profiles.stack import SoftwareStack
+from cost_models.layout import MEGATRON_ORDER, Layout
 from cost_models.layout_codec import text_of
-from cost_models.memory import usable_bytes
-from cost_models.pipeline import p2p_transfers_on_critical_path
-from cost_models.records import ModelCosts
-from cost_models.step_time import Estimate, estimate
+from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
+from hardware_profiles.stack import SoftwareStack
 
-from .bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
-from .partition import LEAF_WORK_LIMIT, PartitionResult, model_key, solve_partition
 from ..rules.pins import Pins
-from ..rules.stack import leaf_recompute_methods
-from .space import (MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices,
-                    zero_choices)
+from .partition import PartitionResult
+from .space import MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices
 
 
 @dataclass(frozen=True)
@@ -59,7 +50,7 @@ class SearchOutcome:
         return self.unexplored == 0 and self.unproven == 0
 
 
-class _SolvedModels:
+class SolvedModels:
     """Proven answers of CP-SAT models already solved, reused for a leaf with the same model."""
 
     def __init__(self):
@@ -88,13 +79,13 @@ def six_digits(seconds: float) -> float:
     return float(f"{seconds:.6g}")
 
 
-def _beyond(bound_s: float, kth_s: float) -> bool:
+def beyond(bound_s: float, kth_s: float) -> bool:
     """A subtree whose bound is above the K-th plan even at the ranking's 6 significant digits can
     neither beat it nor tie it (ties go to the simpler layout, so they must be seen)."""
     return six_digits(bound_s) > six_digits(kth_s)
 
 
-def _rank_key(scored: Scored) -> tuple:
+def rank_key(scored: Scored) -> tuple:
     """Fastest first; among equal times (6 significant digits) the simpler layout: fewer context, pipeline
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
     lay = scored.estimate.layout
@@ -103,31 +94,31 @@ def _rank_key(scored: Scored) -> tuple:
 
 
 @dataclass(frozen=True)
-class _Node:
+class TreeNode:
     """A subtree of the space: a mesh shape and schedule, then expert folding and order, then ZeRO."""
     shape: MeshShape
     vp: int
-    mbs: int
+    micro_batch: int
     dualpipev: bool = False             # the DualPipeV schedule (vp = 2 as a V)
     placement: tuple | None = None      # (etp, ep, mesh order) from the second level on
-    a2a_overlap: bool = False           # combined 1F1B, chosen with the placement where the stack pairs it
+    moe_a2a_overlap: bool = False           # combined 1F1B, chosen with the placement where the stack pairs it
     zero: int | None = None             # set on leaves
 
-    def layout(self, problem: "_Problem") -> Layout:
+    def layout(self, problem: "TreeProblem") -> Layout:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
         return make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
-                           mbs=self.mbs, etp=etp, ep=ep, order=order, zero=self.zero or 0,
-                           a2a_overlap=self.a2a_overlap, dualpipev=self.dualpipev)
+                           micro_batch=self.micro_batch, etp=etp, ep=ep, order=order, zero=self.zero or 0,
+                           moe_a2a_overlap=self.moe_a2a_overlap, dualpipev=self.dualpipev)
 
     def tie_key(self) -> tuple:
         etp, ep, order = self.placement or (0, 0, ())
         s = self.shape
-        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.dualpipev, self.mbs, self.a2a_overlap,
+        return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.dualpipev, self.micro_batch, self.moe_a2a_overlap,
                 -1 if self.zero is None else self.zero, order)
 
 
 @dataclass(frozen=True)
-class _Problem:
+class TreeProblem:
     """What the tree needs to enumerate and build layouts."""
     cluster: Cluster
     global_batch: int
@@ -138,19 +129,19 @@ class _Problem:
     stack: SoftwareStack
 
 
-class _Tree:
+class TreeShape:
     """Children and leaf counts of the search tree's nodes."""
 
-    def __init__(self, problem: _Problem):
+    def __init__(self, problem: TreeProblem):
         self.problem = problem
         self.fast = problem.cluster.fast_domain_devices
         self._placements: dict[MeshShape, list] = {}
         self._virtual_stages: dict[MeshShape, set[tuple[int, bool]]] = {}
         self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
 
-    def roots(self) -> list[_Node]:
+    def roots(self) -> list[TreeNode]:
         p = self.problem
-        return [_Node(shape, choice.vp, choice.mbs, choice.dualpipev)
+        return [TreeNode(shape, choice.vp, choice.micro_batch, choice.dualpipev)
                 for shape in mesh_shapes(p.graph, p.cluster.num_devices, p.global_batch, p.pins, self.fast)
                 for choice in schedule_choices(p.graph, shape, p.global_batch, p.pins)]
 
@@ -167,13 +158,13 @@ class _Tree:
             self._placements[shape] = placement_choices(self.problem.graph, shape, self.problem.pins, self.fast)
         return self._placements[shape]
 
-    def children(self, node: _Node) -> list[_Node]:
+    def children(self, node: TreeNode) -> list[TreeNode]:
         if node.placement is None:
-            return [replace(node, placement=placement, a2a_overlap=overlap)
+            return [replace(node, placement=placement, moe_a2a_overlap=overlap)
                     for placement in self.placements(node.shape) for overlap in self.overlaps(node, placement)]
         return [replace(node, zero=zero) for zero in self.zeros(node)]
 
-    def overlaps(self, node: _Node, placement: tuple) -> tuple[bool, ...]:
+    def overlaps(self, node: TreeNode, placement: tuple) -> tuple[bool, ...]:
         """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
         holds one more forward's activations: the search weighs both), else off; or as pinned."""
         p = self.problem
@@ -183,7 +174,7 @@ class _Tree:
             return (False,)
         return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
 
-    def zeros(self, node: _Node) -> tuple[int, ...]:
+    def zeros(self, node: TreeNode) -> tuple[int, ...]:
         """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
         return self._zeros_for(node.shape.dp * node.shape.cp, node.shape.tp, node.placement[1], node.dualpipev)
 
@@ -194,7 +185,7 @@ class _Tree:
             self._zeros[key] = tuple(zero for zero in self.problem.zeros if zero in runs)
         return self._zeros[key]
 
-    def leaf_count(self, node: _Node) -> int:
+    def leaf_count(self, node: TreeNode) -> int:
         if node.zero is not None:
             return 1
         if node.placement is not None:
@@ -204,135 +195,9 @@ class _Tree:
                    * len(self.overlaps(node, placement))
                    for placement in self.placements(s))
 
-    def leaves(self, node: _Node):
+    def leaves(self, node: TreeNode):
         if node.zero is not None:
             yield node
             return
         for child in self.children(node):
             yield from self.leaves(child)
-
-
-def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = Pins(),
-           precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3, *,
-           stack: SoftwareStack | None = None, ep_imbalance: float = 1.0, graph=None,
-           progress=None, recompute_choices: tuple[Recompute, ...] | None = None,
-           leaf_work_limit: float = LEAF_WORK_LIMIT,
-           module_choices: tuple[RecomputeModule, ...] = ()) -> SearchOutcome:
-    """`module_choices`: the modules selective recomputation may repeat, chosen with each leaf's partition
-    (empty: the pinned layout's, Megatron-Core's core_attn by default)."""
-    start, cpu_start = time.perf_counter(), time.process_time()
-    stack = stack or load_stack()   # Megatron-Core's defaults (the API always names its stack)
-    allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
-    problem = _Problem(cluster, global_batch, pins, precision, graph, zero_choices(pins), stack)
-    tree = _Tree(problem)
-    capacity = usable_bytes(cluster.device)
-    bounds = Bounds(model, cluster, stack, allowed, module_choices)
-    shared = SharedCosts()
-    heap: list = []
-    solved_models = _SolvedModels()
-    # (shape, mbs, placement, MoE overlaps): the work before ZeRO, any vp; and a pipeline hop's seconds at
-    # each (vp, DualPipeV) (which hops leave a domain depends on them), from the placement's first layout
-    placement_work: dict[tuple, tuple[tuple, tuple, dict[tuple[int, bool], float]]] = {}
-
-    def node_communication_bound(node: _Node, layout: Layout) -> float:
-        key = (node.shape, node.mbs, node.placement, stack.hides_moe_a2a(layout), stack.dualpipev_hides(layout))
-        if key not in placement_work:  # the last entries: whether MoE all-to-alls overlap (schedule-dependent)
-            costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
-            hops = {(vp, v_shape): costs.p2p_s(vp, v_shape) for vp, v_shape in tree.virtual_stage_choices(node.shape)}
-            placement_work[key] = (*work_before_zero(costs, bounds.fastest), hops)
-        blocks, edges, hops = placement_work[key]
-        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp, layout.dualpipev),
-                                   hops[layout.vp, layout.dualpipev], layout)
-
-    def push(node: _Node, bound: float, costs: MeshCosts | None = None) -> None:
-        heapq.heappush(heap, (bound, node.tie_key(), node, costs))
-
-    for root in tree.roots():
-        layout = root.layout(problem)
-        push(root, pipeline_bound(bounds.compute_work_s(layout), layout))
-    candidates = sum(tree.leaf_count(node) for _, _, node, _ in heap)
-    smallest, smallest_parts = float("inf"), {}
-    least_need, least_parts = float("inf"), {}   # of layouts evaluated whole (their floor fitted)
-    ranked: list[Scored] = []
-    pruned_memory = pruned_bound = solved = unexplored = unproven = visited = 0
-    while heap:
-        kth = ranked[top_k - 1].estimate.step_time_s if len(ranked) >= top_k else float("inf")
-        remaining = time_limit_s - (time.perf_counter() - start)
-        if _beyond(heap[0][0], kth):  # the cheapest bound left cannot beat or tie the K-th plan: nor can the rest
-            pruned_bound += sum(tree.leaf_count(node) for _, _, node, _ in heap)
-            break
-        if remaining <= 0:
-            unexplored = sum(tree.leaf_count(node) for _, _, node, _ in heap)
-            break
-        bound, _, node, costs = heapq.heappop(heap)
-        if node.zero is None:
-            for child in tree.children(node):
-                layout = child.layout(problem)
-                if child.zero is not None:
-                    floor, parts = bounds.memory_floor(layout)
-                    if floor < smallest:
-                        smallest, smallest_parts = floor, parts
-                    if floor > capacity:
-                        pruned_memory += 1
-                        continue
-                child_costs = None
-                if child.zero is None:
-                    child_bound = node_communication_bound(child, layout)
-                else:
-                    child_costs = MeshCosts(model, cluster, layout, stack, ep_imbalance, shared)
-                    forced = bounds.forced_recompute_s(layout, child_costs)
-                    if forced == float("inf"):
-                        pruned_memory += 1
-                        continue
-                    child_bound = balanced_bound(child_costs, layout, bounds.fastest, forced)
-                if _beyond(child_bound, kth):
-                    pruned_bound += tree.leaf_count(child)
-                    continue
-                push(child, max(bound, child_bound), child_costs)
-            continue
-        visited += 1
-        if progress:
-            progress(visited + pruned_memory + pruned_bound, candidates)
-        layout = node.layout(problem)
-        # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
-        cutoff = kth * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(
-            layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
-        methods = leaf_recompute_methods(stack, layout, allowed)
-        if not methods:
-            continue
-        key = model_key(costs, methods, module_choices)
-        result = solved_models.answer(key, cutoff)
-        if result is None:
-            # the leaf's work limit (not the wall clock) decides when it stops unproven, so that a complete
-            # search gives the same plan on a busy machine; the wall limit only guards the whole search
-            result = solve_partition(costs, methods, time_limit_s=remaining, cutoff_s=cutoff,
-                                     work_limit=leaf_work_limit, module_choices=module_choices)
-            solved_models.record(key, cutoff, result)
-            solved += 1
-            unproven += result.status not in ("OPTIMAL", "INFEASIBLE")
-        if not result.stage_layers:
-            if not ranked:  # what this layout needs at its least, for the error when nothing fits
-                need, parts = bounds.least_need(layout, costs, methods)
-                if need < least_need:
-                    least_need, least_parts = need, parts
-            continue
-        full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute,
-                       recompute_modules=result.recompute_modules or layout.recompute_modules)
-        if full.recompute_modules != layout.recompute_modules:   # the solver chose them: their costs
-            costs = MeshCosts(model, cluster, full, stack, ep_imbalance, shared)
-        scored = Scored(estimate(model, cluster, full, stack, ep_imbalance, mesh_costs=costs), result)
-        if scored.estimate.fits:
-            ranked.append(scored)
-            ranked.sort(key=_rank_key)
-            ranked = ranked[: max(top_k, 1)]
-    if not ranked:  # report the least memory any candidate needs
-        for _, _, node, _ in heap:
-            for leaf in tree.leaves(node):
-                floor, parts = bounds.memory_floor(leaf.layout(problem))
-                if floor < smallest:
-                    smallest, smallest_parts = floor, parts
-    if least_need < float("inf"):  # a layout evaluated whole says more than any floor
-        smallest, smallest_parts = least_need, least_parts
-    return SearchOutcome(tuple(ranked), candidates, pruned_memory, pruned_bound, solved,
-                         time.perf_counter() - start, unexplored, smallest, smallest_parts, unproven,
-                         time.process_time() - cpu_start)

@@ -1,0 +1,230 @@
+"""The best-first branch and bound over the tree of `tree.py`, its steps as methods: push the roots, take
+the node of least bound, expand it (bounding each child, pruning by memory and by the K-th plan) or solve
+it as a leaf with CP-SAT, and stop when the least bound left cannot beat or tie the K-th plan (complete)
+or the time limit leaves nodes unexplored (time-limited).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, replace
+
+from cost_models.layer_costs import MeshCosts, SharedCosts
+from cost_models.layout import Layout, Recompute, RecomputeModule
+from cost_models.memory import usable_bytes
+from cost_models.pipeline import p2p_transfers_on_critical_path
+from cost_models.records import ModelCosts
+from cost_models.step_time import estimate
+from hardware_profiles.loader import load_stack
+from hardware_profiles.schema import Cluster
+from hardware_profiles.stack import SoftwareStack
+
+from ..rules.pins import Pins
+from ..rules.stack import leaf_recompute_methods
+from .bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
+from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
+from .space import zero_choices
+from .tree import (TIE_TOLERANCE, Scored, SearchOutcome, SolvedModels, TreeNode, TreeProblem, TreeShape, beyond,
+                   rank_key)
+
+
+@dataclass
+class _Counts:
+    """What the search did with the candidates (a leaf is a candidate)."""
+    pruned_memory: int = 0
+    pruned_bound: int = 0
+    solved: int = 0
+    unexplored: int = 0
+    unproven: int = 0
+    visited: int = 0
+
+
+@dataclass
+class _LeastNeed:
+    """The least memory a candidate needs, with its parts (for the error when nothing fits)."""
+    bytes: float = float("inf")
+    parts: dict | None = None
+
+    def offer(self, need: float, parts: dict) -> None:
+        if need < self.bytes:
+            self.bytes, self.parts = need, parts
+
+
+class BranchAndBound:
+    """One search: the tree, its bounds, the heap of open nodes and the K best plans so far."""
+
+    def __init__(self, model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins, precision: str,
+                 time_limit_s: float, top_k: int, stack: SoftwareStack, ep_imbalance: float, graph, progress,
+                 recompute_choices: tuple[Recompute, ...], leaf_work_limit: float,
+                 module_choices: tuple[RecomputeModule, ...]):
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+        self.model, self.cluster, self.stack, self.ep_imbalance = model, cluster, stack, ep_imbalance
+        self.time_limit_s, self.top_k, self.progress = time_limit_s, top_k, progress
+        self.leaf_work_limit, self.module_choices = leaf_work_limit, module_choices
+        self.allowed = recompute_choices
+        self.problem = TreeProblem(cluster, global_batch, pins, precision, graph, zero_choices(pins), stack)
+        self.tree = TreeShape(self.problem)
+        self.capacity = usable_bytes(cluster.device)
+        self.bounds = Bounds(model, cluster, stack, self.allowed, module_choices)
+        self.shared = SharedCosts()
+        self.solved_models = SolvedModels()
+        self.heap: list = []
+        self.ranked: list[Scored] = []
+        self.counts = _Counts()
+        self.floor_need = _LeastNeed()      # the least memory floor of any candidate
+        self.whole_need = _LeastNeed()      # of layouts evaluated whole (their floor fitted)
+        # (shape, micro_batch, placement, MoE overlaps): the work before ZeRO, any vp; and a pipeline hop's seconds at
+        # each (vp, DualPipeV) (which hops leave a domain depends on them), from the placement's first layout
+        self.placement_work: dict[tuple, tuple] = {}
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self) -> SearchOutcome:
+        self.push_roots()
+        candidates = sum(self.tree.leaf_count(node) for _, _, node, _ in self.heap)
+        while self.heap and not self.finished():
+            bound, _, node, costs = heapq.heappop(self.heap)
+            if node.zero is None:
+                self.expand(node, bound)
+            else:
+                self.solve_leaf(node, costs, candidates)
+        return self.outcome(candidates)
+
+    def kth_s(self) -> float:
+        return self.ranked[self.top_k - 1].estimate.step_time_s if len(self.ranked) >= self.top_k else float("inf")
+
+    def finished(self) -> bool:
+        """The cheapest bound left cannot beat or tie the K-th plan, so nor can the rest (complete); or the
+        time is up (the nodes left are counted unexplored)."""
+        if beyond(self.heap[0][0], self.kth_s()):
+            self.counts.pruned_bound += self.open_leaves()
+            return True
+        if self.time_limit_s - (time.perf_counter() - self.start) <= 0:
+            self.counts.unexplored = self.open_leaves()
+            return True
+        return False
+
+    def open_leaves(self) -> int:
+        return sum(self.tree.leaf_count(node) for _, _, node, _ in self.heap)
+
+    def push(self, node: TreeNode, bound: float, costs: MeshCosts | None = None) -> None:
+        heapq.heappush(self.heap, (bound, node.tie_key(), node, costs))
+
+    def push_roots(self) -> None:
+        """Each mesh shape with a schedule, bounded by its compute alone."""
+        for root in self.tree.roots():
+            layout = root.layout(self.problem)
+            self.push(root, pipeline_bound(self.bounds.compute_work_s(layout), layout))
+
+    # -- expanding a node ------------------------------------------------------------------------------
+    def expand(self, node: TreeNode, bound: float) -> None:
+        """Push the node's children that fit and may beat the K-th plan, each at least its parent's bound."""
+        kth = self.kth_s()
+        for child in self.tree.children(node):
+            layout = child.layout(self.problem)
+            if child.zero is None:
+                child_bound, child_costs = self.communication_bound(child, layout), None
+            else:
+                child_bound, child_costs = self.leaf_bound(layout)
+                if child_bound is None:
+                    self.counts.pruned_memory += 1
+                    continue
+            if beyond(child_bound, kth):
+                self.counts.pruned_bound += self.tree.leaf_count(child)
+                continue
+            self.push(child, max(bound, child_bound), child_costs)
+
+    def leaf_bound(self, layout: Layout) -> tuple[float | None, MeshCosts | None]:
+        """A leaf's balanced-pipeline bound with the recomputation its memory forces; None where its memory
+        floor exceeds the device or no allowed recomputation brings it down."""
+        floor, parts = self.bounds.memory_floor(layout)
+        self.floor_need.offer(floor, parts)
+        if floor > self.capacity:
+            return None, None
+        costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
+        forced = self.bounds.forced_recompute_s(layout, costs)
+        if forced == float("inf"):
+            return None, None
+        return balanced_bound(costs, layout, self.bounds.fastest, forced), costs
+
+    def communication_bound(self, node: TreeNode, layout: Layout) -> float:
+        """A placed node's bound: compute and exposed per-layer communication, as balanced as integers allow."""
+        stack = self.stack
+        key = (node.shape, node.micro_batch, node.placement, stack.hides_moe_a2a(layout), stack.dualpipev_hides(layout))
+        if key not in self.placement_work:  # the last entries: whether MoE all-to-alls overlap (schedule-dependent)
+            costs = MeshCosts(self.model, self.cluster, layout, stack, self.ep_imbalance, self.shared)
+            hops = {(vp, v_shape): costs.p2p_s(vp, v_shape)
+                    for vp, v_shape in self.tree.virtual_stage_choices(node.shape)}
+            self.placement_work[key] = (*work_before_zero(costs, self.bounds.fastest), hops)
+        blocks, edges, hops = self.placement_work[key]
+        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp, layout.dualpipev),
+                                   hops[layout.vp, layout.dualpipev], layout)
+
+    # -- solving a leaf --------------------------------------------------------------------------------
+    def solve_leaf(self, node: TreeNode, costs: MeshCosts, candidates: int) -> None:
+        """The leaf's best split and recomputation below the K-th plan (CP-SAT, or a proven answer of the same
+        model), ranked where it fits."""
+        self.counts.visited += 1
+        c = self.counts
+        if self.progress:
+            self.progress(c.visited + c.pruned_memory + c.pruned_bound, candidates)
+        layout = node.layout(self.problem)
+        # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
+        cutoff = self.kth_s() * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(
+            layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
+        methods = leaf_recompute_methods(self.stack, layout, self.allowed)
+        if not methods:
+            return
+        result = self.partition(costs, methods, cutoff)
+        if not result.stage_layers:
+            if not self.ranked:  # what this layout needs at its least, for the error when nothing fits
+                self.whole_need.offer(*self.bounds.least_need(layout, costs, methods))
+            return
+        full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute,
+                       recompute_modules=result.recompute_modules or layout.recompute_modules)
+        if full.recompute_modules != layout.recompute_modules:   # the solver chose them: their costs
+            costs = MeshCosts(self.model, self.cluster, full, self.stack, self.ep_imbalance, self.shared)
+        scored = Scored(estimate(self.model, self.cluster, full, self.stack, self.ep_imbalance, mesh_costs=costs),
+                        result)
+        if scored.estimate.fits:
+            self.ranked = sorted(self.ranked + [scored], key=rank_key)[: max(self.top_k, 1)]
+
+    def partition(self, costs: MeshCosts, methods: tuple[Recompute, ...], cutoff: float):
+        key = model_key(costs, methods, self.module_choices)
+        result = self.solved_models.answer(key, cutoff)
+        if result is None:
+            # the leaf's work limit (not the wall clock) decides when it stops unproven, so that a complete
+            # search gives the same plan on a busy machine; the wall limit only guards the whole search
+            remaining = self.time_limit_s - (time.perf_counter() - self.start)
+            result = solve_partition(costs, methods, time_limit_s=remaining, cutoff_s=cutoff,
+                                     work_limit=self.leaf_work_limit, module_choices=self.module_choices)
+            self.solved_models.record(key, cutoff, result)
+            self.counts.solved += 1
+            self.counts.unproven += result.status not in ("OPTIMAL", "INFEASIBLE")
+        return result
+
+    # -- the answer ------------------------------------------------------------------------------------
+    def outcome(self, candidates: int) -> SearchOutcome:
+        if not self.ranked:  # report the least memory any candidate needs
+            for _, _, node, _ in self.heap:
+                for leaf in self.tree.leaves(node):
+                    self.floor_need.offer(*self.bounds.memory_floor(leaf.layout(self.problem)))
+        need = self.whole_need if self.whole_need.parts is not None else self.floor_need
+        c = self.counts
+        return SearchOutcome(tuple(self.ranked), candidates, c.pruned_memory, c.pruned_bound, c.solved,
+                             time.perf_counter() - self.start, c.unexplored, need.bytes, need.parts or {},
+                             c.unproven, time.process_time() - self.cpu_start)
+
+
+def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = Pins(),
+           precision: str = "bf16", time_limit_s: float = 60.0, top_k: int = 3, *,
+           stack: SoftwareStack | None = None, ep_imbalance: float = 1.0, graph=None,
+           progress=None, recompute_choices: tuple[Recompute, ...] | None = None,
+           leaf_work_limit: float = LEAF_WORK_LIMIT,
+           module_choices: tuple[RecomputeModule, ...] = ()) -> SearchOutcome:
+    """The K fastest layouts that fit, with what the search did. `module_choices`: the modules selective
+    recomputation may repeat, chosen with each leaf's partition (empty: the pinned layout's, Megatron-Core's
+    core_attn by default)."""
+    allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
+    return BranchAndBound(model, cluster, global_batch, pins, precision, time_limit_s, top_k,
+                          stack or load_stack(),   # Megatron-Core's defaults (the API always names its stack)
+                          ep_imbalance, graph, progress, allowed, leaf_work_limit, module_choices).run()
