@@ -29,20 +29,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/planner plan --model llama3-8b --cluster dgx-h100 --num-devices 64 --global-batch 512 --seq-len 8192
 
-# `make test` keeps both CI cores busy: the rank launches, the search and the fuzzing run in one pytest process
-# beside the rest in another (about 425 s each on this project's 2-core machine, `--durations=0`), then the tests
-# that time their own ranks (health, telemetry, signals) run alone, as other processes on the cores would skew
-# what they measure. A new test file joins the second process.
-PARALLEL_TESTS := tests/test_runtime.py tests/test_search.py tests/test_fuzz.py
-TIMED_TESTS := tests/test_health.py tests/test_telemetry.py tests/test_edges.py
-
+# `make test` keeps both CI cores busy: the tests marked heavy (rank launches, whole searches, fuzzing) run in one
+# pytest process beside the rest in another (the installed wheel among them: tests/test_installed.py), then the
+# tests marked timed (health, telemetry, signals) run alone, as other processes on the cores would skew what
+# they measure. The markers, not file lists, decide (pyproject.toml); a new test joins the rest.
 test: $(TEST_STAMP)
 	@log=$$(mktemp); \
-	$(PY) -m pytest $(PARALLEL_TESTS) > $$log 2>&1 & beside=$$!; \
-	$(PY) -m pytest tests $(addprefix --ignore=,$(PARALLEL_TESTS) $(TIMED_TESTS)); rest=$$?; \
+	$(PY) -m pytest -m "heavy and not timed" > $$log 2>&1 & beside=$$!; \
+	$(PY) -m pytest -m "not heavy and not timed"; rest=$$?; \
 	wait $$beside; beside=$$?; cat $$log; rm -f $$log; \
-	$(PY) -m pytest $(TIMED_TESTS); timed=$$?; \
-	echo "pytest exit status: rest $$rest, $(PARALLEL_TESTS) $$beside, $(TIMED_TESTS) $$timed"; \
+	$(PY) -m pytest -m timed; timed=$$?; \
+	echo "pytest exit status: rest $$rest, heavy $$beside, timed $$timed"; \
 	exit $$(( rest || beside || timed ))
 
 benchmarks: $(STAMP)
@@ -50,4 +47,4 @@ benchmarks: $(STAMP)
 	$(PY) benchmarks/search_speed.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -19,7 +19,7 @@ from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import load_stack  # noqa: E402
 from planner.api import evaluate, plan  # noqa: E402
 from planner.job import capture_for  # noqa: E402
-from planner.capture.model_sources import resolve_model  # noqa: E402
+from planner.graph_capture.model_sources import resolve_model  # noqa: E402
 from planner.explain import PART_NAMES  # noqa: E402
 from benchmarks.published import (DEFAULT_RUNS, check_published, load_runs, missing_model_fields, predict,  # noqa: E402
                                   run_stack)

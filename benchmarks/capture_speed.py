@@ -15,9 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.capture.model_capture import _capture_cached, capture  # noqa: E402
-from planner.capture.model_config import ModelConfig  # noqa: E402
-from planner.capture.transformers_models import transformers_model  # noqa: E402
+from planner.graph_capture.model_capture import _capture_cached, capture  # noqa: E402
+from planner.graph_capture.model_config import ModelConfig  # noqa: E402
+from planner.graph_capture.transformers_models import transformers_model  # noqa: E402
 
 MODELS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3"]
 HF_MODELS = ["llama3.1-8b", "llama3.1-405b", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3", "gemma3-12b"]

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 from cost_models.compute import FLASH_BACKWARD_RECOMPUTE, memory_seconds  # noqa: E402
 from hardware_profiles.loader import load_device  # noqa: E402
 from planner.api import evaluate  # noqa: E402
-from planner.capture.model_config import ModelConfig  # noqa: E402
+from planner.graph_capture.model_config import ModelConfig  # noqa: E402
 
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30.json"
 LAUNCH_BOUND_S = 20e-6   # GEMMs shorter than this measured the host's launch rate (about 12-18 us), not the GPU

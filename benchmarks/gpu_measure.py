@@ -28,8 +28,8 @@ _package = types.ModuleType("planner")
 _package.__path__ = [str(Path(__file__).resolve().parents[1] / "planner")]
 sys.modules.setdefault("planner", _package)
 
-from planner.capture.model_config import ModelConfig  # noqa: E402
-from planner.capture.reference_model import build_model  # noqa: E402
+from planner.graph_capture.model_config import ModelConfig  # noqa: E402
+from planner.graph_capture.reference_model import build_model  # noqa: E402
 
 FP8_MAX = 448.0  # largest float8_e4m3fn value
 

@@ -36,9 +36,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
-from planner.capture.model_capture import capture  # noqa: E402
-from planner.capture.model_sources import resolve_model  # noqa: E402
-from planner.capture.reference_model import build_model  # noqa: E402
+from planner.graph_capture.model_capture import capture  # noqa: E402
+from planner.graph_capture.model_sources import resolve_model  # noqa: E402
+from planner.graph_capture.reference_model import build_model  # noqa: E402
 from runtime import apply_plan  # noqa: E402
 from runtime.health import HealthMonitor, HealthPolicy  # noqa: E402
 from runtime.stragglers import ComputeTimer, StragglerMonitor  # noqa: E402

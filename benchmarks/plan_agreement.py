@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import planner  # noqa: E402
-from planner.capture.model_sources import config_from_hf  # noqa: E402
-from planner.capture.transformers_models import transformers_model  # noqa: E402
+from planner.graph_capture.model_sources import config_from_hf  # noqa: E402
+from planner.graph_capture.transformers_models import transformers_model  # noqa: E402
 
 SEQ = 4096
 # devices sized to the model so that each plan has a real choice to make

@@ -12,7 +12,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from planner.job import resolve_cluster
-from planner.capture.model_config import MLAConfig, ModelConfig, MoEConfig
+from planner.graph_capture.model_config import MLAConfig, ModelConfig, MoEConfig
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "published_runs.yaml"
 MOE_FIELDS = {"shared_experts": "num_shared_experts"}   # the runs file's names -> ModelConfig's

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from planner.capture.model_sources import MODEL_DIR  # noqa: E402
+from planner.graph_capture.model_sources import MODEL_DIR  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, _model  # noqa: E402
 
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",

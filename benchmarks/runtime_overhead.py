@@ -23,9 +23,9 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
-from planner.capture.model_capture import capture  # noqa: E402
-from planner.capture.model_config import ModelConfig  # noqa: E402
-from planner.capture.reference_model import build_model  # noqa: E402
+from planner.graph_capture.model_capture import capture  # noqa: E402
+from planner.graph_capture.model_config import ModelConfig  # noqa: E402
+from planner.graph_capture.reference_model import build_model  # noqa: E402
 from runtime import apply_plan  # noqa: E402
 
 CONFIG = ModelConfig(name="bench-llama", num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=8,

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.api import plan  # noqa: E402
-from planner.capture.model_capture import _capture_cached  # noqa: E402
+from planner.graph_capture.model_capture import _capture_cached  # noqa: E402
 
 # (model, device, devices, global batch, stack): Megatron-Core's defaults, and torchtitan, whose space adds DualPipeV
 CASES = [

@@ -1,6 +1,6 @@
 """The small records the cost models consume: the work of an op and of a layer kind.
 
-Capture (`planner.capture`) produces them from a traced graph; the cost models never import `planner`.
+Capture (`planner.graph_capture`) produces them from a traced graph; the cost models never import `planner`.
 All figures are for one micro-batch of size 1 at the captured sequence length.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class OpCost:
     module: RecomputeModule | None = None   # the recomputable module it belongs to, if any
     inner_module: RecomputeModule | None = None   # a module inside that one (moe_act inside moe)
     # kernels its node launches eagerly beside its GEMMs (the node's first op carries them): outside routed
-    # expert modules, and inside them for all the experts (planner/capture/launches.py)
+    # expert modules, and inside them for all the experts (planner/graph_capture/launches.py)
     launches: int = 0
     expert_launches: int = 0
     reads: str = ""   # a GEMM's activation input: the graph node that made it (projections reading one input fuse)

@@ -50,7 +50,7 @@ def ettr(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float
 @dataclass(frozen=True)
 class Recovery:
     """How the job watches and recovers itself: the runtime's settings (runtime/health.py, runtime/watchdog.py,
-    examples/train_tiny.py), which the goodput model charges for."""
+    runtime/train.py), which the goodput model charges for."""
     collective_timeout_s: float = 300.0   # a hang costs this before the watchdog names it (torch's own: 1800 s)
     spare_nodes: bool = True              # a failed node is swapped at once; else its repair is waited for
     elastic: bool = False                 # without spares: continue re-planned on the nodes left until the repair

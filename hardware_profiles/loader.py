@@ -83,10 +83,12 @@ def _resolve(name_or_path: str, directory: Path, names: list[str], kind: str) ->
         raise UserInputError(f"the {kind} name is empty", field=f"--{kind}",
                              expected=f"a path to a YAML file or one of: {', '.join(names)}")
     candidate = Path(name_or_path)
+    # a built-in name is the built-in, whatever lies in the working directory; a path says it is one (a
+    # separator or an extension): './h100-sxm' or 'h100-sxm.yaml'
+    if name_or_path in names and os.sep not in name_or_path and not candidate.suffix:
+        return directory / f"{name_or_path}.yaml"
     if candidate.suffix in (".yaml", ".yml") or os.path.exists(candidate):
         return candidate
-    if name_or_path in names:
-        return directory / f"{name_or_path}.yaml"
     raise UserInputError(f"unknown {kind} '{name_or_path}'",
                          expected=f"a path to a YAML file or one of: {', '.join(names)}")
 

@@ -2,6 +2,7 @@
 what a user states and build the job first."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from cost_models.layout import Layout, Recompute
@@ -13,7 +14,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
-from .capture.graph import ModelGraph
+from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_device
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import search
@@ -135,12 +136,13 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
     `strict_capture`: refuse a model that capture could only bill in part (see Plan.capture_notes).
     """
     check_time_limit(time_limit_s)
+    deadline = time.perf_counter() + time_limit_s   # capture counts against the limit
     values = pin_values(parse_values(fix, "fix"))
     job = job_of(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision, device=device,
                  num_devices=num_devices, devices_per_node=devices_per_node, segment_devices=segment_devices,
                  stack=stack, ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
                  layout_values=values)
-    return plan_job(job, time_limit_s, top_k, progress)
+    return plan_job(job, time_limit_s, top_k, progress, deadline=deadline)
 
 
 def pin_values(values: dict) -> dict:
@@ -151,8 +153,11 @@ def pin_values(values: dict) -> dict:
     return values
 
 
-def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None, pins_field: str = "--fix") -> Plan:
-    """Search the job's fastest layout inside what its stack runs, its pins kept (named as `pins_field`)."""
+def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None, pins_field: str = "--fix",
+             deadline: float | None = None) -> Plan:
+    """Search the job's fastest layout inside what its stack runs, its pins kept (named as `pins_field`), by
+    `deadline` (a `time.perf_counter()` instant; else `time_limit_s` from now)."""
+    deadline = time.perf_counter() + time_limit_s if deadline is None else deadline
     stack, graph, cluster, pins = job.stack, job.graph, job.cluster, job.pins
     problems = stack_problems(pins, stack, job.precision, graph) + pin_problems(pins, graph, cluster.num_devices,
                                                                               job.global_batch)
@@ -161,15 +166,21 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
                              expected=f"pins that the model, the device count, the batch and the {stack.name} "
                              "stack allow")
     pins = stack_pins(pins, stack, graph)
+    if deadline - time.perf_counter() <= 0:
+        raise InfeasibleError(f"capturing {graph.name} took {graph.capture_seconds:.1f} s and no time of "
+                              f"--time-limit was left to search", field="--time-limit",
+                              expected="a time limit longer than the capture")
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
         else [recompute_choices(pins, stack)]
     modules = module_choices(pins, stack, graph, job.precision)
-    outcomes = [search(graph.costs_record, cluster, job.global_batch, pins, job.precision,
-                       time_limit_s / len(methods), max(top_k, 1), stack=stack, ep_imbalance=job.ep_imbalance,
-                       graph=graph, progress=progress, recompute_choices=allowed,
-                       module_choices=modules if Recompute.none in allowed else ())
-                for allowed in methods]
+    outcomes = []
+    for index, allowed in enumerate(methods):   # each the time left, shared with the searches after it
+        share = max(deadline - time.perf_counter(), 0.0) / (len(methods) - index)
+        outcomes.append(search(graph.costs_record, cluster, job.global_batch, pins, job.precision, share,
+                               max(top_k, 1), stack=stack, ep_imbalance=job.ep_imbalance, graph=graph,
+                               progress=progress, recompute_choices=allowed,
+                               module_choices=modules if Recompute.none in allowed else ()))
     found = [o for o in outcomes if o.ranked]
     if not found:
         raise _infeasible(graph, cluster, job.global_batch, outcomes[0], pins, job.precision, stack, pins_field)
@@ -199,21 +210,22 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
     """Predict a given layout under a software stack (`plan`'s `stack`). Fields left out are searched; a
     layout that does not divide, fit or run on the stack is explained."""
     check_time_limit(time_limit_s)
+    deadline = time.perf_counter() + time_limit_s
     values = {} if isinstance(layout, Layout) else layout_values(layout)
     job = job_of(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision, device=device,
                  num_devices=num_devices, devices_per_node=devices_per_node, segment_devices=segment_devices,
                  stack=stack, ep_imbalance=ep_imbalance, leaf_modules=leaf_modules, strict_capture=strict_capture,
                  layout_values=values)
-    return evaluate_job(job, layout if isinstance(layout, Layout) else values, time_limit_s)
+    return evaluate_job(job, layout if isinstance(layout, Layout) else values, time_limit_s, deadline)
 
 
-def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0) -> Plan:
+def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, deadline: float | None = None) -> Plan:
     """The job's prediction for `layout` (typed values by key, or a `Layout`): a whole layout as given, with
     what it leaves open taken from the stack; a partial one searched with its fields pinned."""
     if isinstance(layout, Layout):
         return predict(job, replace(layout, global_batch=job.global_batch))
     if not set(FULL_KEYS) <= set(layout):  # search the rest with these pinned
-        return plan_job(job, time_limit_s, pins_field="--layout")
+        return plan_job(job, time_limit_s, pins_field="--layout", deadline=deadline)
     given = {key: value for key, value in layout.items() if key not in ("precision", "gbs")}
     return predict(job, layout_from(stack_defaults(given, job.stack), global_batch=job.global_batch,
                                     precision=job.precision))
@@ -263,7 +275,7 @@ def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0
     """The plan again for `num_devices` (a node lost, or gained): same model, device, nodes, batch, sequence,
     precision and stack; its `reasons` start with what changed. `model` is needed where the plan's model
     name is not a built-in (a file or module the plan cannot name)."""
-    from .capture.model_sources import list_builtin_models
+    from .graph_capture.model_sources import list_builtin_models
     check_count("--num-devices", num_devices)
     if model is None:
         if plan_.model not in list_builtin_models():

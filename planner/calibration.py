@@ -1,4 +1,4 @@
-"""Close the loop: a job's telemetry (runtime/telemetry.py, `train_tiny.py --telemetry DIR`) against its
+"""Close the loop: a job's telemetry (runtime/telemetry.py, `python -m runtime.train --telemetry DIR`) against its
 plan's prediction, part by part, and the device profile's efficiencies refitted from it.
 
 A step waits for its slowest rank, so each part is the maximum over ranks of one step, then the median
@@ -74,7 +74,7 @@ def read_telemetry(directory: str) -> tuple[dict, dict[int, dict[int, dict]]]:
     files = sorted(Path(directory).glob("rank-*.jsonl")) if Path(directory).is_dir() else []
     if not files:
         raise UserInputError("no rank-R.jsonl files", source=directory,
-                             expected="a directory written by 'train_tiny.py --telemetry DIR'")
+                             expected="a directory written by 'python -m runtime.train --telemetry DIR'")
     header, steps = None, {}
     for path in files:
         for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -113,8 +113,11 @@ def _parse_line(path: Path, number: int, line: str) -> dict:
     return record
 
 
-def calibrate(directory: str, warmup_steps: int = 2) -> Calibration:
+def calibrate(directory: str, warmup_steps: int = 2, model: str | None = None) -> Calibration:
+    """Measured step parts against the plan's, and the device refitted from them. `model`: the model as the
+    user names it (a `file.py:factory` is imported only from here, never because a telemetry file names it)."""
     header, steps = read_telemetry(directory)
+    header = {**header, "model_source": model or data_model_source(header, directory)}
     ranks = max(len(by_rank) for by_rank in steps.values())
     complete = sorted(step for step, by_rank in steps.items() if len(by_rank) == ranks)
     used = tuple(complete[warmup_steps:])
@@ -230,6 +233,18 @@ def _plan_of(header: dict):
                              field="header.plan", expected="the plan the job ran, as the runtime writes it") from None
 
 
+def data_model_source(header: dict, directory: str) -> str:
+    """The model the telemetry names, where it is data (a built-in name, a model YAML or a config.json): a
+    telemetry file is data, and names no code for the planner to run."""
+    source = str(header.get("model_source") or header.get("model") or "")
+    if source.endswith(".py") or ".py:" in source:
+        raise UserInputError(f"the telemetry names the Python model {source}, and calibrate imports no code that "
+                             "a data file names", source=directory, field="header.model_source",
+                             expected=f"--model {source} if you trust that file, or a built-in name, model YAML "
+                             "or config.json")
+    return source
+
+
 def _predicted_compute(plan, header: dict, refits: list[Refit]) -> float:
     """Compute and recomputation of the job's plan predicted through the public API under the refitted profile."""
     import tempfile
@@ -239,7 +254,7 @@ def _predicted_compute(plan, header: dict, refits: list[Refit]) -> float:
     with tempfile.TemporaryDirectory() as scratch:
         profile = Path(scratch) / f"{Path(device).stem}.yaml"
         profile.write_text(yaml.safe_dump(_refitted_profile(device, refits), sort_keys=False))
-        again = evaluate(header.get("model_source") or plan.model, device=str(profile), num_devices=plan.num_devices,
+        again = evaluate(header["model_source"] or plan.model, device=str(profile), num_devices=plan.num_devices,
                          devices_per_node=plan.devices_per_node, layout=plan.to_layout(),
                          global_batch=plan.layout.gbs, seq_len=plan.seq_len, precision=str(plan.layout.precision),
                          stack=plan.stack)

@@ -1,14 +1,16 @@
 """`planner`: the command line, a thin layer over the Python API (typer + rich)."""
 from __future__ import annotations
 
+import difflib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional, get_args
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import Progress, TextColumn
 
 from cost_models.layout_codec import parse_text
 from hardware_profiles.errors import UserInputError
@@ -16,14 +18,17 @@ from hardware_profiles.loader import list_stacks, load_stack, resolve_stack
 from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher
 
 from . import api, exports, views
+from . import __version__ as planner_version_text
 from .entry import INTERRUPTED, recorded_interrupts
+from .graph_capture.model_sources import list_builtin_models
 from .goodput_report import goodput_summary, parse_recovery, plan_goodput
 from .job import Job, capture_for, job_of, plan_cluster
 from .output_paths import check_plan_file, check_report_dir
 from .plans import Plan
-from .whatif import ClusterArguments, parse_sweep, parse_tokens, whatif_job, write_report
+from .capacity import ClusterArguments, parse_sweep, parse_tokens, whatif_job, write_report
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+HELP = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings=HELP,
                   help="Plan, evaluate and export parallel layouts for LLM training.\n\n"
                        "Examples:\n\n"
                        "  planner plan --model llama3-70b --cluster dgx-h100 --num-devices 1024 --global-batch 1024\n\n"
@@ -32,15 +37,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                        "  planner whatif --model llama3-70b --device h100-sxm --sweep num-devices=512,1024,2048 "
                        "--global-batch 1024 --tokens 15T --out report/\n\n"
                        "  planner export plan.yaml --to megatron")
-profiles_app = typer.Typer(no_args_is_help=True, help="Device and cluster profiles.")
-stacks_app = typer.Typer(no_args_is_help=True, help="Software-stack profiles: what each framework runs, fuses, "
-                         "overlaps and holds.")
-models_app = typer.Typer(no_args_is_help=True, help="Built-in models and what capture finds in them.")
+profiles_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Device and cluster profiles.")
+stacks_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Software-stack profiles: what each "
+                         "framework runs, fuses, overlaps and holds.")
+models_app = typer.Typer(no_args_is_help=True, context_settings=HELP,
+                         help="Built-in models and what capture finds in them.")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(models_app, name="models")
 app.add_typer(stacks_app, name="stacks")
 out = Console()
 err = Console(stderr=True)
+JsonOpt = typer.Option(False, "--json", help="print the result as JSON (an error as {\"error\": {...}}, status 2)")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        out.print(f"parallel-planner {planner_version_text}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                               help="print the version and exit")) -> None:
+    """Plan, evaluate and export parallel layouts for LLM training."""
 
 ModelOpt = typer.Option(..., "--model", help="built-in name, model .yaml, HF config.json or file.py:factory")
 ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML path")
@@ -89,17 +108,38 @@ def _leaves(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
-def _progress():
-    progress = Progress(TextColumn("searching layouts"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        console=err, transient=True, disable=not err.is_terminal)
-    task = progress.add_task("search", total=1)
-    interrupts = recorded_interrupts()
+class SearchProgress:
+    """The search's progress on stderr: one live line on a terminal, a plain line every PIPED_EVERY_S in a
+    pipe; a Ctrl-C some library swallowed ends the search at the next report."""
+    PIPED_EVERY_S = 5.0
 
-    def report(done: int, total: int) -> None:
-        if interrupts is not None:   # a Ctrl-C some library swallowed ends the search here
-            interrupts.raise_if_seen()
-        progress.update(task, completed=done, total=total)
-    return progress, report
+    def __init__(self, deadline: float):
+        self.deadline, self.last_line = deadline, time.perf_counter()
+        self.interrupts = recorded_interrupts()
+        self.live = Progress(TextColumn("{task.description}"), console=err, transient=True,
+                             disable=not err.is_terminal)
+        self.task = self.live.add_task("searching layouts", total=None)
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.live.__exit__(*exc)
+
+    def __call__(self, done) -> None:
+        if self.interrupts is not None:
+            self.interrupts.raise_if_seen()
+        now = time.perf_counter()
+        rate = f", about {done.elapsed_s * done.open / done.settled:,.0f} s more at this rate" if done.settled else ""
+        text = (f"searching: {done.settled:,} of {done.candidates:,} candidate layouts settled "
+                f"({done.pruned_memory:,} too big, {done.pruned_bound:,} bounded away, {done.solved:,} solved), "
+                f"{done.open:,} open{rate}; {max(self.deadline - now, 0):.0f} s to --time-limit")
+        if err.is_terminal:
+            self.live.update(self.task, description=text)
+        elif now - self.last_line >= self.PIPED_EVERY_S:
+            err.print(text, markup=False, highlight=False)
+            self.last_line = now
 
 
 def _emit(result: Plan, as_json: bool, top_goodput: dict | None = None) -> None:
@@ -116,12 +156,12 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
          precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
          fix: str = typer.Option("", "--fix", help="pin layout fields, e.g. tp=8,pp=16,recompute=none"),
          top: int = typer.Option(3, "--top", help="alternatives to report"),
-         time_limit: float = typer.Option(60.0, "--time-limit", help="search time limit in seconds"),
+         time_limit: float = typer.Option(60.0, "--time-limit", help="seconds the command may take from its start, capture included: the best plan found by then, said time-limited"),
          objective: str = typer.Option("step-time", "--objective", help="step-time or goodput"),
          recovery: str = typer.Option("", "--recovery", help="with --objective goodput: how the job recovers, e.g. "
                                       "timeout=300,spares=no,elastic=yes,sdc_every=10,spikes_per_day=1"),
          out_path: Optional[str] = typer.Option(None, "--out", help="write the plan to a .yaml or .json file"),
-         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+         as_json: bool = JsonOpt,
          stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
          moe_dispatcher: Optional[str] = DispatcherOpt, ep_imbalance: float = ImbalanceOpt,
          leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
@@ -132,12 +172,12 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
         out_path = check_plan_file(out_path)
     recovery_settings = parse_recovery(recovery)
     api.check_time_limit(time_limit)
+    deadline = time.perf_counter() + time_limit   # the whole command: capture included
     job = _job(model, cluster, device, num_devices, devices_per_node, segment_devices, global_batch, seq_len,
                precision, api.pin_values(parse_text(fix, "--fix")), stack, tp_comm_overlap, moe_a2a_overlap,
                moe_dispatcher, ep_imbalance, leaf_modules, strict_capture)
-    progress, report = _progress()
-    with progress:
-        result = api.plan_job(job, time_limit, top + 1, report)
+    with SearchProgress(deadline) as progress:
+        result = api.plan_job(job, time_limit, top + 1, progress, deadline=deadline)
     extra = _goodput_summary(result, job, recovery_settings) if objective == "goodput" else None
     if out_path:
         result.save(out_path)
@@ -169,7 +209,7 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
                                         "recompute=selective; fields left out are searched"),
              precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (default) or fp8"),
              time_limit: float = typer.Option(60.0, "--time-limit"),
-             as_json: bool = typer.Option(False, "--json"), leaf_modules: str = LeafOpt,
+             as_json: bool = JsonOpt, leaf_modules: str = LeafOpt,
              out_path: Optional[str] = typer.Option(None, "--out", help="write the prediction as a plan file "
                                                      "(.yaml or .json) that export and Plan.load read"),
              stack: Optional[str] = StackOpt, tp_comm_overlap: bool = OverlapOpt,
@@ -180,11 +220,12 @@ def evaluate(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device:
     if out_path is not None:
         out_path = check_plan_file(out_path)
     api.check_time_limit(time_limit)
+    deadline = time.perf_counter() + time_limit
     values = api.layout_values(layout)
     job = _job(model, cluster, device, num_devices, devices_per_node, segment_devices, global_batch, seq_len,
                precision, values, stack, tp_comm_overlap, moe_a2a_overlap, moe_dispatcher, ep_imbalance,
                leaf_modules, strict_capture)
-    result = api.evaluate_job(job, values, time_limit)
+    result = api.evaluate_job(job, values, time_limit, deadline)
     if out_path:
         result.save(out_path)
     _emit(result, as_json)
@@ -202,7 +243,7 @@ def whatif_command(model: str = ModelOpt, sweep: str = typer.Option(..., "--swee
                    tokens: str = typer.Option("1T", "--tokens", help="token budget, e.g. 15T"),
                    time_limit: float = typer.Option(30.0, "--time-limit", help="search limit per point"),
                    out_dir: Optional[str] = typer.Option(None, "--out", help="directory for whatif.png and whatif.html"),
-                   as_json: bool = typer.Option(False, "--json"), stack: Optional[str] = StackOpt,
+                   as_json: bool = JsonOpt, stack: Optional[str] = StackOpt,
                    tp_comm_overlap: bool = OverlapOpt, moe_a2a_overlap: bool = MoeOverlapOpt,
          moe_dispatcher: Optional[str] = DispatcherOpt, ep_imbalance: float = ImbalanceOpt) -> None:
     """Best plan, time to train, device-hours and goodput at each point of a sweep."""
@@ -239,7 +280,7 @@ def replan(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
                                                "built-in"),
            time_limit: float = typer.Option(60.0, "--time-limit"),
            out_path: Optional[str] = typer.Option(None, "--out", help="write the new plan (.yaml or .json)"),
-           as_json: bool = typer.Option(False, "--json")) -> None:
+           as_json: bool = JsonOpt) -> None:
     """The plan again for another device count (a node lost): same model, batch, precision and stack; the
     runtime resumes the old plan's checkpoint under the new layout."""
     if out_path is not None:
@@ -254,16 +295,18 @@ def replan(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
 
 @app.command()
 def calibrate(telemetry: str = typer.Option(..., "--telemetry", help="a directory written by "
-                                            "'train_tiny.py --telemetry DIR' (rank-R.jsonl files)"),
+                                            "'python -m runtime.train --telemetry DIR' (rank-R.jsonl files)"),
               out_path: Optional[str] = typer.Option(None, "--out", help="write the device profile with the "
                                                      "refitted efficiencies to this YAML file"),
               warmup_steps: int = typer.Option(2, "--warmup-steps", help="first steps left out of the medians"),
-              as_json: bool = typer.Option(False, "--json")) -> None:
+              model: Optional[str] = typer.Option(None, "--model", help="the model the job trained, where the "
+                                                  "telemetry names a Python file (imported only when given here)"),
+              as_json: bool = JsonOpt) -> None:
     """Measured step parts against the plan's prediction, and the device's efficiencies refitted from them."""
     from .calibration import calibrate as calibrate_telemetry, write_device_profile
     if warmup_steps < 0:
         raise UserInputError(f"{warmup_steps}", field="--warmup-steps", expected="0 or more")
-    result = calibrate_telemetry(telemetry, warmup_steps)
+    result = calibrate_telemetry(telemetry, warmup_steps, model)
     if as_json:
         out.print_json(json.dumps({"parts": [vars(p) for p in result.parts], "refits": [vars(r) for r in result.refits],
                                    "steps_used": list(result.steps_used), "ranks": result.ranks,
@@ -279,7 +322,8 @@ def calibrate(telemetry: str = typer.Option(..., "--telemetry", help="a director
 @app.command()
 def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
            to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun, optionally "
-                                  "@RELEASE (megatron-core 0.16, torchtitan 0.3, deepspeed 0.18, torch 2.13)")) -> None:
+                                  "@RELEASE (megatron-core 0.16, torchtitan 0.3, deepspeed 0.18, torch 2.13)"),
+           as_json: bool = JsonOpt) -> None:
     """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a torchrun line for our runtime."""
     target, release = exports.export_target(to)
     result = Plan.load(plan_file)
@@ -293,6 +337,10 @@ def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
         text, notes = exports.deepspeed_json(result)
     else:
         text, notes = exports.torchrun_command(result, str(plan_file))
+    if as_json:
+        out.print_json(json.dumps({"target": exports.RELEASE_OF[target], "release": release,
+                                   "text": text.rstrip("\n"), "notes": notes}))
+        return
     err.print(f"note: written for {exports.RELEASE_OF[target]} {release}")
     sys.stdout.write(text.rstrip("\n") + "\n")
     for note in notes:
@@ -300,29 +348,41 @@ def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
 
 
 @profiles_app.command("list")
-def profiles_list() -> None:
+def profiles_list(as_json: bool = JsonOpt) -> None:
     """Every built-in device and cluster profile."""
-    views.show_profiles(out)
+    if as_json:
+        out.print_json(json.dumps(views.profiles_summary()))
+    else:
+        views.show_profiles(out)
 
 
 @profiles_app.command("show")
-def profiles_show(name: str = typer.Argument(..., help="a device or cluster name, or a YAML path")) -> None:
+def profiles_show(name: str = typer.Argument(..., help="a device or cluster name, or a YAML path"),
+                  as_json: bool = JsonOpt) -> None:
     """One profile, field by field."""
-    views.show_profile(out, name)
+    profile = views.load_profile(name)
+    if as_json:
+        out.print_json(json.dumps({"kind": type(profile).__name__.lower(), **profile.model_dump(mode="json")}))
+    else:
+        views.show_profile(out, profile)
 
 
 @stacks_app.command("list")
-def stacks_list() -> None:
+def stacks_list(as_json: bool = JsonOpt) -> None:
     """Every built-in software stack, one line each."""
-    for name in list_stacks():
-        stack = load_stack(name)
+    stacks = [(name, load_stack(name)) for name in list_stacks()]
+    if as_json:
+        out.print_json(json.dumps([{"name": name, "display_name": stack.display_name, "default": name == DEFAULT_STACK}
+                                   for name, stack in stacks]))
+        return
+    for name, stack in stacks:
         default = "  (default)" if name == DEFAULT_STACK else ""
-        out.print(f"{name:18s} {stack.display_name}{default}")
+        out.print(f"{name:18s} {stack.display_name}{default}", highlight=False)
 
 
 @stacks_app.command("show")
 def stacks_show(name: str = typer.Argument(..., help="a stack name or a YAML path"),
-                as_json: bool = typer.Option(False, "--json")) -> None:
+                as_json: bool = JsonOpt) -> None:
     """One stack, field by field: what the search may use and what the cost models assume."""
     stack = load_stack(name)
     if as_json:
@@ -334,14 +394,17 @@ def stacks_show(name: str = typer.Argument(..., help="a stack name or a YAML pat
 
 
 @models_app.command("list")
-def models_list() -> None:
+def models_list(as_json: bool = JsonOpt) -> None:
     """Built-in models."""
-    views.show_models(out)
+    if as_json:
+        out.print_json(json.dumps(list_builtin_models()))
+    else:
+        views.show_models(out)
 
 
 @models_app.command("show")
 def models_show(name: str = typer.Argument(..., help="built-in name, YAML, config.json or file.py:factory"),
-                seq_len: Optional[int] = SeqOpt, as_json: bool = typer.Option(False, "--json"),
+                seq_len: Optional[int] = SeqOpt, as_json: bool = JsonOpt,
                 leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
     """Parameters, layers by kind and FLOPs per token, from the captured graph."""
     graph = capture_for(name, seq_len, _leaves(leaf_modules), resolve_stack(None), strict_capture)
@@ -353,6 +416,7 @@ def models_show(name: str = typer.Argument(..., help="built-in name, YAML, confi
 
 
 def main() -> None:
+    as_json = "--json" in sys.argv[1:]
     try:
         code = app(standalone_mode=False)
     except KeyboardInterrupt:
@@ -360,19 +424,60 @@ def main() -> None:
     except typer.Abort:
         code = INTERRUPTED   # click turns Ctrl-C into Abort
     except UserInputError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
-        sys.exit(2)
+        _refuse(exc, as_json)
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
-    except Exception as exc:  # usage errors (unknown flag, missing option) arrive here without standalone mode
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except Exception as exc:   # an unknown flag, a missing option, a value of the wrong type (click's UsageError)
+        if not _kinds(exc) & {"UsageError"}:
+            raise
+        _refuse(usage_error(exc), as_json)
     if code == INTERRUPTED:
         err.print("interrupted", markup=False, highlight=False)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _refuse(exc: UserInputError, as_json: bool) -> None:
+    """One paragraph on stderr and, with --json, the same as an error object on stdout; status 2."""
+    if as_json:
+        out.print_json(json.dumps({"error": {"message": exc.message, "source": exc.source, "field": exc.field,
+                                             "expected": exc.expected, "text": str(exc)}}))
+    err.print(f"error: {exc}", markup=False, highlight=False)
+    sys.exit(2)
+
+
+def _kinds(exc: BaseException) -> set[str]:
+    """The names of an exception's classes: click's, whether typer vendors it or not."""
+    return {kind.__name__ for kind in type(exc).__mro__}
+
+
+def usage_error(exc) -> UserInputError:
+    """click's usage errors as the CLI's one paragraph: the flag named, the closest real one suggested."""
+    command = exc.ctx.command if exc.ctx else None
+    where = f"planner {exc.ctx.command_path.partition(' ')[2]}".strip() if exc.ctx else "planner"
+    options = sorted({opt for param in getattr(command, "params", []) for opt in param.opts if opt.startswith("-")})
+    kinds = _kinds(exc)
+    if "NoSuchOption" in kinds:
+        near = difflib.get_close_matches(exc.option_name, options, n=1, cutoff=0.5)
+        hint = f"{near[0]} (the closest option of {where})" if near else f"one of {', '.join(options)}"
+        return UserInputError(f"{where} has no option {exc.option_name}", field=exc.option_name, expected=hint)
+    if "MissingParameter" in kinds and exc.param is not None:
+        name = exc.param.opts[0] if exc.param.opts else exc.param.name
+        return UserInputError(f"{where} needs {name}", field=name, expected=exc.param.help or "a value")
+    if "BadParameter" in kinds:
+        name = exc.param.opts[0] if exc.param is not None and exc.param.opts else exc.param_hint
+        return UserInputError(exc.format_message(), field=str(name) if name else None,
+                              expected=(exc.param.help if exc.param is not None and exc.param.help else None)
+                              or f"a value {where} --help describes")
+    commands = sorted(getattr(command, "commands", {}) or {})
+    if commands:   # a group: the word given is no command of it
+        path = exc.ctx.command_path.split()[1:] if exc.ctx else []
+        words = [word for word in sys.argv[1:] if not word.startswith("-")]
+        given = words[len(path)] if len(words) > len(path) else ""
+        near = difflib.get_close_matches(given, commands, n=1, cutoff=0.5)
+        return UserInputError(f"{where} has no command '{given}'", field="command",
+                              expected=f"{near[0]} (the closest)" if near else f"one of {', '.join(commands)}")
+    return UserInputError(exc.format_message(), field=where, expected=f"what {where} --help describes")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ def _interrupted() -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--version"]:   # without the CLI's imports (torch, OR-Tools: seconds)
+        from importlib.metadata import version
+        print(f"parallel-planner {version('parallel-planner')}")
+        sys.exit(0)
     recorder = InterruptRecorder()
     signal.signal(signal.SIGINT, recorder)
     try:

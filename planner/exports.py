@@ -283,12 +283,14 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     return json.dumps(config, indent=2) + "\n", notes
 
 
-TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_tiny.py"
+TRAIN_MODULE = "runtime.train"   # the runtime's training driver, installed with the package
+RENDEZVOUS = '"${MASTER_ADDR}:29500"'   # the head node, as the launcher's environment names it
 ASSUMED_DEVICES_PER_NODE = 8   # only for plan files written before plans recorded their nodes (said in a note)
 
 
-def torchrun_command(plan: Plan, plan_path: str, script: str | Path = TRAIN_SCRIPT) -> tuple[str, list[str]]:
-    """A torchrun line for our runtime: nodes of the plan's cluster, absolute paths, every word quoted."""
+def torchrun_command(plan: Plan, plan_path: str) -> tuple[str, list[str]]:
+    """A torchrun line for our runtime (`-m runtime.train`, installed with the package): nodes of the plan's
+    cluster, the plan by its absolute path, every word quoted (the rendezvous host left to the shell)."""
     notes = []
     per_node = plan.devices_per_node
     if per_node is None:
@@ -302,7 +304,8 @@ def torchrun_command(plan: Plan, plan_path: str, script: str | Path = TRAIN_SCRI
     nodes = world // per_node
     words = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
     if nodes > 1:
-        words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
-    words += [str(Path(script).resolve()), "--model", plan.model, "--plan", str(Path(plan_path).resolve())]
-    # $MASTER_ADDR stays for the shell to expand; everything else is one literal word
-    return " ".join(w if w.startswith("$MASTER_ADDR") else shlex.quote(w) for w in words), notes
+        words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", RENDEZVOUS]
+    words += ["-m", TRAIN_MODULE, "--model", plan.model, "--plan", str(Path(plan_path).resolve())]
+    # the rendezvous host stays for the shell to expand, inside double quotes (one word whatever it holds);
+    # everything else is one literal word
+    return " ".join(w if w == RENDEZVOUS else shlex.quote(w) for w in words), notes

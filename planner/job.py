@@ -15,8 +15,8 @@ from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
-from .capture.graph import ModelGraph
-from .capture.model_capture import capture
+from .graph_capture.graph import ModelGraph
+from .graph_capture.model_capture import capture
 from .rules.device import check_device_for, check_model_on_stack
 from .rules.pins import Pins, pins_from
 

@@ -1,6 +1,7 @@
 """Rich renderings of plans, reports, profiles and models for the CLI."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -10,8 +11,8 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_clusters, list_devices, load_cluster, load_device, read_yaml_mapping
 
 from .explain import PART_NAMES
-from .capture.graph import ModelGraph
-from .capture.model_sources import list_builtin_models
+from .graph_capture.graph import ModelGraph
+from .graph_capture.model_sources import list_builtin_models
 from .plans import Plan
 
 GB = 1e9
@@ -116,41 +117,102 @@ def search_line(s) -> str:
             f"unproven (gap {s.gap:.2%} on the plan's own); the plan is the best found, not proven best: {counts}")
 
 
+@dataclass(frozen=True)
+class Column:
+    """A table column: numbers never wrap nor are cut; `drop` orders the columns left out first where the
+    console is too narrow for all (None: always shown)."""
+    name: str
+    wraps: bool = False
+    drop: int | None = None
+
+
+def fitted_table(console: Console, title: str, columns: list[Column], rows: list[list[str]]) -> tuple[Table, list[str]]:
+    """A table whose numbers stay whole at the console's width: optional columns are left out (named in the
+    second value) until the rest fits, and text columns wrap."""
+    kept = list(range(len(columns)))
+
+    def need(index: int) -> int:
+        cells = [row[index] for row in rows] + [columns[index].name]
+        if columns[index].wraps:   # on at most about two lines
+            return max(max(len(word) for cell in cells for word in (cell.split() or [""])),
+                       (max(map(len, cells)) + 1) // 2)
+        return max(max(len(row[index]) for row in rows) if rows else 0, max(map(len, columns[index].name.split())))
+
+    droppable = sorted((c.drop, i) for i, c in enumerate(columns) if c.drop is not None)
+    while sum(need(i) for i in kept) + 3 * len(kept) + 1 > console.width and droppable:
+        kept.remove(droppable.pop(0)[1])
+    table = Table(title=title)
+    for i in kept:
+        table.add_column(columns[i].name, justify="left" if columns[i].wraps else "right", no_wrap=not columns[i].wraps,
+                         min_width=None if columns[i].wraps else need(i))
+    for row in rows:
+        table.add_row(*(row[i] for i in kept))
+    return table, [c.name for i, c in enumerate(columns) if i not in kept]
+
+
+WHATIF_COLUMNS = [Column("point"), Column("layout", wraps=True), Column("step s"), Column("MFU"),
+                  Column("tokens/s", drop=3), Column("days"), Column("device-hours", drop=2), Column("ETTR", drop=1),
+                  Column("goodput", drop=4), Column("ckpt min", drop=0)]
+
+
 def show_whatif(console: Console, report) -> None:
-    table = Table(title=f"What-if: {report.model}, {report.sweep_key}, {report.tokens:.3g} tokens")
-    for column in ("point", "layout", "step s", "MFU", "tokens/s", "days", "device-hours", "ETTR", "goodput",
-                   "ckpt min"):
-        table.add_column(column, justify="right")
+    rows = []
     for r in report.rows:
         if r.note:
-            table.add_row(r.point, r.note, *[""] * 8)
+            rows.append([r.point, r.note] + [""] * 8)
             continue
-        table.add_row(r.point, r.layout, f"{r.step_time_s:.2f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
-                      f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
-                      f"{r.checkpoint_interval_min:.0f}")
+        rows.append([r.point, r.layout, f"{r.step_time_s:.2f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
+                     f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
+                     f"{r.checkpoint_interval_min:.0f}"])
+    table, left_out = fitted_table(console, f"What-if: {report.model}, {report.sweep_key}, "
+                                   f"{token_text(report.tokens)} tokens", WHATIF_COLUMNS, rows)
     console.print(table)
+    if left_out:
+        console.print(f"- left out at {console.width} columns: {', '.join(left_out)} (--json, --out or a wider "
+                      "terminal shows them)")
     for r in report.rows:
         if r.domain_change:
             console.print(f"- {r.point}: {r.domain_change}")
 
 
+def token_text(tokens: float) -> str:
+    """A token count as users write it: 15T, 1.5B, 300M (whatif --tokens' own suffixes)."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if tokens >= scale:
+            return f"{tokens / scale:.4g}{suffix}"
+    return f"{tokens:.4g}"
+
+
+def profiles_summary() -> dict:
+    """The built-in devices and clusters with their headline figures (`profiles list --json`)."""
+    devices = [{"name": name, "display_name": d.display_name, "bf16_tflops": d.peak_tflops.bf16,
+                "hbm_gbytes": d.hbm_bytes / GB, "hbm_tbytes_per_s": d.hbm_bandwidth_gbytes_per_s / 1000,
+                "fabric": d.intra_node.kind.value,
+                "gbytes_per_s_per_direction": d.intra_node.bandwidth_per_direction_gbytes_per_s,
+                "backend": d.collective_backend} for name in list_devices() for d in [load_device(name)]]
+    clusters = [{"name": name, "device": c.device.name, "devices": c.num_devices, "per_node": c.devices_per_node,
+                 "fast_domain": c.fast_domain_devices, "network": c.inter_node.kind,
+                 "nic_gbit_per_s": c.inter_node.nic_bandwidth_gbit_per_s, "nics_per_node": c.inter_node.nics_per_node}
+                for name in list_clusters() for c in [load_cluster(name)]]
+    return {"devices": devices, "clusters": clusters}
+
+
 def show_profiles(console: Console) -> None:
+    summary = profiles_summary()
     devices = Table(title="Devices")
     for column in ("name", "device", "bf16 TFLOP/s", "HBM GB", "HBM TB/s", "fabric", "GB/s per direction", "backend"):
         devices.add_column(column)
-    for name in list_devices():
-        d = load_device(name)
-        devices.add_row(name, d.display_name, f"{d.peak_tflops.bf16:g}", f"{d.hbm_bytes / GB:.0f}",
-                        f"{d.hbm_bandwidth_gbytes_per_s / 1000:.2f}", d.intra_node.kind.value,
-                        f"{d.intra_node.bandwidth_per_direction_gbytes_per_s:g}", d.collective_backend)
+    for d in summary["devices"]:
+        devices.add_row(d["name"], d["display_name"], f"{d['bf16_tflops']:g}", f"{d['hbm_gbytes']:.0f}",
+                        f"{d['hbm_tbytes_per_s']:.2f}", d["fabric"], f"{d['gbytes_per_s_per_direction']:g}",
+                        d["backend"])
     console.print(devices)
     clusters = Table(title="Clusters")
     for column in ("name", "device", "devices", "per node", "fast domain", "network", "Gb/s x NICs per node"):
         clusters.add_column(column)
-    for name in list_clusters():
-        c = load_cluster(name)
-        clusters.add_row(name, c.device.name, str(c.num_devices), str(c.devices_per_node), str(c.fast_domain_devices),
-                         c.inter_node.kind, f"{c.inter_node.nic_bandwidth_gbit_per_s:g} x {c.inter_node.nics_per_node}")
+    for c in summary["clusters"]:
+        clusters.add_row(c["name"], c["device"], str(c["devices"]), str(c["per_node"]), str(c["fast_domain"]),
+                         c["network"], f"{c['nic_gbit_per_s']:g} x {c['nics_per_node']}")
     console.print(clusters)
 
 
@@ -163,14 +225,17 @@ def _flatten(prefix: str, data: dict, table: Table) -> None:
             table.add_row(name, str(value))
 
 
-def show_profile(console: Console, name: str) -> None:
+def load_profile(name: str):
+    """A device or cluster profile by built-in name or YAML path."""
     if name in list_devices() or (name.endswith((".yaml", ".yml")) and "device" not in _peek(name)):
-        profile = load_device(name)
-    elif name in list_clusters() or name.endswith((".yaml", ".yml")):
-        profile = load_cluster(name)
-    else:
-        raise UserInputError(f"no device or cluster named '{name}'",
-                             expected=f"one of {', '.join(list_devices() + list_clusters())}")
+        return load_device(name)
+    if name in list_clusters() or name.endswith((".yaml", ".yml")):
+        return load_cluster(name)
+    raise UserInputError(f"no device or cluster named '{name}'",
+                         expected=f"one of {', '.join(list_devices() + list_clusters())}")
+
+
+def show_profile(console: Console, profile) -> None:
     table = Table(title=f"{type(profile).__name__}: {profile.name}", show_header=False)
     _flatten("", profile.model_dump(mode="json"), table)
     console.print(table)

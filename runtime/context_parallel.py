@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from planner.capture.graph import ModelGraph
-from planner.capture.reference_model import CoreAttention, Rotary, rotate_half
+from planner.graph_capture.graph import ModelGraph
+from planner.graph_capture.reference_model import CoreAttention, Rotary, rotate_half
 
 from .dims import PlanError
 

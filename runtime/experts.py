@@ -17,10 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from planner.capture.graph import ModelGraph
-from planner.capture.expert_structure import indexed_experts
-from planner.capture.graph_analysis import routed_experts
-from planner.capture.reference_model import activate
+from planner.graph_capture.graph import ModelGraph
+from planner.graph_capture.expert_structure import indexed_experts
+from planner.graph_capture.graph_analysis import routed_experts
+from planner.graph_capture.reference_model import activate
 
 
 def expert_meshes(world: DeviceMesh, ep: int, etp: int = 1) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:

@@ -1,5 +1,5 @@
 """Faults injected on purpose, to check that the health checks and the watchdog see them
-(`examples/train_tiny.py --inject KIND@STEP[:RANK]`):
+(`python -m runtime.train --inject KIND@STEP[:RANK]`):
 
 * `stop@S:R`   rank R stops itself (SIGSTOP) before step S: the watchdog names it;
 * `kill@S:R`   rank R dies (SIGKILL) before step S;

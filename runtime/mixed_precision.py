@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from cost_models.layout import Fp8Recipe, GradReduce, Layout
-from planner.capture.graph import ModelGraph
+from planner.graph_capture.graph import ModelGraph
 
 from .dims import PlanError, error_line
 

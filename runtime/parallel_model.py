@@ -19,7 +19,7 @@ from cost_models.pipeline import dualpipev_micro_batch_problem, even_partition
 from cost_models.step_time import chunk_blocks
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import RUNTIME_STACK
-from planner.capture.graph import ModelGraph
+from planner.graph_capture.graph import ModelGraph
 from planner.rules.stack import layout_stack_problems
 
 from . import checkpoint

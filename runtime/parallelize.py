@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint as checkpoint_function
 
 from cost_models.layout import Recompute
 from cost_models.memory import casts_by_fsdp_policy
-from planner.capture.graph import ModelGraph
+from planner.graph_capture.graph import ModelGraph
 
 from . import mixed_precision
 from .sequential_stage import HeadOnLaterStage, HiddenInput

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import fx, nn
 
 from hardware_profiles.errors import UserInputError
-from planner.capture.block_graphs import trace
+from planner.graph_capture.block_graphs import trace
 
 
 def _block_calls(graph: fx.Graph, block_names: set[str]) -> list[fx.Node]:

@@ -179,7 +179,7 @@ def test_gpt_oss_rows_are_completed_with_the_model_transformers_builds():
     import torch
     import transformers
     from benchmarks.accuracy_sources import GPT_OSS_120B
-    from planner.capture.model_capture import capture
+    from planner.graph_capture.model_capture import capture
     run_id = "mbridge-25p11-h100-gpt-oss-120b-bf16-64gpu"
     model = load_runs(model_fills={run_id: GPT_OSS_120B})[0][0].model
     config = transformers.GptOssConfig()

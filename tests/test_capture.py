@@ -7,9 +7,9 @@ from cost_models.layout import Layout, Recompute
 from cost_models.memory import activation_bytes
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
-from planner.capture.model_capture import capture
-from planner.capture.model_config import ModelConfig, MoEConfig
-from planner.capture.model_sources import config_from_hf, resolve_model
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_config import ModelConfig, MoEConfig
+from planner.graph_capture.model_sources import config_from_hf, resolve_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -117,8 +117,8 @@ def test_expert_activation_moves_what_the_experts_own_ops_move(activation):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from planner.capture.op_costs import expert_activation_elements
-    from planner.capture.reference_model import GroupedExperts
+    from planner.graph_capture.op_costs import expert_activation_elements
+    from planner.graph_capture.reference_model import GroupedExperts
     h, f, experts, per_expert = 256, 96, 4, 32
     cfg = ModelConfig(name="moe", num_layers=1, hidden_size=h, num_attention_heads=4, ffn_hidden_size=4 * h,
                       vocab_size=512, seq_length=128, activation=activation,
@@ -154,7 +154,7 @@ def test_megatron_stacks_bill_the_sorts_megatron_cores_dispatcher_makes():
     from pathlib import Path
 
     from hardware_profiles.loader import list_stacks, load_stack
-    from planner.capture.model_capture import capture
+    from planner.graph_capture.model_capture import capture
     tokens, h, experts, topk = 64, 32, 8, 2
     script = Path(__file__).with_name("megatron_dispatcher_copies.py")
     done = subprocess.run([sys.executable, str(script), *map(str, (tokens, h, experts, topk))], capture_output=True,
@@ -283,7 +283,7 @@ def test_full_recomputation_flops_equal_narayanan_96_form():
 
 
 def test_published_gpt_configurations_are_built_in():
-    from planner.capture.model_sources import list_builtin_models
+    from planner.graph_capture.model_sources import list_builtin_models
     names = set(list_builtin_models())
     assert {"narayanan21-1t", "korthikanti22-22b", "bloom-176b", "nemo2407-gpt3-175b"} <= names
     graph = capture("narayanan21-145b")

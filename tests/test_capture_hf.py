@@ -1,7 +1,7 @@
 """Real model code captured as nn.Modules: 15 transformers families built from their config.json on meta.
 
 Each family's module (transformers' own class, `AutoModelForCausalLM.from_config`) is captured by
-recording (planner/capture/recording.py) and held to three truths nobody here wrote: the module's own
+recording (planner/graph_capture/recording.py) and held to three truths nobody here wrote: the module's own
 parameter count, the closed-form forward FLOPs from its weights and attention shapes, and the
 reference decoder built from the same config.json (the path used where transformers is absent).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.capture.model_capture import capture
-from planner.capture.model_sources import config_from_hf
-from planner.capture.graph_analysis import is_linear_like
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_sources import config_from_hf
+from planner.graph_capture.graph_analysis import is_linear_like
 from cost_models.records import MATMUL_KINDS
 
 transformers = pytest.importorskip("transformers")

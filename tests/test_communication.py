@@ -205,8 +205,8 @@ def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
     from cost_models.layer_costs import MeshCosts
     from cost_models.layout import Layout
     from hardware_profiles.loader import cluster_from_device, load_stack
-    from planner.capture.model_capture import capture
-    from planner.capture.model_config import ModelConfig, MoEConfig
+    from planner.graph_capture.model_capture import capture
+    from planner.graph_capture.model_config import ModelConfig, MoEConfig
 
     tokens, hidden, experts, topk = 64, 32, 8, 2
     script = Path(__file__).with_name("megatron_allgather_dispatch.py")

@@ -90,7 +90,7 @@ def test_devices_without_fp8_ignore_the_recipe():
 def test_fp8_leaves_the_output_layer_in_bf16():
     # Megatron runs the embedding and output layers in bf16 under FP8 (the memory model keeps them bf16 too)
     from cost_models.compute import layer_compute
-    from planner.capture.model_capture import capture
+    from planner.graph_capture.model_capture import capture
     costs = capture("llama3-8b").costs_record
     fp8, bf16 = ShardSpec(precision="fp8"), ShardSpec()
     assert layer_compute(costs.head, H100, fp8) == layer_compute(costs.head, H100, bf16)

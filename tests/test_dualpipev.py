@@ -16,7 +16,7 @@ from cost_models.step_time import estimate
 from hardware_profiles import UserInputError
 from hardware_profiles.loader import load_stack
 from planner.api import evaluate, plan
-from planner.capture.model_capture import capture
+from planner.graph_capture.model_capture import capture
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from planner.rules.pins import Pins
 from planner.rules.stack import stack_pins
@@ -299,8 +299,8 @@ def test_weight_pass_groups_are_the_groups_torchs_split_backward_finds(model):
     import torch
     from torch.distributed.pipelining._backward import stage_backward_input
 
-    from planner.capture.model_sources import resolve_model
-    from planner.capture.reference_model import build_model
+    from planner.graph_capture.model_sources import resolve_model
+    from planner.graph_capture.reference_model import build_model
     config, graph = resolve_model(model), capture(model)
     torch.manual_seed(0)
     decoder = build_model(config, "cpu", torch.float32)

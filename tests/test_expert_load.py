@@ -67,7 +67,7 @@ def test_the_routed_gemms_of_the_busiest_rank_see_its_tokens():
     """The busiest rank's expert GEMMs and sorts at load L run on L x the mean of the routed tokens: the time a
     balanced rank takes for an L x longer micro-batch (the routed work scales with tokens alone); what is not
     routed (attention, router) stays as it was."""
-    from planner.capture.model_capture import capture
+    from planner.graph_capture.model_capture import capture
 
     kind = next(k for k, _ in capture("mixtral-8x7b", 4096).costs_record.block_counts if k.num_experts)
     device = load_device("h100-sxm")

@@ -13,8 +13,8 @@ import torch
 
 from hardware_profiles.loader import load_stack
 from planner.api import evaluate
-from planner.capture.model_capture import capture
-from planner.capture.model_sources import resolve_model
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_sources import resolve_model
 from planner.exports import megatron_args
 
 with warnings.catch_warnings():
@@ -214,12 +214,12 @@ def test_torchrun_export_is_what_torch_distributed_run_parses(device, count, per
     path = tmp_path / "plan.yaml"
     plan.save(path)
     line, _ = torchrun_command(plan, str(path))
-    words = shlex.split(line.replace("$MASTER_ADDR", "head-node"))
+    words = shlex.split(line.replace("${MASTER_ADDR}", "head-node"))
     assert words[0] == "torchrun"
     parsed = get_args_parser().parse_args(words[1:])
     assert int(parsed.nnodes) * int(parsed.nproc_per_node) == plan.num_devices
     assert int(parsed.nproc_per_node) == plan.devices_per_node
-    assert Path(parsed.training_script).is_absolute() and Path(parsed.training_script).exists()
+    assert parsed.module and parsed.training_script == "runtime.train"   # installed with the package
     plan_arg = parsed.training_script_args[parsed.training_script_args.index("--plan") + 1]
     assert Path(plan_arg).is_absolute() and Path(plan_arg).exists()
 

@@ -19,6 +19,8 @@ import yaml
 from hardware_profiles import UserInputError
 from planner import api, cli
 
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261201
 CASE_LIMIT_S = 10.0

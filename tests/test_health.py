@@ -13,6 +13,8 @@ import pytest
 
 from test_runtime import LOSS_TOLERANCE, TRAIN, launch, losses
 
+pytestmark = pytest.mark.timed
+
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):

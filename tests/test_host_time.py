@@ -13,7 +13,7 @@ from cost_models.layer_costs import MeshCosts
 from cost_models.layout_codec import layout_from
 from hardware_profiles.loader import load_cluster, load_stack
 from planner.job import capture_for
-from planner.capture.launches import GEMM_OPS, NOT_KERNELS
+from planner.graph_capture.launches import GEMM_OPS, NOT_KERNELS
 
 SEQ = 32
 # a stack that runs the model's own code (its norms and activations as written), as the real layer runs

@@ -10,8 +10,8 @@ import yaml
 
 from hardware_profiles.errors import UserInputError
 from planner import api
-from planner.capture.model_capture import capture
-from planner.capture.model_sources import resolve_model
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_sources import resolve_model
 
 PLANNER = str(Path(sys.executable).with_name("planner"))
 
@@ -72,7 +72,7 @@ def test_a_config_json_naming_mtp_modules_says_the_transformers_class_leaves_the
     import json
 
     pytest.importorskip("transformers")
-    from planner.capture.model_sources import config_from_hf
+    from planner.graph_capture.model_sources import config_from_hf
     raw = json.loads((Path(__file__).parent / "models" / "hf" / "deepseek-v3.json").read_text())
     raw.update(num_nextn_predict_layers=1, num_hidden_layers=4)
     graph = capture(config_from_hf(raw, "deepseek-v3.json"), seq_len=256)

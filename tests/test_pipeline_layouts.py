@@ -76,7 +76,7 @@ def test_evaluate_takes_any_per_chunk_layout():
 def test_plan_may_leave_the_embedding_or_the_loss_alone_in_its_chunk():
     """With a huge vocabulary the embedding and the output layer are a layer's worth of work or more: the
     searched split puts fewer decoder layers beside them, down to none, where that balances the stages."""
-    from planner.capture.model_config import ModelConfig
+    from planner.graph_capture.model_config import ModelConfig
     model = ModelConfig(name="wide-vocab", num_layers=6, hidden_size=1024, num_attention_heads=8,
                         ffn_hidden_size=4096, vocab_size=512000, seq_length=2048)
     result = plan(model, device="h100-sxm", num_devices=8, global_batch=32, tp=1, pp=8, dp=1)

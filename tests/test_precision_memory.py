@@ -22,9 +22,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from cost_models.memory import MASTER_BYTES, StateSharding, copied_roles, model_state_bytes
 from planner import api
-from planner.capture.model_capture import capture
-from planner.capture.model_sources import resolve_model
-from planner.capture.reference_model import build_model
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_sources import resolve_model
+from planner.graph_capture.reference_model import build_model
 
 MODEL, SEQ = "tiny-llama", 7   # a sequence length no parameter dimension equals: saved copies read unambiguously
 

@@ -13,9 +13,9 @@ import planner
 from hardware_profiles.errors import UserInputError
 from cost_models.layout import Recompute, RecomputeModule
 from cost_models.memory import activation_bytes
-from planner.capture.model_capture import capture
-from planner.capture.model_sources import resolve_model
-from planner.capture.reference_model import build_model
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_sources import resolve_model
+from planner.graph_capture.reference_model import build_model
 
 SEQ = 32
 

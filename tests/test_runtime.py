@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_tiny.py")
 USER_MODEL = "examples/user_gpt.py:build_separate_qkv"

@@ -121,7 +121,7 @@ def test_devices_per_node_must_be_positive():
 
 
 def test_whatif_says_where_a_sweep_crosses_a_domain_boundary():
-    from planner.whatif import whatif
+    from planner.capacity import whatif
     report = whatif("tiny-llama", sweep="num-devices=36,72,144", device="gb200", global_batch=144,
                     time_limit_s=30)
     changes = [row.domain_change for row in report.rows]

@@ -11,11 +11,13 @@ from hardware_profiles.loader import load_stack
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
 from planner.api import InfeasibleError, evaluate, plan
-from planner.capture.model_capture import capture
-from planner.capture.model_config import ModelConfig, MoEConfig
+from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_config import ModelConfig, MoEConfig
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from planner.search.branch_and_bound import search
 from planner.rules.pins import Pins
+
+pytestmark = pytest.mark.heavy
 
 GB = 1e9
 

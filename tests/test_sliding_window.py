@@ -10,7 +10,7 @@ import transformers
 from hardware_profiles.loader import load_stack
 from planner.job import capture_for
 from cost_models.records import OpKind
-from planner.capture.graph_analysis import block_window
+from planner.graph_capture.graph_analysis import block_window
 
 SEQ, WINDOW, HEADS, HEAD_DIM = 32, 8, 4, 16
 
@@ -86,8 +86,8 @@ def test_the_config_path_windows_the_layers_the_transformers_class_windows(name,
     attention alike, past the window. Gemma 2 caps its scores (softcapping), so both run its attention
     unfused, computing every pair whatever the mask: one cost for all its layers."""
     from tests.test_capture_hf import hf_module, raw_config
-    from planner.capture.model_capture import capture
-    from planner.capture.model_sources import config_from_hf
+    from planner.graph_capture.model_capture import capture
+    from planner.graph_capture.model_sources import config_from_hf
 
     def attention_flops(graph):
         return [next(op.forward_flops for op in graph.kind(slot.kind).ops if op.kind.value.startswith("attention"))
@@ -103,8 +103,8 @@ def test_the_config_path_windows_the_layers_the_transformers_class_windows(name,
 def test_the_reference_decoders_window_lets_each_query_see_its_last_w_keys():
     """The reference decoder's windowed attention (what the runtime trains) equals softmax over the keys j with
     i - w < j <= i, computed by hand, in both its fused and its math form."""
-    from planner.capture.model_config import ModelConfig
-    from planner.capture.reference_model import CoreAttention
+    from planner.graph_capture.model_config import ModelConfig
+    from planner.graph_capture.reference_model import CoreAttention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, SEQ, HEAD_DIM) for _ in range(3))
@@ -122,7 +122,7 @@ def test_the_runtime_stack_refuses_context_parallelism_of_sliding_layers():
     reference decoder slides is refused at cp > 1, by the one rule set the planner and the runtime share."""
     from hardware_profiles.errors import UserInputError
     import planner
-    from planner.capture.model_sources import resolve_model
+    from planner.graph_capture.model_sources import resolve_model
 
     windowed = resolve_model("tiny-llama").model_copy(update={"sliding_window": 64})
     common = dict(device="h100-sxm", num_devices=2, devices_per_node=2, global_batch=2, seq_len=256,

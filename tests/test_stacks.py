@@ -10,7 +10,7 @@ from cost_models.layout import Layout
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_stacks, load_stack
 from planner import api
-from planner.capture.model_capture import capture
+from planner.graph_capture.model_capture import capture
 from planner.plans import Plan
 from planner.rules.pins import pins_from
 from planner.rules.stack import layout_stack_problems, stack_problems
@@ -167,8 +167,8 @@ def test_fsdp2_states_match_the_torchtitan_stack():
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from planner.capture.model_sources import resolve_model
-    from planner.capture.reference_model import build_model
+    from planner.graph_capture.model_sources import resolve_model
+    from planner.graph_capture.reference_model import build_model
 
     cfg = resolve_model("tiny-llama")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -272,8 +272,8 @@ def test_a_swapped_optimizer_keeps_one_chunk_on_the_device_and_pays_the_host_lin
     sixteenth of them, and the step pays their copy in and out over the host link (both directions at once),
     paced by the slower of copy and update, plus the first chunk's copy. Parameters counted on the torch
     module itself."""
-    from planner.capture.model_sources import resolve_model
-    from planner.capture.reference_model import build_model
+    from planner.graph_capture.model_sources import resolve_model
+    from planner.graph_capture.reference_model import build_model
     from hardware_profiles.loader import load_cluster
 
     cfg = resolve_model("llama3-8b")
@@ -383,7 +383,7 @@ def test_nemo_2_runs_the_recipes_its_scripts_take():
 
 
 def _shared_expert_moe(hidden: int = 1024):
-    from planner.capture.model_config import ModelConfig, MoEConfig
+    from planner.graph_capture.model_config import ModelConfig, MoEConfig
     return ModelConfig(name="shared-moe", num_layers=2, hidden_size=hidden, num_attention_heads=8,
                        ffn_hidden_size=4 * hidden, vocab_size=4096, seq_length=4096,
                        moe=MoEConfig(num_experts=16, router_topk=2, moe_ffn_hidden_size=512, num_shared_experts=1,
@@ -400,7 +400,7 @@ def test_shared_experts_beside_the_all_to_alls_expose_what_outlasts_each_project
     from cost_models.layer_costs import MeshCosts
     from cost_models.layout import Layout
     from hardware_profiles.loader import cluster_from_device
-    from planner.capture.model_capture import capture
+    from planner.graph_capture.model_capture import capture
 
     model = capture(_shared_expert_moe()).costs()
     kind = next(k for k in model.kinds if k.num_experts)

@@ -14,6 +14,8 @@ from planner import api
 from planner.calibration import calibrate
 from test_runtime import ROOT, TRAIN, launch
 
+pytestmark = pytest.mark.timed
+
 PLANNER = str(Path(sys.executable).with_name("planner"))
 MODEL = "tests/models/matmul-bound.yaml"
 LAYOUT = "tp=1,pp=1,dp=1,cp=1,zero=0,recompute=none,mbs=4"

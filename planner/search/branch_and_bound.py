@@ -2,6 +2,11 @@
 the node of least bound, expand it (bounding each child, pruning by memory and by the K-th plan) or solve
 it as a leaf with CP-SAT, and stop when the least bound left cannot beat or tie the K-th plan (complete)
 or the time limit leaves nodes unexplored (time-limited).
+
+The time limit is a deadline. Best first finds its first plan late where most layouts do not fit (a 1T MoE
+on 8,192 devices expands thousands of nodes first), so a search that has no plan when `DIVE_SHARE` of its
+time is left dives instead: from the open node of least bound down the child of least bound that fits to a
+leaf, solved in the time left. Its plan is the best found, said time-limited, never called the optimum.
 """
 from __future__ import annotations
 
@@ -26,6 +31,30 @@ from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
 from .space import zero_choices
 from .tree import (TIE_TOLERANCE, Scored, SearchOutcome, SolvedModels, TreeNode, TreeProblem, TreeShape, beyond,
                    rank_key)
+
+
+DIVE_SHARE = 0.3          # of the time limit, kept for a dive where best first has found no plan yet
+DIVE_LEAST_S = 0.5        # ... and at least this long (a leaf's CP-SAT model takes tenths of a second)
+PROGRESS_EVERY_S = 0.25   # between progress reports
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the search has done so far: every candidate is settled (pruned by memory or bound, or solved) or
+    still open below a node on the heap."""
+    candidates: int
+    pruned_memory: int
+    pruned_bound: int
+    solved: int
+    elapsed_s: float
+
+    @property
+    def settled(self) -> int:
+        return self.pruned_memory + self.pruned_bound + self.solved
+
+    @property
+    def open(self) -> int:
+        return self.candidates - self.settled
 
 
 @dataclass
@@ -59,7 +88,9 @@ class BranchAndBound:
                  module_choices: tuple[RecomputeModule, ...]):
         self.start, self.cpu_start = time.perf_counter(), time.process_time()
         self.model, self.cluster, self.stack, self.ep_imbalance = model, cluster, stack, ep_imbalance
-        self.time_limit_s, self.top_k, self.progress = time_limit_s, top_k, progress
+        self.deadline = self.start + time_limit_s
+        self.dive_reserve_s = max(DIVE_SHARE * time_limit_s, min(DIVE_LEAST_S, time_limit_s))
+        self.top_k, self.progress, self.last_report = top_k, progress, 0.0
         self.leaf_work_limit, self.module_choices = leaf_work_limit, module_choices
         self.allowed = recompute_choices
         self.problem = TreeProblem(cluster, global_batch, pins, precision, graph, zero_choices(pins), stack)
@@ -80,28 +111,43 @@ class BranchAndBound:
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> SearchOutcome:
         self.push_roots()
-        candidates = sum(self.tree.leaf_count(node) for _, _, node, _ in self.heap)
+        self.candidates = self.open_leaves()
         while self.heap and not self.finished():
             bound, _, node, costs = heapq.heappop(self.heap)
             if node.zero is None:
                 self.expand(node, bound)
             else:
-                self.solve_leaf(node, costs, candidates)
-        return self.outcome(candidates)
+                self.solve_leaf(node, costs)
+            self.report()
+        if self.counts.unexplored and not self.ranked:
+            self.dive()
+        return self.outcome()
 
     def kth_s(self) -> float:
         return self.ranked[self.top_k - 1].estimate.step_time_s if len(self.ranked) >= self.top_k else float("inf")
 
+    def left_s(self) -> float:
+        return self.deadline - time.perf_counter()
+
     def finished(self) -> bool:
         """The cheapest bound left cannot beat or tie the K-th plan, so nor can the rest (complete); or the
-        time is up (the nodes left are counted unexplored)."""
+        time is up (the nodes left are counted unexplored), or so nearly up that only a dive can still find
+        a first plan."""
         if beyond(self.heap[0][0], self.kth_s()):
             self.counts.pruned_bound += self.open_leaves()
             return True
-        if self.time_limit_s - (time.perf_counter() - self.start) <= 0:
+        if self.left_s() <= (0.0 if self.ranked else self.dive_reserve_s):
             self.counts.unexplored = self.open_leaves()
             return True
         return False
+
+    def report(self, force: bool = False) -> None:
+        """Progress, at most every PROGRESS_EVERY_S: what is settled and what is open."""
+        now = time.perf_counter()
+        if self.progress and (force or now - self.last_report >= PROGRESS_EVERY_S):
+            c = self.counts
+            self.progress(Progress(self.candidates, c.pruned_memory, c.pruned_bound, c.visited, now - self.start))
+            self.last_report = now
 
     def open_leaves(self) -> int:
         return sum(self.tree.leaf_count(node) for _, _, node, _ in self.heap)
@@ -118,7 +164,12 @@ class BranchAndBound:
     # -- expanding a node ------------------------------------------------------------------------------
     def expand(self, node: TreeNode, bound: float) -> None:
         """Push the node's children that fit and may beat the K-th plan, each at least its parent's bound."""
-        kth = self.kth_s()
+        for child, child_bound, child_costs in self.bounded_children(node):
+            self.push(child, max(bound, child_bound), child_costs)
+
+    def bounded_children(self, node: TreeNode) -> list[tuple[TreeNode, float, MeshCosts | None]]:
+        """The node's children with their bounds, those that cannot fit or beat the K-th plan counted out."""
+        kth, kept = self.kth_s(), []
         for child in self.tree.children(node):
             layout = child.layout(self.problem)
             if child.zero is None:
@@ -131,7 +182,25 @@ class BranchAndBound:
             if beyond(child_bound, kth):
                 self.counts.pruned_bound += self.tree.leaf_count(child)
                 continue
-            self.push(child, max(bound, child_bound), child_costs)
+            kept.append((child, child_bound, child_costs))
+        return kept
+
+    def dive(self) -> None:
+        """A first plan in the time left: from the open nodes in bound order, down the child of least bound
+        that fits, to a leaf solved in the time left; another open node where a dive ends in nothing."""
+        while self.heap and not self.ranked and self.left_s() > 0:
+            bound, _, node, costs = heapq.heappop(self.heap)
+            while node.zero is None and self.left_s() > 0:
+                children = sorted(self.bounded_children(node), key=lambda item: (item[1], item[0].tie_key()))
+                if not children:
+                    break
+                for child, child_bound, child_costs in children[1:]:   # the others stay open (and unexplored)
+                    self.push(child, max(bound, child_bound), child_costs)
+                node, bound, costs = children[0]
+            if node.zero is not None and self.left_s() > 0:
+                self.solve_leaf(node, costs)
+            self.report()
+        self.counts.unexplored = self.open_leaves()
 
     def leaf_bound(self, layout: Layout) -> tuple[float | None, MeshCosts | None]:
         """A leaf's balanced-pipeline bound with the recomputation its memory forces; None where its memory
@@ -160,13 +229,10 @@ class BranchAndBound:
                                    hops[layout.vp, layout.dualpipev], layout)
 
     # -- solving a leaf --------------------------------------------------------------------------------
-    def solve_leaf(self, node: TreeNode, costs: MeshCosts, candidates: int) -> None:
+    def solve_leaf(self, node: TreeNode, costs: MeshCosts) -> None:
         """The leaf's best split and recomputation below the K-th plan (CP-SAT, or a proven answer of the same
         model), ranked where it fits."""
         self.counts.visited += 1
-        c = self.counts
-        if self.progress:
-            self.progress(c.visited + c.pruned_memory + c.pruned_bound, candidates)
         layout = node.layout(self.problem)
         # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
         cutoff = self.kth_s() * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(
@@ -194,8 +260,7 @@ class BranchAndBound:
         if result is None:
             # the leaf's work limit (not the wall clock) decides when it stops unproven, so that a complete
             # search gives the same plan on a busy machine; the wall limit only guards the whole search
-            remaining = self.time_limit_s - (time.perf_counter() - self.start)
-            result = solve_partition(costs, methods, time_limit_s=remaining, cutoff_s=cutoff,
+            result = solve_partition(costs, methods, time_limit_s=max(self.left_s(), 0.0), cutoff_s=cutoff,
                                      work_limit=self.leaf_work_limit, module_choices=self.module_choices)
             self.solved_models.record(key, cutoff, result)
             self.counts.solved += 1
@@ -203,14 +268,15 @@ class BranchAndBound:
         return result
 
     # -- the answer ------------------------------------------------------------------------------------
-    def outcome(self, candidates: int) -> SearchOutcome:
-        if not self.ranked:  # report the least memory any candidate needs
+    def outcome(self) -> SearchOutcome:
+        if not self.ranked and not self.counts.unexplored:  # nothing fits: the least memory any candidate needs
             for _, _, node, _ in self.heap:
                 for leaf in self.tree.leaves(node):
                     self.floor_need.offer(*self.bounds.memory_floor(leaf.layout(self.problem)))
+        self.report(force=True)
         need = self.whole_need if self.whole_need.parts is not None else self.floor_need
         c = self.counts
-        return SearchOutcome(tuple(self.ranked), candidates, c.pruned_memory, c.pruned_bound, c.solved,
+        return SearchOutcome(tuple(self.ranked), self.candidates, c.pruned_memory, c.pruned_bound, c.solved,
                              time.perf_counter() - self.start, c.unexplored, need.bytes, need.parts or {},
                              c.unproven, time.process_time() - self.cpu_start)
 

@@ -8,7 +8,7 @@ from cost_models.layout import MEGATRON_ORDER, Layout, Schedule
 from cost_models.layout_codec import layout_from
 from cost_models.pipeline import dualpipev_least_micro_batches, most_chunks
 
-from ..capture.graph import ModelGraph
+from ..graph_capture.graph import ModelGraph
 from ..rules.pins import Pins
 
 
