@@ -18,9 +18,10 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -c constraints.txt -e '.[test]'
-	# torchtitan's model classes, which capture is tested on, without its trainer's stack (datasets,
-	# wandb, tensorboard); its models import triton and spmd_types, its config system tyro
-	$(PIP) install -q -c constraints.txt tyro
+	# torchtitan's model classes, which capture is tested on, and its ConfigManager, which reads the torchtitan
+	# exports back (its registry imports the Trainer: tensorboard, torchdata, datasets), without wandb; its models
+	# import triton and spmd_types, its config system tyro
+	$(PIP) install -q -c constraints.txt tyro tensorboard torchdata datasets
 	$(PIP) install -q --no-deps -c constraints.txt torchtitan spmd_types triton
 	touch $@
 

@@ -321,29 +321,20 @@ def calibrate(telemetry: str = typer.Option(..., "--telemetry", help="a director
 
 @app.command()
 def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planner plan --out'"),
-           to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed or torchrun, optionally "
-                                  "@RELEASE (megatron-core 0.16, torchtitan 0.3, deepspeed 0.18, torch 2.13)"),
+           to: str = typer.Option(..., "--to", help="megatron, torchtitan, deepspeed, torchrun or sbatch, "
+                                  "optionally @RELEASE (megatron-core 0.16, torchtitan 0.3, deepspeed 0.18, torch "
+                                  "2.13)"),
            as_json: bool = JsonOpt) -> None:
-    """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a torchrun line for our runtime."""
-    target, release = exports.export_target(to)
-    result = Plan.load(plan_file)
-    if target == "megatron":
-        args, notes = exports.megatron_args(result)
-        text = " \\\n  ".join(args)
-    elif target == "torchtitan":
-        args, notes = exports.torchtitan_args(result)
-        text = "python -m torchtitan.train --module MODULE --config CONFIG \\\n  " + " \\\n  ".join(args)
-    elif target == "deepspeed":
-        text, notes = exports.deepspeed_json(result)
-    else:
-        text, notes = exports.torchrun_command(result, str(plan_file))
+    """Translate a plan for Megatron-LM, torchtitan, DeepSpeed, or a launcher line (torchrun, sbatch) for our
+    runtime."""
+    done = exports.export(Plan.load(plan_file), to, str(plan_file))
     if as_json:
-        out.print_json(json.dumps({"target": exports.RELEASE_OF[target], "release": release,
-                                   "text": text.rstrip("\n"), "notes": notes}))
+        out.print_json(json.dumps({"target": done.target, "release": done.release, "text": done.text,
+                                   "notes": list(done.notes)}))
         return
-    err.print(f"note: written for {exports.RELEASE_OF[target]} {release}")
-    sys.stdout.write(text.rstrip("\n") + "\n")
-    for note in notes:
+    err.print(f"note: written for {done.target} {done.release}")
+    sys.stdout.write(done.text + "\n")
+    for note in done.notes:
         err.print(f"note: {note}")
 
 

@@ -269,7 +269,8 @@ def test_torchtitan_export(plan_file):
     own parser); another release is refused, naming the one checked."""
     proc = run(f"export {plan_file} --to torchtitan@0.3")
     plan = Plan.load(plan_file)
-    assert proc.stdout.startswith("python -m torchtitan.train --module MODULE --config CONFIG")
+    # the plan's model is torchtitan's llama3_8b (tests/test_exports_torchtitan_registry.py runs such commands)
+    assert proc.stdout.startswith("python -m torchtitan.train \\\n  --module llama3 --config llama3_8b")
     assert f"--parallelism.tensor_parallel_degree {plan.layout.tp}" in proc.stdout
     assert f"--parallelism.pipeline_parallel_degree {plan.layout.pp}" in proc.stdout
     assert "note: written for torchtitan 0.3" in proc.stderr

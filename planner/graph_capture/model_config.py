@@ -57,6 +57,22 @@ class MoEConfig(_Strict):
         return self
 
 
+class TorchtitanModel(_Strict):
+    """The same model in torchtitan's registry: `python -m torchtitan.train --module MODULE --config CONFIG`
+    (torchtitan/models/MODULE/config_registry.py), and the registry's configs with an FP8 converter, by the
+    planner's FP8 recipe it is exported for (torchtitan 0.3 sets converters in Python, not by flag)."""
+    module: str = Field(pattern=r"^[a-z0-9_]{1,64}$")
+    config: str | None = Field(default=None, pattern=r"^[a-z0-9_]{1,96}$")   # BF16 (None: the registry has none)
+    fp8_recipe: str | None = None     # the planner's FP8 recipe its FP8 config is exported for
+    fp8_config: str | None = Field(default=None, pattern=r"^[a-z0-9_]{1,96}$")
+
+    def config_for(self, fp8_recipe: str | None) -> str | None:
+        """The registry config that trains in this FP8 recipe (None: none has it), or the BF16 one."""
+        if fp8_recipe is None:
+            return self.config
+        return self.fp8_config if fp8_recipe == self.fp8_recipe else None
+
+
 class ModelConfig(_Strict):
     name: str = Field(default="custom", pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:/-]{0,199}$")
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
@@ -96,6 +112,8 @@ class ModelConfig(_Strict):
     # the Hugging Face config.json this was read from (JSON text): capture builds the transformers class
     # from it where transformers is installed, else this reference decoder (docs/models.md)
     hf_config: str | None = None
+    # where torchtitan has this model (its pipeline split then names torchtitan's modules: docs/cli.md)
+    torchtitan: TorchtitanModel | None = None
 
     @property
     def query_groups(self) -> int:

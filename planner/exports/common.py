@@ -1,0 +1,34 @@
+"""What every export says the same way: recomputation counts and the notes shared by the targets."""
+from __future__ import annotations
+
+from ..plans import Plan
+
+
+def _full_recompute_layers(plan: Plan) -> int:
+    return sum(r == "full" for stage in plan.stages for r in stage.recompute)
+
+
+def _full_layers_on_a_rank(plan: Plan) -> int:
+    """The most fully recomputed layers any pipeline rank holds (over its virtual stages)."""
+    per_rank: dict[int, int] = {}
+    for stage in plan.stages:
+        per_rank[stage.pipeline_rank] = per_rank.get(stage.pipeline_rank, 0) + stage.recompute.count("full")
+    return max(per_rank.values(), default=0)
+
+
+def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
+    kinds = {r for stage in plan.stages for r in stage.recompute}
+    if len(kinds) > 1:
+        return [f"{target} cannot express per-layer recomputation lists; the plan recomputes "
+                f"{_full_recompute_layers(plan)} layers fully and "
+                f"{sum(r == 'selective' for s in plan.stages for r in s.recompute)} selectively"]
+    return []
+
+
+DISPATCH_WORDS = {"deepep": "DeepEP-style (one copy per node)",
+                  "allgather": "by all-gather (every token to the expert tp x ep group, Megatron's allgather)"}
+FUSED_LOSS_NOTE = ("the plan's memory assumed Transformer Engine's fused cross-entropy (the bf16 logits hold their "
+                   "own gradient); {target} keeps more for the loss (plan with that framework's stack to predict it)")
+PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-aware optimizer (the master kept as "
+                        "16-bit remainders where it trains in BF16, or bf16 moments); {target} keeps fp32 states "
+                        "(plan with that framework's stack to predict them)")
