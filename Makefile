@@ -23,6 +23,10 @@ $(TEST_STAMP): $(STAMP)
 	# import triton and spmd_types, its config system tyro
 	$(PIP) install -q -c constraints.txt tyro tensorboard torchdata datasets
 	$(PIP) install -q --no-deps -c constraints.txt torchtitan spmd_types triton
+	# Megatron-Bridge's configuration classes, which read the megatron-bridge exports back: without its GPU
+	# dependencies (Transformer Engine, mamba-ssm, ...), which its config module does not need
+	# (tests/bridge_readback.py), and with its configuration system's (omegaconf, hydra)
+	$(PIP) install -q --no-deps -c constraints.txt megatron-bridge omegaconf hydra-core antlr4-python3-runtime six
 	touch $@
 
 install: $(STAMP)

@@ -8,19 +8,21 @@ from dataclasses import dataclass
 from hardware_profiles.errors import UserInputError
 
 from ..plans import Plan
+from .bridge import bridge_overrides, bridge_yaml
 from .deepspeed import deepspeed_json
 from .launch import sbatch_script, torchrun_command
 from .megatron import megatron_args, megatron_pipeline_layout
 from .torchtitan import torchtitan_args, torchtitan_command
 
-__all__ = ["CHECKED_RELEASES", "RELEASE_OF", "Export", "export", "export_target", "deepspeed_json", "megatron_args",
+__all__ = ["CHECKED_RELEASES", "RELEASE_OF", "Export", "export", "export_target", "bridge_overrides", "bridge_yaml",
+           "deepspeed_json", "megatron_args",
            "megatron_pipeline_layout", "sbatch_script", "torchrun_command", "torchtitan_args", "torchtitan_command"]
 
 # the release of each tool whose own code reads the export back in the tests (constraints.txt pins them)
-CHECKED_RELEASES = {"megatron": "0.16", "torchtitan": "0.3", "deepspeed": "0.18", "torchrun": "2.13",
-                    "sbatch": "2.13"}
-RELEASE_OF = {"megatron": "megatron-core", "torchtitan": "torchtitan", "deepspeed": "deepspeed", "torchrun": "torch",
-              "sbatch": "torch"}
+CHECKED_RELEASES = {"megatron": "0.16", "megatron-bridge": "0.3", "torchtitan": "0.3", "deepspeed": "0.18",
+                    "torchrun": "2.13", "sbatch": "2.13"}
+RELEASE_OF = {"megatron": "megatron-core", "megatron-bridge": "megatron-bridge", "torchtitan": "torchtitan",
+              "deepspeed": "deepspeed", "torchrun": "torch", "sbatch": "torch"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ def export(plan: Plan, to: str, plan_path: str) -> Export:
     if target == "megatron":
         args, notes = megatron_args(plan)
         text = " \\\n  ".join(args)
+    elif target == "megatron-bridge":
+        text, notes = bridge_yaml(plan)
     elif target == "torchtitan":
         text, notes = torchtitan_command(plan)
     elif target == "deepspeed":
