@@ -1,6 +1,14 @@
 """Apply a plan to a torch model with torch.distributed: DeviceMesh, DTensor TP/SP, FSDP2, pipelining,
-activation checkpointing, DCP checkpoints."""
-from .dims import PlanError
-from .parallel_model import ParallelModel, apply_plan
+activation checkpointing, DCP checkpoints.
 
-__all__ = ["PlanError", "ParallelModel", "apply_plan"]
+A user's own loop: `parallelize(model, graph, plan)` lays the model out on this rank, `Step` runs a step of it
+with the user's loss, `rank_loader` hands this rank its share of the data; the optimizer, the scheduler and the
+loop stay the user's. `Trainer` composes them with health checks, checkpoints, restarts and telemetry."""
+from .data import rank_loader
+from .dims import PlanError
+from .laid_out import LaidOutModel, parallelize
+from .parallel_model import ParallelModel, apply_plan
+from .step import LossTerms, Step, token_cross_entropy
+
+__all__ = ["PlanError", "ParallelModel", "apply_plan", "LaidOutModel", "parallelize", "Step", "LossTerms",
+           "token_cross_entropy", "rank_loader"]

@@ -33,7 +33,8 @@ from . import faults
 from .checkpointing import Cadence, Checkpointer
 from .dims import PlanError
 from .health import HealthPolicy, HealthStop, Rollback
-from .parallel_model import apply_plan, device_type_of
+from .laid_out import device_type_of
+from .parallel_model import apply_plan
 from .telemetry import TelemetryHeader, TelemetryWriter
 from .train_args import BACKENDS, parse_args
 from .watchdog import Watchdog, enable_flight_recorder

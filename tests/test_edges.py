@@ -304,7 +304,7 @@ dist.init_process_group("gloo")
 graph = capture("tiny-llama")
 model = build_model(resolve_model("tiny-llama"), device="cpu")
 runtime.apply_plan(model, graph, plan)
-from runtime.parallel_model import device_type_of
+from runtime.laid_out import device_type_of
 print(device_type_of(plan), any(m.startswith("ortools") for m in sys.modules),
       any(m.startswith("planner.search") for m in sys.modules), "planner.rules.stack" in sys.modules)
 dist.destroy_process_group()

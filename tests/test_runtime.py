@@ -36,9 +36,14 @@ def free_port() -> int:
 
 
 def launch(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, SCRIPT, *args] if nproc == 1 else [
+    return launch_script(SCRIPT, nproc, *args, check=check)
+
+
+def launch_script(script: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`script` on one process, or on `nproc` ranks under torchrun on loopback."""
+    command = [sys.executable, script, *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), SCRIPT, *args]
+        "--master-port", str(free_port()), script, *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     if check:
         assert proc.returncode == 0, _why(proc.stderr)

@@ -73,3 +73,19 @@ def gemma3_logits():
                                            sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                            max_position_embeddings=64)
     return Logits(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+class LogitsAndAux(torch.nn.Module):
+    """The logits and the router's load-balancing loss, which transformers' MoE models return with
+    output_router_logits=True (a user's loss adds it, scaled)."""
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        out = self.model(input_ids=tokens, use_cache=False, output_router_logits=True)
+        return {"logits": out.logits, "aux_loss": out.aux_loss}
+
+
+def mixtral_with_aux():
+    return LogitsAndAux(mixtral_logits().model)

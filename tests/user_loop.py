@@ -1,0 +1,127 @@
+"""A user's own training loop on the runtime's library (run by tests/test_user_loop.py, one process or torchrun):
+their model, their loss (cross-entropy over the positions their targets count, plus the model's router
+load-balancing loss where it returns one), AdamW with two parameter groups (no weight decay on norms and
+biases), a warmup-then-cosine schedule, gradient clipping, and their data through `rank_loader`. Each case
+of CASES.json runs in turn; per step, rank 0 prints `case NAME step K loss X` and every rank writes its
+gradients to DUMP/NAME/stepK-rankR.pt.
+
+    python tests/user_loop.py CASES.json DUMP          # [{"name", "model", "layout", "steps", "resume"...}]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
+from planner.graph_capture.model_capture import capture  # noqa: E402
+from planner.graph_capture.model_sources import ModelConfig, resolve_model  # noqa: E402
+from planner.graph_capture.reference_model import build_model  # noqa: E402
+from runtime import LossTerms, Step, parallelize, rank_loader  # noqa: E402
+from runtime.step import IGNORE_INDEX, logits_of  # noqa: E402
+
+SEQ, GLOBAL_BATCH, AUX_COEFFICIENT = 32, 8, 0.02
+
+
+class TextWindows(torch.utils.data.Dataset):
+    """Windows of a real text's bytes (the repository's LICENSE): the targets are the next bytes, the first
+    four of each window masked (a prompt), and every third window padded after a byte-dependent length."""
+
+    def __init__(self, seq: int = SEQ):
+        data = torch.tensor(list((ROOT / "LICENSE").read_bytes()), dtype=torch.long)
+        self.windows = data[: (len(data) - 1) // seq * seq + 1]
+        self.seq = seq
+
+    def __len__(self) -> int:
+        return (len(self.windows) - 1) // self.seq
+
+    def __getitem__(self, index: int):
+        chunk = self.windows[index * self.seq: index * self.seq + self.seq + 1]
+        inputs, targets = chunk[:-1].clone(), chunk[1:].clone()
+        targets[:4] = IGNORE_INDEX
+        if index % 3 == 0:   # padded: the tail is no text
+            keep = 8 + int(chunk[0]) % (self.seq - 8)
+            inputs[keep:], targets[keep:] = 0, IGNORE_INDEX
+        return inputs, targets
+
+
+def loss_with_aux(output, targets) -> LossTerms:
+    """Cross-entropy summed over the counted positions, and the router's load-balancing loss where the model
+    returns one (transformers' MoE models, output_router_logits=True)."""
+    logits = logits_of(output)
+    total = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
+                                              ignore_index=IGNORE_INDEX, reduction="sum")
+    aux = output.get("aux_loss") if isinstance(output, dict) else None
+    return LossTerms(total, AUX_COEFFICIENT * aux if aux is not None else 0.0)
+
+
+def warmup_cosine(steps: int, warmup: int = 2):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    return factor
+
+
+def groups(laid) -> list[dict]:
+    """Weight decay on matrices, none on norms and biases (the usual two groups)."""
+    decay, plain = [], []
+    for name, param in laid.named_parameters():
+        (plain if param.dim() < 2 or "norm" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+
+
+def build(spec: str):
+    source = resolve_model(spec)
+    torch.manual_seed(0)
+    if isinstance(source, ModelConfig):
+        return build_model(source, "cpu", torch.float32), capture(source, SEQ)
+    return source.factory().float(), capture(spec, SEQ)
+
+
+def run(case: dict, dump: Path) -> None:
+    rank = dist.get_rank()
+    model, graph = build(case["model"])
+    values = parse_text(case["layout"])
+    layout = layout_from(values, global_batch=GLOBAL_BATCH)
+    laid = parallelize(model, graph, layout, "cpu", precision="fp32")
+    optimizer = laid.optimizer(torch.optim.AdamW, groups(laid), lr=2e-3, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(case["steps"]))
+    step = Step(laid, loss_with_aux)
+    loader = rank_loader(laid, TextWindows(), GLOBAL_BATCH, seed=1)
+    (dump / case["name"]).mkdir(parents=True, exist_ok=True)
+    for index, (inputs, targets) in zip(range(1, case["steps"] + 1), loader):
+        loss = step.forward_backward(inputs, targets)
+        torch.save(laid.gradients(), dump / case["name"] / f"step{index}-rank{rank}.pt")
+        step.clip_grad_norm_(1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if rank == 0:
+            print(f"case {case['name']} step {index} loss {loss:.10f}", flush=True)
+
+
+def main() -> None:
+    cases, dump = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='user-loop-')}", rank=0,
+                                world_size=1)
+    for case in cases:
+        run(case, dump)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
