@@ -4,6 +4,7 @@ activation checkpointing, DCP checkpoints.
 A user's own loop: `parallelize(model, graph, plan)` lays the model out on this rank, `Step` runs a step of it
 with the user's loss, `rank_loader` hands this rank its share of the data; the optimizer, the scheduler and the
 loop stay the user's. `Trainer` composes them with health checks, checkpoints, restarts and telemetry."""
+from .checkpoint import load_training, save_training
 from .data import rank_loader
 from .dims import PlanError
 from .laid_out import LaidOutModel, parallelize
@@ -11,4 +12,4 @@ from .parallel_model import ParallelModel, apply_plan
 from .step import LossTerms, Step, token_cross_entropy
 
 __all__ = ["PlanError", "ParallelModel", "apply_plan", "LaidOutModel", "parallelize", "Step", "LossTerms",
-           "token_cross_entropy", "rank_loader"]
+           "token_cross_entropy", "rank_loader", "save_training", "load_training"]

@@ -1,15 +1,18 @@
 """The whole training state in one DCP checkpoint, resumable under any other layout.
 
 Keys are full-model names, whatever the layout: `model/<param>` (from `get_model_state_dict`, DTensors where
-sharded), `optim/<param>/<state>` (AdamW's `exp_avg`, `exp_avg_sq`, `step`, shaped and sharded like the
-parameter), `train/step` (the last finished step: the data position, since a step's batch is a function of
-its index), `train/lr` and `train/rng` (the CPU generator; every rank seeds and draws alike). DCP
+sharded), `optim/<param>/<state>` (whatever the optimizer keeps per parameter: AdamW's `exp_avg`,
+`exp_avg_sq`, `step`, SGD's `momentum_buffer`..., shaped and sharded like the parameter; on load, what the
+checkpoint holds, read from its metadata), `train/step` (the last finished step), `train/lr` and `train/rng`
+(the CPU generator; every rank seeds and draws alike), and `train/loop`: the loop's own state as JSON bytes
+(each parameter group's learning rate, the LR scheduler's state, the data loader's layout-free position). DCP
 reshards DTensors on load and deduplicates replicated tensors on save; under ZeRO-1
 (`ZeroRedundancyOptimizer`) each rank saves and loads the optimizer state of the parameters it owns.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +26,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 class TrainState:
     step: int       # the last step the checkpoint includes; training resumes at step + 1
     lr: float
+    loop: dict = field(default_factory=dict)   # group lrs, scheduler state, data position (JSON)
+
+
+def _json_tensor(data: dict) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(data, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def _json_of(tensor: torch.Tensor) -> dict:
+    return json.loads(bytes(tensor.tolist()).decode())
 
 
 def local_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -42,16 +54,22 @@ def _named_owned(modules: list[nn.Module], optimizer, canonical: dict[str, str])
     return named
 
 
-def _optimizer_template(named: dict[str, nn.Parameter], optimizer) -> dict[str, torch.Tensor]:
-    """Empty tensors, shaped and sharded like each owned parameter, for the state `optimizer` keeps."""
-    local = local_optimizer(optimizer)
+def _optimizer_template(named: dict[str, nn.Parameter], path: str) -> dict[str, torch.Tensor]:
+    """Empty tensors for the optimizer state the checkpoint holds of each owned parameter, read from its
+    metadata: those of the parameter's shape shaped and sharded like it, the others (AdamW's step) as saved."""
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
     template = {}
-    if not isinstance(local, torch.optim.AdamW):
-        return template
-    for name, param in named.items():
-        template[f"optim/{name}/exp_avg"] = torch.zeros_like(param)
-        template[f"optim/{name}/exp_avg_sq"] = torch.zeros_like(param)
-        template[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float32)
+    for key, meta in saved.items():
+        if not key.startswith("optim/"):
+            continue
+        name = key[len("optim/"):].rsplit("/", 1)[0]
+        if name not in named:
+            continue
+        param = named[name]
+        size = tuple(getattr(meta, "size", ()))
+        template[key] = torch.zeros_like(param) if size == tuple(param.shape) and size else \
+            torch.zeros(size, dtype=meta.properties.dtype)
     return template
 
 
@@ -76,7 +94,7 @@ def training_state(modules, optimizer, canonical, train: TrainState) -> dict[str
     named = _named_owned(modules, optimizer, canonical)
     return {**_model_state(modules), **_optimizer_state(named, optimizer),
             "train/step": torch.tensor(train.step), "train/lr": torch.tensor(train.lr, dtype=torch.float64),
-            "train/rng": torch.get_rng_state()}
+            "train/rng": torch.get_rng_state(), "train/loop": _json_tensor(train.loop)}
 
 
 def save(path: str, modules, optimizer, canonical, train: TrainState, asynchronous: bool = False,
@@ -92,10 +110,14 @@ def save(path: str, modules, optimizer, canonical, train: TrainState, asynchrono
 
 def load(path: str, modules, optimizer, canonical) -> TrainState:
     """Read the checkpoint into this layout's modules and optimizer; returns where training stood."""
+    from torch.distributed.checkpoint import FileSystemReader
     named = _named_owned(modules, optimizer, canonical)
-    state = {**_model_state(modules), **_optimizer_template(named, optimizer),
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {**_model_state(modules), **_optimizer_template(named, path),
              "train/step": torch.tensor(0), "train/lr": torch.tensor(0.0, dtype=torch.float64),
              "train/rng": torch.get_rng_state()}
+    if "train/loop" in saved:   # checkpoints written before the loop's state was kept have none
+        state["train/loop"] = torch.zeros(saved["train/loop"].size, dtype=torch.uint8)
     dcp.load(state, checkpoint_id=path)
     for module in modules:
         names = set(get_model_state_dict(module))
@@ -107,10 +129,40 @@ def load(path: str, modules, optimizer, canonical) -> TrainState:
         if entries:
             local.state[param] = entries
     lr = float(state["train/lr"])
-    for group in local.param_groups:
-        group["lr"] = lr
+    loop = _json_of(state["train/loop"]) if "train/loop" in state else {}
+    lrs = loop.get("lrs") or [lr] * len(local.param_groups)
+    for group, group_lr in zip(local.param_groups, lrs):
+        group["lr"] = group_lr
     torch.set_rng_state(state["train/rng"])
-    return TrainState(step=int(state["train/step"]), lr=lr)
+    return TrainState(step=int(state["train/step"]), lr=lr, loop=loop)
+
+
+def save_training(path: str, model, optimizer, step: int, scheduler=None, loader=None, asynchronous: bool = False,
+                  process_group=None):
+    """A user loop's whole state after `step`: the laid-out model (`runtime.laid_out.LaidOutModel`), its
+    optimizer (any torch.optim, its groups' learning rates), the LR scheduler's state and the data loader's
+    layout-free position (`runtime.data.rank_loader`) where given; loadable under any other layout."""
+    from .laid_out import inner
+    loop = {"lrs": [group["lr"] for group in optimizer.param_groups]}
+    if scheduler is not None:
+        loop["scheduler"] = scheduler.state_dict()
+    if loader is not None:
+        loop["data"] = loader.batch_sampler.state_dict()
+    return save(path, [inner(m) for m in model.modules], optimizer, model.canonical_names,
+                TrainState(step=step, lr=loop["lrs"][0], loop=loop), asynchronous, process_group)
+
+
+def load_training(path: str, model, optimizer, scheduler=None, loader=None) -> int:
+    """Resume a user loop from `save_training`'s checkpoint (written under any layout); the step it ended."""
+    from .laid_out import inner
+    train = load(path, [inner(m) for m in model.modules], optimizer, model.canonical_names)
+    for group, lr in zip(optimizer.param_groups, train.loop.get("lrs", [train.lr] * len(optimizer.param_groups))):
+        group["lr"] = lr
+    if scheduler is not None and "scheduler" in train.loop:
+        scheduler.load_state_dict(train.loop["scheduler"])
+    if loader is not None and "data" in train.loop:
+        loader.batch_sampler.load_state_dict(train.loop["data"])
+    return train.step
 
 
 LATEST = "latest"   # names the last checkpoint of a directory that every rank finished writing (runtime/checkpointing.py)

@@ -9,7 +9,6 @@ causally balanced chunks `runtime.context_parallel.shard_sequence` cuts.
 """
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 import torch
@@ -32,6 +31,7 @@ class GlobalBatches(Sampler):
             raise ValueError(f"{length} samples do not make one global batch of {global_batch}")
         self.length, self.global_batch, self.seed, self.shuffle = length, global_batch, seed, shuffle
         self.epoch, self.taken = 0, 0   # the position: global batches taken in this epoch
+        self.last: list[int] = []       # the global batch taken last (its sample indices)
 
     @property
     def per_epoch(self) -> int:
@@ -48,7 +48,8 @@ class GlobalBatches(Sampler):
             while self.taken < self.per_epoch:
                 start = self.taken * self.global_batch
                 self.taken += 1
-                yield order[start:start + self.global_batch]
+                self.last = order[start:start + self.global_batch]
+                yield self.last
             self.epoch, self.taken = self.epoch + 1, 0
 
     def __len__(self) -> int:
@@ -104,14 +105,3 @@ def rank_loader(model, dataset, global_batch: int, collate_fn: Callable = defaul
         return type(batch)(shard_sequence(t, cp, cp_rank) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
                            for t in batch)
     return _Loader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
-
-
-def position_of(loader) -> torch.Tensor:
-    """The loader's layout-free position, as the bytes of its JSON (a checkpoint's `train/data`)."""
-    text = json.dumps(loader.batch_sampler.state_dict(), sort_keys=True)
-    return torch.tensor(list(text.encode()), dtype=torch.uint8)
-
-
-def seek(loader, position: torch.Tensor) -> None:
-    """Put the loader at a position `position_of` wrote (under any layout)."""
-    loader.batch_sampler.load_state_dict(json.loads(bytes(position.tolist()).decode()))

@@ -31,9 +31,23 @@ def run(nproc: int, cases: list[dict], directory: Path) -> dict[str, list[float]
     losses: dict[str, list[float]] = {case["name"]: [] for case in cases}
     for line in proc.stdout.splitlines():
         if line.startswith("case "):
-            _, name, _, _, _, value = line.split()
+            _, name, _, _, _, value, _, _ = line.split()
             losses[name].append(float(value))
     return losses
+
+
+def steps_of(nproc: int, cases: list[dict], directory: Path) -> dict[str, dict[int, tuple[float, str]]]:
+    """Per case, each step's loss and the sample indices of its global batch."""
+    directory.mkdir(parents=True, exist_ok=True)
+    spec = directory / "cases.json"
+    spec.write_text(json.dumps(cases))
+    proc = launch_script(SCRIPT, nproc, str(spec), str(directory))
+    out: dict[str, dict[int, tuple[float, str]]] = {case["name"]: {} for case in cases}
+    for line in proc.stdout.splitlines():
+        if line.startswith("case "):
+            _, name, _, step, _, value, _, samples = line.split()
+            out[name][int(step)] = (float(value), samples)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +71,24 @@ def test_a_user_loop_matches_one_process(runs, case):
     assert len(got) == len(expected) == STEPS
     assert max(abs(a - b) for a, b in zip(got, expected)) < LOSS_TOLERANCE, (got, expected)
     assert_gradients_match(work / "parallel" / name, ref_dir, range(1, STEPS + 1))
+
+
+def test_a_checkpoint_written_mid_epoch_under_tp2_resumes_under_dp2_and_pp2(tmp_path):
+    """The model, AdamW's state in two groups, the schedule's position and the data loader's, written at step 3
+    of 6 under tp2, resumed under dp2 and under pp2: the same next samples and the losses of the run never
+    stopped."""
+    checkpoint = str(tmp_path / "step-3")
+    job = {"model": "tiny-llama", "schedule_steps": 6}
+    whole = steps_of(2, [{"name": "whole", **job, "layout": "tp=2,mbs=2,zero=0", "steps": 6},
+                         {"name": "first", **job, "layout": "tp=2,mbs=2,zero=0", "steps": 3, "save_at": 3,
+                          "checkpoint": checkpoint}], tmp_path / "tp2")
+    resumed = steps_of(2, [{"name": name, **job, "layout": layout, "steps": 6, "resume": checkpoint}
+                           for name, layout in (("dp2", "dp=2,mbs=2,zero=1"), ("pp2", "pp=2,mbs=2,zero=0"))],
+                       tmp_path / "resumed")
+    assert [whole["first"][step] for step in (1, 2, 3)] == [whole["whole"][step] for step in (1, 2, 3)]
+    for name in ("dp2", "pp2"):
+        assert sorted(resumed[name]) == [4, 5, 6]
+        for step in (4, 5, 6):
+            loss, samples = resumed[name][step]
+            assert samples == whole["whole"][step][1], (name, step)
+            assert abs(loss - whole["whole"][step][0]) < LOSS_TOLERANCE, (name, step, loss, whole["whole"][step])

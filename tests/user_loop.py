@@ -2,10 +2,11 @@
 their model, their loss (cross-entropy over the positions their targets count, plus the model's router
 load-balancing loss where it returns one), AdamW with two parameter groups (no weight decay on norms and
 biases), a warmup-then-cosine schedule, gradient clipping, and their data through `rank_loader`. Each case
-of CASES.json runs in turn; per step, rank 0 prints `case NAME step K loss X` and every rank writes its
-gradients to DUMP/NAME/stepK-rankR.pt.
+of CASES.json runs in turn; per step, rank 0 prints `case NAME step K loss X samples I,J,...` (the global
+batch's sample indices) and every rank writes its gradients to DUMP/NAME/stepK-rankR.pt; a case may save its
+whole state at a step (`save_at`, `checkpoint`) or start from one (`resume`).
 
-    python tests/user_loop.py CASES.json DUMP          # [{"name", "model", "layout", "steps", "resume"...}]
+    python tests/user_loop.py CASES.json DUMP          # [{"name", "model", "layout", "steps", ...}]
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
 from planner.graph_capture.model_capture import capture  # noqa: E402
 from planner.graph_capture.model_sources import ModelConfig, resolve_model  # noqa: E402
 from planner.graph_capture.reference_model import build_model  # noqa: E402
-from runtime import LossTerms, Step, parallelize, rank_loader  # noqa: E402
+from runtime import LossTerms, Step, load_training, parallelize, rank_loader, save_training  # noqa: E402
 from runtime.step import IGNORE_INDEX, logits_of  # noqa: E402
 
 SEQ, GLOBAL_BATCH, AUX_COEFFICIENT = 32, 8, 0.02
@@ -95,19 +96,27 @@ def run(case: dict, dump: Path) -> None:
     layout = layout_from(values, global_batch=GLOBAL_BATCH)
     laid = parallelize(model, graph, layout, "cpu", precision="fp32")
     optimizer = laid.optimizer(torch.optim.AdamW, groups(laid), lr=2e-3, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(case["steps"]))
+    # the schedule spans the job (`schedule_steps`), which a case may stop early and another resume
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(case.get("schedule_steps", case["steps"])))
     step = Step(laid, loss_with_aux)
     loader = rank_loader(laid, TextWindows(), GLOBAL_BATCH, seed=1)
     (dump / case["name"]).mkdir(parents=True, exist_ok=True)
-    for index, (inputs, targets) in zip(range(1, case["steps"] + 1), loader):
+    first = 1
+    if case.get("resume"):   # the model, optimizer, schedule and data position, written under another layout
+        first = load_training(case["resume"], laid, optimizer, scheduler, loader) + 1
+    for index, (inputs, targets) in zip(range(first, case["steps"] + 1), loader):
         loss = step.forward_backward(inputs, targets)
         torch.save(laid.gradients(), dump / case["name"] / f"step{index}-rank{rank}.pt")
         step.clip_grad_norm_(1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        if case.get("save_at") == index:
+            save_training(case["checkpoint"], laid, optimizer, index, scheduler, loader)
         if rank == 0:
-            print(f"case {case['name']} step {index} loss {loss:.10f}", flush=True)
+            samples = loader.batch_sampler.batches.last
+            print(f"case {case['name']} step {index} loss {loss:.10f} samples {','.join(map(str, samples))}",
+                  flush=True)
 
 
 def main() -> None:
