@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
 from .experts import finish_expert_grads
@@ -92,13 +93,8 @@ class Step:
         reduces more in the same collective, the health checks' flag, adds the shares itself: `loss_of`)."""
         model, lay = self.model, self.model.layout
         inputs, targets = inputs.to(model.device), targets.to(model.device)
-        group = model.dp_mesh()
-        counted = torch.as_tensor(self.count_fn(targets), dtype=torch.float64, device=model.device).reshape(())
-        if group.size() > 1:
-            dist.all_reduce(counted, group=group.get_group())
-        ranks = group.size()
-        self.scale = ranks / counted.clamp(min=1).to(torch.float32)
-        self.aux_scale = 1.0 / lay.num_micro_batches
+        self._normalise(targets)
+        ranks = model.dp_mesh().size()
         with model.autocast:   # bf16 compute over fp32 parameters where FSDP2's policy does not cast
             share = self._accumulate(inputs, targets) if self.schedule is None else self._pipelined(inputs, targets)
         if model.stage_ties:
@@ -111,6 +107,47 @@ class Step:
         """The step's loss from every rank's share summed: the last stage's ranks hold a share (zeros on the
         others), each tensor-parallel rank of a shard the same one."""
         return total / self.model.layout.tp
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The same loss without backward (an evaluation pass): micro-batches forward, or the schedule's eval."""
+        model = self.model
+        inputs, targets = inputs.to(model.device), targets.to(model.device)
+        self._normalise(targets)
+        for module in model.modules:
+            module.eval()
+        try:
+            with model.autocast:
+                if self.schedule is None:
+                    share = sum(self._objective(model.modules[0](x), y).float()
+                                for x, y in zip(inputs.chunk(model.layout.num_micro_batches),
+                                                targets.chunk(model.layout.num_micro_batches)))
+                else:
+                    losses: list[torch.Tensor] = []
+                    target = targets if model.last else None
+                    args = (inputs,) if model.first else ()
+                    self.schedule.eval(*args, target=target, losses=losses)
+                    share = torch.stack(losses).sum().float() if model.last else torch.zeros((), device=model.device)
+        finally:
+            for module in model.modules:
+                module.train()
+                for sub in module.modules():   # FSDP2 that keeps parameters to backward: no backward came
+                    if isinstance(sub, FSDPModule):
+                        sub.reshard()
+        share = (share / model.dp_mesh().size()).reshape(()).clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(share)
+        return self.loss_of(float(share))
+
+    def _normalise(self, targets: torch.Tensor) -> None:
+        """This step's scales: the global count of counted positions (over the data- and context-parallel
+        ranks, whose reductions average), and the micro-batches the auxiliary terms average over."""
+        group = self.model.dp_mesh()
+        counted = torch.as_tensor(self.count_fn(targets), dtype=torch.float64, device=self.model.device).reshape(())
+        if group.size() > 1:
+            dist.all_reduce(counted, group=group.get_group())
+        self.scale = group.size() / counted.clamp(min=1).to(torch.float32)
+        self.aux_scale = 1.0 / self.model.layout.num_micro_batches
 
     def _accumulate(self, inputs, targets) -> torch.Tensor:
         """Micro-batches one after another; ZeRO-0/1 reduce gradients once, after the last micro-batch."""

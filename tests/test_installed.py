@@ -23,7 +23,7 @@ def installed(tmp_path_factory) -> Path:
     wheel = next((work / "dist").glob("parallel_planner-*.whl"))
     subprocess.run([sys.executable, "-m", "venv", str(work / "venv")], check=True)
     subprocess.run([str(work / "venv" / "bin" / "python"), "-m", "pip", "install", "-q", "-c",
-                    str(ROOT / "constraints.txt"), str(wheel)], check=True, cwd=work)
+                    str(ROOT / "constraints.txt"), f"{wheel}[examples]"], check=True, cwd=work)
     return work / "venv" / "bin"
 
 
@@ -32,7 +32,7 @@ def test_the_wheel_holds_every_file_read_at_run_time(installed):
     wheel = next(installed.parent.parent.glob("dist/parallel_planner-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = {str(path.relative_to(ROOT)) for package in ("hardware_profiles", "planner")
-              for path in (ROOT / package).rglob("*.yaml")}
+              for path in (ROOT / package).rglob("*.yaml")} | {"runtime/examples/corpus.txt"}
     assert wanted and wanted <= names
     assert any(name.endswith("licenses/LICENSE") for name in names)
 

@@ -7,7 +7,8 @@ Commands run with `bash` in a scratch directory outside the checkout (nothing of
 but what `--bin` installs), at 100 columns. A ```console block holds `$ command` lines, each followed by its
 output; `console lines=N` shows (and checks) the first N lines of each output. A ```python block is run and
 must succeed. Commands in the task table's code spans run after the blocks and must succeed. What varies from
-run to run is normalised before comparing: search times, losses past 4 decimals, the scratch directory.
+run to run is normalised before comparing: search times, losses past 4 decimals, the scratch directory; Python
+warnings are off and log lines of torch and of optional libraries left out.
 """
 from __future__ import annotations
 
@@ -56,13 +57,15 @@ def commands_of(body: str) -> list[Command]:
 
 def run(command: str, scratch: Path, bin_dir: Path) -> tuple[int, list[str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", COLUMNS="100", TERM="dumb", NO_COLOR="1")
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", COLUMNS="100", TERM="dumb", NO_COLOR="1",
+               PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "-c", command], cwd=scratch, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     text = (proc.stdout + proc.stderr).replace(str(scratch), SHOWN_DIR)
-    # progress lines and torch's timestamped launcher warnings vary from run to run: not shown
-    return proc.returncode, [line.rstrip() for line in text.splitlines()
-                             if not line.startswith("searching:") and not re.match(r"[WI]\d{4} ", line)]
+    # progress lines, torch's timestamped log lines and what optional libraries log when they load vary from
+    # run to run and from one installation to another: not shown
+    return proc.returncode, [line.rstrip() for line in text.splitlines() if not line.startswith("searching:")
+                             and not re.match(r"(\[rank\d+\]:)?[WI]\d{4} ", line) and "Failed to load" not in line]
 
 
 def normal(line: str) -> str:
