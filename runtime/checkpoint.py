@@ -165,6 +165,27 @@ def load_training(path: str, model, optimizer, scheduler=None, loader=None) -> i
     return train.step
 
 
+@dataclass
+class LoopState:
+    """A user loop's state as `runtime.checkpointing.Checkpointer` saves and restores it: the laid-out model, its
+    optimizer and, where given, the LR scheduler and the data loader (`runtime.data.rank_loader`)."""
+    model: object                 # runtime.laid_out.LaidOutModel
+    optimizer: torch.optim.Optimizer
+    scheduler: object = None
+    loader: object = None
+
+    @property
+    def params(self) -> list:
+        return self.model.params
+
+    def save(self, path: str, step: int, asynchronous: bool = False, process_group=None):
+        return save_training(path, self.model, self.optimizer, step, self.scheduler, self.loader, asynchronous,
+                             process_group)
+
+    def load(self, path: str) -> int:
+        return load_training(path, self.model, self.optimizer, self.scheduler, self.loader)
+
+
 LATEST = "latest"   # names the last checkpoint of a directory that every rank finished writing (runtime/checkpointing.py)
 
 

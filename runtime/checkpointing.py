@@ -4,6 +4,17 @@ measures); synchronously, or with `dcp.async_save` on a gloo group of its own (s
 never interleave with training's collectives). A checkpoint becomes `latest` only once every rank finished
 writing it, and none is written while the data-parallel replicas disagree (runtime/health.py): a restart or
 a rollback always finds a complete, clean one.
+
+What is saved is any state with `save(path, step, asynchronous, process_group)`, `load(path) -> step` and
+`params`: the driver's `ParallelModel`, or a user loop's `runtime.checkpoint.LoopState` (its laid-out model,
+optimizer, LR scheduler and data loader):
+
+    checkpointer = Checkpointer("ckpt", Cadence(100))
+    start = (checkpointer.restore(state) or 0) + 1
+    for step in range(start, last + 1):
+        ...
+        checkpointer.maybe_save(step, state, step_s)
+    checkpointer.finish()
 """
 from __future__ import annotations
 
@@ -38,9 +49,9 @@ class _Pending:
 
 
 class Checkpointer:
-    def __init__(self, parallel, directory: str, cadence: Cadence, asynchronous: bool = False):
-        self.parallel, self.directory, self.cadence = parallel, Path(directory), cadence
-        self.asynchronous = asynchronous
+    def __init__(self, directory: str, cadence: Cadence = Cadence(0), asynchronous: bool = False, health=None):
+        """`health`: a `runtime.health.HealthMonitor` whose replica check guards every save (None: unguarded)."""
+        self.directory, self.cadence, self.asynchronous, self.health = Path(directory), cadence, asynchronous, health
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.pending: _Pending | None = None
         self.next_step: int | None = None    # Daly: when the next save is due
@@ -50,11 +61,12 @@ class Checkpointer:
     def latest(self) -> Path | None:
         return checkpoint.latest(str(self.directory))
 
-    def restore(self) -> int | None:
-        """Load the last complete checkpoint (after finishing one still being written); its step, or None."""
+    def restore(self, state) -> int | None:
+        """Load the last complete checkpoint into `state` (after finishing one still being written); its step,
+        or None when the directory holds none."""
         self.finish()
         latest = self.latest()
-        return None if latest is None else self.parallel.load(str(latest)).step
+        return None if latest is None else state.load(str(latest))
 
     # -- saving ----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -62,30 +74,30 @@ class Checkpointer:
             return self.cadence.every_steps > 0 and step % self.cadence.every_steps == 0
         return self.next_step is None or step >= self.next_step   # Daly: the first save measures the blocking
 
-    def after_step(self, step: int, step_s: float) -> float:
-        """Save if due; the seconds training was blocked by it (0 when nothing was due)."""
+    def maybe_save(self, step: int, state, step_s: float = 0.0) -> float:
+        """Save `state` after `step` if due; the seconds training was blocked by it (0 when nothing was due).
+        `step_s`, the step's measured time, sets Daly's interval in steps."""
         if not self.due(step):
             return 0.0
-        health = self.parallel.health
-        if health and not health.clean_for_saving(step, self.parallel.params):
-            health.say(f"health: step {step}: no checkpoint written while replicas disagree; "
-                       f"the last clean one stays latest")
+        if self.health and not self.health.clean_for_saving(step, state.params):
+            self.health.say(f"health: step {step}: no checkpoint written while replicas disagree; "
+                            f"the last clean one stays latest")
             return 0.0
-        blocking = self._save(step)
+        blocking = self._save(step, state)
         if self.cadence.every_steps is None:
             self._schedule(step, step_s, blocking)
         return blocking
 
-    def _save(self, step: int) -> float:
+    def _save(self, step: int, state) -> float:
         """Write `step`; returns the seconds training waited for it (the previous async write included)."""
         started = time.perf_counter()
         self.finish()
         target = self.directory / f"step-{step:06d}"
         if self.asynchronous:
-            future = self.parallel.save(str(target), step, asynchronous=True, process_group=self.group)
+            future = state.save(str(target), step, asynchronous=True, process_group=self.group)
             self.pending = _Pending(target, step, future, time.perf_counter())
         else:
-            self.parallel.save(str(target), step)
+            state.save(str(target), step)
             self._mark_latest(target)
         return time.perf_counter() - started
 

@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -121,3 +122,27 @@ def children_of(parent: int) -> list[int]:
 
 def spike_scale(injection: Injection | None, step: int) -> float:
     return SPIKE_SCALE if injection and injection.kind == "spike" and injection.step == step else 1.0
+
+
+@contextlib.contextmanager
+def spiked(parallel, injection: Injection | None, step: int):
+    """Step `step` with the output projection's weights multiplied by the spike's scale where the injection says
+    so, restored exactly afterwards (the scale is a power of two)."""
+    scale = spike_scale(injection, step)
+    _scale_output_layer(parallel, scale)
+    try:
+        yield
+    finally:
+        _scale_output_layer(parallel, 1 / scale)
+
+
+def _scale_output_layer(parallel, factor: float) -> None:
+    if factor == 1:
+        return
+    with torch.no_grad():
+        for module in parallel.modules:
+            inner = module.module if hasattr(module, "module") else module
+            present = dict(inner.named_modules())
+            for name in parallel.graph.head_modules:
+                if isinstance(present.get(name), torch.nn.Linear):
+                    present[name].weight.mul_(factor)

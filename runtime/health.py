@@ -12,6 +12,15 @@ on every rank, and the step's policy (skip the batch, or stop) is applied on eve
   bit-exact fingerprint of each rank's parameters (their bytes summed as 64-bit integers) is compared
   over the replicas every `sdc_every` steps after the optimizer step; a rank that disagrees with the
   majority is named. Sharded parameters (FSDP2) have no replicas to compare, and that is said once.
+
+The driver's `ParallelModel` runs them inside its step; a user's own loop calls them around its optimizer:
+
+    health = HealthMonitor.for_model(laid, HealthPolicy())
+    loss = step.forward_backward(inputs, targets)
+    if health.check(index, loss, laid.params):     # raises Rollback or HealthStop where the policy says so
+        optimizer.step()
+        health.check_replicas(index, laid.params)
+    optimizer.zero_grad()
 """
 from __future__ import annotations
 
@@ -66,6 +75,22 @@ class HealthMonitor:
         self.checked: tuple[int, bool] | None = None   # the last replica check: its step and verdict
         self.found: torch.Tensor | None = None  # the non-finite flag, and the unit scale its kernel takes
         self.unit: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, laid_out, policy: HealthPolicy = HealthPolicy()) -> "HealthMonitor":
+        """The checks of a `runtime.laid_out.LaidOutModel`: replicas compared over its data-parallel group."""
+        return cls(policy, laid_out.dp_mesh().get_group(), laid_out.replicated, laid_out.device)
+
+    def check(self, step: int, loss: float, parameters: list[torch.Tensor]) -> bool:
+        """A user loop's check after backward, before its optimizer step: whether the step's gradients may be
+        applied (every rank gets the same answer; False: skip the batch). `loss` is the step's loss, the same
+        on every rank (`Step.forward_backward`'s). One all-reduce of this rank's non-finite flag."""
+        flag = self.nonfinite_flag(torch.tensor(float(loss), device=self.device),
+                                   [p.grad for p in parameters if p.grad is not None])
+        anywhere = flag.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(anywhere)
+        return self.accept(step, float(loss), bool(anywhere.item() > 0), flag)
 
     def _say(self, line: str) -> None:
         self.reports.append(line)

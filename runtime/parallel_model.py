@@ -144,13 +144,13 @@ class ParallelModel:
         """Drop the optimizer's moments and step counts (what a model-only checkpoint resumes with)."""
         checkpoint.local_optimizer(self.optimizer).state.clear()
 
-    def load(self, path: str) -> checkpoint.TrainState:
-        """Resume from a checkpoint written under any layout; returns the step it ended and its lr."""
+    def load(self, path: str) -> int:
+        """Resume from a checkpoint written under any layout; returns the step it ended."""
         train = checkpoint.load(path, [inner(m) for m in self.modules], self.optimizer, self.canonical_names)
         self.step = train.step
         for group in self.optimizer.param_groups:   # ZeRO-1 copies the outer groups into its shard's
             group["lr"] = train.lr
-        return train
+        return train.step
 
 
 def apply_plan(model: nn.Module, graph: ModelGraph, plan_or_layout, device_type: str | None = None,

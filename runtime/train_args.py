@@ -6,8 +6,7 @@ import argparse
 from cost_models.reliability import Recovery
 
 from .health import HealthPolicy
-
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+from .process_group import BACKENDS
 
 
 DESCRIPTION = """Train a model under a plan with this project's runtime, or as the single-process reference.

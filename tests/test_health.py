@@ -197,12 +197,12 @@ def test_a_dead_rank_ends_in_a_restart_that_resumes_the_run(fault, tmp_path, ref
     trains steps 5 and 6 as the uninterrupted run does; nothing is trained twice."""
     import socket
 
-    from test_runtime import ENV, ROOT, SCRIPT
+    from test_runtime import DRIVER, ENV, ROOT
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT,
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *DRIVER,
                "--model", "tiny-llama", "--steps", "6", *TRAIN, "--layout", "dp=2", "--checkpoint-dir",
                str(tmp_path / "ckpt"), "--save-every", "2", "--inject", fault, "--collective-timeout", "5"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
@@ -224,9 +224,9 @@ def test_the_launchers_sigterm_names_the_rank_that_stopped():
     import selectors
     import time
 
-    from test_runtime import ENV, ROOT, SCRIPT, end_launch, free_port
+    from test_runtime import DRIVER, ENV, ROOT, end_launch, free_port
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
+               "--master-port", str(free_port()), *DRIVER, "--model", "tiny-llama", "--steps", "4", "--layout",
                "dp=2", "--collective-timeout", "120", "--inject", "stop@2:1"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
                             start_new_session=True)
@@ -260,11 +260,11 @@ def named_behind(line: str) -> set[int]:
 
 def agent(port: int, args: list[str], log: Path) -> subprocess.Popen:
     """One torchrun agent: a node of 2 ranks in a c10d rendezvous of 1 to 2 nodes on `port`."""
-    from test_runtime import ENV, ROOT, SCRIPT
+    from test_runtime import DRIVER, ENV, ROOT
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "lost-node", "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
-               SCRIPT, *args]
+               *DRIVER, *args]
     return subprocess.Popen(command, stdout=log.with_suffix(".out").open("w"), stderr=log.with_suffix(".err").open("w"),
                             env=ENV, cwd=ROOT, start_new_session=True)
 

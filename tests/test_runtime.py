@@ -19,7 +19,7 @@ import torch
 pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "examples" / "train_tiny.py")
+DRIVER = ("-m", "runtime.train")   # the installed training driver (runtime/train.py, on the Trainer)
 USER_MODEL = "examples/user_gpt.py:build_separate_qkv"
 SQUARE_HEADS = "tests/models/tiny-square-heads.yaml"   # head width 8 = head count 8
 # transformers' own classes, tiny configs (tests/models/hf_tiny.py), captured by recording
@@ -36,14 +36,15 @@ def free_port() -> int:
 
 
 def launch(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return launch_script(SCRIPT, nproc, *args, check=check)
+    return launch_script(DRIVER, nproc, *args, check=check)
 
 
-def launch_script(script: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`script` on one process, or on `nproc` ranks under torchrun on loopback."""
-    command = [sys.executable, script, *args] if nproc == 1 else [
+def launch_script(script: str | tuple[str, ...], nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`script` (a file, or ("-m", module)) on one process, or on `nproc` ranks under torchrun on loopback."""
+    entry = [script] if isinstance(script, str) else list(script)
+    command = [sys.executable, *entry, *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), script, *args]
+        "--master-port", str(free_port()), *entry, *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     if check:
         assert proc.returncode == 0, _why(proc.stderr)
@@ -75,7 +76,7 @@ def gradients(directory: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def run_cases(nproc: int, cases: list[dict], directory: Path) -> dict[str, tuple[list[float], Path]]:
-    """One launch trains every case in turn (examples/train_tiny.py --cases): per case, its losses and the
+    """One launch trains every case in turn (python -m runtime.train --cases): per case, its losses and the
     directory of its per-step gradients. Starting ranks costs seconds on 2 cores; a case, a fraction."""
     spec = directory / "cases.json"
     spec.write_text(json.dumps(cases))
@@ -368,7 +369,7 @@ REFUSALS = [
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
     """Every bad plan in one launch: each is refused before its first step on every rank, which leaves the
-    group usable for the next (examples/train_tiny.py --cases); the last case trains, as a witness."""
+    group usable for the next (python -m runtime.train --cases); the last case trains, as a witness."""
     spec = tmp_path_factory.mktemp("refused") / "cases.json"
     cases = [{"name": f"bad{i}", "model": model, "layout": layout} for i, (layout, _, model) in enumerate(REFUSALS)]
     spec.write_text(json.dumps([*cases, {"name": "witness", "layout": "dp=2,mbs=2"}]))
@@ -425,7 +426,7 @@ def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout(tmp_path):
     import selectors
     import time
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), SCRIPT, "--model", "tiny-llama", "--steps", "4", "--layout",
+               "--master-port", str(free_port()), *DRIVER, "--model", "tiny-llama", "--steps", "4", "--layout",
                "dp=2", "--collective-timeout", "5", "--inject", "stop@2:1", "--flight-record-dir", str(tmp_path)]
     started = time.time()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
@@ -449,3 +450,14 @@ def test_a_stopped_rank_fails_the_job_naming_it_within_the_timeout(tmp_path):
     assert {"entries", "pg_status", "pg_config", "version"} <= set(record)
     assert record["entries"] and all(e["profiling_name"].startswith("gloo:") for e in record["entries"])
     assert [e["collective_seq_id"] for e in record["entries"]] == list(range(1, len(record["entries"]) + 1))
+
+
+def test_the_trainer_example_started_again_resumes_after_its_last_checkpoint(tmp_path):
+    """examples/train_tiny.py (the Trainer on a model of one's own) under dp2 ZeRO-1: stopped after step 3, its
+    checkpoint of step 2 is the last; started again for 5 steps, it trains steps 3-5, step 3 as before."""
+    example = str(ROOT / "examples" / "train_tiny.py")
+    args = ("--layout", "dp=2,zero=1", "--checkpoint-dir", str(tmp_path))
+    first = losses(launch_script(example, 2, *args, "--steps", "3"))
+    again = launch_script(example, 2, *args, "--steps", "5")
+    assert len(first) == 3 and "resumed from step-000002" in again.stderr
+    assert len(losses(again)) == 3 and abs(losses(again)[0] - first[2]) < LOSS_TOLERANCE

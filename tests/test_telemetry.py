@@ -228,6 +228,6 @@ def test_collectives_are_charged_by_their_groups_ranks():
 
 @pytest.mark.parametrize("value", ["-1"])
 def test_a_bad_comm_cadence_is_refused_before_any_process_group(value):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--telemetry-comm-every", value],
+    proc = subprocess.run([sys.executable, "-m", "runtime.train", "--telemetry-comm-every", value],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "--telemetry-comm-every" in proc.stderr and "Traceback" not in proc.stderr

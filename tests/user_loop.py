@@ -3,8 +3,10 @@ their model, their loss (cross-entropy over the positions their targets count, p
 load-balancing loss where it returns one), AdamW with two parameter groups (no weight decay on norms and
 biases), a warmup-then-cosine schedule, gradient clipping, and their data through `rank_loader`. Each case
 of CASES.json runs in turn; per step, rank 0 prints `case NAME step K loss X samples I,J,...` (the global
-batch's sample indices) and every rank writes its gradients to DUMP/NAME/stepK-rankR.pt; a case may save its
-whole state at a step (`save_at`, `checkpoint`) or start from one (`resume`).
+batch's sample indices) and every rank writes its gradients to DUMP/NAME/stepK-rankR.pt. The runtime's health
+checks guard the optimizer step (`HealthMonitor.check`); a case may checkpoint its whole state into a directory
+(`checkpoint_dir`, `save_every`: `Checkpointer.maybe_save` of a `LoopState`) or start from one's latest
+(`resume_dir`), poison a gradient (`nan_at`: [step, rank]) or leave batches out by hand (`skip`: [steps]).
 
     python tests/user_loop.py CASES.json DUMP          # [{"name", "model", "layout", "steps", ...}]
 """
@@ -12,9 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,7 +27,8 @@ from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
 from planner.graph_capture.model_capture import capture  # noqa: E402
 from planner.graph_capture.model_sources import ModelConfig, resolve_model  # noqa: E402
 from planner.graph_capture.reference_model import build_model  # noqa: E402
-from runtime import LossTerms, Step, load_training, parallelize, rank_loader, save_training  # noqa: E402
+from runtime import (Cadence, Checkpointer, HealthMonitor, LoopState, LossTerms, Step, end_distributed,  # noqa: E402
+                     init_distributed, parallelize, rank_loader, settle)
 from runtime.step import IGNORE_INDEX, logits_of  # noqa: E402
 
 SEQ, GLOBAL_BATCH, AUX_COEFFICIENT = 32, 8, 0.02
@@ -100,36 +101,43 @@ def run(case: dict, dump: Path) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(case.get("schedule_steps", case["steps"])))
     step = Step(laid, loss_with_aux)
     loader = rank_loader(laid, TextWindows(), GLOBAL_BATCH, seed=1)
+    state, health = LoopState(laid, optimizer, scheduler, loader), HealthMonitor.for_model(laid)
+    checkpointer = Checkpointer(case["checkpoint_dir"], Cadence(case["save_every"]), health=health) \
+        if case.get("checkpoint_dir") else None
     (dump / case["name"]).mkdir(parents=True, exist_ok=True)
     first = 1
-    if case.get("resume"):   # the model, optimizer, schedule and data position, written under another layout
-        first = load_training(case["resume"], laid, optimizer, scheduler, loader) + 1
+    if case.get("resume_dir"):   # the model, optimizer, schedule and data position, written under another layout
+        first = Checkpointer(case["resume_dir"]).restore(state) + 1
     for index, (inputs, targets) in zip(range(first, case["steps"] + 1), loader):
+        if index in case.get("skip", []):
+            continue
         loss = step.forward_backward(inputs, targets)
+        if case.get("nan_at") == [index, rank]:
+            next(p.grad for p in laid.params if p.grad is not None).view(-1)[0] = float("nan")
         torch.save(laid.gradients(), dump / case["name"] / f"step{index}-rank{rank}.pt")
-        step.clip_grad_norm_(1.0)
-        optimizer.step()
-        scheduler.step()
+        if health.check(index, loss, laid.params):   # the same verdict on every rank
+            step.clip_grad_norm_(1.0)
+            optimizer.step()
+            scheduler.step()
+            health.check_replicas(index, laid.params)
         optimizer.zero_grad()
-        if case.get("save_at") == index:
-            save_training(case["checkpoint"], laid, optimizer, index, scheduler, loader)
+        if checkpointer:
+            checkpointer.maybe_save(index, state)
         if rank == 0:
             samples = loader.batch_sampler.batches.last
             print(f"case {case['name']} step {index} loss {loss:.10f} samples {','.join(map(str, samples))}",
                   flush=True)
+    if checkpointer:
+        checkpointer.finish()
 
 
 def main() -> None:
     cases, dump = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='user-loop-')}", rank=0,
-                                world_size=1)
+    init_distributed("cpu")
     for case in cases:
         run(case, dump)
-        dist.barrier()
-    dist.destroy_process_group()
+        settle()
+    end_distributed()
 
 
 if __name__ == "__main__":

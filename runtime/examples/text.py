@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ from planner.graph_capture.model_capture import capture
 from ..checkpoint import save_training
 from ..data import rank_loader
 from ..laid_out import parallelize
+from ..process_group import end_distributed, init_distributed
 from ..step import IGNORE_INDEX, Step, token_cross_entropy
 
 CORPUS = Path(__file__).with_name("corpus.txt")
@@ -112,19 +111,9 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def init(device: str) -> None:
-    if "RANK" in os.environ:
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    else:
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='example-')}", rank=0,
-                                world_size=1)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    init(args.device)
+    init_distributed(args.device)
     values = parse_text(args.layout, "--layout")
     others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
     values.setdefault("dp", max(1, dist.get_world_size() // others))
@@ -156,7 +145,8 @@ def main(argv=None) -> int:
                 print(f"eval step {index} loss {loss:.4f}", flush=True)
     if args.checkpoint:
         save_training(args.checkpoint, laid, optimizer, args.steps, scheduler, loader)
-    dist.destroy_process_group()
+    del step, scheduler, optimizer, loader, laid, model   # the layout's state goes while its groups still exist
+    end_distributed()
     return 0
 
 
