@@ -32,3 +32,19 @@ FUSED_LOSS_NOTE = ("the plan's memory assumed Transformer Engine's fused cross-e
 PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-aware optimizer (the master kept as "
                         "16-bit remainders where it trains in BF16, or bf16 moments); {target} keeps fp32 states "
                         "(plan with that framework's stack to predict them)")
+
+
+def notes_for_unexpressed(plan: Plan, *, experts: str, mtp: str, optimizer: str, loss: str) -> list[str]:
+    """What a target without Megatron-Core's dispatchers, MTP, precision-aware optimizer and fused loss cannot say;
+    each word names the target's own piece (its expert all-to-all, why it has no MTP, its optimizer, its loss)."""
+    lay, notes = plan.layout, []
+    if lay.moe_dispatcher != "alltoall":
+        notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; {experts} "
+                     "sends one per expert, which this export cannot change")
+    if plan.mtp_layers:
+        notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s); {mtp}")
+    if lay.precision_aware_optimizer:
+        notes.append(PRECISION_AWARE_NOTE.format(target=optimizer))
+    if lay.fused_loss:
+        notes.append(FUSED_LOSS_NOTE.format(target=loss))
+    return notes

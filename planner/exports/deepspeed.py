@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from ..plans import Plan
-from .common import DISPATCH_WORDS, FUSED_LOSS_NOTE, PRECISION_AWARE_NOTE, _full_layers_on_a_rank
+from .common import _full_layers_on_a_rank, notes_for_unexpressed
 
 
 def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
@@ -39,17 +39,10 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
         what = "DualPipeV schedule" if lay.schedule == "dualpipev" else "interleaved schedule"
         notes.append(f"DeepSpeed's PipelineModule has no {what}: vp={lay.vp} has no equivalent "
                      "(plan with --stack deepspeed)")
-    if lay.moe_dispatcher != "alltoall":
-        notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; DeepSpeed's MoE "
-                     "all-to-all sends one per expert, which this config cannot change")
     if lay.tp_comm_overlap or lay.moe_a2a_overlap or lay.moe_shared_expert_overlap:
         notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "
                      "has no such overlap (plan with --stack deepspeed to predict without it)")
-    if plan.mtp_layers:
-        notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s); DeepSpeed's config has "
-                     "no such field (the model code must build them)")
-    if lay.precision_aware_optimizer:
-        notes.append(PRECISION_AWARE_NOTE.format(target="DeepSpeed's Adam"))
-    if lay.fused_loss:
-        notes.append(FUSED_LOSS_NOTE.format(target="the model's own loss under DeepSpeed"))
+    notes += notes_for_unexpressed(plan, experts="DeepSpeed's MoE all-to-all",
+                                   mtp="DeepSpeed's config has no such field (the model code must build them)",
+                                   optimizer="DeepSpeed's Adam", loss="the model's own loss under DeepSpeed")
     return json.dumps(config, indent=2) + "\n", notes

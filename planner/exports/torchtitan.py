@@ -4,7 +4,7 @@ from __future__ import annotations
 import shlex
 
 from ..plans import Plan
-from .common import DISPATCH_WORDS, FUSED_LOSS_NOTE, PRECISION_AWARE_NOTE, _notes_for_recompute
+from .common import _notes_for_recompute, notes_for_unexpressed
 
 
 # the children of torchtitan 0.3's decoders (llama3, deepseek_v3, qwen3, gpt_oss: tok_embeddings, the layers'
@@ -126,14 +126,8 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if lay.moe_shared_expert_overlap:
         notes.append("the plan runs the shared experts beside the all-to-alls (Megatron --moe-shared-expert-overlap)"
                      "; torchtitan 0.3 runs them in line, which this export cannot change")
-    if lay.moe_dispatcher != "alltoall":
-        notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; torchtitan 0.3's "
-                     "expert parallelism sends one per expert, which this export cannot change")
-    if plan.mtp_layers:
-        notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s), which torchtitan's "
-                     "models do not have (plan with --stack torchtitan, which refuses them)")
-    if lay.precision_aware_optimizer:
-        notes.append(PRECISION_AWARE_NOTE.format(target="torchtitan's AdamW"))
-    if lay.fused_loss:
-        notes.append(FUSED_LOSS_NOTE.format(target="torchtitan"))
+    notes += notes_for_unexpressed(plan, experts="torchtitan 0.3's expert parallelism",
+                                   mtp="torchtitan's models do not have them (plan with --stack torchtitan, "
+                                       "which refuses them)",
+                                   optimizer="torchtitan's AdamW", loss="torchtitan")
     return notes

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from cost_models.layout_codec import layout_from, parse_text
 from planner.graph_capture.model_capture import capture
 
+from . import Logits
 from ..checkpoint import save_training
 from ..data import rank_loader
 from ..laid_out import parallelize
@@ -58,17 +59,6 @@ class PackedWindows(torch.utils.data.Dataset):
         inputs, targets = chunk[:-1].clone(), chunk[1:].clone()
         targets[(inputs == EOS) | (targets == PAD)] = IGNORE_INDEX
         return inputs, targets
-
-
-class Logits(torch.nn.Module):
-    """transformers returns a ModelOutput; the loss reads its logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return self.model(input_ids=tokens, use_cache=False).logits
 
 
 def tiny_llama(seq: int) -> torch.nn.Module:

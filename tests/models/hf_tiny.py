@@ -2,22 +2,14 @@
 import torch
 import transformers
 
+from runtime.examples import Logits
+
 
 def llama():
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                       max_position_embeddings=64, tie_word_embeddings=False)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-
-
-class Logits(torch.nn.Module):
-    """transformers returns a ModelOutput; the runtime's loss wants the logits tensor."""
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return self.model(input_ids=tokens, use_cache=False).logits
 
 
 def llama_logits():
