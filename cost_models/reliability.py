@@ -129,7 +129,12 @@ def checkpoint_load_s(cluster: Cluster, nbytes: float, readers: int) -> float:
 
 def inflated_restart_s(restart_s: float, failures_per_s: float) -> float:
     # Daly (2006): a restart that a failure (rate 1/M) restarts takes M (e^{R/M} - 1) on average
-    return math.expm1(restart_s * failures_per_s) / failures_per_s if failures_per_s > 0 else restart_s
+    return _expm1(restart_s * failures_per_s) / failures_per_s if failures_per_s > 0 else restart_s
+
+
+def _expm1(x: float) -> float:
+    """e^x - 1, infinite where it leaves floating point (interruptions far faster than a segment or a restart)."""
+    return math.expm1(x) if x < 700 else math.inf
 
 
 def interruption_kinds(cluster: Cluster, num_devices: int, restart_s: float, load_s: float, blocking_s: float,
@@ -174,7 +179,7 @@ def segment_parts_s(interval_s: float, blocking_s: float, kinds: tuple[Interrupt
     segment = interval_s + blocking_s
     if total_per_s == 0:
         return {"training": interval_s, "checkpoint blocking": blocking_s}
-    count = math.expm1(total_per_s * segment)          # expected interruptions per segment
+    count = _expm1(total_per_s * segment)          # expected interruptions per segment
     parts = {"training": interval_s, "checkpoint blocking": blocking_s,
              "lost work": count / total_per_s - segment}   # attempts last count/Lambda in all, segment of it kept
     for kind in kinds:
@@ -205,6 +210,10 @@ def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float,
     interval = max(daly_interval_s(blocking, 1 / total_per_s), save)  # an async save must finish before the next
     parts = segment_parts_s(interval, blocking, kinds, 1 / mtbf if math.isfinite(mtbf) else 0.0)
     wall = sum(parts.values())
+    if not math.isfinite(wall):   # interruptions come faster than a segment or a restart completes
+        return Goodput(mtbf, total_per_s * SECONDS_PER_DAY, nbytes, save, blocking, interval, restart, 0.0, mfu,
+                       recovery, kinds, {"lost work": SECONDS_PER_DAY},
+                       (*notes, "interruptions come faster than the job can restart and save: it makes no progress"))
     lost = {name: seconds / wall * SECONDS_PER_DAY for name, seconds in parts.items() if name != "training"}
     if check_share:
         lost["replica checks"] = check_share * interval / wall * SECONDS_PER_DAY

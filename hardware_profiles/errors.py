@@ -1,8 +1,12 @@
 """One error type for bad user input, rendered as a single clear paragraph."""
 from __future__ import annotations
 
+import reprlib
+
 
 QUOTE_LIMIT = 300   # characters of a user's value that a message repeats
+_QUOTE = reprlib.Repr()   # a value's repr bounded as it is built: a billion-laughs YAML is never expanded
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 3, 8, 8, QUOTE_LIMIT, QUOTE_LIMIT
 
 
 def clip(text: str, limit: int = QUOTE_LIMIT) -> str:
@@ -41,7 +45,7 @@ def format_pydantic_error(source: str, exc, what: str = "profile") -> UserInputE
     for err in exc.errors():
         location = ".".join(str(part) for part in err.get("loc", ())) or "(top level)"
         given = err.get("input")
-        given_text = "" if isinstance(given, dict) else f" (got {clip(repr(given))})"
+        given_text = "" if isinstance(given, dict) else f" (got {clip(_QUOTE.repr(given))})"   # bounded before built
         problems.append(f"field '{location}': {err.get('msg', 'invalid')}{given_text}")
     first_field = ".".join(str(p) for p in exc.errors()[0].get("loc", ())) if exc.errors() else None
     message = "; ".join(problems)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from .errors import UserInputError, format_pydantic_error
+from .parsing import parse_yaml, read_bounded_text
 from .schema import Cluster, Device
 from .stack import DEFAULT_STACK, SoftwareStack
 
@@ -21,26 +21,13 @@ MAX_INPUT_FILE_BYTES = 1 << 20   # profiles and model files are a few KB; a larg
 
 
 def read_small_text(path: Path, what: str) -> str:
-    """The text of a small input file, refused when it is not one (size, encoding, unreadable)."""
-    if not os.path.isfile(path):
-        raise UserInputError("file not found", source=str(path), expected=f"a readable {what}")
-    size = path.stat().st_size
-    if size > MAX_INPUT_FILE_BYTES:
-        raise UserInputError(f"{size:,} bytes", source=str(path),
-                             expected=f"a {what} under {MAX_INPUT_FILE_BYTES >> 10} KB")
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserInputError(f"cannot read ({exc})", source=str(path), expected=f"a UTF-8 {what}") from None
+    """The text of a small input file, refused when it is not one (size, encoding, special file, unreadable)."""
+    return read_bounded_text(path, what, MAX_INPUT_FILE_BYTES)
 
 
 def read_yaml_mapping(path: Path, what: str = "YAML profile") -> dict:
     """A small YAML file that must hold a mapping of fields (profiles, model files)."""
-    text = read_small_text(path, what)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserInputError(f"not valid YAML ({str(exc).splitlines()[0]})", source=str(path)) from None
+    data = parse_yaml(read_small_text(path, what), str(path))
     if not isinstance(data, dict):
         raise UserInputError("the file does not hold a mapping of fields", source=str(path),
                              expected="a YAML mapping such as 'name: h100-sxm'")

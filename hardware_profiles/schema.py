@@ -11,14 +11,31 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+
+# Every number a profile states is 0 or lies within these magnitudes: beyond them it is a unit mistake (bytes
+# written as GB, a fraction as a percentage inverted), and the times it gives leave what the solver's 64-bit
+# integers hold (1e-300 TFLOP/s is a step of 1e290 s; planner/search/partition_model.py counts in microseconds).
+SMALLEST_MAGNITUDE, LARGEST_MAGNITUDE = 1e-6, 1e15
 
 
 class Strict(BaseModel):
     # strict: a number written as text or as true/false is an error, never coerced; no nan or inf
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _plausible_magnitude(cls, value):
+        numbers = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else (value,)
+        for number in numbers:
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and number != 0 \
+                    and not SMALLEST_MAGNITUDE <= abs(number) <= LARGEST_MAGNITUDE:
+                raise ValueError(f"{number!r} is outside the magnitudes a profile holds (0 or "
+                                 f"{SMALLEST_MAGNITUDE:g} to {LARGEST_MAGNITUDE:g} in the field's unit)")
+        return value
 
 
 class FabricKind(str, Enum):

@@ -20,7 +20,6 @@ published runs only (benchmarks/calibrate.py), never on a job's own telemetry.
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import yaml
 
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import device_profile_path, load_device, read_yaml_mapping
+from hardware_profiles.parsing import parse_json, read_bounded_text
 
 MEASURED_PARTS = ("step_s", "forward_backward_s", "checks_s", "optimizer_s", "checkpoint_blocking_s")
 # inside forward_backward_s, on the steps the runtime's communication recorder ran (runtime/comm_telemetry.py),
@@ -41,6 +41,7 @@ COMPUTE_PARTS = ("compute_s", "recompute_s")
 MEASURED_COMPUTE = "compute_s"   # measured: forward+backward less the exposed parts, on the steps that split them
 OPTIMIZER_PART = "optimizer_s"
 REFIT_ROUNDS = 8          # re-predictions of the plan; each multiplies the error by the memory-bound share
+MAX_TELEMETRY_BYTES = 256 << 20   # a rank writes a line of about 300 bytes a step: 256 MB is 800,000 steps
 REFIT_TOLERANCE = 1e-3    # re-predicted compute within 0.1% of the measured
 
 
@@ -77,7 +78,8 @@ def read_telemetry(directory: str) -> tuple[dict, dict[int, dict[int, dict]]]:
                              expected="a directory written by 'python -m runtime.train --telemetry DIR'")
     header, steps = None, {}
     for path in files:
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for number, line in enumerate(read_bounded_text(path, "telemetry file", MAX_TELEMETRY_BYTES).splitlines(),
+                                       start=1):
             record = _parse_line(path, number, line)
             if "header" in record:
                 if header is not None and record["header"] != header:
@@ -93,10 +95,7 @@ def read_telemetry(directory: str) -> tuple[dict, dict[int, dict[int, dict]]]:
 
 def _parse_line(path: Path, number: int, line: str) -> dict:
     where = f"{path}:{number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UserInputError(f"not JSON ({exc.msg})", source=where, expected="one JSON object per line") from None
+    record = parse_json(line, where)
     if not isinstance(record, dict):
         raise UserInputError("not an object", source=where, expected="one JSON object per line")
     if "header" in record:

@@ -168,6 +168,11 @@ def plan(model: str = ModelOpt, cluster: Optional[str] = ClusterOpt, device: Opt
     """Search the fastest layout that fits, with its prediction and why."""
     if objective not in ("step-time", "goodput"):
         raise UserInputError(f"'{objective}'", field="--objective", expected="step-time or goodput")
+    if recovery and objective != "goodput":
+        raise UserInputError(f"'{recovery}' is read only with --objective goodput", field="--recovery",
+                             expected="--objective goodput beside it, or no --recovery")
+    if top < 0:
+        raise UserInputError(f"{top}", field="--top", expected="0 or more alternatives to report")
     if out_path is not None:
         out_path = check_plan_file(out_path)
     recovery_settings = parse_recovery(recovery)

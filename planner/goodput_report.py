@@ -18,14 +18,21 @@ EXPECTED = "comma-separated key=value with keys timeout (s), spares (yes/no), el
            "(steps, 0 for none), spikes_per_day"
 
 
+# what a recovery setting can be: a collective timeout up to a day, a check at most every 10^6 steps, spikes at
+# most one a second; past these the goodput model's exponentials leave floating point
+RECOVERY_LIMITS = {"timeout": 86_400.0, "sdc_every": 1_000_000, "spikes_per_day": 86_400.0}
+
+
 def parse_recovery(text: str | None, field: str = "--recovery") -> Recovery:
-    recovery = Recovery()
+    recovery, seen = Recovery(), set()
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in RECOVERY_FIELDS:
             raise UserInputError(f"'{item}'", field=field, expected=EXPECTED)
-        name = RECOVERY_FIELDS[key]
-        recovery = replace(recovery, **{name: _value(key, value, item, field)})
+        if key in seen:
+            raise UserInputError(f"'{key}' is given twice", field=field, expected="each key at most once")
+        seen.add(key)
+        recovery = replace(recovery, **{RECOVERY_FIELDS[key]: _value(key, value, item, field)})
     return recovery
 
 
@@ -38,8 +45,8 @@ def _value(key: str, text: str, item: str, field: str):
         number = int(text) if key == "sdc_every" else float(text)
     except ValueError:
         raise UserInputError(f"'{item}'", field=field, expected=EXPECTED) from None
-    if number < 0:
-        raise UserInputError(f"'{item}'", field=field, expected="a value of 0 or more")
+    if not 0 <= number <= RECOVERY_LIMITS[key]:   # nan and inf fail it too
+        raise UserInputError(f"'{item}'", field=field, expected=f"{key} from 0 to {RECOVERY_LIMITS[key]:,g}")
     return number
 
 

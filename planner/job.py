@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models.layout import Precision
-from hardware_profiles.errors import UserInputError
+from cost_models.layout_domains import MAX_DEGREE
+from hardware_profiles.errors import UserInputError, clip
 from hardware_profiles.loader import cluster_from_device, load_cluster, resolve_stack
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
@@ -136,8 +137,9 @@ def _resolve_cluster(cluster, device: str | None, num_devices: int | None, devic
 
 
 def check_count(field: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise UserInputError(f"{value!r}", field=field, expected="a positive integer")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DEGREE):
+        raise UserInputError(f"{clip(repr(value))}", field=field,
+                             expected=f"a positive integer of at most {MAX_DEGREE:,} (a plan's largest degree)")
 
 
 def check_batch(global_batch: int) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -14,7 +13,8 @@ from cost_models.layout import Layout, Recompute
 from cost_models.layout_codec import FIELDS, layout_from, parse_values
 from cost_models.layout_domains import MAX_DEGREE
 from cost_models.step_time import Estimate
-from hardware_profiles.errors import UserInputError, format_pydantic_error
+from hardware_profiles.errors import format_pydantic_error
+from hardware_profiles.parsing import parse_json, parse_yaml, read_bounded_text
 from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher, SoftwareStack
 
 from .output_paths import write_no_follow
@@ -211,19 +211,8 @@ class Plan(_Frozen):
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         path = Path(path)
-        if not os.path.isfile(path):
-            raise UserInputError("file not found", source=str(path), expected="a plan written by 'planner plan --out'")
-        if path.stat().st_size > MAX_PLAN_FILE_BYTES:
-            raise UserInputError(f"{path.stat().st_size:,} bytes", source=str(path),
-                                 expected=f"a plan file under {MAX_PLAN_FILE_BYTES >> 20} MB")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserInputError(f"cannot read ({exc})", source=str(path), expected="a UTF-8 plan file") from None
-        try:
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise UserInputError(f"cannot parse ({str(exc).splitlines()[0]})", source=str(path)) from None
+        text = read_bounded_text(path, "plan file written by 'planner plan --out'", MAX_PLAN_FILE_BYTES)
+        data = parse_json(text, str(path)) if path.suffix == ".json" else parse_yaml(text, str(path))
         if isinstance(data, dict):   # the JSON printed by --json: its derived keys go
             data = {k: v for k, v in data.items() if k not in REPORT_KEYS}
             if isinstance(data.get("layout"), dict):

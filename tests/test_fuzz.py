@@ -8,22 +8,20 @@ changes must exit 2 and known-valid ones 0.
 import json
 import random
 import shlex
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
+from cli_runner import CASE_LIMIT_S, check, run_cli
 from hardware_profiles import UserInputError
-from planner import api, cli
+from planner import api
 
 pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261201
-CASE_LIMIT_S = 10.0
 TINY = ["--model", "tiny-llama", "--device", "h100-sxm", "--num-devices", "8", "--global-batch", "16"]
 
 BAD_INTS = [0, -1, -8, 10 ** 15, 1.5, "x", "", True, None, [], {}, "1e3", float("nan")]
@@ -45,39 +43,6 @@ LAYOUT_KEYS = ["dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs", "gbs", "zero", 
 LAYOUT_VALUES = ["1", "2", "4", "8", "0", "-1", "3", "1.5", "x", "", "none", "full", "selective", "bf16", "fp8",
                  "true", "false", "tp-cp-ep-dp-pp", "tp-pp", "9" * 30, "delayed", "tensorwise", "dualpipev", "1f1b",
                  "interleaved-1f1b"]
-
-
-@dataclass
-class Outcome:
-    code: int
-    err: str
-    seconds: float
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> Outcome:
-    monkeypatch.setattr(sys, "argv", ["planner", *args])
-    capsys.readouterr()
-    started = time.perf_counter()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    return Outcome(code, capsys.readouterr().err, time.perf_counter() - started)
-
-
-def check(outcome: Outcome, case: str, valid: bool | None) -> None:
-    assert outcome.seconds < CASE_LIMIT_S, f"{case}: {outcome.seconds:.1f} s"
-    assert "Traceback" not in outcome.err, f"{case}: {outcome.err[-2000:]}"
-    assert outcome.code in (0, 2), f"{case}: exit {outcome.code}: {outcome.err[-500:]}"
-    if outcome.code == 2:
-        first = outcome.err.strip()
-        usage = "Usage:" in first or first.startswith(("Error:", "Try"))   # click's own option errors
-        assert usage or (first.startswith("error: ") and ("field '" in first or ":" in first[7:])), \
-            f"{case}: {first[:300]}"
-        assert len(first) < 5000, f"{case}: message of {len(first)} characters"
-    if valid is not None:
-        assert outcome.code == (0 if valid else 2), f"{case}: exit {outcome.code}: {outcome.err[-500:]}"
 
 
 def mutate(data: dict, rng: random.Random, pool) -> tuple[dict, str]:

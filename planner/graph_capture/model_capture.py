@@ -203,6 +203,17 @@ def _vocab_of(model: nn.Module) -> int:
     return embeddings[0].num_embeddings
 
 
+def _check_leaf_names(model: nn.Module, leaf_names: tuple[str, ...], name: str) -> None:
+    """A leaf name that names no module would be billed as nothing: refused, with the names that exist."""
+    names = [n for n, _ in model.named_modules() if n]
+    for leaf in leaf_names:
+        if not any(n == leaf or n.endswith("." + leaf) for n in names):
+            sample = sorted({n.rsplit(".", 1)[-1] for n in names if not n.rsplit(".", 1)[-1].isdigit()})[:12]
+            raise UserInputError(f"'{leaf}' names no module of {name}", field="--leaf-modules",
+                                 expected="a module name or the end of a dotted name, such as "
+                                          + ", ".join(sample))
+
+
 @functools.lru_cache(maxsize=32)
 def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_kernels: bool,
                     fused_gated_activation: bool = False) -> ModelGraph:
@@ -214,6 +225,7 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
     if not blocks:
         raise UserInputError(f"no repeated blocks (an nn.ModuleList of layers) found in {name}",
                              expected="a model whose layers are held in an nn.ModuleList")
+    _check_leaf_names(model, leaf_names, name)
     vocab = _vocab_of(model)
     tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     top, front_end = _top_graph(model, {id(module) for _, module in blocks}, tokens, leaf_names, name)

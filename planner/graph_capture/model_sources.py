@@ -18,6 +18,7 @@ from torch import nn
 
 from hardware_profiles.errors import UserInputError, format_pydantic_error
 from hardware_profiles.loader import read_small_text, read_yaml_mapping
+from hardware_profiles.parsing import parse_json
 
 from .model_config import ModelConfig
 
@@ -208,10 +209,7 @@ def resolve_model(spec) -> ModelConfig | UserModule:
     path = Path(text)
     if path.suffix == ".json":
         content = read_small_text(path, "Hugging Face config.json")
-        try:
-            config = json.loads(content)
-        except json.JSONDecodeError as exc:
-            raise UserInputError(f"not valid JSON ({exc})", source=text) from None
+        config = parse_json(content, text)
         if not isinstance(config, dict):
             raise UserInputError("the file does not hold a JSON object", source=text,
                                  expected="a Hugging Face config.json")

@@ -27,7 +27,13 @@ HORIZON_S = 1e4             # no step is slower
 
 
 def t(seconds: float) -> int:
-    return int(round(seconds / TIME_UNIT_S))
+    return int(round(_within_horizon(seconds) / TIME_UNIT_S))
+
+
+def _within_horizon(seconds: float) -> float:
+    """A term past the horizon is held at it: its stage is then past any plan, and no integer the solver sums
+    overflows (a profile's extreme but finite numbers give terms of 1e20 s)."""
+    return min(seconds, HORIZON_S)
 
 
 def t_extra(seconds: float) -> int:
@@ -37,7 +43,7 @@ def t_extra(seconds: float) -> int:
 
 
 def fine(seconds: float) -> int:
-    return int(round(seconds / TIME_UNIT_S * FINE_PER_UNIT))
+    return int(round(_within_horizon(seconds) / TIME_UNIT_S * FINE_PER_UNIT))
 
 
 def m(nbytes: float) -> int:

@@ -1,0 +1,203 @@
+"""Every class of bad input, generated: hypothesis draws many instances of each class (not the ones once found),
+and every one must end as cli_runner.check says: exit 0 or 2 with one paragraph naming the file or field, never
+a traceback, within 10 s.
+
+Classes: nesting depth (YAML flow and block, JSON), YAML aliases that expand past any real input, special files
+(FIFO, device, directory) where a data file is read, extreme but finite numbers in every numeric field of a device
+and a cluster profile (reaching the solver), and recovery settings, counts and --top values out of range.
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cli_runner import check, run
+
+pytestmark = pytest.mark.heavy
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = yaml.safe_load((ROOT / "hardware_profiles/devices/h100-sxm.yaml").read_text())
+CLUSTER = yaml.safe_load((ROOT / "hardware_profiles/clusters/dgx-h100.yaml").read_text())
+TINY_JOB = ["--num-devices", "8", "--global-batch", "16", "--time-limit", "5"]
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+# where a data file is read, and the command that reads it
+PLACES = ("device", "model-yaml", "config-json", "plan-file", "cluster")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("classes")
+    assert run(["plan", "--model", "tiny-llama", "--device", "h100-sxm", *TINY_JOB, "--out",
+                str(base / "good-plan.yaml")]).code == 0
+    return base
+
+
+def command_reading(place: str, path: Path) -> list[str]:
+    if place == "device":
+        return ["plan", "--model", "tiny-llama", "--device", str(path), *TINY_JOB]
+    if place == "cluster":
+        return ["plan", "--model", "tiny-llama", "--cluster", str(path), *TINY_JOB]
+    if place in ("model-yaml", "config-json"):
+        return ["plan", "--model", str(path), "--device", "h100-sxm", "--seq-len", "32", *TINY_JOB]
+    return ["export", str(path), "--to", "megatron"]
+
+
+def suffix(place: str) -> str:
+    return ".json" if place == "config-json" else ".yaml"
+
+
+def nested(depth: int, style: str) -> str:
+    if style == "json":
+        return "[" * depth + "]" * depth
+    if style == "flow":
+        return "a: " + "[" * depth + "]" * depth + "\n"
+    return "".join("  " * level + "- \n" if level < depth - 1 else "  " * level + "- x\n" for level in range(depth))
+
+
+@SETTINGS
+@given(depth=st.one_of(st.integers(1, 80), st.integers(80, 100_000)), style=st.sampled_from(["json", "flow", "block"]),
+       place=st.sampled_from(PLACES))
+def test_nesting_of_any_depth_is_refused_in_bounded_time(workdir, depth, style, place):
+    path = workdir / f"nested-{place}{suffix(place)}"
+    path.write_text(nested(min(depth, 2_000) if style == "block" else depth, "json" if suffix(place) == ".json"
+                           else style))
+    check(run(command_reading(place, path)), f"{place} {style} depth {depth}", valid=False)
+
+
+def laughs(levels: int, fanout: int) -> str:
+    lines = [f"l0: &l0 [{', '.join(['lol'] * fanout)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * fanout)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nname: *l{levels - 1}\n"
+
+
+@SETTINGS
+@given(levels=st.integers(1, 12), fanout=st.integers(1, 16),
+       place=st.sampled_from(("device", "model-yaml", "plan-file", "cluster")))
+def test_aliases_that_expand_past_any_real_input_are_refused_quickly(workdir, levels, fanout, place):
+    path = workdir / f"laughs-{place}.yaml"
+    path.write_text(laughs(levels, fanout))
+    check(run(command_reading(place, path)), f"{place} {levels} levels x {fanout}", valid=False)
+
+
+@pytest.fixture(scope="module")
+def special_files(workdir):
+    fifo = workdir / "a-fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    folder = workdir / "a-folder.yaml"
+    folder.mkdir(exist_ok=True)
+    telemetry = workdir / "telemetry"
+    telemetry.mkdir(exist_ok=True)
+    return {"fifo": fifo, "dev-zero": Path("/dev/zero"), "dev-null": Path("/dev/null"), "folder": folder,
+            "telemetry": telemetry}
+
+
+@SETTINGS
+@given(kind=st.sampled_from(["fifo", "dev-zero", "dev-null", "folder"]),
+       place=st.sampled_from((*PLACES, "telemetry")))
+def test_special_files_are_never_read_as_data(special_files, kind, place):
+    target = special_files[kind]
+    if place == "telemetry":   # a rank's telemetry file that is a link to it
+        link = special_files["telemetry"] / "rank-0.jsonl"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        args = ["calibrate", "--telemetry", str(special_files["telemetry"])]
+    else:
+        link = special_files["folder"].parent / f"{kind}-as-{place}{suffix(place)}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        args = command_reading(place, link)
+    check(run(args), f"{kind} as {place}", valid=False)
+
+
+def numeric_paths(data, prefix=()):
+    """Every numeric leaf of a profile, as a key path."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from numeric_paths(value, (*prefix, key))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield (*prefix, key)
+
+
+EXTREME = st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                    st.integers(-320, 308).map(lambda e: float(f"1e{e}")),
+                    st.integers(-(10 ** 30), 10 ** 30))
+
+
+def replaced(data: dict, path: tuple, value) -> dict:
+    data = json.loads(json.dumps(data))
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return data
+
+
+@SETTINGS
+@given(path=st.sampled_from(sorted(numeric_paths(DEVICE), key=str)), value=EXTREME)
+def test_extreme_numbers_in_a_device_profile_never_reach_the_solver_unchecked(workdir, path, value):
+    device = workdir / "extreme-device.yaml"
+    device.write_text(yaml.safe_dump(replaced(DEVICE, path, value)))
+    outcome = run(command_reading("device", device))
+    check(outcome, f"{'.'.join(path)}={value!r}", valid=None)
+    if outcome.code == 2 and "field '" in outcome.err and ".yaml" in outcome.err:
+        assert path[-1] in outcome.err, f"{'.'.join(path)}={value!r}: {outcome.err[:300]}"
+
+
+@SETTINGS
+@given(path=st.sampled_from(sorted(p for p in numeric_paths(CLUSTER) if p[0] != "device")), value=EXTREME)
+def test_extreme_numbers_in_a_cluster_profile_never_reach_the_solver_unchecked(workdir, path, value):
+    cluster = workdir / "extreme-cluster.yaml"
+    cluster.write_text(yaml.safe_dump(replaced(CLUSTER, path, value)))
+    check(run(["plan", "--model", "tiny-llama", "--cluster", str(cluster), "--global-batch", "16",
+               "--time-limit", "5", "--objective", "goodput"]), f"{'.'.join(path)}={value!r}", valid=None)
+
+
+RECOVERY_VALUES = st.one_of(st.floats(), st.integers(-(10 ** 20), 10 ** 20), st.sampled_from(["yes", "no", "", "x"]))
+
+
+@SETTINGS
+@given(items=st.lists(st.tuples(st.sampled_from(["timeout", "spares", "elastic", "sdc_every", "spikes_per_day", "t"]),
+                                RECOVERY_VALUES), min_size=1, max_size=4),
+       goodput=st.booleans())
+def test_recovery_settings_out_of_range_or_repeated_are_refused(items, goodput):
+    text = ",".join(f"{key}={value}" for key, value in items)
+    keys = [key for key, _ in items]
+    numeric_ok = all(_in_range(key, value) for key, value in items)
+    valid = goodput and len(set(keys)) == len(keys) and numeric_ok
+    objective = ["--objective", "goodput"] if goodput else []
+    check(run(["plan", "--model", "tiny-llama", "--device", "h100-sxm", *TINY_JOB, *objective, "--recovery", text]),
+          f"--recovery {text} goodput={goodput}", valid=valid)
+
+
+def _in_range(key: str, value) -> bool:
+    """What parse_recovery's documented limits accept, written out from its EXPECTED text and limits."""
+    if key in ("spares", "elastic"):
+        return value in ("yes", "no")
+    if key == "t" or isinstance(value, str):
+        return False
+    if key == "sdc_every" and not isinstance(value, int):
+        return False
+    limit = {"timeout": 86_400, "sdc_every": 1_000_000, "spikes_per_day": 86_400}[key]
+    return 0 <= value <= limit   # nan compares false
+
+
+@SETTINGS
+@given(flag=st.sampled_from(["--num-devices", "--global-batch", "--seq-len", "--top", "--devices-per-node"]),
+       value=st.integers(-(10 ** 40), 10 ** 40))
+def test_counts_of_any_size_are_refused_or_planned_in_bounded_time(flag, value):
+    args = ["plan", "--model", "tiny-llama", "--device", "h100-sxm", *TINY_JOB]
+    if flag in args:
+        args[args.index(flag) + 1] = str(value)
+    else:
+        args += [flag, str(value)]
+    outcome = run(args)
+    check(outcome, f"{flag} {value}", valid=None)
+    if value <= 0 and flag != "--top":
+        assert outcome.code == 2, f"{flag} {value} accepted"
