@@ -14,9 +14,10 @@ from .parallel_model import ParallelModel, apply_plan
 from .process_group import end_distributed, init_distributed, settle
 from .step import LossTerms, Step, token_cross_entropy
 from .trainer import Trainer, TrainerConfig
+from .verified import CheckpointFailed, CheckpointRefused
 from .watchdog import Watchdog
 
 __all__ = ["PlanError", "ParallelModel", "apply_plan", "LaidOutModel", "parallelize", "Step", "LossTerms",
            "token_cross_entropy", "rank_loader", "save_training", "load_training", "LoopState", "Cadence",
            "Checkpointer", "HealthMonitor", "HealthPolicy", "HealthStop", "Rollback", "Trainer", "TrainerConfig",
-           "Watchdog", "init_distributed", "end_distributed", "settle"]
+           "Watchdog", "init_distributed", "end_distributed", "settle", "CheckpointFailed", "CheckpointRefused"]

@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from .verified import STEP_DIR, Identity
+
 
 @dataclass(frozen=True)
 class TrainState:
@@ -87,6 +89,15 @@ def _model_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     for module in modules:
         state.update({f"model/{k}": v for k, v in get_model_state_dict(module).items()})
     return state
+
+
+def identity_of(modules: list[nn.Module], optimizer) -> Identity:
+    """What a checkpoint of this rank's state is of: the optimizer class, its model keys and global shapes."""
+    parameters = {}
+    for module in modules:
+        for key, value in get_model_state_dict(module).items():
+            parameters[f"model/{key}"] = list(value.shape)   # a DTensor's shape is the whole tensor's
+    return Identity(optimizer=type(local_optimizer(optimizer)).__name__, parameters=parameters)
 
 
 def training_state(modules, optimizer, canonical, train: TrainState) -> dict[str, torch.Tensor]:
@@ -185,11 +196,25 @@ class LoopState:
     def load(self, path: str) -> int:
         return load_training(path, self.model, self.optimizer, self.scheduler, self.loader)
 
+    def identity(self) -> Identity:
+        from .laid_out import inner
+        return identity_of([inner(m) for m in self.model.modules], self.optimizer)
+
 
 LATEST = "latest"   # names the last checkpoint of a directory that every rank finished writing (runtime/checkpointing.py)
 
 
 def latest(directory: str) -> Path | None:
-    """The last complete checkpoint in `directory`, or None."""
-    marker = Path(directory) / LATEST
-    return Path(directory) / marker.read_text().strip() if marker.is_file() else None
+    """The last complete checkpoint in `directory`, or None (no marker, or one that names no checkpoint of it)."""
+    name = latest_name(Path(directory))
+    return None if name is None else Path(directory) / name
+
+
+def latest_name(directory: Path) -> str | None:
+    """What `latest` names where it names a checkpoint directory inside `directory`; None otherwise."""
+    marker = directory / LATEST
+    try:
+        name = marker.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if STEP_DIR.match(name) and (directory / name).is_dir() else None

@@ -18,6 +18,7 @@ optimizer, LR scheduler and data loader):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -26,12 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from cost_models.reliability import daly_interval_s
 
-from . import checkpoint
+from . import checkpoint, verified
 
 LATEST = checkpoint.LATEST
+SAVE_ERRORS = (Exception, CheckpointException)   # DCP's is a BaseException
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class _Pending:
     step: int
     future: object               # dcp.async_save's
     started: float
+    identity: object             # runtime.verified.Identity of the state saved
 
 
 class Checkpointer:
@@ -56,17 +60,30 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.next_step: int | None = None    # Daly: when the next save is due
         self.rank = dist.get_rank()
+        self.restored: Path | None = None    # the checkpoint the last restore loaded
+        self.verify_s = 0.0                  # this rank's seconds hashing the last checkpoint it wrote
 
     # -- the directory ---------------------------------------------------------------------------
     def latest(self) -> Path | None:
         return checkpoint.latest(str(self.directory))
 
     def restore(self, state) -> int | None:
-        """Load the last complete checkpoint into `state` (after finishing one still being written); its step,
-        or None when the directory holds none."""
+        """Load the newest checkpoint that verifies (runtime/verified.py) into `state`, after finishing one still
+        being written; its step, or None when the directory holds none. Each refused one is said in a line;
+        a directory of checkpoints none of which can be resumed raises CheckpointRefused."""
         self.finish()
-        latest = self.latest()
-        return None if latest is None else state.load(str(latest))
+        self.restored = None
+        if not self.directory.is_dir():
+            return None
+        name = checkpoint.latest_name(self.directory)
+        if name is None and (self.directory / LATEST).exists():
+            self._say(f"health: {self.directory / LATEST} names no checkpoint of {self.directory}; the newest "
+                      "that verifies is used")
+        target = verified.newest_usable(self.directory, name, state.identity(), self._say)
+        if target is None:
+            return None
+        self.restored = target
+        return state.load(str(target))
 
     # -- saving ----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -89,17 +106,31 @@ class Checkpointer:
         return blocking
 
     def _save(self, step: int, state) -> float:
-        """Write `step`; returns the seconds training waited for it (the previous async write included)."""
+        """Write `step`; returns the seconds training waited for it (the previous async write included). A save
+        that fails on any rank raises CheckpointFailed on every rank: training never goes on past it."""
         started = time.perf_counter()
         self.finish()
         target = self.directory / f"step-{step:06d}"
-        if self.asynchronous:
-            future = state.save(str(target), step, asynchronous=True, process_group=self.group)
-            self.pending = _Pending(target, step, future, time.perf_counter())
-        else:
-            state.save(str(target), step)
-            self._mark_latest(target)
+        if self.rank == 0:   # a step written again (after a rollback) is unverified until its new manifest
+            with contextlib.suppress(OSError):   # a path that cannot hold one fails the save itself, collectively
+                (target / verified.MANIFEST).unlink(missing_ok=True)
+        try:
+            if self.asynchronous:
+                future = state.save(str(target), step, asynchronous=True, process_group=self.group)
+                self.pending = _Pending(target, step, future, time.perf_counter(), state.identity())
+            else:
+                state.save(str(target), step)
+        except SAVE_ERRORS as exc:   # DCP gathers every rank's failure into one CheckpointException
+            raise verified.CheckpointFailed(f"checkpoint {target.name} failed: {_cause(exc)}") from None
+        if not self.asynchronous:
+            self._mark_latest(target, step, state.identity())
         return time.perf_counter() - started
+
+    def poll(self) -> None:
+        """Where an asynchronous write has ended, make it latest now (a failure is CheckpointFailed at the first
+        step after it is known, not at the next save)."""
+        if self.pending is not None and self.pending.future.done():
+            self.finish()
 
     def _schedule(self, step: int, step_s: float, blocking_s: float) -> None:
         """Daly's interval for the blocking just measured, in whole steps of the time just measured."""
@@ -113,17 +144,35 @@ class Checkpointer:
                   file=sys.stderr, flush=True)
 
     def finish(self) -> None:
-        """Wait for a write still in flight and make it `latest` once every rank has finished it."""
+        """Wait for a write still in flight and make it `latest` once every rank has finished and verified it."""
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.future.result()
-        self._mark_latest(pending.target)
+        try:
+            pending.future.result()
+        except SAVE_ERRORS as exc:
+            raise verified.CheckpointFailed(f"checkpoint {pending.target.name} failed: {_cause(exc)}") from None
+        self._mark_latest(pending.target, pending.step, pending.identity)
 
-    def _mark_latest(self, target: Path) -> None:
+    def _mark_latest(self, target: Path, step: int, identity) -> None:
+        """The manifest of what every rank wrote, then `latest`: a checkpoint is never latest unverified."""
+        self.verify_s = verified.write_manifest(target, step, identity)
         dist.barrier()
         if self.rank == 0:
             marker = self.directory / f".{LATEST}.tmp"
             marker.write_text(target.name)
             os.replace(marker, self.directory / LATEST)
         dist.barrier()
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _cause(exc: Exception) -> str:
+    """The first failing rank and its error, from DCP's CheckpointException (or the error itself)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (error, _) = sorted(failures.items())[0]
+        return f"rank {rank}: {type(error).__name__}: {error}"
+    return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"

@@ -140,6 +140,10 @@ class ParallelModel:
         return checkpoint.save(path, [inner(m) for m in self.modules], self.optimizer, self.canonical_names,
                                checkpoint.TrainState(step=step, lr=lr), asynchronous, process_group)
 
+    def identity(self) -> checkpoint.Identity:
+        """What a checkpoint of this rank's state is of (runtime/verified.py checks it before a load)."""
+        return checkpoint.identity_of([inner(m) for m in self.modules], self.optimizer)
+
     def forget_optimizer_state(self) -> None:
         """Drop the optimizer's moments and step counts (what a model-only checkpoint resumes with)."""
         checkpoint.local_optimizer(self.optimizer).state.clear()

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,11 +27,13 @@ import torch.distributed as dist
 
 from . import faults
 from .checkpointing import Cadence, Checkpointer
+from .verified import CheckpointFailed, CheckpointRefused, problem_of, write_manifest
 from .health import HealthStop, Rollback
 from .telemetry import TelemetryHeader, TelemetryWriter
 from .watchdog import Watchdog
 
 STOPPED = 4   # the exit status of a job the health policy stopped
+CHECKPOINT_ERROR = 5   # a save that failed, or a checkpoint that cannot be resumed: said in one line
 
 
 @dataclass(frozen=True)
@@ -81,22 +84,33 @@ class Trainer:
         restored = self.checkpointer.restore(self.parallel) if self.checkpointer else None
         if restored is not None:
             start = restored + 1
-            self._say(f"resumed from {self.checkpointer.latest().name} "
+            self._say(f"resumed from {self.checkpointer.restored.name} "
                       f"(restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})")
         if self.config.resume_from:
+            problem = problem_of(Path(self.config.resume_from), self.parallel.identity(),
+                                 with_optimizer=not self.config.drop_optimizer_state)
+            if problem:
+                raise CheckpointRefused(f"--resume {self.config.resume_from}: {problem}")
             start = self.parallel.load(self.config.resume_from) + 1
             if self.config.drop_optimizer_state:
                 self.parallel.forget_optimizer_state()
         return start
 
     def fit(self) -> int:
-        """Train to the last step; 0, or `STOPPED` where the health policy stopped the job (on every rank)."""
-        first = self.first_step()
+        """Train to the last step; 0, `STOPPED` where the health policy stopped the job, or `CHECKPOINT_ERROR`
+        where a save failed or no checkpoint can be resumed (on every rank; rank 0 says why in one line)."""
         config = self.config
-        last = config.last_step if config.last_step is not None else (
-            config.steps if config.checkpoint_dir else first + config.steps - 1)
         try:
+            first = self.first_step()
+            last = config.last_step if config.last_step is not None else (
+                config.steps if config.checkpoint_dir else first + config.steps - 1)
             return self._run(range(first, last + 1))
+        except (CheckpointFailed, CheckpointRefused) as exc:
+            latest = self.checkpointer.latest() if self.checkpointer else None
+            after = f"; {latest.name} stays the latest, training stopped" if isinstance(exc, CheckpointFailed) \
+                and latest else "; training stopped"
+            self._say(f"error: {exc}{after}")
+            return CHECKPOINT_ERROR
         finally:
             if self.telemetry:
                 self.telemetry.close()
@@ -126,16 +140,25 @@ class Trainer:
             if self.rank == 0:
                 print(f"{self.config.log_prefix}step {step} loss {loss:.10f}", flush=True)
             if self.config.save_at == step and self.config.save_to:
-                pending = self.parallel.save(self.config.save_to, step, asynchronous=self.config.async_save)
+                pending = (self.parallel.save(self.config.save_to, step, asynchronous=self.config.async_save), step)
+                if not self.config.async_save:
+                    pending = self._verify_save_to(pending)
+            if self.checkpointer:
+                self.checkpointer.poll()
             blocking = self.checkpointer.maybe_save(step, self.parallel, step_s) if self.checkpointer else 0.0
             if self.telemetry:
                 self.telemetry.write(step, self.parallel.timing, blocking)
             step += 1
         if pending is not None:
-            pending.result()   # the asynchronous write finishes before the job ends
+            pending[0].result()   # the asynchronous write finishes before the job ends
+            self._verify_save_to(pending)
         if self.checkpointer:
             self.checkpointer.finish()
         return 0
+
+    def _verify_save_to(self, pending) -> None:
+        """The manifest of the one checkpoint `save_at` wrote (what a later --resume verifies)."""
+        write_manifest(Path(self.config.save_to), pending[1], self.parallel.identity())
 
     def _train(self, step: int) -> float:
         tokens, targets = self.batches(step)

@@ -98,7 +98,7 @@ def refit_and_hold_out(directory: Path, device: str) -> tuple[float, float, floa
 
 
 @pytest.mark.parametrize("line,named", [
-    ("not json", "not JSON"),
+    ("not json", "not valid JSON"),
     ('{"step": 1, "rank": 0, "step_s": -1, "forward_backward_s": 0, "checks_s": 0, "optimizer_s": 0, '
      '"checkpoint_blocking_s": 0}', "'step_s' missing or not seconds >= 0"),
     ('{"step": "1", "rank": 0}', "'step' missing or not a whole number"),
