@@ -201,3 +201,39 @@ def test_counts_of_any_size_are_refused_or_planned_in_bounded_time(flag, value):
     check(outcome, f"{flag} {value}", valid=None)
     if value <= 0 and flag != "--top":
         assert outcome.code == 2, f"{flag} {value} accepted"
+
+
+FAMILY_BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+               "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}
+FAMILY_EXTRA = {   # what each family's config.json adds to the base
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+    "gemma3_text": {"sliding_window": 16, "sliding_window_pattern": 2, "head_dim": 16},
+    "gpt2": {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 64},
+    "llama": {}, "gpt_neox": {}, "phi3": {"pad_token_id": 0}, "gemma2": {"attn_logit_softcapping": 50.0, "sliding_window": 16},
+}
+BAD_VALUES = st.one_of(st.none(), st.sampled_from(["x", "", "8", True, False, [], {}]), st.integers(-(10 ** 12), 10 ** 12),
+                       st.floats(allow_nan=False))
+
+
+@SETTINGS
+@given(family=st.sampled_from(sorted(FAMILY_EXTRA)), data=st.data())
+def test_config_json_of_every_family_with_keys_missing_or_wrong_names_the_key(workdir, family, data):
+    config = {"model_type": family, **FAMILY_BASE, **FAMILY_EXTRA[family]}
+    keys = sorted(k for k in config if k != "model_type")
+    dropped = data.draw(st.lists(st.sampled_from(keys), max_size=3, unique=True), label="dropped")
+    changed = data.draw(st.dictionaries(st.sampled_from(keys), BAD_VALUES, max_size=2), label="changed")
+    for key in dropped:
+        config.pop(key)
+    config.update(changed)
+    path = workdir / f"family-{family}.json"
+    path.write_text(json.dumps(config))
+    outcome = run(command_reading("config-json", path))
+    check(outcome, f"{family} without {dropped} with {changed}", valid=None)
+    if outcome.code == 2 and "field '" in outcome.err:   # a field named is one the user wrote, never ours
+        named = outcome.err.split("field '", 1)[1].split("'", 1)[0]
+        assert named in config or named in ("(top level)", "model_type", "name", "config.json"), outcome.err[:400]

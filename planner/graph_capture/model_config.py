@@ -1,6 +1,8 @@
 """The project's model schema (docs/models.md): what the reference decoder is built from."""
 from __future__ import annotations
 
+import json
+
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -73,6 +75,14 @@ class TorchtitanModel(_Strict):
         return self.fp8_config if fp8_recipe == self.fp8_recipe else None
 
 
+# the sizes a config.json states and the fields they must equal: capture builds the transformers class
+# from hf_config, so one that disagrees would plan another model than the file's own fields say
+HF_SIZES = (("num_hidden_layers", "num_layers"), ("n_layer", "num_layers"), ("hidden_size", "hidden_size"),
+            ("n_embd", "hidden_size"), ("num_attention_heads", "num_attention_heads"),
+            ("n_head", "num_attention_heads"), ("intermediate_size", "ffn_hidden_size"),
+            ("vocab_size", "vocab_size"))
+
+
 class ModelConfig(_Strict):
     name: str = Field(default="custom", pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:/-]{0,199}$")
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
@@ -137,7 +147,23 @@ class ModelConfig(_Strict):
             raise ValueError("moe.first_k_dense_layers exceeds num_layers")
         if self.sliding_layers is not None and any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ValueError(f"sliding_layers names a layer outside 0..{self.num_layers - 1}")
+        self._hf_config_agrees()
         return self
+
+    def _hf_config_agrees(self) -> None:
+        if self.hf_config is None:
+            return
+        try:
+            config = json.loads(self.hf_config)
+        except (ValueError, RecursionError):
+            raise ValueError("hf_config is not the JSON text of a config.json") from None
+        if not isinstance(config, dict):
+            raise ValueError("hf_config is not the JSON text of a config.json object")
+        for key, field in HF_SIZES:
+            if key in config and config[key] != getattr(self, field) and not (
+                    field == "ffn_hidden_size" and self.moe is not None):   # MoE: the dense layers' width
+                raise ValueError(f"hf_config says {key}={config[key]!r} where this file says {field}="
+                                 f"{getattr(self, field)!r}: capture would build the hf_config's model")
 
     def window_of(self, index: int) -> int:
         """The keys each query of layer `index` sees, 0 for all (multi-token prediction layers: full)."""

@@ -73,7 +73,8 @@ HF_INT_KEYS = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_hea
                "max_position_embeddings", "n_positions", "n_ctx", "num_local_experts", "n_routed_experts",
                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
                "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-               "v_head_dim")
+               "v_head_dim", "max_window_layers", "sliding_window_pattern")
+MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")   # q_lora_rank may be null
 HF_BOOL_KEYS = ("tie_word_embeddings", "use_parallel_residual", "attention_bias")
 HF_FLOAT_KEYS = ("resid_pdrop", "hidden_dropout", "embd_pdrop", "attn_logit_softcapping", "final_logit_softcapping")
 
@@ -118,8 +119,8 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
     act = str(_first(config, "hidden_activation", "hidden_act", "activation_function", default="silu"))
     softcap = config.get("attn_logit_softcapping")
     data = {
-        "name": config.get("_name_or_path") or (Path(source).stem if source.endswith(".json") else model_type)
-        or "hf-model",
+        "name": _plain_name(config.get("_name_or_path")) or (Path(source).stem if source.endswith(".json")
+                                                              else model_type) or "hf-model",
         "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "num_query_groups": _first(config, "num_key_value_heads", default=heads),
         "head_dim": config.get("head_dim"),
@@ -150,8 +151,13 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         data["attention"] = "mha"
     if config.get("kv_lora_rank"):
         data["attention"] = "mla"
-        data["mla"] = {key: config[key] for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                                    "qk_rope_head_dim", "v_head_dim")}
+        missing = [key for key in MLA_KEYS if config.get(key) is None]
+        if missing:
+            raise UserInputError(f"multi-latent attention (kv_lora_rank {config['kv_lora_rank']}) without "
+                                 f"{', '.join(missing)}", source=source, field=missing[0],
+                                 expected="the MLA sizes of a DeepSeek config.json: " + ", ".join(MLA_KEYS))
+        data["mla"] = {"q_lora_rank": config.get("q_lora_rank"),   # null: queries unfactored (DeepSeek-V2-Lite)
+                       **{key: config[key] for key in MLA_KEYS}}
     experts = _first(config, "num_local_experts", "n_routed_experts", "num_experts")
     if experts:
         data["moe"] = {
@@ -164,7 +170,48 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
             "router_num_groups": config.get("n_group") or 1,
             "router_group_topk": config.get("topk_group") or 1,
         }
-    return _validate(data, source)
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _in_config_json_keys(format_pydantic_error(source, exc, "model config"), config) from None
+
+
+def _plain_name(name) -> str:
+    """A `_name_or_path` as a plan names the model: its last path part, other characters as '-'."""
+    if not isinstance(name, str) or not name.strip():
+        return ""
+    tail = name.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", tail).lstrip("-._+")[:200]
+
+
+# the reference decoder's fields as a config.json names them (the first key of each that the file holds)
+HF_KEY_OF = {"num_layers": ("num_hidden_layers", "n_layer"), "hidden_size": ("hidden_size", "n_embd", "d_model"),
+             "num_attention_heads": ("num_attention_heads", "n_head"), "num_query_groups": ("num_key_value_heads",),
+             "ffn_hidden_size": ("intermediate_size", "n_inner"), "seq_length": ("max_position_embeddings",
+                                                                                 "n_positions", "n_ctx"),
+             "attention_softcap": ("attn_logit_softcapping",), "logit_softcap": ("final_logit_softcapping",),
+             "dropout": ("resid_pdrop", "hidden_dropout", "embd_pdrop"), "sliding_layers": ("layer_types",
+                                                                                            "max_window_layers"),
+             "moe.num_experts": ("num_local_experts", "n_routed_experts", "num_experts"),
+             "moe.router_topk": ("num_experts_per_tok",), "moe.moe_ffn_hidden_size": ("moe_intermediate_size", "intermediate_size"),
+             "moe.num_shared_experts": ("n_shared_experts",), "moe.first_k_dense_layers": ("first_k_dense_replace",),
+             "moe.router_num_groups": ("n_group",), "moe.router_group_topk": ("topk_group",),
+             **{name: (name,) for name in ("vocab_size", "head_dim", "sliding_window")},
+             **{f"mla.{name}": (name,) for name in ("q_lora_rank", *MLA_KEYS)}}
+
+
+def _in_config_json_keys(error: UserInputError, config: dict) -> UserInputError:
+    """The error with each field the reader filled named by the config.json key the user wrote."""
+    text = str(error)
+    for field, keys in HF_KEY_OF.items():
+        key = next((k for k in keys if k in config), None)
+        named = f"config.json key '{key}'" if key else f"config.json key '{keys[0]}' (missing" + (
+            f"; or {', '.join(keys[1:])})" if len(keys) > 1 else ")")
+        # in a field's error, and in a rule's message that quotes it (num_query_groups=3 ...)
+        text = text.replace(f"field '{field}'", named).replace(f" {field}=", f" {key or keys[0]}=")
+    renamed = UserInputError(text.rstrip("."))
+    renamed.field = error.field
+    return renamed
 
 
 def load_user_module(spec: str) -> UserModule:
@@ -238,10 +285,10 @@ def _sliding(config: dict, model_type: str, layers: int) -> dict:
     elif model_type in ("gemma2", "gpt_oss"):   # GptOssConfig too: sliding where (i + 1) % 2
         sliding = list(range(0, layers, 2))
     elif model_type in ("gemma3", "gemma3_text"):
-        pattern = int(config.get("sliding_window_pattern") or 6)
+        pattern = config.get("sliding_window_pattern") or 6
         sliding = [i for i in range(layers) if (i + 1) % pattern]
-    elif "max_window_layers" in config:
-        sliding = list(range(int(config["max_window_layers"]), layers))
+    elif config.get("max_window_layers") is not None:
+        sliding = list(range(config["max_window_layers"], layers))
     else:
         sliding = list(range(layers))
     return {"sliding_window": window, "sliding_layers": tuple(sliding)}
