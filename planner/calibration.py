@@ -31,6 +31,8 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import device_profile_path, load_device, read_yaml_mapping
 from hardware_profiles.parsing import parse_json, read_bounded_text
 
+from .output_paths import check_plan_file, write_no_follow
+
 MEASURED_PARTS = ("step_s", "forward_backward_s", "checks_s", "optimizer_s", "checkpoint_blocking_s")
 # inside forward_backward_s, on the steps the runtime's communication recorder ran (runtime/comm_telemetry.py),
 # named as the plan's breakdown names them
@@ -287,8 +289,8 @@ def _refitted_profile(device: str, refits) -> dict:
 def write_device_profile(calibration: Calibration, out_path: str) -> Path:
     """The job's device profile with the refitted figures, checked by loading it back."""
     device = calibration.header["device"]
-    path = Path(out_path)
-    path.write_text(f"# {device} refitted by 'planner calibrate --telemetry {calibration.directory}'\n"
-                    + yaml.safe_dump(_refitted_profile(device, calibration.refits), sort_keys=False))
+    path = check_plan_file(out_path)   # a .yaml or .json file, not a link, FIFO or directory
+    write_no_follow(path, (f"# {device} refitted by 'planner calibrate --telemetry {calibration.directory}'\n"
+                           + yaml.safe_dump(_refitted_profile(device, calibration.refits), sort_keys=False)).encode())
     load_device(str(path))   # a refit that breaks the schema is said here, naming the file
     return path

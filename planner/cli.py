@@ -311,6 +311,8 @@ def calibrate(telemetry: str = typer.Option(..., "--telemetry", help="a director
     from .calibration import calibrate as calibrate_telemetry, write_device_profile
     if warmup_steps < 0:
         raise UserInputError(f"{warmup_steps}", field="--warmup-steps", expected="0 or more")
+    if out_path is not None:
+        check_plan_file(out_path)   # before any work: not a link, FIFO or directory
     result = calibrate_telemetry(telemetry, warmup_steps, model)
     if as_json:
         out.print_json(json.dumps({"parts": [vars(p) for p in result.parts], "refits": [vars(r) for r in result.refits],

@@ -8,6 +8,7 @@ written.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from hardware_profiles.errors import UserInputError
@@ -39,10 +40,18 @@ def check_plan_file(text: str, flag: str = "--out") -> Path:
     if path.suffix not in PLAN_SUFFIXES:
         raise UserInputError(f"{text} has no plan suffix", field=flag, expected="a name ending in .yaml or .json")
     _refuse_link(path, flag)
+    _refuse_special(path, flag)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise UserInputError(f"{path} is not writable", field=flag, expected="a file you can write")
     _writable_ancestor(path, flag)
     return path
+
+
+def _refuse_special(path: Path, flag: str) -> None:
+    """A FIFO, device or socket is never written as a file (opening a FIFO waits for a reader: a hang)."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise UserInputError(f"{path} is a special file (FIFO, device or socket)", field=flag,
+                             expected="a regular file or a new name")
 
 
 def check_report_dir(text: str, flag: str = "--out") -> Path:
@@ -64,11 +73,17 @@ def check_report_dir(text: str, flag: str = "--out") -> Path:
 
 def write_no_follow(path: Path, data: bytes) -> None:
     """Write a file without following a symbolic link put there after the check (O_NOFOLLOW)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    # O_NONBLOCK: a FIFO put there after the check fails to open instead of waiting for a reader
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
     try:
         descriptor = os.open(path, flags, 0o644)
     except OSError as exc:
         raise UserInputError(f"cannot write {path} ({exc.strerror})", field="--out",
                              expected="a writable file that is not a symbolic link") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UserInputError(f"{path} is a special file (FIFO, device or socket)", field="--out",
+                             expected="a regular file or a new name")
+    os.set_blocking(descriptor, True)
     with os.fdopen(descriptor, "wb") as handle:
         handle.write(data)

@@ -52,6 +52,18 @@ def parse_injection(text: str | None) -> Injection | None:
     return Injection(kind, int(step), int(rank) if rank else None)
 
 
+def check_reached(injection: Injection | None, last_step: int, world: int) -> None:
+    """A fault that would never happen is refused before step 1: a rank outside the job, a step past the last."""
+    if injection is None:
+        return
+    if injection.rank is not None and injection.rank >= world:
+        raise ValueError(f"--inject {injection.kind}@{injection.step}:{injection.rank}: rank {injection.rank} is "
+                         f"outside this job's {world} ranks (0..{world - 1})")
+    if not 1 <= injection.step <= last_step:
+        raise ValueError(f"--inject {injection.kind}@{injection.step}: step {injection.step} is never reached "
+                         f"(this run ends at step {last_step})")
+
+
 def install(injection: Injection | None, parallel, rank: int) -> None:
     """Hook the fault into the ParallelModel's step callbacks (stop is the caller's: before the step)."""
     if injection is None or (injection.rank is not None and injection.rank != rank):

@@ -23,7 +23,7 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--layout", default="", help="e.g. dp=2,tp=2,pp=2,vp=1,mbs=1,zero=3,recompute=full")
     parser.add_argument("--plan", default=None, help="a plan file from 'planner plan --out'")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=positive_steps, default=5)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -62,7 +62,7 @@ def parse_args(argv=None):
                              "that stopped (torch's default is 30 minutes)")
     parser.add_argument("--flight-record-dir", default=None, help="where a rank that loses a peer writes torch's "
                         "flight record of its last collectives (default: --checkpoint-dir, else the temp directory)")
-    parser.add_argument("--inject", default=None, help="KIND@STEP[:RANK], KIND one of stop, kill, nan, spike, bitflip, slow "
+    parser.add_argument("--inject", default=None, action=Once, help="KIND@STEP[:RANK], KIND one of stop, kill, nan, spike, bitflip, slow "
                         "(runtime/faults.py): a fault the health checks or the watchdog must name")
     parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
     parser.add_argument("--sdc-every", type=int, default=HealthPolicy.sdc_every, help="steps between replica "
@@ -86,6 +86,23 @@ def parse_args(argv=None):
                         help="cpu (gloo), cuda (nccl; rccl on ROCm builds) or npu (hccl via torch_npu); "
                              "default: what the plan's cluster profile names, else cpu")
     return parser.parse_args(argv)
+
+
+class Once(argparse.Action):
+    """A flag given twice is refused: a second --inject would silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) not in (None, self.default):
+            parser.error(f"{option_string} is given twice ({getattr(namespace, self.dest)} and {values}); "
+                         "one fault per run")
+        setattr(namespace, self.dest, values)
+
+
+def positive_steps(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 1")
+    return value
 
 
 def steps_or_never(text: str) -> int:

@@ -104,6 +104,11 @@ class Trainer:
             first = self.first_step()
             last = config.last_step if config.last_step is not None else (
                 config.steps if config.checkpoint_dir else first + config.steps - 1)
+            try:
+                faults.check_reached(config.injection, last, dist.get_world_size())
+            except ValueError as exc:   # refused alike on every rank, before any step
+                self._say(f"error: {exc}")
+                return 2
             return self._run(range(first, last + 1))
         except (CheckpointFailed, CheckpointRefused) as exc:
             latest = self.checkpointer.latest() if self.checkpointer else None

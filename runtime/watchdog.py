@@ -74,7 +74,7 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, record_dir: str | None = None):
         self.timeout_s = timeout_s
-        self.record_dir = Path(record_dir or tempfile.gettempdir())
+        self.record_dir = Path(record_dir) if record_dir else None   # None: a private directory made when needed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store()
         self.step = 0
@@ -167,10 +167,14 @@ class Watchdog:
     def flight_record(self) -> str:
         """Write this rank's flight record (JSON) and say where, or why there is none."""
         from torch._C._distributed_c10d import _dump_fr_trace_json
-        path = self.record_dir / f"flight-record-rank{self.rank}.json"
         try:
+            if self.record_dir is None:   # never a predictable name in the shared temp directory
+                self.record_dir = Path(tempfile.mkdtemp(prefix=f"flight-record-rank{self.rank}-"))
             self.record_dir.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(_dump_fr_trace_json(True, False))
+            path = self.record_dir / f"flight-record-rank{self.rank}.json"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
+            with os.fdopen(os.open(path, flags, 0o600), "wb") as handle:   # a planted link or FIFO fails
+                handle.write(_dump_fr_trace_json(True, False))
         except (OSError, RuntimeError) as exc:
             return f"; no flight record ({exc})"
         return f"; flight record: {path}"

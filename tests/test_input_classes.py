@@ -237,3 +237,17 @@ def test_config_json_of_every_family_with_keys_missing_or_wrong_names_the_key(wo
     if outcome.code == 2 and "field '" in outcome.err:   # a field named is one the user wrote, never ours
         named = outcome.err.split("field '", 1)[1].split("'", 1)[0]
         assert named in config or named in ("(top level)", "model_type", "name", "config.json"), outcome.err[:400]
+
+
+@SETTINGS
+@given(kind=st.sampled_from(["fifo", "folder", "link"]), command=st.sampled_from(["plan", "calibrate"]))
+def test_outputs_are_never_special_files_or_links(special_files, kind, command):
+    target = {"fifo": special_files["fifo"], "folder": special_files["folder"]}.get(kind)
+    if kind == "link":
+        target = special_files["folder"].parent / "out-link.yaml"
+        target.unlink(missing_ok=True)
+        target.symlink_to(special_files["folder"].parent / "elsewhere.yaml")
+    args = ["plan", "--model", "tiny-llama", "--device", "h100-sxm", *TINY_JOB, "--out", str(target)] \
+        if command == "plan" else ["calibrate", "--telemetry", str(special_files["telemetry"]), "--out", str(target)]
+    check(run(args), f"{command} --out {kind}", valid=False)
+    assert not (special_files["folder"].parent / "elsewhere.yaml").exists()

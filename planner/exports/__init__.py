@@ -35,12 +35,15 @@ class Export:
 
 def export_target(text: str) -> tuple[str, str]:
     """`NAME` or `NAME@RELEASE` -> (name, release); a release other than the checked one is refused."""
-    name, _, release = text.partition("@")
+    name, at, release = text.partition("@")
     if name not in CHECKED_RELEASES:
         raise UserInputError(f"'{text}'", field="--to", expected=f"{', '.join(CHECKED_RELEASES)}, optionally "
                              "@RELEASE")
     checked = CHECKED_RELEASES[name]
-    if release and not (checked == release or checked.startswith(release + ".") or release.startswith(checked + ".")):
+    # a release names at least major.minor (`megatron@0` is every 0.x): the checked one, or a patch of it
+    precise = release.count(".") >= 1 and (checked == release or checked.startswith(release + ".")
+                                            or release.startswith(checked + "."))
+    if at and not precise:
         raise UserInputError(f"'{text}'", field="--to", expected=f"{name}@{checked}: the {RELEASE_OF[name]} release "
                              "this export is written for and checked against (no other release is)")
     return name, checked

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import threading
 import time
 from dataclasses import dataclass
 
@@ -324,6 +325,17 @@ def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (
     `fused_kernels`: the stack runs every norm as one fused kernel (it keeps its input and fp32 statistics);
     else each norm's own code is measured op by op. `fused_gated_activation`: a gated activation's act(gate)
     is recomputed by its fused kernel, not stored (the stack field of that name)."""
+    with _CAPTURE_LOCK:
+        return _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_gated_activation)
+
+
+# Capture is one at a time in a process: it imports a user's file and transformers' lazy modules, traces with
+# global torch state (the meta device, torch.fx's patching) and fills a cache. The searches after it run in
+# parallel threads as they like (each its own CP-SAT solver).
+_CAPTURE_LOCK = threading.RLock()
+
+
+def _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_gated_activation) -> ModelGraph:
     source = resolve_model(model)
     if attention_impl is not None and isinstance(source, ModelConfig) \
             and "attention_impl" not in source.model_fields_set:
