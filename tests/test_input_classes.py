@@ -7,6 +7,7 @@ Classes: nesting depth (YAML flow and block, JSON), YAML aliases that expand pas
 and a cluster profile (reaching the solver), and recovery settings, counts and --top values out of range.
 """
 import json
+import re
 import os
 from pathlib import Path
 
@@ -251,3 +252,24 @@ def test_outputs_are_never_special_files_or_links(special_files, kind, command):
         if command == "plan" else ["calibrate", "--telemetry", str(special_files["telemetry"]), "--out", str(target)]
     check(run(args), f"{command} --out {kind}", valid=False)
     assert not (special_files["folder"].parent / "elsewhere.yaml").exists()
+
+
+@pytest.fixture(scope="module")
+def good_plan(workdir):
+    return yaml.safe_load((workdir / "good-plan.yaml").read_text())
+
+
+MODULE_TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["--output=/tmp/x", "$(touch owned)", "a b", "layers.0;",
+                                                                "-x", "layers..1", "", "layers.3"]))
+
+
+@SETTINGS
+@given(name=MODULE_TEXT, target=st.sampled_from(["megatron", "torchtitan", "deepspeed", "torchrun", "sbatch"]))
+def test_hand_edited_stage_module_names_never_reach_an_exported_command(workdir, good_plan, name, target):
+    data = json.loads(json.dumps(good_plan))
+    data["stages"][0]["modules"] = [name, *data["stages"][0]["modules"][1:]]
+    path = workdir / "edited-plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    plain = bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$", name))
+    outcome = run(["export", str(path), "--to", target])
+    check(outcome, f"module {name!r} to {target}", valid=plain)

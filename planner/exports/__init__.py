@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hardware_profiles.errors import UserInputError
 
 from ..plans import Plan
+from ..rules.device import check_plan_device
 from .bridge import bridge_overrides, bridge_yaml
 from .deepspeed import deepspeed_json
 from .launch import sbatch_script, torchrun_command
@@ -52,6 +53,7 @@ def export_target(text: str) -> tuple[str, str]:
 def export(plan: Plan, to: str, plan_path: str) -> Export:
     """The plan for target `to` (`export_target`'s form), as text with its notes."""
     target, release = export_target(to)
+    check_plan_device(plan)
     if target == "megatron":
         args, notes = megatron_args(plan)
         text = " \\\n  ".join(args)

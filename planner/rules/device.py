@@ -37,3 +37,13 @@ def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8
                              field="host_link_gbytes_per_s",
                              expected="host_link_gbytes_per_s in the device profile, or a stack that keeps the "
                                       "optimizer on the device (optimizer_swap_chunks: 0)")
+
+
+def check_plan_device(plan) -> None:
+    """A plan file's precision and FP8 recipe against its own device profile (a hand-edited mxfp8 on H100)."""
+    if str(plan.layout.precision) != "fp8":
+        return
+    from hardware_profiles.loader import load_stack
+
+    from ..job import plan_cluster
+    check_device_for(plan_cluster(plan), load_stack(plan.stack), "fp8", str(plan.layout.fp8_recipe))

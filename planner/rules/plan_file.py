@@ -2,8 +2,14 @@
 exported or run (each rule a named function returning the problems it finds)."""
 from __future__ import annotations
 
+import re
+
 from cost_models.layout import Layout, Schedule
 from cost_models.pipeline import partition_problem
+
+# a module's dotted name as torch names it (layers.3, model.embed_tokens): it goes into exported commands,
+# so nothing that a shell or a flag parser could read otherwise ('--output=/tmp/x', 'a b', '$(...)')
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 
 def record_problems(record) -> list[str]:
@@ -56,6 +62,9 @@ def stage_problems(plan) -> list[str]:
         if stage.pipeline_rank != rank:
             problems.append(f"stage {j} runs on pipeline rank {rank} (pp={lay.pp}, {lay.schedule}), "
                             f"not {stage.pipeline_rank}")
+        bad = [name for name in stage.modules if not MODULE_NAME.match(name)]
+        if bad:
+            problems.append(f"stage {j} names module {bad[0]!r}, which is not a dotted module name (layers.3)")
     layers = [b for stage in stages for b in stage.layers]
     if layers != list(range(len(layers))):
         problems.append("the stages' layers are not 0, 1, 2, ... in order, each once")
