@@ -26,7 +26,7 @@ from benchmarks.published import (DEFAULT_RUNS, check_published, load_runs, miss
 from planner.rules.layout import layout_problems  # noqa: E402
 from benchmarks.calibrate import split_runs  # noqa: E402
 from benchmarks.ascend_runs import ascend_rows  # noqa: E402
-from benchmarks.accuracy_sources import COMPLETED_MODELS, OTHER_MEASUREMENTS, UNPREDICTED_NOTES  # noqa: E402
+from benchmarks.accuracy_sources import COMPLETED_MODELS, NOT_USABLE, OTHER_MEASUREMENTS, UNPREDICTED_NOTES  # noqa: E402
 from benchmarks.accuracy_report import write_report  # noqa: E402
 
 
@@ -177,8 +177,8 @@ def main(argv=None) -> int:
                             else "")) for rid, why in skipped]
     write_report(Path(args.out), rows, skipped, time.perf_counter() - start, args, checks, others, held_ids, experts,
                  ascend, completed, unstated, variants, host_bound)
-    errors = [abs(e) for _, _, e, _ in rows]
-    print(f"MAPE {statistics.mean(errors):.1%} over {len(rows)} runs, worst {max(errors):.1%}")
+    errors = [abs(e) for run, _, e, _ in rows if run.id not in NOT_USABLE]
+    print(f"MAPE {statistics.mean(errors):.1%} over {len(errors)} usable runs, worst {max(errors):.1%}")
     return 0
 
 

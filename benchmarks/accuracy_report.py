@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.accuracy_sources import MISS_NOTES, UNSTATED_PRECISION_NOTE
+from benchmarks.accuracy_sources import MISS_NOTES, NOT_USABLE, UNSTATED_PRECISION_NOTE
 from benchmarks.ascend_runs import report_lines as ascend_report_lines
 from benchmarks.published import FAMILY_STACKS, UNSTATED_CHOICES
 
@@ -40,6 +40,7 @@ def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), othe
 
 def _summary_lines(rows, held_ids) -> list[str]:
     """How the runs are predicted, the figures by device and model class, every run, and the misses."""
+    shown, rows = rows, [row for row in rows if row[0].id not in NOT_USABLE]   # every MAPE without them
     errors = [abs(e) for _, _, e, _ in rows]
     by_device: dict[str, list[float]] = {}
     by_class: dict[str, list[float]] = {}
@@ -77,11 +78,16 @@ def _summary_lines(rows, held_ids) -> list[str]:
         lines.append(f"| {name} models | {len(errs)} | {statistics.mean(errs):.1%} | {max(errs):.1%} |")
     lines += ["", "| run | devices | layout predicted (tp/pp/dp/cp/ep, vp, mbs, zero, recompute) | measured s | "
               "predicted s | error | MFU | largest overhead |", "|---|---|---|---|---|---|---|---|"]
-    for run, result, error, overhead in rows:
-        lines.append(f"| {run.id} | {run.cluster.num_devices} x {run.cluster.device.name} | "
+    for run, result, error, overhead in shown:
+        lines.append(f"| {run.id}{' (not usable)' if run.id in NOT_USABLE else ''} | "
+                     f"{run.cluster.num_devices} x {run.cluster.device.name} | "
                      f"{_layout_cell(result.layout)} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | "
                      f"{error:+.1%} | {result.mfu:.1%} | {overhead} |")
-    misses = [(run, error) for run, _, error, _ in rows if abs(error) > 0.25]
+    if any(run.id in NOT_USABLE for run, _, _, _ in shown):
+        lines += ["", "## Rows predicted but not counted", ""]
+        lines += [f"- **{run.id}** ({error:+.1%}): {NOT_USABLE[run.id]}" for run, _, error, _ in shown
+                  if run.id in NOT_USABLE]
+    misses = [(run, error) for run, _, error, _ in shown if abs(error) > 0.25]
     if misses:
         lines += ["", "## Runs beyond 25%", ""]
         for run, error in misses:
