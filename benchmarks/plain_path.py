@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from planner.api import evaluate  # noqa: E402
+from benchmarks.accuracy_sources import NOT_USABLE  # noqa: E402
 from benchmarks.published import DEFAULT_FAMILY_STACK, DEFAULT_RUNS, FAMILY_STACKS, load_runs, predict, run_family  # noqa: E402
 
 DEGREES = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs")
@@ -43,7 +44,7 @@ def mape(errors: list[float]) -> str:
 
 def summary(rows) -> list[str]:
     groups = defaultdict(list)
-    for run, _, plain_error, given_error in rows:
+    for run, _, plain_error, given_error in (row for row in rows if row[0].id not in NOT_USABLE):
         kind = "MoE" if run.model.moe else "dense"
         for key in ("all", kind, f"{run.cluster.device.name} {kind}", f"{run.precision} {kind}"):
             groups[key].append((plain_error, given_error))
@@ -66,12 +67,15 @@ def write(rows, skipped, seconds: float, out: Path, command: str) -> None:
              "| run | measured s | plain s | plain error | given error | plain layout chose |", "|---|---|---|---|---|---|"]
     for run, result, plain_error, given_error in sorted(rows, key=lambda r: -abs(r[2])):
         lay = result.layout
-        chose = f"zero {lay.zero}, {lay.recompute}, {lay.moe_dispatcher}" + (
+        placed = f", segments of {result.segment_devices}" if result.segment_devices else ""
+        chose = f"zero {lay.zero}, {lay.recompute}, {lay.moe_dispatcher}{placed}" + (
             ", a2a overlap" if lay.moe_a2a_overlap else "") + (", tp overlap" if lay.tp_comm_overlap else "")
-        lines.append(f"| {run.id} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | {plain_error:+.1%} | "
+        lines.append(f"| {run.id}{' (not usable)' if run.id in NOT_USABLE else ''} | {run.measured_step_s:.3f} | {result.step_time_s:.3f} | {plain_error:+.1%} | "
                      f"{given_error:+.1%} | {chose} |")
-    beyond = [r for r in rows if abs(r[2]) > 0.25]
-    lines += ["", f"{len(beyond)} of {len(rows)} rows beyond 25% on the plain path."]
+    usable = [r for r in rows if r[0].id not in NOT_USABLE]
+    beyond = [r for r in usable if abs(r[2]) > 0.25]
+    lines += ["", f"{len(beyond)} of {len(usable)} usable rows beyond 25% on the plain path; not usable (shown, not "
+              "counted): " + "; ".join(f"{rid}: {why}" for rid, why in NOT_USABLE.items())]
     if skipped:
         lines += ["", "Not predicted:", *(f"- {rid}: {why}" for rid, why in skipped)]
     out.write_text("\n".join(lines) + "\n")

@@ -250,7 +250,7 @@ class Cluster(Strict):
     def segment_problem(self, num_devices: int) -> str:
         """Why segment_devices cannot lay out `num_devices` ("" where it can, or where no segment is set)."""
         segment = self.segment_devices
-        if segment is None:
+        if segment is None or segment == self.fast_domain_devices:   # the whole domain: packing, stated
             return ""
         if segment > self.fast_domain_devices or segment % self.devices_per_node:
             return (f"segment_devices={segment} is not whole nodes of {self.devices_per_node} inside one "
@@ -264,7 +264,7 @@ class Cluster(Strict):
         """How the job's devices fill the scale-up domains: in equal segments where set, else ranks go to
         domains in order, domain by domain."""
         segment = self.segment_devices
-        if segment is not None and self.num_devices > segment:   # a job within one segment is one domain's
+        if segment not in (None, self.fast_domain_devices) and self.num_devices > segment:   # within one: one domain's
             return DomainUse(self.fast_domain_devices, self.num_devices // segment, 0, segment)
         full, partial = divmod(self.num_devices, self.fast_domain_devices)
         return DomainUse(self.fast_domain_devices, full, partial)

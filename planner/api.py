@@ -16,6 +16,7 @@ from hardware_profiles.stack import SoftwareStack
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_device
+from .placement import placement_choices, placement_reason
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import search
 from .search.tree import SearchOutcome
@@ -57,7 +58,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, stack=stack.name, num_devices=cluster.num_devices,
-        devices_per_node=cluster.devices_per_node, segment_devices=cluster.segment_devices,
+        devices_per_node=cluster.devices_per_node, segment_devices=_slurm_segment(cluster),
         cluster_profile=cluster.profile,
         device_profile=cluster.device.profile,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
@@ -106,6 +107,11 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
         + (", or a2a_overlap=false" if paired else ""))
 
 
+def _slurm_segment(cluster: Cluster) -> int | None:
+    """The segment a plan records (and exports as --segment): none where the devices are packed, stated or not."""
+    return None if cluster.segment_devices in (None, cluster.fast_domain_devices) else cluster.segment_devices
+
+
 def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int | None:
     from .search.bounds import Bounds
     from .search.space import candidate_layouts
@@ -128,7 +134,8 @@ def plan(model, cluster=None, *, global_batch: int, seq_len: int | None = None, 
 
     `model`: a built-in name, model YAML, HF config.json path or dict, `file.py:factory`, or nn.Module.
     `cluster`: a profile name, path or `Cluster`; or give `device=` and `num_devices=`.
-    `segment_devices`: the devices the job takes in each scale-up domain, in equal segments (Slurm --segment).
+    `segment_devices`: the devices the job takes in each scale-up domain, in equal segments (Slurm --segment);
+    a whole domain's count states packing; None: the search chooses (planner/placement.py).
     `stack`: the software stack that will train it (a name such as "torchtitan", a YAML path or a
     `SoftwareStack`; Megatron-Core's defaults when omitted). The search stays inside what it can run.
     `fix`: pinned layout fields (dp, tp, pp, vp, cp, ep, etp, mbs, zero, recompute, sp, grad_reduce, fp8_recipe,
@@ -170,6 +177,31 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
         raise InfeasibleError(f"capturing {graph.name} took {graph.capture_seconds:.1f} s and no time of "
                               f"--time-limit was left to search", field="--time-limit",
                               expected="a time limit longer than the capture")
+    choices = placement_choices(cluster)
+    if len(choices) == 1:
+        return _plan_on(job, cluster, pins, top_k, progress, pins_field, deadline)
+    tried, plans, refusals = [], [], []
+    for index, placed in enumerate(choices):   # each the time left, shared with the placements after it
+        share = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(choices) - index)
+        try:
+            plans.append((_plan_on(job, placed, pins, top_k, progress, pins_field, share), placed))
+            tried.append((placed, plans[-1][0].step_time_s))
+        except UserInputError as exc:   # no plan on this placement (memory, or its share of the time)
+            refusals.append(exc)
+            tried.append((placed, None))
+    if not plans:
+        raise refusals[0]   # packed: the placement a user without segments gets
+    return _placement_chosen(plans, tried)
+
+
+def _placement_chosen(plans: list[tuple[Plan, Cluster]], tried) -> Plan:
+    best, chosen = min(plans, key=lambda pair: pair[0].step_time_s)
+    return best.model_copy(update={"reasons": best.reasons + [placement_reason(chosen, tried)]})
+
+
+def _plan_on(job: Job, cluster, pins, top_k: int, progress, pins_field: str, deadline: float) -> Plan:
+    """The search on one placement of the job's devices."""
+    stack, graph = job.stack, job.graph
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
         else [recompute_choices(pins, stack)]
@@ -244,8 +276,17 @@ def layout_values(layout) -> dict:
 
 
 def predict(job: Job, given: Layout) -> Plan:
-    """The job's prediction for a whole layout, refused where the stack or the model cannot run it."""
-    graph, cluster, stack = job.graph, job.cluster, job.stack
+    """The job's prediction for a whole layout, on the placement of its devices that runs it fastest where the
+    user states none (planner/placement.py); refused where the stack or the model cannot run it."""
+    choices = placement_choices(job.cluster)
+    if len(choices) == 1:
+        return _predict_on(job, job.cluster, given)
+    plans = [(_predict_on(job, placed, given), placed) for placed in choices]
+    return _placement_chosen(plans, [(placed, plan_.step_time_s) for plan_, placed in plans])
+
+
+def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
+    graph, stack = job.graph, job.stack
     refused = layout_stack_problems(given, stack, graph)
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
