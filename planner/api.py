@@ -13,6 +13,7 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
+from .error_bands import band_for
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_device
@@ -71,7 +72,16 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster)
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance), ep_imbalance=ep_imbalance,
-        capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers)
+        capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers,
+        **_band_fields(best.step_time_s, graph.num_experts > 0))
+
+
+def _band_fields(step_time_s: float, moe: bool) -> dict:
+    """The measured step times the prediction is consistent with, and what the band rests on."""
+    band = band_for(moe)
+    if band is None:
+        return {}
+    return {"step_time_band_s": [round(t, 6) for t in band.measured_s(step_time_s)], "band_basis": band.words()}
 
 
 def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome: SearchOutcome,

@@ -18,6 +18,14 @@ from .plans import Plan
 GB = 1e9
 
 
+def within_band(result, step_time_s: float) -> bool:
+    """An alternative closer to the plan than half its band's width: the model's error could reverse the order."""
+    if not result.step_time_band_s:
+        return False
+    low, high = result.step_time_band_s
+    return abs(step_time_s - result.step_time_s) < (high - low) / 2
+
+
 def _differences(layout_text: str, best) -> str:
     """'tp=1,pp=1,dp=16,cp=2,...' -> the fields that differ from the plan's layout, e.g. 'dp=16, cp=2'."""
     pairs = [item.split("=", 1) for item in layout_text.split(",")]
@@ -53,6 +61,9 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}"
                  f"{' (combined 1F1B: MoE all-to-alls overlapped)' if lay.moe_a2a_overlap else ''}, mesh {lay.order}")
     head.add_row("step time", f"{result.step_time_s:.3f} s   {result.tokens_per_s:,.0f} tokens/s")
+    if result.step_time_band_s:
+        low, high = result.step_time_band_s
+        head.add_row("90% band", f"{low:.3f}-{high:.3f} s measured, from published runs like it")
     # the convention of every MFU here: model FLOPs with the full s^2 attention term (Megatron's and NVIDIA's
     # published figures count it so), over the BF16 dense peak whatever the precision trained
     head.add_row("utilisation", f"{result.tflops_per_device:.0f} TFLOP/s per device, MFU {result.mfu:.1%}, "
@@ -94,8 +105,11 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
         alt.add_column("MFU", justify="right")
         alt.add_column("loses")
         for a in result.alternatives:
-            alt.add_row(_differences(a.layout, result.layout), f"{a.step_time_s:.3f}", f"{a.mfu:.1%}", a.loses)
+            alt.add_row(_differences(a.layout, result.layout), f"{a.step_time_s:.3f}"
+                        + (" ~" if within_band(result, a.step_time_s) else ""), f"{a.mfu:.1%}", a.loses)
         console.print(alt)
+        if any(within_band(result, a.step_time_s) for a in result.alternatives):
+            console.print("~ within the plan's band: the prediction cannot order it before the plan")
     for reason in result.reasons:
         console.print(f"- {reason}")
     for note in result.capture_notes:
