@@ -144,13 +144,24 @@ def test_equal_segments_keep_a_64_rank_group_in_one_rack():
     assert place_mesh((MeshDim("ep", 64), MeshDim("dp", 4)), in_order).of("ep").domains > 1
 
 
-@pytest.mark.parametrize("segment,why", [(72, "does not divide"), (66, "whole nodes"), (76, "whole nodes")])
+@pytest.mark.parametrize("segment,why", [(48, "does not divide"), (66, "whole nodes"), (76, "whole nodes")])
 def test_a_segment_that_cannot_lay_out_the_job_is_refused(segment, why):
     from hardware_profiles import UserInputError
     from planner.job import resolve_cluster
     with pytest.raises(UserInputError, match=why) as caught:
         resolve_cluster(device="gb200", num_devices=256, segment_devices=segment)
     assert "--segment-devices" in str(caught.value)
+
+
+def test_a_whole_domain_as_the_segment_states_packing():
+    """72 on NVL72 racks: the job's ranks fill racks in order (72 + 72 + 72 + 40), as with no segment, but stated,
+    so the search does not choose another placement; the plan exports no --segment."""
+    from planner.job import resolve_cluster
+    from planner.placement import placement_choices
+    stated = resolve_cluster(device="gb200", num_devices=256, segment_devices=72)
+    packed = resolve_cluster(device="gb200", num_devices=256)
+    assert stated.domain_use == packed.domain_use and stated.placement_text() == packed.placement_text()
+    assert placement_choices(stated) == [stated] and len(placement_choices(packed)) > 1
 
 
 @pytest.mark.parametrize("nodes,segment_nodes", [(2, None), (18, None), (32, 16), (64, 16), (36, 18), (40, 10),
