@@ -2,8 +2,9 @@
 finds best (Daly's, from the cluster's mean time between failures and the blocking time this job
 measures); synchronously, or with `dcp.async_save` on a gloo group of its own (so its background writes
 never interleave with training's collectives). A checkpoint becomes `latest` only once every rank finished
-writing it, and none is written while the data-parallel replicas disagree (runtime/health.py): a restart or
-a rollback always finds a complete, clean one.
+writing it and its manifest of checksums is written (runtime/verified.py), and none is written while the
+data-parallel replicas disagree (runtime/health.py): a restart or a rollback loads the newest checkpoint that
+verifies, and a save that fails stops training (CheckpointFailed) instead of going on past it.
 
 What is saved is any state with `save(path, step, asynchronous, process_group)`, `load(path) -> step` and
 `params`: the driver's `ParallelModel`, or a user loop's `runtime.checkpoint.LoopState` (its laid-out model,
@@ -61,7 +62,6 @@ class Checkpointer:
         self.next_step: int | None = None    # Daly: when the next save is due
         self.rank = dist.get_rank()
         self.restored: Path | None = None    # the checkpoint the last restore loaded
-        self.verify_s = 0.0                  # this rank's seconds hashing the last checkpoint it wrote
 
     # -- the directory ---------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -156,7 +156,7 @@ class Checkpointer:
 
     def _mark_latest(self, target: Path, step: int, identity) -> None:
         """The manifest of what every rank wrote, then `latest`: a checkpoint is never latest unverified."""
-        self.verify_s = verified.write_manifest(target, step, identity)
+        verified.write_manifest(target, step, identity)
         dist.barrier()
         if self.rank == 0:
             marker = self.directory / f".{LATEST}.tmp"

@@ -57,7 +57,8 @@ def _own_files(target: Path, rank: int) -> list[Path]:
 
 def write_manifest(target: Path, step: int, identity: Identity) -> float:
     """Every rank hashes what it wrote; rank 0 writes the manifest (the parameters every rank holds). Collective;
-    returns this rank's hashing seconds; a failure on any rank is CheckpointFailed on every rank."""
+    returns this rank's hashing seconds (benchmarks/checkpoint_verify.py); a failure on any rank is
+    CheckpointFailed on every rank."""
     started = time.perf_counter()
     rank = dist.get_rank()
     try:
