@@ -74,6 +74,14 @@ class Row:
     note: str = ""
     placement: str = ""           # Cluster.placement_text of the point
     domain_change: str = ""       # said where this point's devices cross a scale-up domain boundary
+    step_band_s: tuple[float, float] | None = None   # the plan's 90% band (Plan.step_time_band_s)
+
+    @property
+    def days_band(self) -> tuple[float, float] | None:
+        """Days to train at the band's ends (days scale with the step time)."""
+        if not self.step_band_s or not self.step_time_s:
+            return None
+        return tuple(self.days_to_train * end / self.step_time_s for end in self.step_band_s)
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,10 @@ class Report:
         middle.plot(labels, [r.ettr * 100 for r in good], marker="^", color="tab:green", label="ETTR %")
         middle.set_title("effective training time ratio")
         right.plot(labels, [r.days_to_train for r in good], marker="o", color="tab:red", label="days to train")
+        banded = [r for r in good if r.days_band]
+        if banded:   # the 90% band of each prediction, as days
+            right.fill_between([r.point for r in banded], [r.days_band[0] for r in banded],
+                               [r.days_band[1] for r in banded], color="tab:red", alpha=0.15, label="90% band")
         right.set_ylabel(f"days for {token_text(self.tokens)} tokens")
         right.set_title("time to train")
         for axis, unit in ((left, "percent"), (middle, "percent"), (right, None)):
@@ -113,15 +125,17 @@ class Report:
         return path
 
     def to_html(self, path: str | Path, image: str | None = None) -> Path:
-        head = ["point", "layout", "devices", "placement", "step s", "MFU", "tokens/s", "days", "device-hours",
+        head = ["point", "layout", "devices", "placement", "step s", "step s, 90% band", "MFU", "tokens/s", "days",
+                "days, 90% band", "device-hours",
                 "ETTR", "goodput", "interruptions/day", "ckpt every (min)"]
         notes = [" ".join(filter(None, (r.note, r.domain_change))) for r in self.rows]
         if any(notes):   # a column only where some point has something to say
             head.append("note")
         rows = "".join(
             "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-                r.point, r.layout, r.num_devices, r.placement, f"{r.step_time_s:.3f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
-                f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
+                r.point, r.layout, r.num_devices, r.placement, f"{r.step_time_s:.3f}", _band_text(r.step_band_s, 3),
+                f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}", f"{r.days_to_train:.1f}", _band_text(r.days_band, 1),
+                f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
                 f"{r.interruptions_per_day:.2f}", f"{r.checkpoint_interval_min:.0f}", *([note] if any(notes) else []))) + "</tr>"
             for r, note in zip(self.rows, notes))
         picture = ""
@@ -204,8 +218,13 @@ def whatif_job(job: Job, key: str, points: list[str], budget: float, where: Clus
         rows.append(Row(value, _short(result.layout), point_cluster.num_devices, point_cluster.device.name,
                         result.step_time_s, result.mfu, result.tokens_per_s, days,
                         days * 24 * point_cluster.num_devices, good.ettr, good.goodput, good.interruptions_per_day,
-                        good.interval_s / 60, **placed))
+                        good.interval_s / 60, **placed,
+                        step_band_s=tuple(result.step_time_band_s) if result.step_time_band_s else None))
     return Report(job.graph.name, key, budget, tuple(rows))
+
+
+def _band_text(band, digits: int) -> str:
+    return f"{band[0]:.{digits}f}-{band[1]:.{digits}f}" if band else "-"
 
 
 def _short(layout) -> str:

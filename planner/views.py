@@ -165,7 +165,8 @@ def fitted_table(console: Console, title: str, columns: list[Column], rows: list
 
 
 WHATIF_COLUMNS = [Column("point"), Column("layout", wraps=True), Column("step s"), Column("MFU"),
-                  Column("tokens/s", drop=3), Column("days"), Column("device-hours", drop=2), Column("ETTR", drop=1),
+                  Column("tokens/s", drop=3), Column("days"), Column("days 90%", drop=0),
+                  Column("device-hours", drop=2), Column("ETTR", drop=1),
                   Column("goodput", drop=4), Column("ckpt min", drop=0)]
 
 
@@ -173,10 +174,11 @@ def show_whatif(console: Console, report) -> None:
     rows = []
     for r in report.rows:
         if r.note:
-            rows.append([r.point, r.note] + [""] * 8)
+            rows.append([r.point, r.note] + [""] * 9)
             continue
+        days_band = f"{r.days_band[0]:.1f}-{r.days_band[1]:.1f}" if r.days_band else "-"
         rows.append([r.point, r.layout, f"{r.step_time_s:.2f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
-                     f"{r.days_to_train:.1f}", f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
+                     f"{r.days_to_train:.1f}", days_band, f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
                      f"{r.checkpoint_interval_min:.0f}"])
     table, left_out = fitted_table(console, f"What-if: {report.model}, {report.sweep_key}, "
                                    f"{token_text(report.tokens)} tokens", WHATIF_COLUMNS, rows)
