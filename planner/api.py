@@ -14,6 +14,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from .error_bands import band_for
+from .region import outside_notes
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_device
@@ -73,7 +74,9 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance), ep_imbalance=ep_imbalance,
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers,
-        **_band_fields(best.step_time_s, graph.num_experts > 0))
+        **_band_fields(best.step_time_s, graph.num_experts > 0),
+        outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,
+                                       best.layout.cp, best.layout.ep))
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:

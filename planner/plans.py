@@ -161,6 +161,8 @@ class Plan(_Frozen):
     # published runs of its class, fitted on one half, coverage counted on the other); [] where none is known
     step_time_band_s: list[float] = []
     band_basis: str = ""
+    # per-rank shapes outside the range the published runs measured (planner/region.py): where it extrapolates
+    outside_measured: list[str] = []
     tokens_per_s: float
     tflops_per_device: float
     mfu: float

@@ -110,6 +110,8 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
         console.print(alt)
         if any(within_band(result, a.step_time_s) for a in result.alternatives):
             console.print("~ within the plan's band: the prediction cannot order it before the plan")
+    for note in result.outside_measured:
+        console.print(f"- {note}")
     for reason in result.reasons:
         console.print(f"- {reason}")
     for note in result.capture_notes:

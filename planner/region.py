@@ -1,0 +1,45 @@
+"""Where a plan lies against the layouts published runs measured (planner/measured_region.yaml, written by
+benchmarks/measured_region.py): the per-rank shapes a prediction's accuracy rests on. Outside the ranges the
+runs covered the model is extrapolating (cp's per-chunk overheads at a few hundred tokens per rank, the skinny
+GEMMs of a wide tp, many experts per rank), and the plan says so, shape by shape."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from hardware_profiles.parsing import parse_yaml, read_bounded_text
+
+REGION_PATH = Path(__file__).resolve().parent / "measured_region.yaml"
+WORDS = {"tokens_per_cp_rank": "tokens per context-parallel rank (sequence / cp)",
+         "hidden_per_tp_rank": "hidden width per tensor-parallel rank (hidden / tp)",
+         "experts_per_ep_rank": "routed experts per expert-parallel rank (experts / ep)"}
+
+
+def shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> dict[str, int]:
+    """A layout's per-rank shapes, as the region records them."""
+    measured = {"tokens_per_cp_rank": seq_len // cp, "hidden_per_tp_rank": hidden_size // tp}
+    if num_experts:
+        measured["experts_per_ep_rank"] = num_experts // ep
+    return measured
+
+
+@lru_cache(maxsize=1)
+def _region() -> dict:
+    if not REGION_PATH.exists():
+        return {}
+    return parse_yaml(read_bounded_text(REGION_PATH, "measured-region table", 1 << 16), str(REGION_PATH)) or {}
+
+
+def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> list[str]:
+    """One line per shape outside what the published runs of the model's class measured."""
+    kind = "MoE" if num_experts else "dense"
+    ranges = _region().get(kind, {})
+    notes = []
+    for name, value in shapes(seq_len, hidden_size, num_experts, tp, cp, ep).items():
+        if name not in ranges:
+            continue
+        low, high = ranges[name]
+        if not low <= value <= high:
+            notes.append(f"outside the measured region: {value:,} {WORDS[name]}, where the {ranges['runs']} "
+                         f"published {kind} runs measured {low:,} to {high:,}; the prediction extrapolates there")
+    return notes

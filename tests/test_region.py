@@ -1,0 +1,26 @@
+"""A plan says where it lies outside the per-rank shapes published runs measured (planner/region.py; the ranges
+in planner/measured_region.yaml come from shared/validation's published degrees, benchmarks/measured_region.py)."""
+import pytest
+
+import planner
+from planner.region import outside_notes, shapes
+
+pytestmark = pytest.mark.heavy
+
+
+def test_shapes_are_the_layouts_per_rank_sizes():
+    assert shapes(8192, 16384, 0, tp=8, cp=32, ep=1) == {"tokens_per_cp_rank": 256, "hidden_per_tp_rank": 2048}
+    assert shapes(4096, 7168, 256, tp=1, cp=1, ep=8)["experts_per_ep_rank"] == 32
+
+
+def test_llama3_405b_on_16384_h100_says_it_extrapolates_in_cp_and_tp():
+    """The search's plan (cp32: 256 tokens of each sequence per rank; tp1: 16,384-wide GEMMs per rank) lies
+    outside every dense run measured; Meta's TP8 layout (2,048 per rank, cp1) does not."""
+    plan = planner.plan("llama3-405b", device="h100-sxm", num_devices=16384, global_batch=2048, seq_len=8192,
+                        time_limit_s=120)
+    said = " ".join(plan.outside_measured)
+    if plan.layout.cp > 4:
+        assert f"{8192 // plan.layout.cp:,} tokens per context-parallel rank" in said
+    if plan.layout.tp < 4:
+        assert "hidden width per tensor-parallel rank" in said
+    assert not outside_notes(8192, 16384, 0, tp=8, cp=1, ep=1)
