@@ -260,11 +260,17 @@ class Cluster(Strict):
         return ""
 
     @property
+    def equal_segment_devices(self) -> int | None:
+        """The equal segment the job is placed in (Slurm --segment); None where it is packed, stated as a whole
+        domain's count or not stated."""
+        return None if self.segment_devices in (None, self.fast_domain_devices) else self.segment_devices
+
+    @property
     def domain_use(self) -> "DomainUse":
         """How the job's devices fill the scale-up domains: in equal segments where set, else ranks go to
         domains in order, domain by domain."""
-        segment = self.segment_devices
-        if segment not in (None, self.fast_domain_devices) and self.num_devices > segment:   # within one: one domain's
+        segment = self.equal_segment_devices
+        if segment is not None and self.num_devices > segment:   # a job within one segment is one domain's
             return DomainUse(self.fast_domain_devices, self.num_devices // segment, 0, segment)
         full, partial = divmod(self.num_devices, self.fast_domain_devices)
         return DomainUse(self.fast_domain_devices, full, partial)

@@ -60,7 +60,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     block_names = tuple(slot.module_name for slot in graph.blocks)
     return Plan(
         model=graph.name, cluster=cluster.name, stack=stack.name, num_devices=cluster.num_devices,
-        devices_per_node=cluster.devices_per_node, segment_devices=_slurm_segment(cluster),
+        devices_per_node=cluster.devices_per_node, segment_devices=cluster.equal_segment_devices,
         cluster_profile=cluster.profile,
         device_profile=cluster.device.profile,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
@@ -118,11 +118,6 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
         + ("; a2a_overlap=true (combined 1F1B) is pinned, beside which no layer recomputes fully" if paired else ""),
         field="--num-devices", expected="more devices, a larger device, a smaller batch or sequence"
         + (", or a2a_overlap=false" if paired else ""))
-
-
-def _slurm_segment(cluster: Cluster) -> int | None:
-    """The segment a plan records (and exports as --segment): none where the devices are packed, stated or not."""
-    return None if cluster.segment_devices in (None, cluster.fast_domain_devices) else cluster.segment_devices
 
 
 def _fewest_devices(graph, cluster, global_batch, pins, precision, stack) -> int | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,18 +54,15 @@ def _own_files(target: Path, rank: int) -> list[Path]:
     return files + [target / ".metadata"] if rank == 0 else files
 
 
-def write_manifest(target: Path, step: int, identity: Identity) -> float:
+def write_manifest(target: Path, step: int, identity: Identity) -> None:
     """Every rank hashes what it wrote; rank 0 writes the manifest (the parameters every rank holds). Collective;
-    returns this rank's hashing seconds (benchmarks/checkpoint_verify.py); a failure on any rank is
-    CheckpointFailed on every rank."""
-    started = time.perf_counter()
+    a failure on any rank is CheckpointFailed on every rank."""
     rank = dist.get_rank()
     try:
         mine = {path.name: {"bytes": path.stat().st_size, "sha256": file_hash(path)}
                 for path in _own_files(target, rank)}
     except OSError as exc:
         mine = f"rank {rank} cannot read back what it wrote ({exc})"
-    hashed_s = time.perf_counter() - started
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, identity.parameters))
     failed = next((part for part, _ in everyone if isinstance(part, str)), None)
@@ -86,7 +82,6 @@ def write_manifest(target: Path, step: int, identity: Identity) -> float:
     failed = next((part for part in outcome if part), None)
     if failed:
         raise CheckpointFailed(f"checkpoint {target.name}: {failed}")
-    return hashed_s
 
 
 def _problem_of_files(target: Path, manifest: dict) -> str | None:
