@@ -1,7 +1,8 @@
 """What the in-step health checks cost (runtime/health.py, runtime/stragglers.py) on the tiny model: the
 same training step with the checks off, at their defaults (non-finite test, spike statistics, a replica
-fingerprint every 10 steps, the straggler timer and its comparison every 10 steps), without the straggler
-timer, with a fingerprint every step, and telemetry's communication recorder (a dispatch mode) every 10th
+fingerprint every 10 steps, the straggler timer and its comparison every 10 steps, every matrix product
+checked by its checksums every 50 steps), without the product check, with it on every step (its cost is inside
+the step, seen end to end only), without the straggler timer, with a fingerprint every step, and telemetry's communication recorder (a dispatch mode) every 10th
 and every step. Results and the command: docs/benchmarks.md.
 
 Every variant is its own model, built once; the steps are interleaved (step i of every variant, in an
@@ -43,7 +44,7 @@ from runtime import apply_plan  # noqa: E402
 from runtime.health import HealthMonitor, HealthPolicy  # noqa: E402
 from runtime.stragglers import ComputeTimer, StragglerMonitor  # noqa: E402
 
-TIMED = ((HealthMonitor, ("nonfinite_flag", "accept", "check_replicas")),
+TIMED = ((HealthMonitor, ("nonfinite_flag", "accept", "check_replicas", "products_right")),
          (StragglerMonitor, ("before_step", "after_step")), (ComputeTimer, ("_start", "_stop")))
 
 
@@ -82,7 +83,9 @@ class Variant:
 
 VARIANTS = (Variant("checks off", None),
             Variant("checks at their defaults (non-finite test, spike statistics, fingerprint and straggler "
-                    "comparison every 10 steps)", HealthPolicy()),
+                    "comparison every 10 steps, matrix products checked every 50)", HealthPolicy()),
+            Variant("defaults less the product check", HealthPolicy(gemm_every=0)),
+            Variant("matrix products checked every step", HealthPolicy(gemm_every=1)),
             Variant("defaults less the straggler timer", HealthPolicy(straggler_every=0)),
             Variant("fingerprint every step", HealthPolicy(sdc_every=1)),
             Variant("checks off, communication recorder every 10th step (telemetry's default)", None, 10),

@@ -109,13 +109,14 @@ def training_state(modules, optimizer, canonical, train: TrainState) -> dict[str
 
 
 def save(path: str, modules, optimizer, canonical, train: TrainState, asynchronous: bool = False,
-         process_group=None):
+         process_group=None, writer=None):
     """Write the checkpoint; with `asynchronous`, return the future `dcp.async_save` gives (wait on it
-    before the next save or the end of the job), its collectives on `process_group` (a gloo group)."""
+    before the next save or the end of the job), its collectives on `process_group` (a gloo group).
+    `writer`: DCP's storage writer (runtime.verified.HashingWriter: what was written, hashed as written)."""
     state = training_state(modules, optimizer, canonical, train)
     if asynchronous:
-        return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
-    dcp.save(state, checkpoint_id=path)
+        return dcp.async_save(state, checkpoint_id=path, process_group=process_group, storage_writer=writer)
+    dcp.save(state, checkpoint_id=path, storage_writer=writer)
     return None
 
 
@@ -149,7 +150,7 @@ def load(path: str, modules, optimizer, canonical) -> TrainState:
 
 
 def save_training(path: str, model, optimizer, step: int, scheduler=None, loader=None, asynchronous: bool = False,
-                  process_group=None):
+                  process_group=None, writer=None):
     """A user loop's whole state after `step`: the laid-out model (`runtime.laid_out.LaidOutModel`), its
     optimizer (any torch.optim, its groups' learning rates), the LR scheduler's state and the data loader's
     layout-free position (`runtime.data.rank_loader`) where given; loadable under any other layout."""
@@ -160,7 +161,7 @@ def save_training(path: str, model, optimizer, step: int, scheduler=None, loader
     if loader is not None:
         loop["data"] = loader.batch_sampler.state_dict()
     return save(path, [inner(m) for m in model.modules], optimizer, model.canonical_names,
-                TrainState(step=step, lr=loop["lrs"][0], loop=loop), asynchronous, process_group)
+                TrainState(step=step, lr=loop["lrs"][0], loop=loop), asynchronous, process_group, writer)
 
 
 def load_training(path: str, model, optimizer, scheduler=None, loader=None) -> int:
@@ -189,9 +190,9 @@ class LoopState:
     def params(self) -> list:
         return self.model.params
 
-    def save(self, path: str, step: int, asynchronous: bool = False, process_group=None):
+    def save(self, path: str, step: int, asynchronous: bool = False, process_group=None, writer=None):
         return save_training(path, self.model, self.optimizer, step, self.scheduler, self.loader, asynchronous,
-                             process_group)
+                             process_group, writer)
 
     def load(self, path: str) -> int:
         return load_training(path, self.model, self.optimizer, self.scheduler, self.loader)

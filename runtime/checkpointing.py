@@ -6,7 +6,7 @@ writing it and its manifest of checksums is written (runtime/verified.py), and n
 data-parallel replicas disagree (runtime/health.py): a restart or a rollback loads the newest checkpoint that
 verifies, and a save that fails stops training (CheckpointFailed) instead of going on past it.
 
-What is saved is any state with `save(path, step, asynchronous, process_group)`, `load(path) -> step` and
+What is saved is any state with `save(path, step, asynchronous, process_group, writer)`, `load(path) -> step` and
 `params`: the driver's `ParallelModel`, or a user loop's `runtime.checkpoint.LoopState` (its laid-out model,
 optimizer, LR scheduler and data loader):
 
@@ -26,7 +26,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -51,6 +53,7 @@ class _Pending:
     future: object               # dcp.async_save's
     started: float
     identity: object             # runtime.verified.Identity of the state saved
+    writer: verified.HashingWriter   # what this rank wrote, hashed as written
 
 
 class Checkpointer:
@@ -58,10 +61,15 @@ class Checkpointer:
         """`health`: a `runtime.health.HealthMonitor` whose replica check guards every save (None: unguarded)."""
         self.directory, self.cadence, self.asynchronous, self.health = Path(directory), cadence, asynchronous, health
         self.group = dist.new_group(backend="gloo") if asynchronous else None
+        # where the ranks agree that an asynchronous write has ended everywhere (not `group`: the write's own
+        # collectives run on it from DCP's thread)
+        self.poll_group = dist.new_group(backend="gloo") if asynchronous else None
         self.pending: _Pending | None = None
         self.next_step: int | None = None    # Daly: when the next save is due
         self.rank = dist.get_rank()
         self.restored: Path | None = None    # the checkpoint the last restore loaded
+        # the file system each save writes through (runtime/faults.py puts a failing one here)
+        self.file_system_for: Callable[[int], verified.HashingFileSystem] = lambda step: verified.HashingFileSystem()
 
     # -- the directory ---------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -114,22 +122,29 @@ class Checkpointer:
         if self.rank == 0:   # a step written again (after a rollback) is unverified until its new manifest
             with contextlib.suppress(OSError):   # a path that cannot hold one fails the save itself, collectively
                 (target / verified.MANIFEST).unlink(missing_ok=True)
+        writer = verified.HashingWriter(target, self.file_system_for(step))
         try:
             if self.asynchronous:
-                future = state.save(str(target), step, asynchronous=True, process_group=self.group)
-                self.pending = _Pending(target, step, future, time.perf_counter(), state.identity())
+                future = state.save(str(target), step, asynchronous=True, process_group=self.group, writer=writer)
+                self.pending = _Pending(target, step, future, time.perf_counter(), state.identity(), writer)
             else:
-                state.save(str(target), step)
+                state.save(str(target), step, writer=writer)
         except SAVE_ERRORS as exc:   # DCP gathers every rank's failure into one CheckpointException
-            raise verified.CheckpointFailed(f"checkpoint {target.name} failed: {_cause(exc)}") from None
+            raise _failed(target, step, exc) from None
         if not self.asynchronous:
-            self._mark_latest(target, step, state.identity())
+            self._mark_latest(target, step, state.identity(), writer)
         return time.perf_counter() - started
 
     def poll(self) -> None:
-        """Where an asynchronous write has ended, make it latest now (a failure is CheckpointFailed at the first
-        step after it is known, not at the next save)."""
-        if self.pending is not None and self.pending.future.done():
+        """Where an asynchronous write has ended on every rank, make it latest now (a failure is CheckpointFailed
+        at the first step after it is known, not at the next save). The ranks agree first (one small gloo
+        all-reduce per step while a write is in flight): one rank going on to train while another stops at
+        the failure would leave the first waiting in the step's collective."""
+        if self.pending is None:
+            return
+        ended = torch.tensor([float(self.pending.future.done())])
+        dist.all_reduce(ended, op=dist.ReduceOp.MIN, group=self.poll_group)
+        if ended.item():
             self.finish()
 
     def _schedule(self, step: int, step_s: float, blocking_s: float) -> None:
@@ -151,12 +166,12 @@ class Checkpointer:
         try:
             pending.future.result()
         except SAVE_ERRORS as exc:
-            raise verified.CheckpointFailed(f"checkpoint {pending.target.name} failed: {_cause(exc)}") from None
-        self._mark_latest(pending.target, pending.step, pending.identity)
+            raise _failed(pending.target, pending.step, exc) from None
+        self._mark_latest(pending.target, pending.step, pending.identity, pending.writer)
 
-    def _mark_latest(self, target: Path, step: int, identity) -> None:
+    def _mark_latest(self, target: Path, step: int, identity, writer: verified.HashingWriter) -> None:
         """The manifest of what every rank wrote, then `latest`: a checkpoint is never latest unverified."""
-        verified.write_manifest(target, step, identity)
+        verified.write_manifest(target, step, identity, writer.written())
         dist.barrier()
         if self.rank == 0:
             marker = self.directory / f".{LATEST}.tmp"
@@ -169,7 +184,19 @@ class Checkpointer:
             print(line, file=sys.stderr, flush=True)
 
 
-def _cause(exc: Exception) -> str:
+def _failed(target: Path, step: int, exc: BaseException) -> verified.CheckpointFailed:
+    return verified.CheckpointFailed(f"checkpoint {target.name} failed: {_cause(exc)}", _first_error(exc), step)
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first failing rank's own error inside DCP's CheckpointException, or the error itself."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return sorted(failures.items())[0][1][0]
+    return exc
+
+
+def _cause(exc: BaseException) -> str:
     """The first failing rank and its error, from DCP's CheckpointException (or the error itself)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:

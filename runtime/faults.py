@@ -14,11 +14,20 @@
 * `bitflip@S:R` after step S's optimizer step one bit of one parameter of rank R flips: its replicas'
                fingerprints disagree at the next check;
 * `slow@S:R`   rank R's compute is slow from step S on (its first leaf module's forward takes SLOW_S longer,
-               as a throttled device's kernels would): the next straggler check names it.
+               as a throttled device's kernels would): the next straggler check names it;
+* `sdc@S:R`    one element of one matrix product of rank R's step S comes out wrong, by `--sdc-error` of
+               itself (1: doubled, as a flipped low exponent bit), in the forward or the backward
+               (`--sdc-phase`): the product check (runtime/gemm_check.py) names the rank on a checked step;
+* `diskfull@S:R` rank R's disk is full from the first checkpoint written at or after step S: its write fails
+               with ENOSPC once FULL_AFTER_BYTES of it are on disk (a partial shard left behind);
+* `savekill@S:R` rank R dies (SIGKILL) in the middle of writing the first checkpoint at or after step S (only
+               in the job's first attempt): the survivors' save fails in DCP's collective, and they name it.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import os
 import signal
 import time
@@ -28,10 +37,12 @@ import torch
 
 from .stragglers import compute_leaves
 
-KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow")
+KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow", "sdc", "diskfull", "savekill")
+SAVE_KINDS = ("diskfull", "savekill")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
 SLOW_S = 0.2            # well above the straggler check's 50 ms of allowed jitter
+FULL_AFTER_BYTES = 4096   # what a full disk still takes of a shard before ENOSPC
 
 
 @dataclass(frozen=True)
@@ -39,26 +50,35 @@ class Injection:
     kind: str
     step: int
     rank: int | None    # None: every rank (spike)
+    relative_error: float = 1.0   # sdc: how wrong the element comes out
+    phase: str = "forward"        # sdc: in the forward or the backward
 
 
-def parse_injection(text: str | None) -> Injection | None:
+def parse_injection(text: str | None, relative_error: float = 1.0, phase: str = "forward") -> Injection | None:
     if not text:
         return None
+    if not (math.isfinite(relative_error) and relative_error != 0) or phase not in ("forward", "backward"):
+        raise ValueError(f"--sdc-error {relative_error:g} --sdc-phase {phase}: expected a finite, non-zero relative "
+                         "error and forward or backward")
     kind, _, where = text.partition("@")
     step, _, rank = where.partition(":")
     if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()) or (kind != "spike" and not rank):
         raise ValueError(f"--inject {text}: expected KIND@STEP:RANK with KIND one of {', '.join(KINDS)} "
                          "(spike@STEP for every rank)")
-    return Injection(kind, int(step), int(rank) if rank else None)
+    return Injection(kind, int(step), int(rank) if rank else None, relative_error, phase)
 
 
-def check_reached(injection: Injection | None, last_step: int, world: int) -> None:
-    """A fault that would never happen is refused before step 1: a rank outside the job, a step past the last."""
+def check_reached(injection: Injection | None, last_step: int, world: int, saving: bool = True) -> None:
+    """A fault that would never happen is refused before step 1: a rank outside the job, a step past the last, a
+    save fault in a job that saves nothing (`saving` False)."""
     if injection is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return   # a restarted job (perhaps on fewer ranks) runs clean: its fault was the first attempt's
     if injection.rank is not None and injection.rank >= world:
         raise ValueError(f"--inject {injection.kind}@{injection.step}:{injection.rank}: rank {injection.rank} is "
                          f"outside this job's {world} ranks (0..{world - 1})")
+    if injection.kind in SAVE_KINDS and not saving:
+        raise ValueError(f"--inject {injection.kind}@{injection.step}:{injection.rank}: this job writes no "
+                         "checkpoints (--checkpoint-dir and --save-every)")
     if not 1 <= injection.step <= last_step:
         raise ValueError(f"--inject {injection.kind}@{injection.step}: step {injection.step} is never reached "
                          f"(this run ends at step {last_step})")
@@ -83,6 +103,11 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
                 bits = local.view(-1)[:1].view(torch.int32)
                 bits.bitwise_xor_(FLIPPED_BIT)
         parallel.after_step = flip
+    elif injection.kind == "sdc":
+        from .gemm_check import GemmFault
+        if parallel.health is None:
+            raise ValueError("--inject sdc needs the health checks (without --no-health)")
+        parallel.health.gemm_fault = (injection.step, GemmFault(injection.phase, injection.relative_error))
     elif injection.kind == "slow":
         leaf = compute_leaves(parallel.modules)[0]
         compute = leaf.forward
@@ -92,6 +117,44 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
                 time.sleep(SLOW_S)
             return compute(*args, **kwargs)
         leaf.forward = throttled
+
+
+def install_on_saves(injection: Injection | None, checkpointer, rank: int) -> None:
+    """A save fault: the checkpointer's saves at or after the injection's step write through a failing file
+    system on the injection's rank (runtime.checkpointing.Checkpointer.file_system_for)."""
+    if injection is None or injection.kind not in SAVE_KINDS or injection.rank != rank:
+        return
+    if injection.kind == "savekill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return   # the restarted job runs clean
+    from .verified import HashingFileSystem
+    healthy = checkpointer.file_system_for
+
+    class Failing(HashingFileSystem):
+        def stream_for(self, raw):
+            return super().stream_for(_FailingFile(raw, injection.kind))
+    checkpointer.file_system_for = lambda step: Failing() if step >= injection.step else healthy(step)
+
+
+class _FailingFile:
+    """A file being written on a full disk (ENOSPC past FULL_AFTER_BYTES, as the kernel's write says it), or by
+    a rank that dies in the middle of it."""
+
+    def __init__(self, raw, kind: str):
+        self.raw, self.kind, self.bytes = raw, kind, 0
+
+    def write(self, data) -> int:
+        if self.kind == "savekill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        view = memoryview(data).cast("B")
+        room = max(FULL_AFTER_BYTES - self.bytes, 0)
+        if len(view) > room:
+            self.bytes += self.raw.write(view[:room])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.bytes += len(view)
+        return self.raw.write(view)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
 
 
 def stop_here(injection: Injection | None, step: int, rank: int) -> None:

@@ -8,7 +8,11 @@ on every rank, and the step's policy (skip the batch, or stop) is applied on eve
   the median and median absolute deviation of the last accepted steps; the policy skips the batch, or
   rolls back to the last complete checkpoint and skips the batches from the spike back (`Rollback`,
   raised on every rank alike: the caller reloads and retrains), or only reports;
-* silent data corruption: where parameters are replicated over the data-parallel ranks (ZeRO-0/1), a
+* silent data corruption in computation: every `gemm_every` steps each rank checks every matrix product of
+  its forward and backward by their checksums (runtime/gemm_check.py); a wrong one raises a flag that rides
+  the loss's all-reduce like the non-finite one, the ranks are named, and the batch is skipped before any
+  optimizer step uses it (or the job stops, `on_sdc`);
+* silent data corruption in memory: where parameters are replicated over the data-parallel ranks (ZeRO-0/1), a
   bit-exact fingerprint of each rank's parameters (their bytes summed as 64-bit integers) is compared
   over the replicas every `sdc_every` steps after the optimizer step; a rank that disagrees with the
   majority is named. Sharded parameters (FSDP2) have no replicas to compare, and that is said once.
@@ -24,6 +28,7 @@ The driver's `ParallelModel` runs them inside its step; a user's own loop calls 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections import deque
@@ -33,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from cost_models.reliability import Recovery   # the settings the goodput model charges for
+
+from .gemm_check import GemmCheck, GemmFault, GemmVerdict
 
 MAD_TO_SIGMA = 1.4826   # median absolute deviation of a normal distribution, as a standard deviation
 INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
@@ -47,6 +54,8 @@ class HealthPolicy:
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
     sdc_every: int = Recovery.sdc_check_every_steps   # steps between replica fingerprints (0: never)
+    gemm_every: int = 50            # steps between steps whose matrix products are checked (0: never)
+    on_sdc: str = "skip"            # a wrong product found: skip the batch, or stop the job
     straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
     straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
     straggler_min_excess_s: float = 0.05   # ...and this many seconds over it in the window: not host jitter
@@ -75,6 +84,9 @@ class HealthMonitor:
         self.checked: tuple[int, bool] | None = None   # the last replica check: its step and verdict
         self.found: torch.Tensor | None = None  # the non-finite flag, and the unit scale its kernel takes
         self.unit: torch.Tensor | None = None
+        self.gemm = GemmCheck() if policy.gemm_every else None
+        self.gemm_fault: tuple[int, GemmFault] | None = None   # (step, fault) injected (runtime/faults.py)
+        self.gemm_verdict: GemmVerdict | None = None   # the last watched step's worst product on this rank
 
     @classmethod
     def for_model(cls, laid_out, policy: HealthPolicy = HealthPolicy()) -> "HealthMonitor":
@@ -84,13 +96,55 @@ class HealthMonitor:
     def check(self, step: int, loss: float, parameters: list[torch.Tensor]) -> bool:
         """A user loop's check after backward, before its optimizer step: whether the step's gradients may be
         applied (every rank gets the same answer; False: skip the batch). `loss` is the step's loss, the same
-        on every rank (`Step.forward_backward`'s). One all-reduce of this rank's non-finite flag."""
+        on every rank (`Step.forward_backward`'s), its forward and backward run inside `watching(step)`. One
+        all-reduce of this rank's non-finite and wrong-product flags."""
         flag = self.nonfinite_flag(torch.tensor(float(loss), device=self.device),
                                    [p.grad for p in parameters if p.grad is not None])
-        anywhere = flag.clone()
+        flags = torch.stack([flag, self.wrong_product_flag()])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(anywhere)
-        return self.accept(step, float(loss), bool(anywhere.item() > 0), flag)
+            dist.all_reduce(flags)
+        nonfinite, wrong = flags.tolist()
+        return self.products_right(step, wrong > 0) and self.accept(step, float(loss), nonfinite > 0, flag)
+
+    # -- matrix products (runtime/gemm_check.py) ---------------------------------------------------
+    def watching(self, step: int):
+        """Around a step's forward and backward: its matrix products checked where the step is due (every
+        `gemm_every`), and an injected product fault applied where one is due (checked or not)."""
+        fault = self.gemm_fault[1] if self.gemm_fault and self.gemm_fault[0] == step else None
+        due = bool(self.gemm) and step % self.policy.gemm_every == 0
+        self.gemm_verdict = None
+        if not due and fault is None:
+            return contextlib.nullcontext()
+        checker = self.gemm if due else GemmCheck(check=False)
+        return checker.watching(fault, on_verdict=self._keep_verdict)
+
+    def _keep_verdict(self, verdict: GemmVerdict | None) -> None:
+        self.gemm_verdict = verdict
+
+    def wrong_product_flag(self) -> torch.Tensor:
+        """1 where this rank's last watched step had a wrong product, else 0 (rides the loss's all-reduce)."""
+        wrong = self.gemm_verdict is not None and self.gemm_verdict.wrong
+        return torch.tensor(float(wrong), device=self.device)
+
+    def products_right(self, step: int, wrong_anywhere: bool) -> bool:
+        """Whether the step's products were right on every rank; else the ranks and their worst product are
+        said and the batch is skipped (or the job stopped, `on_sdc`)."""
+        if not wrong_anywhere:
+            return True
+        everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        mine = self.gemm_verdict if self.gemm_verdict is not None and self.gemm_verdict.wrong else None
+        if len(everyone) > 1:
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        named = [(rank, verdict) for rank, verdict in enumerate(everyone) if verdict is not None]
+        what = "; ".join((f"rank {rank}: " if len(named) > 1 else "") + verdict.describe() for rank, verdict in named)
+        self._say(f"health: step {step}: a matrix product computed wrong (silent data corruption in computation) "
+                  f"on rank{'s' if len(named) > 1 else ''} {', '.join(str(rank) for rank, _ in named)}: {what}; "
+                  f"policy {self.policy.on_sdc}")
+        if self.policy.on_sdc == "stop":
+            raise HealthStop(f"a wrong matrix product at step {step}")
+        return False
 
     def _say(self, line: str) -> None:
         self.reports.append(line)

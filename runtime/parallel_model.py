@@ -68,7 +68,8 @@ class ParallelModel:
         if self.stragglers:
             self.stragglers.before_step(self.step + 1)
         recorder = self.comm_recorder if self.comm_every and (self.step + 1) % self.comm_every == 0 else None
-        with recorder or contextlib.nullcontext():
+        products = self.health.watching(self.step + 1) if self.health else contextlib.nullcontext()
+        with recorder or contextlib.nullcontext(), products:
             share = self.step_runner.forward_backward_share(tokens, targets)
         self.step += 1
         if self.after_backward:
@@ -76,8 +77,10 @@ class ParallelModel:
         clock.mark("forward_backward_s")
         flag = self.health.nonfinite_flag(share, [p.grad for p in self.params if p.grad is not None]) \
             if self.health else None
-        mean, anywhere = self._mean_over_ranks(share, flag)
-        accepted = not self.health or self.health.accept(self.step, mean, anywhere, flag)
+        wrong = self.health.wrong_product_flag() if self.health else None
+        mean, anywhere, wrong_anywhere = self._mean_over_ranks(share, flag, wrong)
+        accepted = not self.health or (self.health.products_right(self.step, wrong_anywhere)
+                                        and self.health.accept(self.step, mean, anywhere, flag))
         clock.mark("checks_s")
         if accepted:
             self._update()
@@ -91,15 +94,18 @@ class ParallelModel:
         self.timing = clock.timing(computed, recorder.exposed() if recorder else None)
         return mean
 
-    def _mean_over_ranks(self, share: torch.Tensor, nonfinite_flag: torch.Tensor | None) -> tuple[float, bool]:
-        """The step's loss and whether any rank raised the non-finite flag, by one all-reduce over every rank
-        (none on a world of one), read once (`Step.loss_over_ranks` says whose shares add up to the loss)."""
-        flag = torch.zeros((), device=share.device) if nonfinite_flag is None else nonfinite_flag
-        value = torch.stack([share.detach().float().reshape(()), flag])
+    def _mean_over_ranks(self, share: torch.Tensor, nonfinite_flag: torch.Tensor | None,
+                         wrong_flag: torch.Tensor | None) -> tuple[float, bool, bool]:
+        """The step's loss, whether any rank raised the non-finite flag and whether any found a wrong matrix
+        product, by one all-reduce over every rank (none on a world of one), read once (`Step.loss_of` says
+        whose shares add up to the loss)."""
+        zero = torch.zeros((), device=share.device)
+        value = torch.stack([share.detach().float().reshape(()), zero if nonfinite_flag is None else nonfinite_flag,
+                             zero if wrong_flag is None else wrong_flag.to(share.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value)
-        total, flags = value.tolist()
-        return self.step_runner.loss_of(total), flags > 0
+        total, flags, wrong = value.tolist()
+        return self.step_runner.loss_of(total), flags > 0, wrong > 0
 
     def record_communication(self, every: int) -> None:
         """Measure exposed communication by kind on every `every`-th step (runtime/comm_telemetry.py)."""
@@ -133,12 +139,13 @@ class ParallelModel:
     def state_dict(self) -> dict:
         return self.laid.state_dict()
 
-    def save(self, path: str, step: int, asynchronous: bool = False, process_group=None):
+    def save(self, path: str, step: int, asynchronous: bool = False, process_group=None, writer=None):
         """The whole training state after `step` (model, optimizer, step, learning rate, RNG) as one DCP
-        checkpoint any other layout can load; `asynchronous` returns `dcp.async_save`'s future."""
+        checkpoint any other layout can load; `asynchronous` returns `dcp.async_save`'s future; `writer` DCP's
+        storage writer (None: its own)."""
         lr = self.optimizer.param_groups[0]["lr"]
         return checkpoint.save(path, [inner(m) for m in self.modules], self.optimizer, self.canonical_names,
-                               checkpoint.TrainState(step=step, lr=lr), asynchronous, process_group)
+                               checkpoint.TrainState(step=step, lr=lr), asynchronous, process_group, writer)
 
     def identity(self) -> checkpoint.Identity:
         """What a checkpoint of this rank's state is of (runtime/verified.py checks it before a load)."""

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         if case and rank == 0:   # rank 0's lines (losses, health) after it are this case's
             print(f"begin case {case}", flush=True)
         try:
-            injection = faults.parse_injection(case_args.inject)
+            injection = faults.parse_injection(case_args.inject, case_args.sdc_error, case_args.sdc_phase)
             skip_steps = {int(s) for s in str(case_args.skip_steps).split(",") if s.strip()}
         except ValueError as exc:
             print(f"error (rank {rank}): {prefix}{exc}", file=sys.stderr, flush=True)
@@ -136,7 +136,8 @@ def cases_of(args):
 
 def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], prefix: str = "") -> int:
     health = None if args.no_health else HealthPolicy(on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
-                                                       sdc_every=args.sdc_every,
+                                                       sdc_every=args.sdc_every, gemm_every=args.gemm_every,
+                                                       on_sdc=args.on_sdc,
                                                        straggler_every=args.straggler_every)
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for

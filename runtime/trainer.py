@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from . import faults
 from .checkpointing import Cadence, Checkpointer
-from .verified import CheckpointFailed, CheckpointRefused, problem_of, write_manifest
+from .verified import CheckpointFailed, CheckpointRefused, HashingWriter, problem_of, write_manifest
 from .health import HealthStop, Rollback
 from .telemetry import TelemetryHeader, TelemetryWriter
-from .watchdog import Watchdog
+from .watchdog import Watchdog, is_collective_failure
 
 STOPPED = 4   # the exit status of a job the health policy stopped
 CHECKPOINT_ERROR = 5   # a save that failed, or a checkpoint that cannot be resumed: said in one line
@@ -76,6 +76,8 @@ class Trainer:
         if self.telemetry and config.telemetry_comm_every > 0:
             parallel.record_communication(config.telemetry_comm_every)
         faults.install(config.injection, parallel, self.rank)
+        if self.checkpointer:
+            faults.install_on_saves(config.injection, self.checkpointer, self.rank)
 
     def first_step(self) -> int:
         """After the directory's last complete checkpoint (as after a torchrun restart), or after
@@ -105,12 +107,15 @@ class Trainer:
             last = config.last_step if config.last_step is not None else (
                 config.steps if config.checkpoint_dir else first + config.steps - 1)
             try:
-                faults.check_reached(config.injection, last, dist.get_world_size())
+                faults.check_reached(config.injection, last, dist.get_world_size(), saving=self.checkpointer is not None)
             except ValueError as exc:   # refused alike on every rank, before any step
                 self._say(f"error: {exc}")
                 return 2
             return self._run(range(first, last + 1))
         except (CheckpointFailed, CheckpointRefused) as exc:
+            if isinstance(exc, CheckpointFailed) and self.watchdog and exc.error is not None \
+                    and is_collective_failure(exc.error):   # a rank lost during the save: named, this process ends
+                self.watchdog.fail_in_save(exc.step, exc.error)
             latest = self.checkpointer.latest() if self.checkpointer else None
             after = f"; {latest.name} stays the latest, training stopped" if isinstance(exc, CheckpointFailed) \
                 and latest else "; training stopped"
@@ -145,9 +150,7 @@ class Trainer:
             if self.rank == 0:
                 print(f"{self.config.log_prefix}step {step} loss {loss:.10f}", flush=True)
             if self.config.save_at == step and self.config.save_to:
-                pending = (self.parallel.save(self.config.save_to, step, asynchronous=self.config.async_save), step)
-                if not self.config.async_save:
-                    pending = self._verify_save_to(pending)
+                pending = self._save_once(step)
             if self.checkpointer:
                 self.checkpointer.poll()
             blocking = self.checkpointer.maybe_save(step, self.parallel, step_s) if self.checkpointer else 0.0
@@ -155,15 +158,25 @@ class Trainer:
                 self.telemetry.write(step, self.parallel.timing, blocking)
             step += 1
         if pending is not None:
-            pending[0].result()   # the asynchronous write finishes before the job ends
-            self._verify_save_to(pending)
+            pending()   # the asynchronous write finishes before the job ends
         if self.checkpointer:
             self.checkpointer.finish()
         return 0
 
-    def _verify_save_to(self, pending) -> None:
-        """The manifest of the one checkpoint `save_at` wrote (what a later --resume verifies)."""
-        write_manifest(Path(self.config.save_to), pending[1], self.parallel.identity())
+    def _save_once(self, step: int) -> Callable[[], None] | None:
+        """The one checkpoint `save_at` asks for and its manifest (what a later --resume verifies); written
+        asynchronously, what finishes it before the job ends."""
+        writer = HashingWriter(self.config.save_to)
+        future = self.parallel.save(self.config.save_to, step, asynchronous=self.config.async_save, writer=writer)
+
+        def finish() -> None:
+            if future is not None:
+                future.result()
+            write_manifest(Path(self.config.save_to), step, self.parallel.identity(), writer.written())
+        if future is None:
+            finish()
+            return None
+        return finish
 
     def _train(self, step: int) -> float:
         tokens, targets = self.batches(step)

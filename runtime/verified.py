@@ -1,10 +1,10 @@
 """Verified checkpoints: a manifest of what a checkpoint wrote, checked before anything is loaded from it.
 
-DCP writes one `.metadata` (rank 0) and each rank's `__R_I.distcp` shards. Once every rank finished writing
-(synchronously, or when `dcp.async_save`'s future resolved), each rank hashes the files it wrote (SHA-256,
-read back from the page cache it just filled) and rank 0 writes `manifest.json`: every file's size and hash,
-the step, the optimizer class and the model's parameter names and shapes. Only then does the checkpoint become
-`latest` (runtime/checkpointing.py).
+DCP writes one `.metadata` (rank 0) and each rank's `__R_I.distcp` shards, through a `HashingWriter`: its file
+system hashes (SHA-256) every byte as it passes to the file, so that nothing is read back. Once every rank
+finished writing (synchronously, or when `dcp.async_save`'s future resolved), rank 0 writes `manifest.json`:
+every file's size and hash, the step, the optimizer class and the model's parameter names and shapes. Only then
+does the checkpoint become `latest` (runtime/checkpointing.py).
 
 Before a load, the ranks share the files out, each re-hashes its share, and any difference, a missing or extra
 shard, a `.metadata` that does not parse, another model's parameters or another optimizer's state is one line
@@ -12,13 +12,18 @@ naming the file and the cause; the restore then takes the newest checkpoint that
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-\d{6,}$")
@@ -33,7 +38,12 @@ class Identity:
 
 
 class CheckpointFailed(Exception):
-    """A save that did not complete on every rank (disk full, a write error, a rank lost during it)."""
+    """A save that did not complete on every rank (disk full, a write error, a rank lost during it); `error` the
+    underlying one (a failed collective: a rank was lost), `step` the step whose checkpoint it was."""
+
+    def __init__(self, message: str, error: BaseException | None = None, step: int | None = None):
+        super().__init__(message)
+        self.error, self.step = error, step
 
 
 class CheckpointRefused(Exception):
@@ -48,25 +58,84 @@ def file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _own_files(target: Path, rank: int) -> list[Path]:
-    """The files this rank wrote: its shards, and `.metadata` on rank 0 (DCP's coordinator)."""
-    files = sorted(target.glob(f"__{rank}_*.distcp"))
-    return files + [target / ".metadata"] if rank == 0 else files
+class _HashingStream:
+    """A file being written, hashed on the way: the digest of exactly the bytes written, in order (DCP writes
+    each file front to back and never seeks)."""
+
+    def __init__(self, raw):
+        self.raw, self.digest, self.bytes = raw, hashlib.sha256(), 0
+        self.error: OSError | None = None   # the file's own write error (torch.save's writer hides it)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            written = self.raw.write(view)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.digest.update(view[:written])
+        self.bytes += written
+        return written
+
+    def __getattr__(self, name):   # tell, flush, fileno, close: the file's own
+        return getattr(self.raw, name)
 
 
-def write_manifest(target: Path, step: int, identity: Identity) -> None:
-    """Every rank hashes what it wrote; rank 0 writes the manifest (the parameters every rank holds). Collective;
-    a failure on any rank is CheckpointFailed on every rank."""
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and SHA-256 of every file it writes (by its final name:
+    `.metadata` is written as a temporary file and renamed)."""
+
+    def __init__(self):
+        self.written: dict[str, dict] = {}
+        self._lock = threading.Lock()   # DCP may write a rank's files from several threads
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = self.stream_for(stream)
+            try:
+                yield hashing
+            except Exception as exc:   # torch.save reports a failed write as "unexpected pos": the cause is said
+                if hashing.error is not None and hashing.error is not exc:
+                    raise hashing.error from None
+                raise
+        with self._lock:   # only a file whose writing ended without an error
+            self.written[Path(path).name] = {"bytes": hashing.bytes, "sha256": hashing.digest.hexdigest()}
+
+    def stream_for(self, raw) -> _HashingStream:
+        return _HashingStream(raw)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.written:
+                self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's FileSystemWriter over a `HashingFileSystem` (or a subclass: runtime/faults.py's full disk)."""
+
+    def __init__(self, path: str | os.PathLike, file_system: HashingFileSystem | None = None):
+        super().__init__(path)
+        self.fs = file_system or HashingFileSystem()
+
+    def written(self) -> dict[str, dict]:
+        """Name -> {"bytes", "sha256"} of every file this rank wrote into the checkpoint."""
+        return dict(self.fs.written)
+
+
+def write_manifest(target: Path, step: int, identity: Identity, written: dict[str, dict]) -> None:
+    """Every rank's hashes of what it wrote (`HashingWriter.written`), gathered; rank 0 writes the manifest (the
+    parameters every rank holds). Collective; a failure on any rank is CheckpointFailed on every rank."""
     rank = dist.get_rank()
-    try:
-        mine = {path.name: {"bytes": path.stat().st_size, "sha256": file_hash(path)}
-                for path in _own_files(target, rank)}
-    except OSError as exc:
-        mine = f"rank {rank} cannot read back what it wrote ({exc})"
+    mine = {name: entry for name, entry in written.items() if name == ".metadata" or name.endswith(".distcp")}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, identity.parameters))
-    failed = next((part for part, _ in everyone if isinstance(part, str)), None)
-    if rank == 0 and failed is None:
+    failed = None
+    if rank == 0:
         files = {name: entry for part, _ in everyone for name, entry in part.items()}
         parameters = {name: shape for _, held in everyone for name, shape in held.items()}
         manifest = {"step": step, "optimizer": identity.optimizer, "parameters": dict(sorted(parameters.items())),

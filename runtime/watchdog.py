@@ -164,6 +164,25 @@ class Watchdog:
             print(self.report(step, error, late, failing, ended) + self.flight_record(), file=sys.stderr, flush=True)
             os._exit(3)
 
+    def fail_in_save(self, step: int, error: BaseException) -> None:
+        """The checkpoint after `step` failed in one of DCP's collectives: every rank had finished the step, so
+        the ranks lost are those that did not say their own save failed (each live one marks itself, then waits
+        for its peers to do so). Says them and ends this process, as `fail` does."""
+        with self._reporting:
+            try:
+                self.store.set(FAILED.format(rank=self.rank), str(step))
+            except RuntimeError:
+                pass
+            time.sleep(SETTLE_S / 2)
+            failing = self.failing() | {self.rank}
+            lost = [rank for rank in range(self.world) if rank not in failing]
+            who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost during it (stopped or dead)"
+                   if lost else "no rank was lost (the collective itself failed)")
+            print(f"health: rank {self.rank}: the checkpoint after step {step} failed in a collective; {who}; the "
+                  f"last verified checkpoint stays latest: {error_line(error)}" + self.flight_record(),
+                  file=sys.stderr, flush=True)
+            os._exit(3)
+
     def flight_record(self) -> str:
         """Write this rank's flight record (JSON) and say where, or why there is none."""
         from torch._C._distributed_c10d import _dump_fr_trace_json

@@ -38,6 +38,11 @@ def six_steps(tmp_path_factory):
     return directory
 
 
+def before_the_launchers_report(stderr: str) -> str:
+    """What the ranks said, before torchrun's report of the exit statuses (which prints the launcher's stack)."""
+    return stderr.split("torch/distributed/elastic/multiprocessing/api.py")[0]
+
+
 def flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 64])
@@ -121,4 +126,54 @@ def test_a_flipped_shard_of_another_rank_is_found_by_the_ranks_together(referenc
     assert "__1_0.distcp: its SHA-256 differs" in proc.stderr and "resumed from step-000004" in proc.stderr
     losses = step_losses(proc)
     assert sorted(losses) == [5, 6, 7, 8]
+    assert all(abs(losses[s] - reference[s]) < LOSS_TOLERANCE for s in losses), (losses, reference)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_on_one_rank_is_named_and_training_stops_at_that_save(reference, tmp_path, asynchronous):
+    """dp2 ZeRO-1: rank 1's disk fills while it writes the checkpoint of step 4 (ENOSPC after 4 KiB of its
+    shard): one error line naming rank 1 and the cause on every rank, no traceback, no step trained past the
+    failure once known; the job started again resumes from step 2's checkpoint as the uninterrupted run."""
+    directory = tmp_path / "ckpt"
+    extra = ("--async-save",) if asynchronous else ()
+    layout = ("--layout", "dp=2,zero=1")
+    proc = launch(2, *ARGS, *layout, *extra, "--steps", "8", "--checkpoint-dir", str(directory),
+                  "--inject", "diskfull@4:1", check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "step-000004 failed: rank 1: OSError: [Errno 28] No space left on device" in errors[0] \
+        and "step-000002 stays the latest" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in before_the_launchers_report(proc.stderr)   # torchrun's own ends in one (exit 5)
+    # async: training goes on while the write runs, and stops at the first step after every rank's has ended
+    assert max(step_losses(proc)) <= (6 if asynchronous else 4)
+    assert (directory / "latest").read_text() == "step-000002"
+    again = launch(2, *ARGS, *layout, *extra, "--steps", "8", "--checkpoint-dir", str(directory))
+    assert "resumed from step-000002" in again.stderr
+    losses = step_losses(again)
+    assert sorted(losses) == list(range(3, 9))
+    assert all(abs(losses[s] - reference[s]) < LOSS_TOLERANCE for s in losses), (losses, reference)
+
+
+def test_a_rank_lost_during_a_save_is_named_and_the_restart_resumes_the_last_verified(reference, tmp_path):
+    """torchrun --max-restarts 1, dp2: rank 1 dies (SIGKILL) in the middle of writing step 4's checkpoint; rank 0,
+    whose save fails in DCP's collective, names rank 1 in one health line (no traceback); the restarted job
+    resumes from step 2's checkpoint and trains steps 3..8 as the run that never failed."""
+    import subprocess
+    import sys
+
+    from test_runtime import DRIVER, ENV, ROOT, free_port
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *DRIVER,
+               *ARGS, "--layout", "dp=2", "--steps", "8", "--checkpoint-dir", str(tmp_path / "ckpt"),
+               "--inject", "savekill@4:1", "--collective-timeout", "10"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("health:")]
+    assert any("the checkpoint after step 4 failed in a collective; rank 1 lost during it" in line
+               for line in said), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "resumed from step-000002 (restart 1)" in proc.stderr
+    losses = step_losses(proc)
+    assert sorted(losses) == list(range(1, 9))
     assert all(abs(losses[s] - reference[s]) < LOSS_TOLERANCE for s in losses), (losses, reference)

@@ -1,0 +1,155 @@
+"""Silent data corruption in computation, caught on the rank that computed it: on a checked step every matrix
+product of the forward and the backward is verified by its checksums (algorithm-based fault tolerance, Huang
+and Abraham, IEEE Trans. Computers 1984), before any gradient reaches the optimizer.
+
+For C = A B (A: m x k, B: k x n; batched, with a bias added or not) the column sums of C equal (1^T A) B in exact
+arithmetic. Computed in the result's precision they differ by rounding only: column j by at most about
+u * sqrt(k) * s_j, with u the result dtype's unit roundoff and s_j = (1^T |A|) |B|_j the sum of the magnitudes
+of the products that column adds up. Both sides are taken in float64 here (the column sums of C as the device
+returned it, and (1^T A) B from the same inputs), and a column whose difference exceeds `tolerance` u sqrt(k)
+s_j marks the product as wrong. What the check costs is O(mk + kn + mn) beside the product's O(mkn): a few
+percent of a small model's GEMMs, less of a large one's.
+
+What it sees: a wrong element of a GEMM's result (a defective core's multiply or accumulate), whatever the
+layout: it runs below DTensor and FSDP2 as a TorchDispatchMode, on the local products each rank computes
+(tensor-parallel shards, pipeline stages, FSDP2's unsharded weights). The smallest error it sees in one element
+c_ij is about `tolerance` u sqrt(k) s_j, i.e. relative to c_ij the ratio s_j / |c_ij| (the column's products'
+magnitudes over the element) times `tolerance` u sqrt(k): about 1e-3 in fp32 on the tiny model, and only
+errors of the element's own size or larger in bf16 (u = 2^-8). What it does not see: fused attention kernels
+(scaled_dot_product_attention's products stay inside the kernel), elementwise operations and reductions, and
+communication (the replica fingerprint and the optimizer check cover what is replicated or sharded after it).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+ACCUMULATE_UNIT = 2.0 ** -24   # fp32's unit roundoff: GEMMs accumulate in fp32 (bf16/fp16 inputs too)
+TOLERANCE = 2.0   # x the rounding allowance: clean steps reach 0.15 of it in bf16, 0.015 in fp32 (tiny model)
+
+
+@dataclass(frozen=True)
+class GemmFault:
+    """An injected fault (runtime/faults.py `sdc`): the `index`-th matrix product of `phase` ("forward" or
+    "backward") on this rank has its largest element multiplied by 1 + `relative_error`."""
+    phase: str
+    relative_error: float
+    index: int = 1
+
+
+@dataclass(frozen=True)
+class GemmVerdict:
+    """The worst product of a checked step on this rank: its checksum discrepancy over the tolerance (> 1: wrong)."""
+    ratio: float
+    shape: str          # "m x k x n" (batched: "b x m x k x n")
+    dtype: str
+    phase: str
+    products: int       # products checked this step
+
+    @property
+    def wrong(self) -> bool:
+        return self.ratio > 1
+
+    def describe(self) -> str:
+        return (f"a {self.phase} product ({self.dtype}, {self.shape}) whose column sums are off by {self.ratio:.3g}x "
+                f"the tolerance ({self.products} products checked)")
+
+
+def _phase() -> str:
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def _column_check(result: torch.Tensor, left: torch.Tensor, right: torch.Tensor, bias, beta, alpha) -> float:
+    """max_j |colsum(C)_j - ref_j| / (u sqrt(k) s_j), in float64; 0 where nothing is to check."""
+    a, b, c = left.detach().double(), right.detach().double(), result.detach().double()
+    reference = alpha * (a.sum(-2, keepdim=True) @ b)              # (1^T A) B, one row (per batch)
+    magnitude = abs(alpha) * (a.abs().sum(-2, keepdim=True) @ b.abs())
+    if bias is not None and beta != 0:
+        full = torch.broadcast_to(bias.detach().double(), c.shape)
+        reference = reference + beta * full.sum(-2, keepdim=True)
+        magnitude = magnitude + abs(beta) * full.abs().sum(-2, keepdim=True)
+    accumulated = ACCUMULATE_UNIT * math.sqrt(max(left.shape[-1], 1)) * magnitude
+    rounded = torch.finfo(result.dtype).eps / 2 * c.abs().sum(-2, keepdim=True)   # the result stored in its dtype
+    allowed = accumulated + rounded + torch.finfo(torch.float64).tiny
+    return float(((c.sum(-2, keepdim=True) - reference).abs() / allowed).max())
+
+
+def _operands(func, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, float]:
+    """(A, B, bias, beta, alpha) of mm/bmm (no bias) or addmm/baddbmm(bias, A, B, beta=, alpha=)."""
+    if func in (aten.mm.default, aten.bmm.default):
+        return args[0], args[1], None, 0.0, 1.0
+    return args[1], args[2], args[0], 1.0, 1.0
+
+
+class GemmCheck(TorchDispatchMode):
+    """Checks (and, with a `GemmFault`, first corrupts) the matrix products run while it is entered."""
+
+    def __init__(self, tolerance: float = TOLERANCE, check: bool = True):
+        """`check` False: only a fault is applied (a step not due for checking still meets its fault)."""
+        super().__init__()
+        self.tolerance, self.check = tolerance, check
+        self.fault: GemmFault | None = None
+        self.worst: GemmVerdict | None = None
+        self.products = 0
+        self.counts = {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented   # DTensor's own dispatch runs the local product, which comes back through here
+        result = func(*args, **kwargs)
+        if func in GEMMS and not isinstance(result, FakeTensor) and result.numel() and result.is_floating_point():
+            self._check(func, args, kwargs, result)
+        return result
+
+    def _check(self, func, args, kwargs, result: torch.Tensor) -> None:
+        phase = _phase()
+        self.counts[phase] += 1
+        if self.fault and self.fault.phase == phase and self.fault.index == self.counts[phase]:
+            _corrupt(result, self.fault.relative_error)
+        if not self.check:
+            return
+        left, right, bias, beta, alpha = _operands(func, args)
+        beta, alpha = float(kwargs.get("beta", beta)), float(kwargs.get("alpha", alpha))
+        ratio = _column_check(result, left, right, bias, beta, alpha)
+        self.products += 1
+        if self.worst is None or ratio / self.tolerance > self.worst.ratio:
+            dims = [*left.shape[:-1], right.shape[-2], right.shape[-1]]
+            self.worst = GemmVerdict(ratio / self.tolerance, " x ".join(map(str, dims)),
+                                     str(result.dtype).removeprefix("torch."), phase, 0)
+
+    def verdict(self) -> GemmVerdict | None:
+        """The step's worst product (ratio > 1: wrong), with the number of products checked."""
+        if self.worst is None:
+            return None
+        return GemmVerdict(self.worst.ratio, self.worst.shape, self.worst.dtype, self.worst.phase, self.products)
+
+    @contextlib.contextmanager
+    def watching(self, fault: GemmFault | None = None, on_verdict=None):
+        """Check the products run inside (forward and backward alike: autograd runs the backward's under the
+        mode that was active when it was called), `fault` applied first; `on_verdict(verdict())` at the end."""
+        self.fault, self.worst, self.products, self.counts = fault, None, 0, {"forward": 0, "backward": 0}
+        try:
+            with self:
+                yield self
+        finally:
+            self.fault = None
+            if on_verdict is not None:
+                on_verdict(self.verdict())
+
+
+@torch.no_grad()
+def _corrupt(result: torch.Tensor, relative_error: float) -> None:
+    """One element, the largest in magnitude, made wrong by `relative_error` of itself (a flipped low exponent
+    bit doubles it: 1.0)."""
+    flat = result.view(-1)
+    index = int(flat.abs().argmax())
+    flat[index] = flat[index] * (1 + relative_error)
