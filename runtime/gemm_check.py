@@ -53,6 +53,7 @@ class GemmVerdict:
     dtype: str
     phase: str
     products: int       # products checked this step
+    limit: float = 0.0  # the step's least sensitive product: errors below this share of its largest element pass
 
     @property
     def wrong(self) -> bool:
@@ -67,8 +68,10 @@ def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
-def _column_check(result: torch.Tensor, left: torch.Tensor, right: torch.Tensor, bias, beta, alpha) -> float:
-    """max_j |colsum(C)_j - ref_j| / (u sqrt(k) s_j), in float64; 0 where nothing is to check."""
+def _column_check(result: torch.Tensor, left: torch.Tensor, right: torch.Tensor, bias, beta,
+                  alpha) -> tuple[float, float]:
+    """max_j |colsum(C)_j - ref_j| / allowed_j (float64), and the smallest error, relative to the product's
+    largest element, that its column's allowance lets pass (the limit of detection for that element)."""
     a, b, c = left.detach().double(), right.detach().double(), result.detach().double()
     reference = alpha * (a.sum(-2, keepdim=True) @ b)              # (1^T A) B, one row (per batch)
     magnitude = abs(alpha) * (a.abs().sum(-2, keepdim=True) @ b.abs())
@@ -79,7 +82,13 @@ def _column_check(result: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
     accumulated = ACCUMULATE_UNIT * math.sqrt(max(left.shape[-1], 1)) * magnitude
     rounded = torch.finfo(result.dtype).eps / 2 * c.abs().sum(-2, keepdim=True)   # the result stored in its dtype
     allowed = accumulated + rounded + torch.finfo(torch.float64).tiny
-    return float(((c.sum(-2, keepdim=True) - reference).abs() / allowed).max())
+    ratio = float(((c.sum(-2, keepdim=True) - reference).abs() / allowed).max())
+    flat = c.abs().reshape(-1, c.shape[-2], c.shape[-1])
+    batch, rest = divmod(int(flat.argmax()), c.shape[-2] * c.shape[-1])
+    column = rest % c.shape[-1]
+    largest = float(flat[batch].max())
+    limit = float(allowed.reshape(-1, 1, c.shape[-1])[batch, 0, column]) / largest if largest else math.inf
+    return ratio, limit
 
 
 def _operands(func, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, float]:
@@ -98,7 +107,7 @@ class GemmCheck(TorchDispatchMode):
         self.tolerance, self.check = tolerance, check
         self.fault: GemmFault | None = None
         self.worst: GemmVerdict | None = None
-        self.products = 0
+        self.products, self.limit = 0, 0.0
         self.counts = {"forward": 0, "backward": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,8 +128,9 @@ class GemmCheck(TorchDispatchMode):
             return
         left, right, bias, beta, alpha = _operands(func, args)
         beta, alpha = float(kwargs.get("beta", beta)), float(kwargs.get("alpha", alpha))
-        ratio = _column_check(result, left, right, bias, beta, alpha)
+        ratio, limit = _column_check(result, left, right, bias, beta, alpha)
         self.products += 1
+        self.limit = max(self.limit, limit * self.tolerance)
         if self.worst is None or ratio / self.tolerance > self.worst.ratio:
             dims = [*left.shape[:-1], right.shape[-2], right.shape[-1]]
             self.worst = GemmVerdict(ratio / self.tolerance, " x ".join(map(str, dims)),
@@ -130,13 +140,15 @@ class GemmCheck(TorchDispatchMode):
         """The step's worst product (ratio > 1: wrong), with the number of products checked."""
         if self.worst is None:
             return None
-        return GemmVerdict(self.worst.ratio, self.worst.shape, self.worst.dtype, self.worst.phase, self.products)
+        return GemmVerdict(self.worst.ratio, self.worst.shape, self.worst.dtype, self.worst.phase, self.products,
+                           self.limit)
 
     @contextlib.contextmanager
     def watching(self, fault: GemmFault | None = None, on_verdict=None):
         """Check the products run inside (forward and backward alike: autograd runs the backward's under the
         mode that was active when it was called), `fault` applied first; `on_verdict(verdict())` at the end."""
-        self.fault, self.worst, self.products, self.counts = fault, None, 0, {"forward": 0, "backward": 0}
+        self.fault, self.worst, self.products, self.limit = fault, None, 0, 0.0
+        self.counts = {"forward": 0, "backward": 0}
         try:
             with self:
                 yield self

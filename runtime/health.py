@@ -20,7 +20,8 @@ on every rank, and the step's policy (skip the batch, or stop) is applied on eve
 The driver's `ParallelModel` runs them inside its step; a user's own loop calls them around its optimizer:
 
     health = HealthMonitor.for_model(laid, HealthPolicy())
-    loss = step.forward_backward(inputs, targets)
+    with health.watching(index):                    # the step's matrix products, on a checked step
+        loss = step.forward_backward(inputs, targets)
     if health.check(index, loss, laid.params):     # raises Rollback or HealthStop where the policy says so
         optimizer.step()
         health.check_replicas(index, laid.params)
@@ -54,7 +55,9 @@ class HealthPolicy:
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
     sdc_every: int = Recovery.sdc_check_every_steps   # steps between replica fingerprints (0: never)
-    gemm_every: int = 50            # steps between steps whose matrix products are checked (0: never)
+    gemm_every: int = 200           # steps between steps whose matrix products are checked (0: never): a
+    #                                 checked step costs about 2.2x an unchecked one on the tiny model (its
+    #                                 GEMMs are small; benchmarks/health_overhead.py), 0.6% of a step at 200
     on_sdc: str = "skip"            # a wrong product found: skip the batch, or stop the job
     straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
     straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
@@ -87,6 +90,7 @@ class HealthMonitor:
         self.gemm = GemmCheck() if policy.gemm_every else None
         self.gemm_fault: tuple[int, GemmFault] | None = None   # (step, fault) injected (runtime/faults.py)
         self.gemm_verdict: GemmVerdict | None = None   # the last watched step's worst product on this rank
+        self.gemm_verdict_said = False                 # the limit of detection, said at the first check
 
     @classmethod
     def for_model(cls, laid_out, policy: HealthPolicy = HealthPolicy()) -> "HealthMonitor":
@@ -119,6 +123,13 @@ class HealthMonitor:
         return checker.watching(fault, on_verdict=self._keep_verdict)
 
     def _keep_verdict(self, verdict: GemmVerdict | None) -> None:
+        """The step's verdict; the first one's limit of detection is said once (what passes unseen)."""
+        if verdict is not None and self.gemm_verdict_said is False:
+            self.gemm_verdict_said = True
+            self._say(f"health: matrix products checked every {self.policy.gemm_every} steps: "
+                      f"{verdict.products} per step on rank {self.rank}; an error under {verdict.limit:.2g} of a "
+                      f"product's largest element passes unseen in the least sensitive of them "
+                      f"({verdict.dtype}); fused attention kernels are not checked")
         self.gemm_verdict = verdict
 
     def wrong_product_flag(self) -> torch.Tensor:

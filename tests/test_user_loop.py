@@ -94,19 +94,24 @@ def test_a_checkpoint_written_mid_epoch_under_tp2_resumes_under_dp2_and_pp2(tmp_
 
 
 def test_the_health_check_in_a_user_loop_skips_a_poisoned_batch_on_every_rank(tmp_path):
-    """A NaN in one gradient element of rank 1 at step 2, under dp2 (ZeRO-1: replicas compared too):
-    `HealthMonitor.check` names rank 1 and both ranks skip the optimizer step, so steps 3 and 4 are those of
-    the same loop with batch 2 left out by hand, and no replica check finds a difference."""
+    """A NaN in one gradient element of rank 1 at step 2, under dp2 (ZeRO-1: replicas compared too), and, in
+    another run, one element of a backward matrix product of rank 0 at step 2 doubled (products checked every
+    step, `HealthMonitor.watching`): `HealthMonitor.check` names the rank and both ranks skip the optimizer step,
+    so steps 3 and 4 are those of the same loop with batch 2 left out by hand, and no replica check finds a
+    difference."""
     launch = {"model": "tiny-llama", "layout": "dp=2,mbs=2,zero=1", "steps": 4}
     directory = tmp_path / "health"
     directory.mkdir()
     spec = directory / "cases.json"
     spec.write_text(json.dumps([{"name": "poisoned", **launch, "nan_at": [2, 1]},
+                                {"name": "wrong-product", **launch, "wrong_product_at": [2, 0]},
                                 {"name": "by-hand", **launch, "skip": [2]}]))
     proc = launch_script(SCRIPT, 2, str(spec), str(directory))
-    health = [line for line in proc.stdout.splitlines() if line.startswith("health:")]
-    assert health == ["health: step 2: non-finite loss or gradients on rank 1; policy skip"], proc.stdout
-    steps = {name: {} for name in ("poisoned", "by-hand")}
+    health = [line for line in proc.stdout.splitlines() if line.startswith("health: step")]
+    assert len(health) == 2 and health[0] == "health: step 2: non-finite loss or gradients on rank 1; policy skip" \
+        and health[1].startswith("health: step 2: a matrix product computed wrong (silent data corruption in "
+                                 "computation) on rank 0: a backward product"), proc.stdout
+    steps = {name: {} for name in ("poisoned", "wrong-product", "by-hand")}
     for line in proc.stdout.splitlines():
         if line.startswith("case "):
             _, name, _, step, _, value, _, _ = line.split()
@@ -114,3 +119,4 @@ def test_the_health_check_in_a_user_loop_skips_a_poisoned_batch_on_every_rank(tm
     assert sorted(steps["by-hand"]) == [1, 3, 4]
     for step in (1, 3, 4):
         assert abs(steps["poisoned"][step] - steps["by-hand"][step]) < LOSS_TOLERANCE, (step, steps)
+        assert abs(steps["wrong-product"][step] - steps["by-hand"][step]) < LOSS_TOLERANCE, (step, steps)

@@ -27,8 +27,9 @@ from cost_models.layout_codec import layout_from, parse_text  # noqa: E402
 from planner.graph_capture.model_capture import capture  # noqa: E402
 from planner.graph_capture.model_sources import ModelConfig, resolve_model  # noqa: E402
 from planner.graph_capture.reference_model import build_model  # noqa: E402
-from runtime import (Cadence, Checkpointer, HealthMonitor, LoopState, LossTerms, Step, end_distributed,  # noqa: E402
-                     init_distributed, parallelize, rank_loader, settle)
+from runtime import (Cadence, Checkpointer, HealthMonitor, HealthPolicy, LoopState, LossTerms, Step,  # noqa: E402
+                     end_distributed, init_distributed, parallelize, rank_loader, settle)
+from runtime.gemm_check import GemmFault  # noqa: E402
 from runtime.step import IGNORE_INDEX, logits_of  # noqa: E402
 
 SEQ, GLOBAL_BATCH, AUX_COEFFICIENT = 32, 8, 0.02
@@ -101,7 +102,11 @@ def run(case: dict, dump: Path) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(case.get("schedule_steps", case["steps"])))
     step = Step(laid, loss_with_aux)
     loader = rank_loader(laid, TextWindows(), GLOBAL_BATCH, seed=1)
-    state, health = LoopState(laid, optimizer, scheduler, loader), HealthMonitor.for_model(laid)
+    wrong_at = case.get("wrong_product_at")   # [step, rank]: a backward product of that rank's step comes out wrong
+    health = HealthMonitor.for_model(laid, HealthPolicy(gemm_every=1) if wrong_at else HealthPolicy())
+    if wrong_at and wrong_at[1] == rank:
+        health.gemm_fault = (wrong_at[0], GemmFault("backward", 1.0))
+    state = LoopState(laid, optimizer, scheduler, loader)
     checkpointer = Checkpointer(case["checkpoint_dir"], Cadence(case["save_every"]), health=health) \
         if case.get("checkpoint_dir") else None
     (dump / case["name"]).mkdir(parents=True, exist_ok=True)
@@ -111,7 +116,8 @@ def run(case: dict, dump: Path) -> None:
     for index, (inputs, targets) in zip(range(first, case["steps"] + 1), loader):
         if index in case.get("skip", []):
             continue
-        loss = step.forward_backward(inputs, targets)
+        with health.watching(index):   # the step's matrix products, checked on a checked step
+            loss = step.forward_backward(inputs, targets)
         if case.get("nan_at") == [index, rank]:
             next(p.grad for p in laid.params if p.grad is not None).view(-1)[0] = float("nan")
         torch.save(laid.gradients(), dump / case["name"] / f"step{index}-rank{rank}.pt")
