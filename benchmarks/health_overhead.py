@@ -1,9 +1,10 @@
-"""What the in-step health checks cost (runtime/health.py, runtime/stragglers.py) on the tiny model: the
-same training step with the checks off, at their defaults (non-finite test, spike statistics, a replica
-fingerprint every 10 steps, the straggler timer and its comparison every 10 steps, every matrix product
-checked by its checksums every 50 steps), without the product check, with it on every step (its cost is inside
-the step, seen end to end only), without the straggler timer, with a fingerprint every step, and telemetry's communication recorder (a dispatch mode) every 10th
-and every step. Results and the command: docs/benchmarks.md.
+"""What the in-step health checks cost (runtime/health.py, runtime/stragglers.py) on the tiny model: the same training
+step with the checks off, at their defaults (non-finite test, spike statistics, a replica fingerprint every 10
+steps, the straggler timer and its comparison every 10 steps, every matrix product checked by its checksums every
+200 steps, 16 elements of each tensor of a ZeRO-1 shard's update recomputed by another rank every 50 steps),
+without the product check, without the optimizer check, with the product check on every step (its cost is inside
+the step, seen end to end only), without the straggler timer, with a fingerprint every step, and telemetry's
+communication recorder (a dispatch mode) every 10th and every step. Results and the command: docs/benchmarks.md.
 
 Every variant is its own model, built once; the steps are interleaved (step i of every variant, in an
 order that rotates, before step i+1 of any), so that the machine's drift over minutes falls on every
@@ -42,9 +43,11 @@ from planner.graph_capture.model_sources import resolve_model  # noqa: E402
 from planner.graph_capture.reference_model import build_model  # noqa: E402
 from runtime import apply_plan  # noqa: E402
 from runtime.health import HealthMonitor, HealthPolicy  # noqa: E402
+from runtime.optimizer_check import OptimizerCheck  # noqa: E402
 from runtime.stragglers import ComputeTimer, StragglerMonitor  # noqa: E402
 
-TIMED = ((HealthMonitor, ("nonfinite_flag", "accept", "check_replicas", "products_right")),
+TIMED = ((HealthMonitor, ("nonfinite_flag", "accept", "check_replicas", "products_right", "updates_right")),
+         (OptimizerCheck, ("_take", "_verify")),
          (StragglerMonitor, ("before_step", "after_step")), (ComputeTimer, ("_start", "_stop")))
 
 
@@ -83,8 +86,10 @@ class Variant:
 
 VARIANTS = (Variant("checks off", None),
             Variant("checks at their defaults (non-finite test, spike statistics, fingerprint and straggler "
-                    "comparison every 10 steps, matrix products checked every 50)", HealthPolicy()),
+                    "comparison every 10 steps, matrix products checked every 200, a ZeRO-1 update sample "
+                    "recomputed by another rank every 50)", HealthPolicy()),
             Variant("defaults less the product check", HealthPolicy(gemm_every=0)),
+            Variant("defaults less the optimizer check", HealthPolicy(optimizer_every=0)),
             Variant("matrix products checked every step", HealthPolicy(gemm_every=1)),
             Variant("defaults less the straggler timer", HealthPolicy(straggler_every=0)),
             Variant("fingerprint every step", HealthPolicy(sdc_every=1)),

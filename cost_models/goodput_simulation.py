@@ -1,7 +1,8 @@
 """A Monte Carlo of the process the goodput model (cost_models/reliability.py) takes in closed form, event by
 event: train in segments of tau useful seconds plus a blocking checkpoint; interruptions of each kind arrive
-at their own exponential rate; one costs the work since the last checkpoint, its detection delay, and its
-recovery: a restart (which a hardware failure during it starts over), a repair waited for (no spares), or,
+at their own exponential rate; one costs the work since the last checkpoint, its detection delay (found at
+checks: the first one uniformly within an interval after it, then each finding it with its chance, drawn), and
+its recovery: a restart (which a hardware failure during it starts over), a repair waited for (no spares), or,
 elastic, a restart on the nodes left, a run at (nodes-1)/nodes of the speed until the repair is done, a
 checkpoint, and a restart at the full size. The model is checked against it (tests/test_reliability.py).
 """
@@ -66,9 +67,16 @@ class _Run:
             self.short_until = -1.0
             return kept
         kind = p.kinds[self.rng.choice(len(p.kinds), p=self.shares)]
-        self.wall += arrival + kind.detection_s
+        self.wall += arrival + self.detection(kind)
         self.recover(kind)
         return 0.0
+
+    def detection(self, kind: Interruption) -> float:
+        """How long until it is seen: at once plus its fixed delay, or at the checks that find it."""
+        if not kind.checked_every_s:
+            return kind.detection_s
+        checks = self.rng.geometric(kind.seen_per_check)   # the first that sees it, counting from 1
+        return kind.checked_every_s * (self.rng.uniform() + checks - 1)
 
     def recover(self, kind: Interruption) -> None:
         if not kind.waiting_s:              # spares, or a rollback in place

@@ -10,17 +10,26 @@ interruptions, each costing its detection delay D_k and recovery C_k:
 
 (a renewal argument; with one kind, D = 0 and C = M (e^{R/M} - 1), a restart that failures restart, it is
 Daly's M e^{R/M} (e^{(tau+delta)/M} - 1)). The downtime factors out, so Daly's tau stays optimal for any
-D and C. ETTR = tau / E[T] x (1 - the replica checks' share of a step); goodput = MFU x ETTR.
+D and C. ETTR = tau / E[T] x (1 - the checks' share of a step); goodput = MFU x ETTR.
+
+Silent corruption from a defective device is found by the check of matrix products (runtime/gemm_check.py) run
+every N steps of s seconds, each seeing the device's error with probability p: the first check after the
+defect is on average N s / 2 later, then each misses with 1 - p, so D = N s (1/p - 1/2). A checked step costs c
+more; the checks' share of the time is c / (N s), the corruption's loss per second lambda_sdc D: their sum is
+least at N s = sqrt(c / (lambda_sdc (1/p - 1/2))) (as Young's interval balances saving against losing work),
+the cadence the model chooses unless one is given. Without product checks corruption is found by the replica
+fingerprint every N_r steps (D = N_r s / 2), which sees parameters changed in memory only.
 `cost_models/goodput_simulation.py` simulates the same process event by event.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hardware_profiles.schema import Cluster
 
 SECONDS_PER_DAY = 86400.0
+PRODUCT_CHECK_EVERY_MAX = 1_000_000   # steps: a cadence past this checks nothing a run would see
 CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights 2 + fp32 master 4 + Adam moments 8 (optimizer state to resume)
 
 
@@ -56,14 +65,21 @@ class Recovery:
     elastic: bool = False                 # without spares: continue re-planned on the nodes left until the repair
     sdc_check_every_steps: int = 10       # replica fingerprints (0: none; sharded parameters have no replicas)
     loss_spikes_per_day: float = 0.0      # spikes rolled back from (the model's and data's, not the hardware's)
+    product_check_every_steps: int | None = None   # matrix products checked (0: never; None: the model chooses)
+    sdc_seen_per_check: float = 1.0       # chance a checked step shows a defective device's error (assumed)
 
     def assumptions(self) -> str:
         spares = "spare nodes kept" if self.spare_nodes else (
             "no spare nodes, continue on the nodes left" if self.elastic else "no spare nodes, wait for the repair")
         checks = f"replica check every {self.sdc_check_every_steps} steps" if self.sdc_check_every_steps else \
-            "no replica checks (corruption goes unseen)"
-        return (f"collective timeout {self.collective_timeout_s:g} s, {spares}, {checks}, "
-                f"{self.loss_spikes_per_day:g} loss spikes/day")
+            "no replica checks"
+        products = "matrix products checked at the cadence the model chooses" \
+            if self.product_check_every_steps is None else \
+            f"matrix products checked every {self.product_check_every_steps} steps" \
+            if self.product_check_every_steps else "no product checks"
+        return (f"collective timeout {self.collective_timeout_s:g} s, {spares}, {checks}, {products} (a defect "
+                f"seen by {self.sdc_seen_per_check:.0%} of checked steps), {self.loss_spikes_per_day:g} loss "
+                "spikes/day")
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,8 @@ class Interruption:
     restarts: float = 1.0   # restarts per interruption (an elastic job shrinks, then grows back)
     waiting_s: float = 0.0  # the job down or slowed with nothing to fail (a repair waited for, a slower run)
     waiting_part: str = "repair wait"
+    checked_every_s: float = 0.0   # found at checks this far apart (0: detection_s after it happens)...
+    seen_per_check: float = 1.0    # ...each finding it with this chance (detection_s is then the mean delay)
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,7 @@ class StepContext:
     step_s: float
     check_s: float          # one fingerprint: the rank's parameters read once
     replicated: bool        # parameters replicated over data-parallel ranks (ZeRO-0/1/2), so checkable
+    product_check_s: float = 0.0   # what checking a step's matrix products adds to it
 
 
 @dataclass(frozen=True)
@@ -164,9 +183,15 @@ def interruption_kinds(cluster: Cluster, num_devices: int, restart_s: float, loa
              losing_a_node("hang", reliability.hang_fraction, recovery.collective_timeout_s)]
     if context is None:   # no plan to say how often checks run: corruption counted as found at once
         kinds.append(losing_a_node("silent corruption", reliability.sdc_fraction, 0.0))
+    elif recovery.product_check_every_steps:   # a defective device's products, at the checks that see it
+        every_s, seen = recovery.product_check_every_steps * context.step_s, recovery.sdc_seen_per_check
+        kinds.append(replace(losing_a_node("silent corruption", reliability.sdc_fraction,
+                                           every_s * (1 / seen - 0.5)), checked_every_s=every_s,
+                             seen_per_check=seen))
     elif context.replicated and recovery.sdc_check_every_steps:   # found at the next check, half an interval on
-        kinds.append(losing_a_node("silent corruption", reliability.sdc_fraction,
-                                   recovery.sdc_check_every_steps * context.step_s / 2))
+        every_s = recovery.sdc_check_every_steps * context.step_s
+        kinds.append(replace(losing_a_node("silent corruption", reliability.sdc_fraction, every_s / 2),
+                             checked_every_s=every_s))
     if recovery.loss_spikes_per_day:
         kinds.append(Interruption("loss spike", recovery.loss_spikes_per_day / SECONDS_PER_DAY, 0.0, load_s))
     return tuple(kind for kind in kinds if kind.per_s > 0)
@@ -191,9 +216,23 @@ def segment_parts_s(interval_s: float, blocking_s: float, kinds: tuple[Interrupt
     return parts
 
 
+def product_check_every_steps(cluster: Cluster, num_devices: int, recovery: Recovery, context: StepContext) -> int:
+    """The cadence of product checks that loses least: N s = sqrt(c / (lambda_sdc (1/p - 1/2))), in whole steps
+    (0, never, where no corruption is expected, or the context prices no product check)."""
+    sdc_per_s = cluster.reliability.sdc_fraction / job_mtbf_s(cluster, num_devices)
+    if sdc_per_s <= 0 or context.step_s <= 0 or context.product_check_s <= 0:
+        return 0
+    waiting = 1 / recovery.sdc_seen_per_check - 0.5
+    every_s = math.sqrt(context.product_check_s / (sdc_per_s * waiting))
+    return min(max(1, round(every_s / context.step_s)), PRODUCT_CHECK_EVERY_MAX)
+
+
 def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float, asynchronous: bool = True,
             recovery: Recovery | None = None, context: StepContext | None = None) -> Goodput:
     recovery = recovery or Recovery()
+    if recovery.product_check_every_steps is None:
+        chosen = product_check_every_steps(cluster, num_devices, recovery, context) if context else 0
+        recovery = replace(recovery, product_check_every_steps=chosen)
     mtbf = job_mtbf_s(cluster, num_devices)
     nbytes = total_params * CHECKPOINT_BYTES_PER_PARAM
     save = checkpoint_save_s(cluster, nbytes, num_devices)
@@ -215,25 +254,43 @@ def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float,
                        recovery, kinds, {"lost work": SECONDS_PER_DAY},
                        (*notes, "interruptions come faster than the job can restart and save: it makes no progress"))
     lost = {name: seconds / wall * SECONDS_PER_DAY for name, seconds in parts.items() if name != "training"}
-    if check_share:
-        lost["replica checks"] = check_share * interval / wall * SECONDS_PER_DAY
+    for name, share in check_shares(recovery, context).items():
+        lost[name] = share * interval / wall * SECONDS_PER_DAY
     return Goodput(mtbf, total_per_s * SECONDS_PER_DAY, nbytes, save, blocking, interval, restart,
                    interval / wall * (1 - check_share), mfu, recovery, kinds, lost, notes)
 
 
+def check_shares(recovery: Recovery, context: StepContext | None) -> dict[str, float]:
+    """Each check's share of training time: the replica fingerprint, one read of the parameters every N_r steps;
+    the product check, c more every N steps."""
+    shares = {}
+    if context and context.replicated and recovery.sdc_check_every_steps:
+        every = recovery.sdc_check_every_steps * context.step_s
+        shares["replica checks"] = context.check_s / (every + context.check_s)
+    if context and recovery.product_check_every_steps and context.product_check_s:
+        every = recovery.product_check_every_steps * context.step_s
+        shares["product checks"] = context.product_check_s / (every + context.product_check_s)
+    return shares
+
+
 def check_overhead_share(recovery: Recovery, context: StepContext | None) -> float:
-    """The replica fingerprints' share of training time: one read of the parameters every N steps."""
-    if not context or not context.replicated or not recovery.sdc_check_every_steps:
-        return 0.0
-    return context.check_s / (recovery.sdc_check_every_steps * context.step_s + context.check_s)
+    return sum(check_shares(recovery, context).values())
 
 
 def _notes(recovery: Recovery, context: StepContext | None) -> tuple[str, ...]:
     notes = [f"recovery assumed: {recovery.assumptions()}"]
     if context is None:
         notes.append("no plan given: replica checks not charged, silent corruption counted as found at once")
+    elif recovery.product_check_every_steps:
+        notes.append(f"silent corruption found by the product checks every {recovery.product_check_every_steps} "
+                     f"steps (each {context.product_check_s * 1e3:.3g} ms): {recovery.sdc_seen_per_check:.0%} of "
+                     "checked steps assumed to show a defective device's error")
     elif not context.replicated or not recovery.sdc_check_every_steps:
         why = "parameters are sharded (ZeRO-3), no replicas to compare" if not context.replicated else \
             "replica checks are off"
-        notes.append(f"{why}: silent corruption goes unseen (trains on, not counted as an interruption)")
+        notes.append(f"{why} and no product checks: silent corruption goes unseen (trains on, not counted as an "
+                     "interruption)")
+    else:
+        notes.append("no product checks: silent corruption counted as found by the replica checks, which see "
+                     "parameters changed in memory only, not a defective device's computation")
     return tuple(notes)

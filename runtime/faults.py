@@ -18,6 +18,9 @@
 * `sdc@S:R`    one element of one matrix product of rank R's step S comes out wrong, by `--sdc-error` of
                itself (1: doubled, as a flipped low exponent bit), in the forward or the backward
                (`--sdc-phase`): the product check (runtime/gemm_check.py) names the rank on a checked step;
+* `optsdc@S:R` rank R's own optimizer update of step S leaves one element of the shard it owns wrong by
+               `--sdc-error` of itself (under ZeRO-1 before its broadcast, so every replica takes it): the
+               optimizer check (runtime/optimizer_check.py) names the rank where the element is sampled;
 * `diskfull@S:R` rank R's disk is full from the first checkpoint written at or after step S: its write fails
                with ENOSPC once FULL_AFTER_BYTES of it are on disk (a partial shard left behind);
 * `savekill@S:R` rank R dies (SIGKILL) in the middle of writing the first checkpoint at or after step S (only
@@ -37,7 +40,7 @@ import torch
 
 from .stragglers import compute_leaves
 
-KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow", "sdc", "diskfull", "savekill")
+KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow", "sdc", "optsdc", "diskfull", "savekill")
 SAVE_KINDS = ("diskfull", "savekill")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
@@ -108,6 +111,12 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
         if parallel.health is None:
             raise ValueError("--inject sdc needs the health checks (without --no-health)")
         parallel.health.gemm_fault = (injection.step, GemmFault(injection.phase, injection.relative_error))
+    elif injection.kind == "optsdc":
+        from .optimizer_check import OptimizerFault
+        if parallel.optimizer_check is None:
+            raise ValueError("--inject optsdc needs an optimizer that owns shards (ZeRO-1/2/3 over dp > 1) and its "
+                             "check on (without --no-health, --optimizer-check-every > 0)")
+        parallel.optimizer_check.fault = OptimizerFault(injection.step, injection.relative_error)
     elif injection.kind == "slow":
         leaf = compute_leaves(parallel.modules)[0]
         compute = leaf.forward

@@ -69,26 +69,29 @@ def _phase() -> str:
 
 
 def _column_check(result: torch.Tensor, left: torch.Tensor, right: torch.Tensor, bias, beta,
-                  alpha) -> tuple[float, float]:
-    """max_j |colsum(C)_j - ref_j| / allowed_j (float64), and the smallest error, relative to the product's
-    largest element, that its column's allowance lets pass (the limit of detection for that element)."""
-    a, b, c = left.detach().double(), right.detach().double(), result.detach().double()
+                  alpha) -> tuple[torch.Tensor, torch.Tensor]:
+    """max_j |colsum(C)_j - ref_j| / allowed_j (float64, a 0-d tensor: not read here, so that a device never
+    waits on it), and each column's allowance (for the limit of detection)."""
+    a, b, c = left.detach().double(), right.detach().double(), result.detach()
     reference = alpha * (a.sum(-2, keepdim=True) @ b)              # (1^T A) B, one row (per batch)
     magnitude = abs(alpha) * (a.abs().sum(-2, keepdim=True) @ b.abs())
     if bias is not None and beta != 0:
-        full = torch.broadcast_to(bias.detach().double(), c.shape)
-        reference = reference + beta * full.sum(-2, keepdim=True)
-        magnitude = magnitude + abs(beta) * full.abs().sum(-2, keepdim=True)
+        full = torch.broadcast_to(bias.detach(), c.shape)
+        reference = reference + beta * full.sum(-2, keepdim=True, dtype=torch.float64)
+        magnitude = magnitude + abs(beta) * full.abs().sum(-2, keepdim=True, dtype=torch.float64)
     accumulated = ACCUMULATE_UNIT * math.sqrt(max(left.shape[-1], 1)) * magnitude
-    rounded = torch.finfo(result.dtype).eps / 2 * c.abs().sum(-2, keepdim=True)   # the result stored in its dtype
-    allowed = accumulated + rounded + torch.finfo(torch.float64).tiny
-    ratio = float(((c.sum(-2, keepdim=True) - reference).abs() / allowed).max())
-    flat = c.abs().reshape(-1, c.shape[-2], c.shape[-1])
-    batch, rest = divmod(int(flat.argmax()), c.shape[-2] * c.shape[-1])
-    column = rest % c.shape[-1]
-    largest = float(flat[batch].max())
-    limit = float(allowed.reshape(-1, 1, c.shape[-1])[batch, 0, column]) / largest if largest else math.inf
-    return ratio, limit
+    rounded = (torch.finfo(result.dtype).eps / 2) * c.abs().sum(-2, keepdim=True, dtype=torch.float64)
+    allowed = accumulated + rounded + torch.finfo(torch.float64).tiny   # the result stored in its dtype, above
+    return ((c.sum(-2, keepdim=True, dtype=torch.float64) - reference).abs() / allowed).amax(), allowed
+
+
+def _limit(result: torch.Tensor, allowed: torch.Tensor) -> float:
+    """The smallest error, relative to the product's largest element, that its column's allowance lets pass."""
+    n = result.shape[-1]
+    flat = result.detach().abs().reshape(-1, result.shape[-2] * n)
+    batch, index = divmod(int(flat.argmax()), result.shape[-2] * n)
+    largest = float(flat[batch, index])
+    return float(allowed.reshape(-1, n)[batch, index % n]) / largest if largest else math.inf
 
 
 def _operands(func, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, float]:
@@ -99,15 +102,21 @@ def _operands(func, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
 
 
 class GemmCheck(TorchDispatchMode):
-    """Checks (and, with a `GemmFault`, first corrupts) the matrix products run while it is entered."""
+    """Checks (and, with a `GemmFault`, first corrupts) the matrix products run while it is entered. Each
+    product's discrepancy stays a device tensor until the step's verdict reads them all at once."""
 
     def __init__(self, tolerance: float = TOLERANCE, check: bool = True):
         """`check` False: only a fault is applied (a step not due for checking still meets its fault)."""
         super().__init__()
         self.tolerance, self.check = tolerance, check
         self.fault: GemmFault | None = None
-        self.worst: GemmVerdict | None = None
-        self.products, self.limit = 0, 0.0
+        self.with_limit = False        # measure the limit of detection too (costs a read per product)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ratios: list[torch.Tensor] = []
+        self.described: list[tuple[str, str, str]] = []   # (shape, dtype, phase) of each product checked
+        self.limit = 0.0
         self.counts = {"forward": 0, "backward": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -128,27 +137,28 @@ class GemmCheck(TorchDispatchMode):
             return
         left, right, bias, beta, alpha = _operands(func, args)
         beta, alpha = float(kwargs.get("beta", beta)), float(kwargs.get("alpha", alpha))
-        ratio, limit = _column_check(result, left, right, bias, beta, alpha)
-        self.products += 1
-        self.limit = max(self.limit, limit * self.tolerance)
-        if self.worst is None or ratio / self.tolerance > self.worst.ratio:
-            dims = [*left.shape[:-1], right.shape[-2], right.shape[-1]]
-            self.worst = GemmVerdict(ratio / self.tolerance, " x ".join(map(str, dims)),
-                                     str(result.dtype).removeprefix("torch."), phase, 0)
+        ratio, allowed = _column_check(result, left, right, bias, beta, alpha)
+        self.ratios.append(ratio)
+        dims = [*left.shape[:-1], right.shape[-2], right.shape[-1]]
+        self.described.append((" x ".join(map(str, dims)), str(result.dtype).removeprefix("torch."), phase))
+        if self.with_limit:
+            self.limit = max(self.limit, _limit(result, allowed) * self.tolerance)
 
     def verdict(self) -> GemmVerdict | None:
-        """The step's worst product (ratio > 1: wrong), with the number of products checked."""
-        if self.worst is None:
+        """The step's worst product (ratio > 1: wrong), with the number of products checked: one read."""
+        if not self.ratios:
             return None
-        return GemmVerdict(self.worst.ratio, self.worst.shape, self.worst.dtype, self.worst.phase, self.products,
-                           self.limit)
+        ratios = torch.stack(self.ratios).cpu()
+        worst = int(ratios.argmax())
+        shape, dtype, phase = self.described[worst]
+        return GemmVerdict(float(ratios[worst]) / self.tolerance, shape, dtype, phase, len(self.ratios), self.limit)
 
     @contextlib.contextmanager
-    def watching(self, fault: GemmFault | None = None, on_verdict=None):
+    def watching(self, fault: GemmFault | None = None, on_verdict=None, with_limit: bool = False):
         """Check the products run inside (forward and backward alike: autograd runs the backward's under the
         mode that was active when it was called), `fault` applied first; `on_verdict(verdict())` at the end."""
-        self.fault, self.worst, self.products, self.limit = fault, None, 0, 0.0
-        self.counts = {"forward": 0, "backward": 0}
+        self._reset()
+        self.fault, self.with_limit = fault, with_limit
         try:
             with self:
                 yield self

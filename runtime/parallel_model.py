@@ -8,6 +8,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from cost_models.layout import Layout, Recompute
 from planner.graph_capture.graph import ModelGraph
@@ -17,6 +18,7 @@ from .comm_telemetry import CommRecorder, GroupKinds
 from .dims import PlanError
 from .health import HealthMonitor, HealthPolicy
 from .laid_out import LaidOutModel, device_type_of, inner, parallelize
+from .optimizer_check import OptimizerCheck
 from .step import Step, token_cross_entropy
 from .stragglers import ComputeTimer, StragglerMonitor
 from .telemetry import Stopwatch
@@ -51,6 +53,9 @@ class ParallelModel:
         self.stragglers = None if health is None or not health.straggler_every else StragglerMonitor(
             health.straggler_every, health.straggler_ratio, health.straggler_min_excess_s,
             ComputeTimer(self.modules, self.device), group, self.device, self.health.report)
+        sharded_update = isinstance(self.optimizer, ZeroRedundancyOptimizer) or not self.replicated
+        self.optimizer_check = OptimizerCheck(self.optimizer, group, health.optimizer_every, health.optimizer_samples) \
+            if health and health.optimizer_every and sharded_update and laid.dp_mesh().size() > 1 else None
         if self.health and not self.replicated and laid.dp_mesh().size() > 1:
             self.notes.append("the replica fingerprint (silent data corruption) is off: FSDP2 shards the "
                               "parameters, so no rank holds a replica to compare")
@@ -122,7 +127,11 @@ class ParallelModel:
             self.clip_gradients(self.max_grad_norm)
         if self.on_gradients:
             self.on_gradients(self)
-        self.optimizer.step()
+        checked = self.optimizer_check.around(self.step) if self.optimizer_check else contextlib.nullcontext([])
+        with checked as wrong:
+            self.optimizer.step()
+        if self.optimizer_check and self.optimizer_check.due(self.step):
+            self.health.updates_right(self.step, wrong)   # raises Rollback or HealthStop on every rank alike
         if self.after_step:
             self.after_step(self)
 

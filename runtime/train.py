@@ -138,6 +138,8 @@ def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], 
     health = None if args.no_health else HealthPolicy(on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
                                                        sdc_every=args.sdc_every, gemm_every=args.gemm_every,
                                                        on_sdc=args.on_sdc,
+                                                       optimizer_every=args.optimizer_check_every,
+                                                       optimizer_samples=args.optimizer_check_samples,
                                                        straggler_every=args.straggler_every)
     try:
         if args.plan:  # the plan fixes the batch and sequence it was made for

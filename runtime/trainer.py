@@ -107,7 +107,8 @@ class Trainer:
             last = config.last_step if config.last_step is not None else (
                 config.steps if config.checkpoint_dir else first + config.steps - 1)
             try:
-                faults.check_reached(config.injection, last, dist.get_world_size(), saving=self.checkpointer is not None)
+                faults.check_reached(config.injection, last, dist.get_world_size(),
+                                     saving=self.checkpointer is not None)
             except ValueError as exc:   # refused alike on every rank, before any step
                 self._say(f"error: {exc}")
                 return 2
@@ -140,6 +141,10 @@ class Trainer:
             try:
                 loss = self._train(step)
             except Rollback as spike:
+                if self.checkpointer is None:   # nothing to undo the update with
+                    self._say(f"error: step {spike.step}: {spike.reason}, and no checkpoints to roll back to "
+                              "(--checkpoint-dir, --save-every): training stopped")
+                    return STOPPED
                 step = self.roll_back(spike.step)
                 continue
             except HealthStop as exc:

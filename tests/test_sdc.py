@@ -1,10 +1,14 @@
-"""Silent data corruption in computation (runtime/gemm_check.py): an element of one matrix product of one rank's
-forward or backward comes out wrong (`--inject sdc@3:R`, AdamW, every product checked: `--gemm-every 1`), under
+"""Silent data corruption in computation (runtime/gemm_check.py, runtime/optimizer_check.py): an element of one
+matrix product of one rank's forward or backward comes out wrong (`--inject sdc@3:R`, AdamW, every product checked: `--gemm-every 1`), under
 dp2 ZeRO-1, dp2 ZeRO-3, tp2 x dp2 and pp2 x dp2. The check names the rank in one `health:` line before any
 optimizer step uses the step's gradients, the batch is skipped on every rank, and the losses are those of the run
 that skipped that batch and never had the fault. An error below the check's limit of detection passes, and the
 limit the run states at its first check is above it: reported, not hidden. The tolerance's margin over clean
 rounding, in fp32 and bf16, is checked on the products of a real transformers Llama.
+
+A wrong optimizer update of the shard a rank owns (`--inject optsdc@3:1`, every owned element sampled): the
+neighbour's recomputation names the owner, the job rolls back to the checkpoint of step 2 and skips batch 3, and
+the later losses are those of the run that skipped batch 3; without checkpoints it stops, saying why.
 """
 import json
 import math
@@ -36,10 +40,15 @@ def losses(lines: list[str]) -> dict[int, float]:
     return {int(line.split()[3]): float(line.split()[-1]) for line in lines if line.startswith("case ")}
 
 
-def run(nproc: int, cases: list[dict], tmp_path) -> dict[str, list[str]]:
+def run(nproc: int, cases: list[dict], tmp_path, stops: bool = False) -> dict[str, list[str]]:
+    """Every case in one launch, which fails where the health policy `stops` one (torchrun: exit 1)."""
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(cases))
-    return by_case(launch(nproc, *TRAIN, "--cases", str(spec)).stdout)
+    proc = launch(nproc, *TRAIN, "--cases", str(spec), check=False)
+    assert (proc.returncode != 0) == stops, proc.stderr[-3000:]
+    cases = by_case(proc.stdout)
+    cases["stderr"] = proc.stderr.splitlines()
+    return cases
 
 
 def assert_named_and_skipped(lines: list[str], reference: list[str], rank: int, phase: str) -> None:
@@ -103,3 +112,38 @@ def test_clean_products_stay_well_inside_the_tolerance_and_a_doubled_element_doe
         for index in (1, 2, 5):
             verdict = step(GemmFault(phase, 1.0, index))
             assert verdict.wrong and verdict.phase == phase and math.isfinite(verdict.ratio)
+
+
+def optimizer_cases(tmp_path, layouts: dict[str, str], rank: int) -> list[dict]:
+    return [{"name": name, "layout": layout, "inject": f"optsdc@3:{rank}", "optimizer_check_samples": 0,
+             "optimizer_check_every": 1,
+             "checkpoint_dir": str(tmp_path / name), "save_every": "2"} for name, layout in layouts.items()]
+
+
+def assert_rolled_back(lines: list[str], reference: list[str], rank: int) -> None:
+    said = [line for line in lines if line.startswith("health: step")]
+    assert said == [f"health: step 3: the optimizer update of rank {rank} differs from its recomputation by another "
+                    "rank (silent data corruption in computation); policy rollback",
+                    "health: step 3: rolled back to step 2 (its checkpoint); batch 3 skipped"], lines
+    got, expected = losses(lines), losses(reference)
+    assert all(abs(got[step] - expected[step]) < LOSS_TOLERANCE for step in expected), (got, expected)
+
+
+def test_a_wrong_optimizer_update_is_named_and_rolled_back_on_two_ranks(tmp_path):
+    cases = run(2, [{"name": "reference", "layout": "dp=2,zero=1", "skip_steps": "3"},
+                    *optimizer_cases(tmp_path, {"zero1": "dp=2,zero=1", "zero3": "dp=2,zero=3"}, 1),
+                    {"name": "no-checkpoints", "layout": "dp=2,zero=1", "inject": "optsdc@3:0",
+                     "optimizer_check_samples": 0, "optimizer_check_every": 1}], tmp_path, stops=True)
+    assert_rolled_back(cases["zero1"], cases["reference"], 1)
+    assert_rolled_back(cases["zero3"], cases["reference"], 1)
+    assert max(losses(cases["no-checkpoints"])) == 2   # stopped at the step whose update was wrong, saying why
+    assert "error: step 3: a wrong optimizer update, and no checkpoints to roll back to (--checkpoint-dir, " \
+           "--save-every): training stopped" in cases["stderr"]
+
+
+def test_a_wrong_optimizer_update_is_named_under_tensor_and_pipeline_parallelism(tmp_path):
+    cases = run(4, [{"name": "reference", "layout": "tp=2,dp=2", "skip_steps": "3"},
+                    *optimizer_cases(tmp_path, {"tp2-dp2": "tp=2,dp=2,zero=3", "pp2-dp2": "pp=2,dp=2,zero=3,mbs=1"},
+                                     3)], tmp_path)
+    assert_rolled_back(cases["tp2-dp2"], cases["reference"], 3)
+    assert_rolled_back(cases["pp2-dp2"], cases["reference"], 3)
