@@ -145,6 +145,17 @@ def gemm_traffic_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: flo
     return memory_seconds(device, op.weight_bytes / weight_divisor + activations)
 
 
+def product_check_seconds(kind: LayerKind, device: Device, spec: ShardSpec) -> float:
+    """What checking one micro-batch's matrix products of a layer by their checksums adds (runtime/gemm_check.py):
+    each of a GEMM's three passes has its operands and result read once more, its traffic's roofline floor."""
+    total = 0.0
+    for op in kind.ops:
+        if op.kind is OpKind.gemm:
+            scale = spec.micro_batch / work_divisor(op.sharding, spec) * (spec.expert_load if op.routed else 1.0)
+            total += 3 * gemm_traffic_seconds(op, device, spec, scale)
+    return total
+
+
 def fp8_cast_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: float) -> tuple[float, float]:
     """(forward, backward) time of casting a GEMM op's input and output gradient to FP8, in kernels of
     their own beside the FP8 GEMMs; zero where the GEMMs run in bf16."""

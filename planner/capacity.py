@@ -213,7 +213,7 @@ def whatif_job(job: Job, key: str, points: list[str], budget: float, where: Clus
             rows.append(Row(value, "-", point_cluster.num_devices, point_cluster.device.name, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                             note=f"does not fit: {str(exc).split(':', 1)[-1][:120]}", **placed))
             continue
-        good = plan_goodput(result, point_cluster, point.graph.total_params)
+        good = plan_goodput(result, point_cluster, point.graph.total_params, job=point)
         days = budget / result.tokens_per_s / good.ettr / 86400
         rows.append(Row(value, _short(result.layout), point_cluster.num_devices, point_cluster.device.name,
                         result.step_time_s, result.mfu, result.tokens_per_s, days,

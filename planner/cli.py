@@ -203,7 +203,7 @@ def _job(model, cluster, device, num_devices, devices_per_node, segment_devices,
 
 def _goodput_summary(result: Plan, job: Job, recovery) -> dict:
     """Goodput on the cluster the plan names (its profile, device count and segments)."""
-    return goodput_summary(plan_goodput(result, plan_cluster(result), job.graph.total_params, recovery))
+    return goodput_summary(plan_goodput(result, plan_cluster(result), job.graph.total_params, recovery, job))
 
 
 @app.command()

@@ -1,26 +1,30 @@
 """Goodput of a plan: the reliability model (cost_models/reliability.py) fed with what the plan says about a
-step (its time, each rank's parameter bytes, whether replicas exist to compare) and the recovery settings the
-user runs with (`--recovery timeout=300,spares=yes,elastic=no,sdc_every=10,spikes_per_day=0`)."""
+step (its time, each rank's parameter bytes, whether replicas exist to compare, what checking its matrix
+products adds) and the recovery settings the user runs with (`--recovery timeout=300,spares=yes,elastic=no,
+sdc_every=10,gemm_every=auto,sdc_seen=1,spikes_per_day=0`)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.compute import memory_seconds
+from cost_models.compute import ShardSpec, memory_seconds, product_check_seconds
 from cost_models.reliability import Goodput, Recovery, StepContext, goodput
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.schema import Cluster
 
+from .job import Job
 from .plans import Plan
 
 RECOVERY_FIELDS = {"timeout": "collective_timeout_s", "spares": "spare_nodes", "elastic": "elastic",
-                   "sdc_every": "sdc_check_every_steps", "spikes_per_day": "loss_spikes_per_day"}
+                   "sdc_every": "sdc_check_every_steps", "spikes_per_day": "loss_spikes_per_day",
+                   "gemm_every": "product_check_every_steps", "sdc_seen": "sdc_seen_per_check"}
 EXPECTED = "comma-separated key=value with keys timeout (s), spares (yes/no), elastic (yes/no), sdc_every " \
-           "(steps, 0 for none), spikes_per_day"
+           "(steps, 0 for none), gemm_every (steps, 0 for none, auto), sdc_seen (0 to 1), spikes_per_day"
 
 
 # what a recovery setting can be: a collective timeout up to a day, a check at most every 10^6 steps, spikes at
 # most one a second; past these the goodput model's exponentials leave floating point
-RECOVERY_LIMITS = {"timeout": 86_400.0, "sdc_every": 1_000_000, "spikes_per_day": 86_400.0}
+RECOVERY_LIMITS = {"timeout": 86_400.0, "sdc_every": 1_000_000, "spikes_per_day": 86_400.0,
+                   "gemm_every": 1_000_000, "sdc_seen": 1.0}
 
 
 def parse_recovery(text: str | None, field: str = "--recovery") -> Recovery:
@@ -41,25 +45,40 @@ def _value(key: str, text: str, item: str, field: str):
         if text not in ("yes", "no"):
             raise UserInputError(f"'{item}'", field=field, expected=f"{key}: yes or no")
         return text == "yes"
+    if key == "gemm_every" and text == "auto":
+        return None   # the goodput model chooses
     try:
-        number = int(text) if key == "sdc_every" else float(text)
+        number = int(text) if key in ("sdc_every", "gemm_every") else float(text)
     except ValueError:
         raise UserInputError(f"'{item}'", field=field, expected=EXPECTED) from None
-    if not 0 <= number <= RECOVERY_LIMITS[key]:   # nan and inf fail it too
-        raise UserInputError(f"'{item}'", field=field, expected=f"{key} from 0 to {RECOVERY_LIMITS[key]:,g}")
+    if not 0 <= number <= RECOVERY_LIMITS[key] or (key == "sdc_seen" and number == 0):   # nan and inf fail too
+        low = "above 0" if key == "sdc_seen" else "from 0"
+        raise UserInputError(f"'{item}'", field=field, expected=f"{key} {low} to {RECOVERY_LIMITS[key]:,g}")
     return number
 
 
-def step_context(plan: Plan, cluster: Cluster) -> StepContext:
-    """One replica check reads the rank's parameters once at the device's sustained memory bandwidth."""
+def step_context(plan: Plan, cluster: Cluster, job: Job | None = None) -> StepContext:
+    """One replica check reads the rank's parameters once at the device's sustained memory bandwidth; a step
+    whose products are checked adds their checksums' traffic (the stage's blocks, every micro-batch: no job,
+    no product checks priced)."""
     weights = max(record.parts.get("weights", 0.0) for record in plan.memory) if plan.memory else 0.0
     return StepContext(step_s=plan.step_time_s, check_s=memory_seconds(cluster.device, weights),
-                       replicated=plan.layout.zero < 3)
+                       replicated=plan.layout.zero < 3,
+                       product_check_s=product_check_s(plan, cluster, job) if job else 0.0)
 
 
-def plan_goodput(plan: Plan, cluster: Cluster, total_params: float, recovery: Recovery | None = None) -> Goodput:
+def product_check_s(plan: Plan, cluster: Cluster, job: Job) -> float:
+    layout = plan.to_layout()
+    spec = ShardSpec.of(layout, job.stack, ep_imbalance=job.ep_imbalance)
+    per_micro_batch = sum(count * product_check_seconds(kind, cluster.device, spec)
+                          for kind, count in job.graph.costs().block_counts)
+    return per_micro_batch * layout.num_micro_batches / layout.pp
+
+
+def plan_goodput(plan: Plan, cluster: Cluster, total_params: float, recovery: Recovery | None = None,
+                 job: Job | None = None) -> Goodput:
     return goodput(cluster, plan.num_devices, total_params, plan.mfu, recovery=recovery,
-                   context=step_context(plan, cluster))
+                   context=step_context(plan, cluster, job))
 
 
 def goodput_summary(result: Goodput) -> dict:
@@ -69,4 +88,5 @@ def goodput_summary(result: Goodput) -> dict:
             "checkpoint_interval_min": result.interval_s / 60, "checkpoint_bytes": result.checkpoint_bytes,
             "checkpoint_save_s": result.checkpoint_save_s, "checkpoint_blocking_s": result.checkpoint_blocking_s,
             "restart_s": result.restart_s, "lost_s_per_day": dict(result.lost_s_per_day),
+            "product_check_every_steps": result.recovery.product_check_every_steps,
             "notes": list(result.notes)}
