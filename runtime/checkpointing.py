@@ -171,7 +171,8 @@ class Checkpointer:
 
     def _mark_latest(self, target: Path, step: int, identity, writer: verified.HashingWriter) -> None:
         """The manifest of what every rank wrote, then `latest`: a checkpoint is never latest unverified."""
-        verified.write_manifest(target, step, identity, writer.written())
+        checks = self.health.verdict(step) if self.health else {}
+        verified.write_manifest(target, step, identity, writer.written(), checks)
         dist.barrier()
         if self.rank == 0:
             marker = self.directory / f".{LATEST}.tmp"

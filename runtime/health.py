@@ -55,13 +55,15 @@ class HealthPolicy:
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
     sdc_every: int = Recovery.sdc_check_every_steps   # steps between replica fingerprints (0: never)
-    optimizer_every: int = 50       # steps between checks of a sharded optimizer's update by another rank: a
+    optimizer_every: int = 200      # steps between checks of a sharded optimizer's update by another rank: a
     #                                 check costs about 7 ms on two CPU ranks (its exchange, an object all-gather)
     optimizer_samples: int = 16     # elements of each owned tensor recomputed there (0: all of them)
-    gemm_every: int = 500           # steps between steps whose matrix products are checked (0: never): a
+    gemm_every: int = 1000          # steps between steps whose matrix products are checked (0: never): a
     #                                 checked step costs about 2.6x an unchecked one on the tiny model (its
-    #                                 GEMMs are small; benchmarks/health_overhead.py), 0.3% of a step at 500
-    on_sdc: str = "skip"            # a wrong product found: skip the batch, or stop the job
+    #                                 GEMMs are small; benchmarks/health_overhead.py), 0.16% of a step at 1000;
+    #                                 a plan's goodput report gives a real job's (product_check_every_steps)
+    on_sdc: str = "skip"            # a wrong product found: skip the batch, roll back to the last checkpoint
+    #                                 (every one is written after a clean check of its step), or stop the job
     straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
     straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
     straggler_min_excess_s: float = 0.05   # ...and this many seconds over it in the window: not host jitter
@@ -95,6 +97,8 @@ class HealthMonitor:
         self.gemm_fault: tuple[int, GemmFault] | None = None   # (step, fault) injected (runtime/faults.py)
         self.gemm_verdict: GemmVerdict | None = None   # the last watched step's worst product on this rank
         self.gemm_verdict_said = False                 # the limit of detection, said at the first check
+        self.forced_step: int | None = None   # a step checked whatever the cadence: the one before a save
+        self.computation_clean = True         # no wrong product or update found since the last rollback
 
     @classmethod
     def for_model(cls, laid_out, policy: HealthPolicy = HealthPolicy()) -> "HealthMonitor":
@@ -115,11 +119,16 @@ class HealthMonitor:
         return self.products_right(step, wrong > 0) and self.accept(step, float(loss), nonfinite > 0, flag)
 
     # -- matrix products (runtime/gemm_check.py) ---------------------------------------------------
+    def check_at(self, step: int) -> None:
+        """Check `step`'s products (and a sharded optimizer's update) whatever the cadence: the step before a
+        checkpoint, so that every checkpoint is written after a clean check of its own step."""
+        self.forced_step = step
+
     def watching(self, step: int):
         """Around a step's forward and backward: its matrix products checked where the step is due (every
         `gemm_every`), and an injected product fault applied where one is due (checked or not)."""
         fault = self.gemm_fault[1] if self.gemm_fault and self.gemm_fault[0] == step else None
-        due = bool(self.gemm) and step % self.policy.gemm_every == 0
+        due = bool(self.gemm) and (step % self.policy.gemm_every == 0 or step == self.forced_step)
         self.gemm_verdict = None
         if not due and fault is None:
             return contextlib.nullcontext()
@@ -127,10 +136,11 @@ class HealthMonitor:
         return checker.watching(fault, on_verdict=self._keep_verdict, with_limit=not self.gemm_verdict_said)
 
     def _keep_verdict(self, verdict: GemmVerdict | None) -> None:
-        """The step's verdict; the first one's limit of detection is said once (what passes unseen)."""
+        """The step's verdict; the first one's limit of detection is said once (what passes unseen), as a note:
+        it is no finding."""
         if verdict is not None and self.gemm_verdict_said is False:
             self.gemm_verdict_said = True
-            self._say(f"health: matrix products checked every {self.policy.gemm_every} steps: "
+            self._say(f"note: matrix products checked every {self.policy.gemm_every} steps: "
                       f"{verdict.products} per step on rank {self.rank}; an error under {verdict.limit:.2g} of a "
                       f"product's largest element passes unseen in the least sensitive of them "
                       f"({verdict.dtype}); fused attention kernels are not checked")
@@ -159,6 +169,9 @@ class HealthMonitor:
                   f"policy {self.policy.on_sdc}")
         if self.policy.on_sdc == "stop":
             raise HealthStop(f"a wrong matrix product at step {step}")
+        if self.policy.on_sdc == "rollback":   # a device that erred once may have erred since the last check
+            self.computation_clean = False
+            raise Rollback(step, "a wrong matrix product")
         return False
 
     def _say(self, line: str) -> None:
@@ -210,6 +223,7 @@ class HealthMonitor:
         kept = [(s, value) for s, value in self.losses if s <= step]
         self.losses.clear()
         self.losses.extend(kept)
+        self.computation_clean = True   # every checkpoint was written after a clean check of its step
 
     def say(self, line: str) -> None:
         """A `health:` line the caller's policy produced (a rollback's outcome), from rank 0."""
@@ -258,6 +272,7 @@ class HealthMonitor:
                   f"corruption in computation); policy {'stop' if self.policy.on_sdc == 'stop' else 'rollback'}")
         if self.policy.on_sdc == "stop":
             raise HealthStop(f"a wrong optimizer update at step {step}")
+        self.computation_clean = False
         raise Rollback(step, "a wrong optimizer update")
 
     def check_replicas(self, step: int, parameters: list[torch.Tensor], before_save: bool = False) -> bool:
@@ -274,10 +289,17 @@ class HealthMonitor:
 
     def clean_for_saving(self, step: int, parameters: list[torch.Tensor]) -> bool:
         """Before a checkpoint: every replica group agrees (one flag all-reduced over the job, since each
-        group knows only its own verdict)."""
+        group knows only its own verdict). The step's products were checked too (`check_at`) and a wrong one
+        was skipped or rolled back on every rank alike before this is asked."""
         agree = torch.tensor([float(self.check_replicas(step, parameters, before_save=True))], device=self.device)
         dist.all_reduce(agree, op=dist.ReduceOp.MIN)
         return bool(agree.item())
+
+    def verdict(self, step: int) -> dict:
+        """What a checkpoint of `step` records of the checks before it (runtime/verified.py's manifest)."""
+        products = self.gemm is not None and self.forced_step == step and self.gemm_verdict is not None
+        return {"products_checked_at_step": products, "replicas_compared": bool(self.replicated and
+                self.policy.sdc_every), "computation_clean_since_rollback": self.computation_clean}
 
     def _replicas_agree(self, step: int, parameters: list[torch.Tensor]) -> bool:
         mine = torch.tensor([fingerprint(parameters)], dtype=torch.int64, device=self.device)

@@ -47,11 +47,12 @@ class OptimizerCheck:
     def __init__(self, optimizer, group, every: int = 1, samples: int = 16):
         self.optimizer, self.group, self.every, self.samples = optimizer, group, every, samples
         self.fault: OptimizerFault | None = None
+        self.forced_step: int | None = None   # checked whatever the cadence: the step before a save
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and self.size > 1
+        return bool(self.every) and (step % self.every == 0 or step == self.forced_step) and self.size > 1
 
     def owned(self) -> list[tuple[int, torch.nn.Parameter]]:
         local = local_optimizer(self.optimizer)

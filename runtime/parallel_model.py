@@ -60,6 +60,14 @@ class ParallelModel:
             self.notes.append("the replica fingerprint (silent data corruption) is off: FSDP2 shards the "
                               "parameters, so no rank holds a replica to compare")
 
+    def check_at(self, step: int) -> None:
+        """Check `step`'s computation whatever the cadences (the step before a checkpoint): its matrix
+        products and, where shards are owned, its optimizer update."""
+        if self.health:
+            self.health.check_at(step)
+        if self.optimizer_check:
+            self.optimizer_check.forced_step = step
+
     def batch_slice(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global batch: rows by its data-parallel index, columns by cp."""
         return self.laid.shard(tokens)

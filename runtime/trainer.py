@@ -137,6 +137,8 @@ class Trainer:
                 self.parallel.step += 1
                 step += 1
                 continue
+            if self.checkpointer and self.checkpointer.due(step):   # each checkpoint after a clean check
+                self.parallel.check_at(step)
             started = time.perf_counter()
             try:
                 loss = self._train(step)

@@ -127,9 +127,11 @@ class HashingWriter(FileSystemWriter):
         return dict(self.fs.written)
 
 
-def write_manifest(target: Path, step: int, identity: Identity, written: dict[str, dict]) -> None:
+def write_manifest(target: Path, step: int, identity: Identity, written: dict[str, dict],
+                   checks: dict | None = None) -> None:
     """Every rank's hashes of what it wrote (`HashingWriter.written`), gathered; rank 0 writes the manifest (the
-    parameters every rank holds). Collective; a failure on any rank is CheckpointFailed on every rank."""
+    parameters every rank holds, and `checks`: the verdict of the health checks before it). Collective; a
+    failure on any rank is CheckpointFailed on every rank."""
     rank = dist.get_rank()
     mine = {name: entry for name, entry in written.items() if name == ".metadata" or name.endswith(".distcp")}
     everyone: list = [None] * dist.get_world_size()
@@ -138,8 +140,8 @@ def write_manifest(target: Path, step: int, identity: Identity, written: dict[st
     if rank == 0:
         files = {name: entry for part, _ in everyone for name, entry in part.items()}
         parameters = {name: shape for _, held in everyone for name, shape in held.items()}
-        manifest = {"step": step, "optimizer": identity.optimizer, "parameters": dict(sorted(parameters.items())),
-                    "files": dict(sorted(files.items()))}
+        manifest = {"step": step, "optimizer": identity.optimizer, "checks": checks or {},
+                    "parameters": dict(sorted(parameters.items())), "files": dict(sorted(files.items()))}
         try:
             temporary = target / f".{MANIFEST}.tmp"
             temporary.write_text(json.dumps(manifest, indent=1))

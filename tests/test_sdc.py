@@ -72,7 +72,7 @@ def test_a_wrong_product_is_named_and_its_batch_skipped_on_two_ranks(tmp_path):
     assert_named_and_skipped(cases["zero3-backward"], cases["reference"], 1, "backward")
     below = cases["below-limit"]
     assert not [line for line in below if line.startswith("health: step")]   # it passes unseen...
-    stated = next(line for line in below if line.startswith("health: matrix products checked every 1 steps"))
+    stated = next(line for line in below if line.startswith("note: matrix products checked every 1 steps"))
     limit = float(stated.split("an error under ")[1].split()[0])
     assert 1e-7 < limit < 1e-2   # ...below the limit the run states
 
@@ -147,3 +147,26 @@ def test_a_wrong_optimizer_update_is_named_under_tensor_and_pipeline_parallelism
                                      3)], tmp_path)
     assert_rolled_back(cases["tp2-dp2"], cases["reference"], 3)
     assert_rolled_back(cases["pp2-dp2"], cases["reference"], 3)
+
+
+def test_every_checkpoint_follows_a_clean_check_and_a_rollback_returns_to_it(tmp_path):
+    """Products checked only at the cadence (every 1,000 steps here) and on the step before each checkpoint
+    (every 2): a wrong product at step 4, a save step, is found there; `--on-sdc rollback` returns to step 2's
+    checkpoint and skips batch 4, and steps 5 and 6 are those of a run that skipped it. Each manifest records the
+    check of its step. A wrong product at step 3, neither a save step nor due, passes unseen: the cadence's
+    limit, which the goodput model prices (docs/reliability.md)."""
+    saves = {"save_every": "2", "steps": 6, "gemm_every": 1000, "layout": "dp=2,zero=1"}
+    cases = run(2, [{"name": "reference", "layout": "dp=2,zero=1", "skip_steps": "4", "steps": 6},
+                    {"name": "rollback", **saves, "inject": "sdc@4:1", "on_sdc": "rollback",
+                     "checkpoint_dir": str(tmp_path / "rollback")},
+                    {"name": "unseen", **saves, "inject": "sdc@3:1", "checkpoint_dir": str(tmp_path / "unseen")}],
+                tmp_path)
+    said = [line for line in cases["rollback"] if line.startswith("health: step")]
+    assert said[0].startswith("health: step 4: a matrix product computed wrong (silent data corruption in "
+                              "computation) on rank 1") and said[0].endswith("policy rollback"), said
+    assert said[1] == "health: step 4: rolled back to step 2 (its checkpoint); batch 4 skipped", said
+    got, expected = losses(cases["rollback"]), losses(cases["reference"])
+    assert all(abs(got[step] - expected[step]) < LOSS_TOLERANCE for step in (5, 6)), (got, expected)
+    manifest = json.loads((tmp_path / "rollback" / "step-000006" / "manifest.json").read_text())
+    assert manifest["checks"]["products_checked_at_step"] is True
+    assert not [line for line in cases["unseen"] if line.startswith("health: step")]
