@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from cost_models.reliability import Recovery   # the settings the goodput model charges for
 
+from .exclusion import Exclude
 from .gemm_check import GemmCheck, GemmFault, GemmVerdict
 
 MAD_TO_SIGMA = 1.4826   # median absolute deviation of a normal distribution, as a standard deviation
@@ -63,7 +64,8 @@ class HealthPolicy:
     #                                 GEMMs are small; benchmarks/health_overhead.py), 0.16% of a step at 1000;
     #                                 a plan's goodput report gives a real job's (product_check_every_steps)
     on_sdc: str = "skip"            # a wrong product found: skip the batch, roll back to the last checkpoint
-    #                                 (every one is written after a clean check of its step), or stop the job
+    #                                 (every one is written after a clean check of its step), exclude the node
+    #                                 (runtime/exclusion.py) or stop the job
     straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
     straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
     straggler_min_excess_s: float = 0.05   # ...and this many seconds over it in the window: not host jitter
@@ -172,6 +174,8 @@ class HealthMonitor:
         if self.policy.on_sdc == "rollback":   # a device that erred once may have erred since the last check
             self.computation_clean = False
             raise Rollback(step, "a wrong matrix product")
+        if self.policy.on_sdc == "exclude":
+            raise Exclude(step, [rank for rank, _ in named], "a wrong matrix product")
         return False
 
     def _say(self, line: str) -> None:
@@ -272,6 +276,8 @@ class HealthMonitor:
                   f"corruption in computation); policy {'stop' if self.policy.on_sdc == 'stop' else 'rollback'}")
         if self.policy.on_sdc == "stop":
             raise HealthStop(f"a wrong optimizer update at step {step}")
+        if self.policy.on_sdc == "exclude":
+            raise Exclude(step, owners, "a wrong optimizer update")
         self.computation_clean = False
         raise Rollback(step, "a wrong optimizer update")
 

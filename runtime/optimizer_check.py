@@ -142,13 +142,26 @@ def _batched(groups: list[int], before: list[dict], after: list[dict], param_gro
     return joined
 
 
-def _joined(parts: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: parts[0][key] if parts[0][key].dim() == 0 else torch.cat([part[key] for part in parts])
-            for key in parts[0]}
+def _joined(parts: list[dict]) -> dict:
+    """One array per key, numpy (pickled for the exchange in microseconds, where a tensor takes milliseconds;
+    bf16, which numpy lacks, as its 16-bit words), with each key's dtype."""
+    joined = {}
+    for key in parts[0]:
+        value = parts[0][key] if parts[0][key].dim() == 0 else torch.cat([part[key] for part in parts])
+        words = value.view(torch.int16) if value.dtype == torch.bfloat16 else value
+        joined[key] = (words.numpy(), str(value.dtype).removeprefix("torch."))
+    return joined
+
+
+def _tensor(entry) -> torch.Tensor:
+    array, dtype = entry
+    value = torch.from_numpy(array.copy())
+    return value.view(torch.bfloat16) if dtype == "bfloat16" else value
 
 
 def _recomputes(optimizer_class, settings: dict, before: dict, after: dict) -> bool:
     """Whether a fresh optimizer of the class, from `before`, gives `after`'s parameter within ULPS."""
+    before = {key: _tensor(entry) for key, entry in before.items()}
     param = torch.nn.Parameter(before["param"].clone())
     param.grad = before["grad"].clone()
     optimizer = optimizer_class([param], lr=float(settings.get("lr", 1e-3)))
@@ -161,7 +174,7 @@ def _recomputes(optimizer_class, settings: dict, before: dict, after: dict) -> b
     if state:
         optimizer.state[param] = state
     optimizer.step()
-    expected, got = param.detach(), after["param"]
+    expected, got = param.detach(), _tensor(after["param"])
     allowed = ULPS * torch.finfo(got.dtype).eps * torch.maximum(expected.abs(), got.abs()).clamp(
         min=torch.finfo(got.dtype).tiny)
     return bool(((expected - got).abs() <= allowed).all())

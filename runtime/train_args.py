@@ -79,10 +79,11 @@ def parse_args(argv=None):
     parser.add_argument("--gemm-every", type=steps_or_never, default=HealthPolicy.gemm_every,
                         help="steps between steps whose matrix products are checked by their checksums (silent data corruption in "
                         "computation; 0: never)")
-    parser.add_argument("--on-sdc", default="skip", choices=["skip", "rollback", "stop"], help="a wrong matrix "
-                        "product found: skip the batch on every rank, roll back to the last checkpoint (each is "
-                        "written after a clean check of its step) and skip it, or stop the job (a wrong optimizer "
-                        "update: roll back, or stop)")
+    parser.add_argument("--on-sdc", default="skip", choices=["skip", "rollback", "exclude", "stop"],
+                        help="a wrong matrix product found: skip the batch on every rank, roll back to the last "
+                        "checkpoint (each is written after a clean check of its step) and skip it, exclude the "
+                        "node (it leaves the job; torchrun restarts the rest, --elastic re-plans), or stop the "
+                        "job (a wrong optimizer update: roll back, exclude or stop)")
     parser.add_argument("--straggler-every", type=steps_or_never, default=HealthPolicy.straggler_every,
                         help="steps per straggler comparison (0: off)")
     parser.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"])

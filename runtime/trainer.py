@@ -28,6 +28,7 @@ import torch.distributed as dist
 from . import faults
 from .checkpointing import Cadence, Checkpointer
 from .verified import CheckpointFailed, CheckpointRefused, HashingWriter, problem_of, write_manifest
+from .exclusion import Exclude, exclude
 from .health import HealthStop, Rollback
 from .telemetry import TelemetryHeader, TelemetryWriter
 from .watchdog import Watchdog, is_collective_failure
@@ -152,6 +153,8 @@ class Trainer:
             except HealthStop as exc:
                 print(f"error (rank {self.rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
                 return STOPPED
+            except Exclude as found:   # the node leaves; the others end for torchrun to restart them without it
+                return exclude(found, self.parallel.device, self.config.checkpoint_dir)
             step_s = time.perf_counter() - started
             self.losses[step] = loss
             if self.rank == 0:
@@ -190,7 +193,7 @@ class Trainer:
         try:
             with faults.spiked(self.parallel, self.config.injection, step):
                 return self.parallel.train_step(tokens, targets)
-        except (Rollback, HealthStop):
+        except (Rollback, HealthStop, Exclude):
             raise
         except (RuntimeError, dist.DistError) as exc:   # a peer lost mid-collective, or this rank failed
             if self.watchdog is None:

@@ -321,6 +321,55 @@ def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
     assert [trained[step] for step in range(1, 7)] == pytest.approx(references["plain"], rel=LOSS_TOLERANCE)
 
 
+def test_a_node_computing_wrong_is_excluded_and_the_rest_go_on(tmp_path, references):
+    """Two torchrun agents, two nodes of 2 CPUs, a 4-device plan, every product checked, `--on-sdc exclude`: at
+    step 4 one product of rank 2 comes out wrong. Every rank learns it before any update uses it; rank 2 runs
+    its self-test (the injected error is in the product, not in the device: it passes, and says what that
+    means); rank 0 names node 1 and records it in excluded-nodes.json; node 1 leaves (its agent and workers
+    end), the agent left restarts its workers, --elastic plans for 2 ranks, and the run resumes from step 2's
+    checkpoint and ends where the uninterrupted run does."""
+    import socket
+    import time
+
+    from planner import api
+    from test_runtime import free_port
+    plan, ckpt = tmp_path / "p4.yaml", tmp_path / "ckpt"
+    api.plan("tiny-llama", device="cpu", num_devices=4, devices_per_node=2, global_batch=8,
+             stack="parallel-planner").save(plan)
+    port = free_port()
+    args = ["--model", "tiny-llama", "--plan", str(plan), "--steps", "6", *TRAIN, "--precision", "fp32",
+            "--checkpoint-dir", str(ckpt), "--save-every", "2", "--elastic", "--inject", "sdc@4:2",
+            "--gemm-every", "1", "--on-sdc", "exclude", "--collective-timeout", "10"]
+    first = agent(port, args, tmp_path / "node0")
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    second = agent(port, args, tmp_path / "node1")
+    try:
+        assert first.wait(timeout=240) == 0, (tmp_path / "node0.err").read_text()[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert second.returncode == -signal.SIGKILL   # the excluded node's agent, ended so that it never rejoins
+    out, err = (tmp_path / "node0.out").read_text(), (tmp_path / "node0.err").read_text()
+    found = [line for line in err.splitlines() if line.startswith("health: step 4: a wrong matrix product")]
+    assert found and "on rank 2: node 1 (" in found[0] and "excluded (policy exclude); the job restarts on " \
+        "node 0" in found[0], err[-3000:]
+    assert "self-test, a product of known result 8 times: passed" in (tmp_path / "node1.err").read_text()
+    record = json.loads((ckpt / "excluded-nodes.json").read_text())
+    assert record[0]["ranks"] == [2] and record[0]["nodes"][0].startswith("node 1 (") and record[0]["step"] == 4
+    assert "note: replanned from 4 to 2 devices, global batch 8 kept" in err
+    assert "resumed from step-000002 (restart 1)" in err
+    trained = {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")}
+    assert sorted(trained) == [1, 2, 3, 4, 5, 6]   # 3 and 4 trained again on the node left
+    assert [trained[step] for step in range(1, 7)] == pytest.approx(references["plain"], rel=LOSS_TOLERANCE)
+
+
 def test_an_error_of_a_ranks_own_code_is_not_called_a_failed_collective():
     """A step that fails in the model's own computation (here transformers' grouped-mm kernel, as a
     runtime bug once made it fail) is said as that rank's error with its traceback, not as a collective
