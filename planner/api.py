@@ -17,7 +17,7 @@ from .error_bands import band_for
 from .region import outside_notes
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .graph_capture.graph import ModelGraph
-from .job import Job, check_count, job_of, plan_device
+from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
 from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import search
@@ -320,20 +320,34 @@ def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
     return plan_
 
 
-def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0) -> Plan:
-    """The plan again for `num_devices` (a node lost, or gained): same model, device, nodes, batch, sequence,
-    precision and stack; its `reasons` start with what changed. `model` is needed where the plan's model
-    name is not a built-in (a file or module the plan cannot name)."""
+def product_check_every(plan_: Plan, model=None) -> int:
+    """The cadence of product checks (runtime/gemm_check.py) the goodput model chooses for the plan's job: the
+    steps between checked steps that lose least to their cost and to corruption found late (0: never)."""
+    from .goodput_report import plan_goodput
+    job = _job_of_plan(plan_, plan_.num_devices, model)
+    result = plan_goodput(plan_, plan_cluster(plan_), job.graph.total_params, job=job)
+    return result.recovery.product_check_every_steps or 0
+
+
+def _job_of_plan(plan_: Plan, num_devices: int, model=None) -> Job:
+    """The job a plan was made for, at `num_devices`; `model` where its name is not a built-in."""
     from .graph_capture.model_sources import list_builtin_models
-    check_count("--num-devices", num_devices)
     if model is None:
         if plan_.model not in list_builtin_models():
             raise UserInputError(f"the plan's model '{plan_.model}' is not a built-in name", field="--model",
                                  expected="the model the plan was made for (--model NAME|FILE)")
         model = plan_.model
-    job = job_of(model, device=plan_device(plan_), num_devices=num_devices, devices_per_node=plan_.devices_per_node,
-                 segment_devices=plan_.segment_devices, global_batch=plan_.layout.gbs, seq_len=plan_.seq_len,
-                 precision=str(plan_.layout.precision), stack=plan_.stack, ep_imbalance=plan_.ep_imbalance)
+    return job_of(model, device=plan_device(plan_), num_devices=num_devices, devices_per_node=plan_.devices_per_node,
+                  segment_devices=plan_.segment_devices, global_batch=plan_.layout.gbs, seq_len=plan_.seq_len,
+                  precision=str(plan_.layout.precision), stack=plan_.stack, ep_imbalance=plan_.ep_imbalance)
+
+
+def replan(plan_: Plan, num_devices: int, model=None, time_limit_s: float = 60.0) -> Plan:
+    """The plan again for `num_devices` (a node lost, or gained): same model, device, nodes, batch, sequence,
+    precision and stack; its `reasons` start with what changed. `model` is needed where the plan's model
+    name is not a built-in (a file or module the plan cannot name)."""
+    check_count("--num-devices", num_devices)
+    job = _job_of_plan(plan_, num_devices, model)
     check_time_limit(time_limit_s)
     new = plan_job(job, time_limit_s)
     old, lay = plan_.layout, new.layout

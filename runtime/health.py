@@ -62,7 +62,7 @@ class HealthPolicy:
     gemm_every: int = 1000          # steps between steps whose matrix products are checked (0: never): a
     #                                 checked step costs about 2.6x an unchecked one on the tiny model (its
     #                                 GEMMs are small; benchmarks/health_overhead.py), 0.16% of a step at 1000;
-    #                                 a plan's goodput report gives a real job's (product_check_every_steps)
+    #                                 a real job's: --gemm-every auto with its plan (the goodput model's)
     on_sdc: str = "skip"            # a wrong product found: skip the batch, roll back to the last checkpoint
     #                                 (every one is written after a clean check of its step), exclude the node
     #                                 (runtime/exclusion.py) or stop the job

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -146,6 +147,8 @@ def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], 
             args.job_plan = plan_for_ranks(Plan.load(args.plan), args.model, args.elastic)
             args.global_batch, args.seq_len = args.job_plan.layout.gbs, args.job_plan.seq_len
         cadence = checkpoint_cadence(args)
+        if health is not None:
+            health = replace(health, gemm_every=product_check_cadence(args))
         model, graph = build(args.model, args.seq_len, args.seed)
         layout = run_layout(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
@@ -200,6 +203,24 @@ def checkpoint_cadence(args) -> Cadence:
     from cost_models.reliability import job_mtbf_s
     from planner.job import plan_cluster
     return Cadence(None, job_mtbf_s(plan_cluster(args.job_plan), dist.get_world_size()))
+
+
+def product_check_cadence(args) -> int:
+    """--gemm-every N, or auto: the cadence the plan's goodput model chooses (rank 0 works it out, every rank
+    takes its answer)."""
+    if args.gemm_every != "auto":
+        return args.gemm_every
+    if not args.plan:
+        raise ValueError("--gemm-every auto needs a --plan: its step time, its cluster's failure rate and what "
+                         "checking its products costs give the cadence")
+    answer = [None]
+    if dist.get_rank() == 0:
+        from planner.api import product_check_every
+        answer = [product_check_every(args.job_plan, model=args.model)]
+        print(f"note: matrix products checked every {answer[0]} steps, the cadence the plan's goodput model "
+              "chooses (0: never)", file=sys.stderr, flush=True)
+    dist.broadcast_object_list(answer, src=0)
+    return answer[0]
 
 
 def telemetry_header(args, layout) -> TelemetryHeader:

@@ -76,8 +76,8 @@ def parse_args(argv=None):
                         help="steps between checks of a sharded optimizer's update by another rank (0: never)")
     parser.add_argument("--optimizer-check-samples", type=steps_or_never, default=HealthPolicy.optimizer_samples,
                         help="elements of each owned tensor the other rank recomputes (0: all)")
-    parser.add_argument("--gemm-every", type=steps_or_never, default=HealthPolicy.gemm_every,
-                        help="steps between steps whose matrix products are checked by their checksums (silent data corruption in "
+    parser.add_argument("--gemm-every", type=steps_never_or_auto, default=HealthPolicy.gemm_every,
+                        help="auto (with --plan: the cadence its goodput model chooses), or steps between steps whose matrix products are checked by their checksums (silent data corruption in "
                         "computation; 0: never)")
     parser.add_argument("--on-sdc", default="skip", choices=["skip", "rollback", "exclude", "stop"],
                         help="a wrong matrix product found: skip the batch on every rank, roll back to the last "
@@ -120,6 +120,10 @@ def positive_steps(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 1")
     return value
+
+
+def steps_never_or_auto(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else steps_or_never(text)
 
 
 def steps_or_never(text: str) -> int:

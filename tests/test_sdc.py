@@ -170,3 +170,20 @@ def test_every_checkpoint_follows_a_clean_check_and_a_rollback_returns_to_it(tmp
     manifest = json.loads((tmp_path / "rollback" / "step-000006" / "manifest.json").read_text())
     assert manifest["checks"]["products_checked_at_step"] is True
     assert not [line for line in cases["unseen"] if line.startswith("health: step")]
+
+
+def test_the_runtime_takes_the_cadence_the_plans_goodput_model_chooses(tmp_path):
+    """`--gemm-every auto` with a plan: the cadence of `planner.api.product_check_every` (the goodput model's
+    for that plan's job), said and used on every rank; without a plan, refused in one line before step 1."""
+    from planner import api
+    path = tmp_path / "plan.yaml"
+    plan = api.plan("tiny-llama", device="h100-sxm", num_devices=2, global_batch=8, stack="parallel-planner")
+    plan.save(path)
+    expected = api.product_check_every(plan)
+    assert expected > 0
+    proc = launch(2, "--model", "tiny-llama", "--plan", str(path), "--steps", "2", "--gemm-every", "auto",
+                  "--device-type", "cpu", "--precision", "fp32")
+    assert f"note: matrix products checked every {expected} steps, the cadence the plan's goodput model " \
+           "chooses" in proc.stderr
+    refused = launch(1, "--model", "tiny-llama", "--steps", "2", "--gemm-every", "auto", check=False)
+    assert refused.returncode == 2 and "--gemm-every auto needs a --plan" in refused.stderr
