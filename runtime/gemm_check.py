@@ -10,14 +10,14 @@ u_out |c_ij|. The check takes both sides in float64 (the column sums of C as the
 (1^T A) B from the same inputs) and allows `TOLERANCE` x (u32 sqrt(k) s_j + u_out sum_i |c_ij|); a column
 beyond it marks the product as wrong. What the check costs is O(mk + kn + mn) beside the product's O(mkn).
 
-What it sees: a wrong element of a GEMM's result (a defective core's multiply or accumulate), whatever the
-layout: it runs below DTensor and FSDP2 as a TorchDispatchMode, on the local products each rank computes
-(tensor-parallel shards, pipeline stages, FSDP2's unsharded weights). The smallest error it sees in one element
-is its column's allowance: relative to the product's largest element about 1e-4 in fp32 on the tiny model (the
-run says its own at the first check), and only errors of the element's own size in bf16, whose rounding
-(u_out = 2^-9) dominates. What it does not see: fused attention kernels (scaled_dot_product_attention's
-products stay inside the kernel), elementwise operations and reductions, and communication (the replica
-fingerprint and the optimizer check cover what is replicated or sharded after it).
+What it sees: a wrong element of a GEMM's result (a defective core's multiply or accumulate), whatever the layout:
+it runs below DTensor and FSDP2 as a TorchDispatchMode, on the local products each rank computes (tensor-parallel
+shards, pipeline stages, FSDP2's unsharded weights). The smallest error it sees in one element is its column's
+allowance: relative to the product's largest element about 1e-4 in fp32 on the tiny model (the run says its own at
+the first check), and only errors of the element's own size in bf16, whose rounding (u_out = 2^-9) dominates. What
+it does not see: FP8 products (torch._scaled_mm: scaled operands, their allowance not derived), fused attention
+kernels (scaled_dot_product_attention's products stay inside the kernel), elementwise operations and reductions,
+and communication (the replica fingerprint and the optimizer check cover what is replicated or sharded after it).
 """
 from __future__ import annotations
 
