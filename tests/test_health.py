@@ -269,15 +269,35 @@ def agent(port: int, args: list[str], log: Path) -> subprocess.Popen:
                             env=ENV, cwd=ROOT, start_new_session=True)
 
 
+def two_nodes(port: int, args: list[str], tmp_path: Path) -> subprocess.Popen:
+    """Two agents of `args` (logs node0.*, node1.*): the first hosts the rendezvous store and must end with 0;
+    the second (ranks 2 and 3: the later agent, the larger pid) is returned once both have ended."""
+    import socket
+    import time
+    first = agent(port, args, tmp_path / "node0")
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    second = agent(port, args, tmp_path / "node1")
+    try:
+        assert first.wait(timeout=240) == 0, (tmp_path / "node0.err").read_text()[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return second
+
+
 def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
     """Two torchrun agents on this machine are two nodes of 2 CPUs, training a 4-device plan. Before step 4
     rank 2's node is lost (its agent and both its workers SIGKILLed). The agent left restarts its workers
     (--max-restarts 1), the rendezvous closes with the one node, and --elastic plans the same global batch
     for 2 ranks, as `planner replan` does; the checkpoint of step 2 written by 4 ranks is resumed under the
     new layout, and every step trained ends where the uninterrupted run's does."""
-    import socket
-    import time
-
     from planner import api
     from planner.plans import Plan
     from test_runtime import ROOT, free_port
@@ -294,21 +314,7 @@ def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
     refused = launch(1, *common, check=False)   # another number of ranks, not without --elastic
     assert refused.returncode == 2 and "the plan is for 4 devices but the job has 1 rank (--elastic" in refused.stderr
     port, args = free_port(), [*common, "--elastic", "--inject", "node@4:2", "--collective-timeout", "10"]
-    first = agent(port, args, tmp_path / "node0")   # it hosts the rendezvous store, and so stays
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    second = agent(port, args, tmp_path / "node1")   # ranks 2 and 3 (the later agent, the larger pid)
-    try:
-        assert first.wait(timeout=240) == 0, (tmp_path / "node0.err").read_text()[-3000:]
-    finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    second = two_nodes(port, args, tmp_path)
     assert second.returncode == -signal.SIGKILL   # the lost node's agent
     out, err = (tmp_path / "node0.out").read_text(), (tmp_path / "node0.err").read_text()
     named = [named_behind(line) for line in err.replace("health: ", "\nhealth: ").splitlines()
@@ -328,9 +334,6 @@ def test_a_node_computing_wrong_is_excluded_and_the_rest_go_on(tmp_path, referen
     means); rank 0 names node 1 and records it in excluded-nodes.json; node 1 leaves (its agent and workers
     end), the agent left restarts its workers, --elastic plans for 2 ranks, and the run resumes from step 2's
     checkpoint and ends where the uninterrupted run does."""
-    import socket
-    import time
-
     from planner import api
     from test_runtime import free_port
     plan, ckpt = tmp_path / "p4.yaml", tmp_path / "ckpt"
@@ -340,21 +343,7 @@ def test_a_node_computing_wrong_is_excluded_and_the_rest_go_on(tmp_path, referen
     args = ["--model", "tiny-llama", "--plan", str(plan), "--steps", "6", *TRAIN, "--precision", "fp32",
             "--checkpoint-dir", str(ckpt), "--save-every", "2", "--elastic", "--inject", "sdc@4:2",
             "--gemm-every", "1", "--on-sdc", "exclude", "--collective-timeout", "10"]
-    first = agent(port, args, tmp_path / "node0")
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    second = agent(port, args, tmp_path / "node1")
-    try:
-        assert first.wait(timeout=240) == 0, (tmp_path / "node0.err").read_text()[-3000:]
-    finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    second = two_nodes(port, args, tmp_path)
     assert second.returncode == -signal.SIGKILL   # the excluded node's agent, ended so that it never rejoins
     out, err = (tmp_path / "node0.out").read_text(), (tmp_path / "node0.err").read_text()
     found = [line for line in err.splitlines() if line.startswith("health: step 4: a wrong matrix product")]
