@@ -186,21 +186,15 @@ class Checkpointer:
 
 
 def _failed(target: Path, step: int, exc: BaseException) -> verified.CheckpointFailed:
-    return verified.CheckpointFailed(f"checkpoint {target.name} failed: {_cause(exc)}", _first_error(exc), step)
+    rank, error = _first_failure(exc)
+    return verified.CheckpointFailed(f"checkpoint {target.name} failed: rank {rank}: {type(error).__name__}: "
+                                     f"{error}", error, step)
 
 
-def _first_error(exc: BaseException) -> BaseException:
-    """The first failing rank's own error inside DCP's CheckpointException, or the error itself."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return sorted(failures.items())[0][1][0]
-    return exc
-
-
-def _cause(exc: BaseException) -> str:
-    """The first failing rank and its error, from DCP's CheckpointException (or the error itself)."""
+def _first_failure(exc: BaseException) -> tuple[int, BaseException]:
+    """The first failing rank and its own error, from DCP's CheckpointException (or this rank and the error)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, (error, _) = sorted(failures.items())[0]
-        return f"rank {rank}: {type(error).__name__}: {error}"
-    return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        return rank, error
+    return dist.get_rank(), exc

@@ -49,9 +49,9 @@ def self_test(device: torch.device) -> bool:
     return all(torch.equal((a @ b).cpu().to(torch.int64), exact) for _ in range(SELF_TEST_REPEATS))
 
 
-def exclude(found: Exclude, device: torch.device, record_dir: str | None) -> int:
+def exclude(found: Exclude, device: torch.device, record_dir: str | None) -> None:
     """Every rank: the self-test on the suspected ones, the lines, the record, then the node leaves and the
-    others end with EXCLUDED (or all stop where no node would be left: the status to return)."""
+    others end with EXCLUDED; returns only where no node would be left (the caller stops)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts: list = [None] * world   # each rank's node: torchrun's node rank (GROUP_RANK) and host name
     dist.all_gather_object(hosts, f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})")
@@ -72,7 +72,7 @@ def exclude(found: Exclude, device: torch.device, record_dir: str | None) -> int
               file=sys.stderr, flush=True)
     dist.barrier()
     if not going_on:
-        return 4   # runtime.trainer.STOPPED
+        return
     if hosts[rank] in suspected:
         from .faults import lose_this_node   # the agent first, so that it restarts nothing
         lose_this_node()

@@ -100,7 +100,6 @@ class HealthMonitor:
         self.gemm_verdict: GemmVerdict | None = None   # the last watched step's worst product on this rank
         self.gemm_verdict_said = False                 # the limit of detection, said at the first check
         self.forced_step: int | None = None   # a step checked whatever the cadence: the one before a save
-        self.computation_clean = True         # no wrong product or update found since the last rollback
 
     @classmethod
     def for_model(cls, laid_out, policy: HealthPolicy = HealthPolicy()) -> "HealthMonitor":
@@ -172,7 +171,6 @@ class HealthMonitor:
         if self.policy.on_sdc == "stop":
             raise HealthStop(f"a wrong matrix product at step {step}")
         if self.policy.on_sdc == "rollback":   # a device that erred once may have erred since the last check
-            self.computation_clean = False
             raise Rollback(step, "a wrong matrix product")
         if self.policy.on_sdc == "exclude":
             raise Exclude(step, [rank for rank, _ in named], "a wrong matrix product")
@@ -227,7 +225,6 @@ class HealthMonitor:
         kept = [(s, value) for s, value in self.losses if s <= step]
         self.losses.clear()
         self.losses.extend(kept)
-        self.computation_clean = True   # every checkpoint was written after a clean check of its step
 
     def say(self, line: str) -> None:
         """A `health:` line the caller's policy produced (a rollback's outcome), from rank 0."""
@@ -278,7 +275,6 @@ class HealthMonitor:
             raise HealthStop(f"a wrong optimizer update at step {step}")
         if self.policy.on_sdc == "exclude":
             raise Exclude(step, owners, "a wrong optimizer update")
-        self.computation_clean = False
         raise Rollback(step, "a wrong optimizer update")
 
     def check_replicas(self, step: int, parameters: list[torch.Tensor], before_save: bool = False) -> bool:
@@ -304,8 +300,8 @@ class HealthMonitor:
     def verdict(self, step: int) -> dict:
         """What a checkpoint of `step` records of the checks before it (runtime/verified.py's manifest)."""
         products = self.gemm is not None and self.forced_step == step and self.gemm_verdict is not None
-        return {"products_checked_at_step": products, "replicas_compared": bool(self.replicated and
-                self.policy.sdc_every), "computation_clean_since_rollback": self.computation_clean}
+        return {"products_checked_at_step": products,
+                "replicas_compared": bool(self.replicated and self.policy.sdc_every)}
 
     def _replicas_agree(self, step: int, parameters: list[torch.Tensor]) -> bool:
         mine = torch.tensor([fingerprint(parameters)], dtype=torch.int64, device=self.device)

@@ -154,7 +154,8 @@ class Trainer:
                 print(f"error (rank {self.rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
                 return STOPPED
             except Exclude as found:   # the node leaves; the others end for torchrun to restart them without it
-                return exclude(found, self.parallel.device, self.config.checkpoint_dir)
+                exclude(found, self.parallel.device, self.config.checkpoint_dir)
+                return STOPPED   # no node left to go on with
             step_s = time.perf_counter() - started
             self.losses[step] = loss
             if self.rank == 0:
