@@ -18,7 +18,11 @@ defect is on average N s / 2 later, then each misses with 1 - p, so D = N s (1/p
 more; the checks' share of the time is c / (N s), the corruption's loss per second lambda_sdc D: their sum is
 least at N s = sqrt(c / (lambda_sdc (1/p - 1/2))) (as Young's interval balances saving against losing work),
 the cadence the model chooses unless one is given. Without product checks corruption is found by the replica
-fingerprint every N_r steps (D = N_r s / 2), which sees parameters changed in memory only.
+fingerprint every N_r steps (D = N_r s / 2), which sees parameters changed in memory only. A share q of the
+corruption lands in the optimizer's update instead (by default the update's share of the step's time): where
+each shard's update is its owner's alone (ZeRO-1/2/3) the optimizer check (runtime/optimizer_check.py), a sample
+recomputed by another rank every N_o steps, finds it the same way (its own c_o, p_o and cadence); under ZeRO-0
+the replicas compute it apart and the replica fingerprint sees the one that differs.
 `cost_models/goodput_simulation.py` simulates the same process event by event.
 """
 from __future__ import annotations
@@ -67,6 +71,15 @@ class Recovery:
     loss_spikes_per_day: float = 0.0      # spikes rolled back from (the model's and data's, not the hardware's)
     product_check_every_steps: int | None = None   # matrix products checked (0: never; None: the model chooses)
     sdc_seen_per_check: float = 1.0       # chance a checked step shows a defective device's error (assumed)
+    # a sample of each sharded optimizer update recomputed by another rank (runtime/optimizer_check.py; 0: never;
+    # None: the model chooses); the chance a checked update's sample holds a defective device's wrong element
+    # (assumed; a defect that spoils one element of n, s of them sampled: s/n); the share of a defective device's
+    # corruption that lands in the optimizer's update rather than in matrix products (None: the update's share of
+    # the step's device time, as a defect errs in what it computes in proportion to its time computing it)
+    optimizer_check_every_steps: int | None = None
+    optimizer_samples: int = 16           # elements of each owned tensor sampled
+    optimizer_seen_per_check: float = 1.0
+    optimizer_sdc_share: float | None = None
 
     def assumptions(self) -> str:
         spares = "spare nodes kept" if self.spare_nodes else (
@@ -77,8 +90,13 @@ class Recovery:
             if self.product_check_every_steps is None else \
             f"matrix products checked every {self.product_check_every_steps} steps" \
             if self.product_check_every_steps else "no product checks"
+        updates = "optimizer updates sampled at the cadence the model chooses" \
+            if self.optimizer_check_every_steps is None else \
+            f"optimizer updates sampled every {self.optimizer_check_every_steps} steps" \
+            if self.optimizer_check_every_steps else "no optimizer checks"
         return (f"collective timeout {self.collective_timeout_s:g} s, {spares}, {checks}, {products} (a defect "
-                f"seen by {self.sdc_seen_per_check:.0%} of checked steps), {self.loss_spikes_per_day:g} loss "
+                f"seen by {self.sdc_seen_per_check:.0%} of checked steps), {updates} (by "
+                f"{self.optimizer_seen_per_check:.0%} of checked updates), {self.loss_spikes_per_day:g} loss "
                 "spikes/day")
 
 
@@ -103,6 +121,9 @@ class StepContext:
     check_s: float          # one fingerprint: the rank's parameters read once
     replicated: bool        # parameters replicated over data-parallel ranks (ZeRO-0/1/2), so checkable
     product_check_s: float = 0.0   # what checking a step's matrix products adds to it
+    optimizer_check_s: float = 0.0   # what checking a sample of the rank's optimizer update adds to a step
+    optimizer_share: float = 0.0     # the optimizer update's share of the step's time
+    sharded_update: bool = True      # each shard's update computed by its owner alone (ZeRO-1/2/3)
 
 
 @dataclass(frozen=True)
@@ -181,20 +202,53 @@ def interruption_kinds(cluster: Cluster, num_devices: int, restart_s: float, loa
     kinds = [losing_a_node("crash", 1 - reliability.hang_fraction - reliability.sdc_fraction,
                            reliability.crash_detection_s),
              losing_a_node("hang", reliability.hang_fraction, recovery.collective_timeout_s)]
-    if context is None:   # no plan to say how often checks run: corruption counted as found at once
-        kinds.append(losing_a_node("silent corruption", reliability.sdc_fraction, 0.0))
-    elif recovery.product_check_every_steps:   # a defective device's products, at the checks that see it
-        every_s, seen = recovery.product_check_every_steps * context.step_s, recovery.sdc_seen_per_check
-        kinds.append(replace(losing_a_node("silent corruption", reliability.sdc_fraction,
-                                           every_s * (1 / seen - 0.5)), checked_every_s=every_s,
-                             seen_per_check=seen))
-    elif context.replicated and recovery.sdc_check_every_steps:   # found at the next check, half an interval on
-        every_s = recovery.sdc_check_every_steps * context.step_s
-        kinds.append(replace(losing_a_node("silent corruption", reliability.sdc_fraction, every_s / 2),
-                             checked_every_s=every_s))
+    kinds += corruption_kinds(losing_a_node, reliability.sdc_fraction, recovery, context)
     if recovery.loss_spikes_per_day:
         kinds.append(Interruption("loss spike", recovery.loss_spikes_per_day / SECONDS_PER_DAY, 0.0, load_s))
     return tuple(kind for kind in kinds if kind.per_s > 0)
+
+
+def corruption_kinds(losing_a_node, share: float, recovery: Recovery, context: StepContext | None
+                     ) -> list[Interruption]:
+    """Silent corruption from a defective device, split by where its error lands: in matrix products (found by
+    the product checks; without them counted as found by the replica checks) and, a share q of it, in the
+    optimizer's update (found by the optimizer check where each shard's update is its owner's alone; under ZeRO-0
+    every replica computes it, and the replica check sees the defective one differ). `losing_a_node(name,
+    share, detection_s)`: an interruption that costs a node, at `share` of the hardware's rate."""
+    if context is None:   # no plan to say how often checks run: corruption counted as found at once
+        return [losing_a_node("silent corruption", share, 0.0)]
+    in_updates = optimizer_sdc_share(recovery, context)
+    kinds = []
+    in_products = share * (1 - in_updates)
+    if recovery.product_check_every_steps:   # a defective device's products, at the checks that see it
+        kinds.append(_checked(losing_a_node, "silent corruption", in_products, recovery.product_check_every_steps,
+                              recovery.sdc_seen_per_check, context))
+    elif context.replicated and recovery.sdc_check_every_steps:   # found at the next check, half an interval on
+        kinds.append(_checked(losing_a_node, "silent corruption", in_products, recovery.sdc_check_every_steps, 1.0,
+                              context))
+    updates = "silent corruption (optimizer update)"
+    if context.sharded_update and recovery.optimizer_check_every_steps:
+        kinds.append(_checked(losing_a_node, updates, share * in_updates, recovery.optimizer_check_every_steps,
+                              recovery.optimizer_seen_per_check, context))
+    elif not context.sharded_update and context.replicated and recovery.sdc_check_every_steps:
+        kinds.append(_checked(losing_a_node, updates, share * in_updates, recovery.sdc_check_every_steps, 1.0,
+                              context))
+    return kinds
+
+
+def _checked(losing_a_node, name: str, share: float, every_steps: int, seen: float, context: StepContext
+             ) -> Interruption:
+    # found at checks every N steps of s seconds, each seeing it with chance p: the first check after it on
+    # average N s / 2 later, then each misses with 1 - p: D = N s (1/p - 1/2)
+    every_s = every_steps * context.step_s
+    return replace(losing_a_node(name, share, every_s * (1 / seen - 0.5)), checked_every_s=every_s,
+                   seen_per_check=seen)
+
+
+def optimizer_sdc_share(recovery: Recovery, context: StepContext) -> float:
+    """The share of a defective device's corruption in the optimizer's update: as given, else the update's share
+    of the step's time."""
+    return recovery.optimizer_sdc_share if recovery.optimizer_sdc_share is not None else context.optimizer_share
 
 
 def segment_parts_s(interval_s: float, blocking_s: float, kinds: tuple[Interruption, ...],
@@ -217,14 +271,34 @@ def segment_parts_s(interval_s: float, blocking_s: float, kinds: tuple[Interrupt
 
 
 def product_check_every_steps(cluster: Cluster, num_devices: int, recovery: Recovery, context: StepContext) -> int:
-    """The cadence of product checks that loses least: N s = sqrt(c / (lambda_sdc (1/p - 1/2))), in whole steps
-    (0, never, where no corruption is expected, or the context prices no product check)."""
+    """The cadence of product checks that loses least (0, never, where no corruption is expected in products or
+    the context prices no product check)."""
     sdc_per_s = cluster.reliability.sdc_fraction / job_mtbf_s(cluster, num_devices)
-    if sdc_per_s <= 0 or context.step_s <= 0 or context.product_check_s <= 0:
+    in_products = sdc_per_s * (1 - optimizer_sdc_share(recovery, context))
+    return check_every_steps(context.product_check_s, in_products, recovery.sdc_seen_per_check, context.step_s)
+
+
+def optimizer_check_every_steps(cluster: Cluster, num_devices: int, recovery: Recovery, context: StepContext
+                                ) -> int:
+    """The cadence of optimizer checks that loses least (0, never, where updates are not sharded, no corruption
+    is expected in them, or the context prices no optimizer check)."""
+    if not context.sharded_update:
         return 0
-    waiting = 1 / recovery.sdc_seen_per_check - 0.5
-    every_s = math.sqrt(context.product_check_s / (sdc_per_s * waiting))
-    return min(max(1, round(every_s / context.step_s)), PRODUCT_CHECK_EVERY_MAX)
+    sdc_per_s = cluster.reliability.sdc_fraction / job_mtbf_s(cluster, num_devices)
+    in_updates = sdc_per_s * optimizer_sdc_share(recovery, context)
+    return check_every_steps(context.optimizer_check_s, in_updates, recovery.optimizer_seen_per_check,
+                             context.step_s)
+
+
+def check_every_steps(check_s: float, corruption_per_s: float, seen: float, step_s: float) -> int:
+    """Steps between checks that cost `check_s` each and find corruption arriving at `corruption_per_s` with
+    chance `seen` per check: N s = sqrt(c / (lambda (1/p - 1/2))), the checks' share c / (N s) balancing the
+    corruption's loss lambda N s (1/p - 1/2) (as Young's interval balances saving against losing work); in
+    whole steps, 0 (never) where nothing is expected or the check is not priced."""
+    if corruption_per_s <= 0 or step_s <= 0 or check_s <= 0:
+        return 0
+    every_s = math.sqrt(check_s / (corruption_per_s * (1 / seen - 0.5)))
+    return min(max(1, round(every_s / step_s)), PRODUCT_CHECK_EVERY_MAX)
 
 
 def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float, asynchronous: bool = True,
@@ -233,6 +307,9 @@ def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float,
     if recovery.product_check_every_steps is None:
         chosen = product_check_every_steps(cluster, num_devices, recovery, context) if context else 0
         recovery = replace(recovery, product_check_every_steps=chosen)
+    if recovery.optimizer_check_every_steps is None:
+        chosen = optimizer_check_every_steps(cluster, num_devices, recovery, context) if context else 0
+        recovery = replace(recovery, optimizer_check_every_steps=chosen)
     mtbf = job_mtbf_s(cluster, num_devices)
     nbytes = total_params * CHECKPOINT_BYTES_PER_PARAM
     save = checkpoint_save_s(cluster, nbytes, num_devices)
@@ -262,7 +339,7 @@ def goodput(cluster: Cluster, num_devices: int, total_params: float, mfu: float,
 
 def check_shares(recovery: Recovery, context: StepContext | None) -> dict[str, float]:
     """Each check's share of training time: the replica fingerprint, one read of the parameters every N_r steps;
-    the product check, c more every N steps."""
+    the product check, c more every N steps; the optimizer check, c_o more every N_o steps."""
     shares = {}
     if context and context.replicated and recovery.sdc_check_every_steps:
         every = recovery.sdc_check_every_steps * context.step_s
@@ -270,6 +347,9 @@ def check_shares(recovery: Recovery, context: StepContext | None) -> dict[str, f
     if context and recovery.product_check_every_steps and context.product_check_s:
         every = recovery.product_check_every_steps * context.step_s
         shares["product checks"] = context.product_check_s / (every + context.product_check_s)
+    if context and context.sharded_update and recovery.optimizer_check_every_steps and context.optimizer_check_s:
+        every = recovery.optimizer_check_every_steps * context.step_s
+        shares["optimizer checks"] = context.optimizer_check_s / (every + context.optimizer_check_s)
     return shares
 
 
@@ -293,4 +373,19 @@ def _notes(recovery: Recovery, context: StepContext | None) -> tuple[str, ...]:
     else:
         notes.append("no product checks: silent corruption counted as found by the replica checks, which see "
                      "parameters changed in memory only, not a defective device's computation")
+    if context is not None:
+        notes.append(_optimizer_note(recovery, context))
     return tuple(notes)
+
+
+def _optimizer_note(recovery: Recovery, context: StepContext) -> str:
+    share = optimizer_sdc_share(recovery, context)
+    where = f"{share * 100:.2g}% of silent corruption assumed to land in the optimizer's update" + \
+        (" (its share of the step's time)" if recovery.optimizer_sdc_share is None else "")
+    if not context.sharded_update:
+        return f"{where}: ZeRO-0 computes it on every replica, and the replica checks see the one that differs"
+    if recovery.optimizer_check_every_steps and context.optimizer_check_s:
+        return (f"{where}: found by the optimizer checks every {recovery.optimizer_check_every_steps} steps (each "
+                f"{context.optimizer_check_s * 1e3:.3g} ms), {recovery.optimizer_seen_per_check:.0%} of checked "
+                "updates assumed to show it")
+    return f"{where}: no optimizer checks, so it goes unseen (each shard's update is its owner's alone)"

@@ -2,6 +2,8 @@
 what a user states and build the job first."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import time
 from dataclasses import replace
 
@@ -320,13 +322,21 @@ def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
     return plan_
 
 
-def product_check_every(plan_: Plan, model=None) -> int:
-    """The cadence of product checks (runtime/gemm_check.py) the goodput model chooses for the plan's job: the
-    steps between checked steps that lose least to their cost and to corruption found late (0: never)."""
+@dataclass(frozen=True)
+class CheckCadence:
+    """The steps between the runtime's checks of computation that the goodput model chooses for a plan's job: those
+    that lose least to their cost and to corruption found late (0: never)."""
+    products_every_steps: int    # matrix products checked by their checksums (runtime/gemm_check.py)
+    optimizer_every_steps: int   # a sample of each sharded update recomputed by another rank (optimizer_check.py)
+
+
+def check_cadence(plan_: Plan, model=None) -> CheckCadence:
+    """The goodput model's cadences for the plan's job (`model` where its name is not a built-in)."""
     from .goodput_report import plan_goodput
     job = _job_of_plan(plan_, plan_.num_devices, model)
     result = plan_goodput(plan_, plan_cluster(plan_), job.graph.total_params, job=job)
-    return result.recovery.product_check_every_steps or 0
+    return CheckCadence(result.recovery.product_check_every_steps or 0,
+                        result.recovery.optimizer_check_every_steps or 0)
 
 
 def _job_of_plan(plan_: Plan, num_devices: int, model=None) -> Job:

@@ -18,6 +18,8 @@
 * `sdc@S:R`    one element of one matrix product of rank R's step S comes out wrong, by `--sdc-error` of
                itself (1: doubled, as a flipped low exponent bit), in the forward or the backward
                (`--sdc-phase`): the product check (runtime/gemm_check.py) names the rank on a checked step;
+* `defect@S:R` rank R's device is defective from step S on: one product of every step from then, and of its
+               self-test (runtime/exclusion.py), comes out wrong as under `sdc`;
 * `optsdc@S:R` rank R's own optimizer update of step S leaves one element of the shard it owns wrong by
                `--sdc-error` of itself (under ZeRO-1 before its broadcast, so every replica takes it): the
                optimizer check (runtime/optimizer_check.py) names the rank where the element is sampled;
@@ -40,7 +42,8 @@ import torch
 
 from .stragglers import compute_leaves
 
-KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow", "sdc", "optsdc", "diskfull", "savekill")
+KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow", "sdc", "defect", "optsdc", "diskfull",
+         "savekill")
 SAVE_KINDS = ("diskfull", "savekill")
 SPIKE_SCALE = 64.0   # a power of two: x 64 then / 64 is exact
 FLIPPED_BIT = 1 << 22   # the highest mantissa bit of an fp32: the value changes by a quarter to a half
@@ -53,8 +56,8 @@ class Injection:
     kind: str
     step: int
     rank: int | None    # None: every rank (spike)
-    relative_error: float = 1.0   # sdc: how wrong the element comes out
-    phase: str = "forward"        # sdc: in the forward or the backward
+    relative_error: float = 1.0   # sdc, defect, optsdc: how wrong the element comes out
+    phase: str = "forward"        # sdc, defect: in the forward or the backward
 
 
 def parse_injection(text: str | None, relative_error: float = 1.0, phase: str = "forward") -> Injection | None:
@@ -106,11 +109,14 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
                 bits = local.view(-1)[:1].view(torch.int32)
                 bits.bitwise_xor_(FLIPPED_BIT)
         parallel.after_step = flip
-    elif injection.kind == "sdc":
+    elif injection.kind in ("sdc", "defect"):
         from .gemm_check import GemmFault
+        from .health import InjectedProductFault
         if parallel.health is None:
-            raise ValueError("--inject sdc needs the health checks (without --no-health)")
-        parallel.health.gemm_fault = (injection.step, GemmFault(injection.phase, injection.relative_error))
+            raise ValueError(f"--inject {injection.kind} needs the health checks (without --no-health)")
+        parallel.health.gemm_fault = InjectedProductFault(injection.step, GemmFault(injection.phase,
+                                                                                    injection.relative_error),
+                                                          lasting=injection.kind == "defect")
     elif injection.kind == "optsdc":
         from .optimizer_check import OptimizerFault
         if parallel.optimizer_check is None:

@@ -42,10 +42,10 @@ from cost_models.reliability import Recovery   # the settings the goodput model 
 
 from .exclusion import Exclude
 from .gemm_check import GemmCheck, GemmFault, GemmVerdict
+from .replica_check import ReplicaCheck, _local, fingerprint  # noqa: F401 (fingerprint: part of this API)
+from .stragglers import StragglerMonitor
 
 MAD_TO_SIGMA = 1.4826   # median absolute deviation of a normal distribution, as a standard deviation
-INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-                torch.float64: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,10 @@ class HealthPolicy:
     spike_window: int = 20          # accepted steps the median and deviation are taken over
     spike_min_history: int = 8      # steps before spikes are judged at all
     sdc_every: int = Recovery.sdc_check_every_steps   # steps between replica fingerprints (0: never)
-    optimizer_every: int = 200      # steps between checks of a sharded optimizer's update by another rank: a
-    #                                 check costs 0.19% of a tiny-model step on two CPU ranks at 200
-    optimizer_samples: int = 16     # elements of each owned tensor recomputed there (0: all of them)
+    optimizer_every: int = 1000     # steps between checks of a sharded optimizer's update by another rank: the
+    #                                 goodput model's cadence is 815 for Llama 3.1 405B on 16,384 H100 and tens of
+    #                                 thousands for smaller jobs (docs/reliability.md); a real job's: auto with its plan
+    optimizer_samples: int = Recovery.optimizer_samples   # elements of each owned tensor recomputed there (0: all)
     gemm_every: int = 1000          # steps between steps whose matrix products are checked (0: never): a
     #                                 checked step costs about 2.6x an unchecked one on the tiny model (its
     #                                 GEMMs are small; benchmarks/health_overhead.py), 0.16% of a step at 1000;
@@ -69,6 +70,18 @@ class HealthPolicy:
     straggler_every: int = 10       # steps per straggler comparison (runtime/stragglers.py; 0: never)
     straggler_ratio: float = 2.0    # a rank this many times its peers' median compute...
     straggler_min_excess_s: float = 0.05   # ...and this many seconds over it in the window: not host jitter
+
+
+@dataclass(frozen=True)
+class InjectedProductFault:
+    """A wrong product injected (runtime/faults.py): at `step` only (`sdc`), or from `step` on, the device's
+    self-test included (`lasting`: a defective device, `defect`)."""
+    step: int
+    fault: GemmFault
+    lasting: bool = False
+
+    def at(self, step: int) -> GemmFault | None:
+        return self.fault if step == self.step or (self.lasting and step >= self.step) else None
 
 
 class HealthStop(RuntimeError):
@@ -92,11 +105,11 @@ class HealthMonitor:
         self.replicated = replicated            # parameters replicated over it (ZeRO-0/1)
         self.rank = dist.get_rank()
         self.reports: list[str] = []            # every `health:` line, in order
-        self.checked: tuple[int, bool] | None = None   # the last replica check: its step and verdict
+        self.replicas = ReplicaCheck(replica_group, device, self.report) if replicated else None
         self.found: torch.Tensor | None = None  # the non-finite flag, and the unit scale its kernel takes
         self.unit: torch.Tensor | None = None
         self.gemm = GemmCheck() if policy.gemm_every else None
-        self.gemm_fault: tuple[int, GemmFault] | None = None   # (step, fault) injected (runtime/faults.py)
+        self.gemm_fault: InjectedProductFault | None = None   # injected (runtime/faults.py)
         self.gemm_verdict: GemmVerdict | None = None   # the last watched step's worst product on this rank
         self.gemm_verdict_said = False                 # the limit of detection, said at the first check
         self.forced_step: int | None = None   # a step checked whatever the cadence: the one before a save
@@ -128,7 +141,7 @@ class HealthMonitor:
     def watching(self, step: int):
         """Around a step's forward and backward: its matrix products checked where the step is due (every
         `gemm_every`), and an injected product fault applied where one is due (checked or not)."""
-        fault = self.gemm_fault[1] if self.gemm_fault and self.gemm_fault[0] == step else None
+        fault = self.gemm_fault.at(step) if self.gemm_fault else None
         due = bool(self.gemm) and (step % self.policy.gemm_every == 0 or step == self.forced_step)
         self.gemm_verdict = None
         if not due and fault is None:
@@ -146,6 +159,11 @@ class HealthMonitor:
                       f"product's largest element passes unseen in the least sensitive of them "
                       f"({verdict.dtype}); fused attention kernels are not checked")
         self.gemm_verdict = verdict
+
+    def injected_defect(self, step: int) -> GemmFault | None:
+        """An injected defect of this device at `step`, which its self-test meets too (none: a real device's)."""
+        fault = self.gemm_fault.at(step) if self.gemm_fault and self.gemm_fault.lasting else None
+        return fault
 
     def wrong_product_flag(self) -> torch.Tensor:
         """1 where this rank's last watched step had a wrong product, else 0 (rides the loss's all-reduce)."""
@@ -249,8 +267,8 @@ class HealthMonitor:
         if len(self.losses) < self.policy.spike_min_history or not math.isfinite(loss):
             return None
         values = [value for _, value in self.losses]
-        median = statistics.median(values)
-        spread = MAD_TO_SIGMA * statistics.median(abs(x - median) for x in values)
+        median = _median(values)
+        spread = MAD_TO_SIGMA * _median([abs(x - median) for x in values])
         return (loss - median) / max(spread, 1e-6 * abs(median) + 1e-12)
 
     # -- after the optimizer step ----------------------------------------------------------------
@@ -277,17 +295,22 @@ class HealthMonitor:
             raise Exclude(step, owners, "a wrong optimizer update")
         raise Rollback(step, "a wrong optimizer update")
 
-    def check_replicas(self, step: int, parameters: list[torch.Tensor], before_save: bool = False) -> bool:
+    def check_replicas(self, step: int, parameters: list[torch.Tensor], before_save: bool = False,
+                       stragglers: StragglerMonitor | None = None, deferred: bool = False) -> bool | None:
         """Every `sdc_every` steps, and before every checkpoint (so that none holds corruption a check could
-        see): the replicas' parameter fingerprints agree, or the odd ranks are named. False when they differ."""
+        see): the replicas' parameter fingerprints agree, or the odd ranks are named (runtime/replica_check.py).
+        False when they differ; None where `deferred` (the verdict read by `settle`, after the next step's
+        loss all-reduce). `stragglers`: its comparison, due at this step too, rides the same all-gather."""
         every = self.policy.sdc_every
         due = before_save or (every and not step % every)
         if not every or not due or not self.replicated or dist.get_world_size(self.replica_group) < 2:
             return True
-        if self.checked and self.checked[0] == step:   # checked after this step's update already
-            return self.checked[1]
-        self.checked = (step, self._replicas_agree(step, parameters))
-        return self.checked[1]
+        return self.replicas.check(step, parameters, stragglers, deferred and not before_save)
+
+    def settle(self) -> None:
+        """A deferred replica check's verdict read and said (every rank alike, at the same point)."""
+        if self.replicas is not None:
+            self.replicas.settle()
 
     def clean_for_saving(self, step: int, parameters: list[torch.Tensor]) -> bool:
         """Before a checkpoint: every replica group agrees (one flag all-reduced over the job, since each
@@ -303,43 +326,9 @@ class HealthMonitor:
         return {"products_checked_at_step": products,
                 "replicas_compared": bool(self.replicated and self.policy.sdc_every)}
 
-    def _replicas_agree(self, step: int, parameters: list[torch.Tensor]) -> bool:
-        mine = torch.tensor([fingerprint(parameters)], dtype=torch.int64, device=self.device)
-        size = dist.get_world_size(self.replica_group)
-        gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
-        dist.all_gather(gathered, mine, group=self.replica_group)
-        values = [int(t.item()) for t in gathered]
-        if len(set(values)) == 1:
-            return True
-        ranks = dist.get_process_group_ranks(self.replica_group)
-        common = max(set(values), key=values.count)
-        if values.count(common) * 2 > size:   # a majority agrees: the others are the corrupt ones
-            odd = [rank for rank, value in zip(ranks, values) if value != common]
-            line = (f"health: step {step}: parameters of rank{'s' if len(odd) > 1 else ''} "
-                    f"{', '.join(map(str, odd))} differ from their data-parallel replicas (silent data "
-                    f"corruption); ranks {', '.join(map(str, ranks))} compared")
-        else:
-            line = (f"health: step {step}: the data-parallel replicas on ranks {', '.join(map(str, ranks))} "
-                    "hold different parameters (silent data corruption); no majority tells which")
-        self.report(line)   # every rank of the group says it: the odd one may be rank 0
-        return False
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def fingerprint(parameters: list[torch.Tensor]) -> int:
-    """Bit-exact: the sum, modulo 2^64, of the parameters' bytes read as 64-bit integers (32-bit where a
-    dtype's bytes do not fill whole words); a flipped bit k changes it by 2^k. The parameters of a dtype are
-    concatenated first: one sum over the copy costs less than a sum per tensor (2.6x on the tiny model's 39)."""
-    total = 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in parameters:
-        local = _local(param.detach())
-        by_dtype.setdefault(local.dtype, []).append(local.reshape(-1))
-    for flat in (torch.cat(views) for views in by_dtype.values()):
-        words = flat.view(torch.int64) if flat.numel() * flat.element_size() % 8 == 0 \
-            else flat.view(INTEGER_VIEW[flat.dtype])
-        total += int(words.sum(dtype=torch.int64))
-    return (total + 2 ** 63) % 2 ** 64 - 2 ** 63   # as a signed 64-bit integer, the type it is gathered in
+def _median(values: list[float]) -> float:
+    """statistics.median's value, without its per-call generality (a tenth of its time on 20 losses: it runs
+    every step)."""
+    ordered, half = sorted(values), len(values) // 2
+    return ordered[half] if len(values) % 2 else (ordered[half - 1] + ordered[half]) / 2

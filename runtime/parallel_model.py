@@ -68,6 +68,12 @@ class ParallelModel:
         if self.optimizer_check:
             self.optimizer_check.forced_step = step
 
+    def settle(self) -> None:
+        """The verdict of a check still in flight (the last step's replica check) read and said: after the last
+        step, which has no next step to read it in."""
+        if self.health:
+            self.health.settle()
+
     def batch_slice(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global batch: rows by its data-parallel index, columns by cp."""
         return self.laid.shard(tokens)
@@ -92,6 +98,8 @@ class ParallelModel:
             if self.health else None
         wrong = self.health.wrong_product_flag() if self.health else None
         mean, anywhere, wrong_anywhere = self._mean_over_ranks(share, flag, wrong)
+        if self.health:   # the last step's replica check, read now that every rank has met
+            self.health.settle()
         accepted = not self.health or (self.health.products_right(self.step, wrong_anywhere)
                                         and self.health.accept(self.step, mean, anywhere, flag))
         clock.mark("checks_s")
@@ -99,7 +107,7 @@ class ParallelModel:
             self._update()
             clock.mark("optimizer_s")
             if self.health:
-                self.health.check_replicas(self.step, self.params)
+                self.health.check_replicas(self.step, self.params, stragglers=self.stragglers, deferred=True)
         else:
             self.optimizer.zero_grad()   # the batch is skipped on every rank: no update, no optimizer step
         computed = self.stragglers.after_step(self.step) if self.stragglers else None

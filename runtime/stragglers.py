@@ -87,6 +87,8 @@ class StragglerMonitor:
     def __init__(self, every: int, ratio: float, min_excess_s: float, timer: ComputeTimer, peers, device, say):
         self.every, self.ratio, self.min_excess_s = every, ratio, min_excess_s
         self.timer, self.peers, self.device, self.say = timer, peers, device, say
+        self.seconds_here = 0.0          # the last timed step's compute seconds on this rank
+        self.stopped: int | None = None  # the last step timed: its seconds compared by whoever stopped it
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and dist.get_world_size(self.peers) > 1
@@ -95,17 +97,29 @@ class StragglerMonitor:
         if self.due(step):
             self.timer.arm()
 
+    def stop_timing(self, step: int) -> float:
+        """This rank's compute seconds of the timed `step`, the hooks removed; kept for `after_step` to return.
+        Whoever stops it compares them (`judge`): the replica check's all-gather, or `after_step`'s own."""
+        self.timer.disarm()
+        self.seconds_here, self.stopped = self.timer.read(), step
+        return self.seconds_here
+
     def after_step(self, step: int) -> float | None:
-        """On a timed step: compare over the peers, name the slow ones; this rank's compute seconds."""
+        """On a timed step: compare over the peers, name the slow ones (where the replica check's all-gather
+        carries the seconds, it judges them); this rank's compute seconds."""
         if not self.due(step):
             return None
-        self.timer.disarm()
-        seconds_here = self.timer.read()
-        size = dist.get_world_size(self.peers)
-        gathered = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(size)]
-        dist.all_gather(gathered, torch.tensor([seconds_here], dtype=torch.float64, device=self.device),
-                        group=self.peers)
-        seconds = [float(t.item()) for t in gathered]
+        if self.stopped != step:
+            seconds_here = self.stop_timing(step)
+            size = dist.get_world_size(self.peers)
+            gathered = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(size)]
+            dist.all_gather(gathered, torch.tensor([seconds_here], dtype=torch.float64, device=self.device),
+                            group=self.peers)
+            self.judge(step, [float(t.item()) for t in gathered])
+        return self.seconds_here
+
+    def judge(self, step: int, seconds: list[float]) -> None:
+        """Name the peers whose compute seconds (one per peer, in group order) are slow against their median."""
         ranks = dist.get_process_group_ranks(self.peers)
         median = statistics.median(seconds)
         slow = [(rank, s) for rank, s in zip(ranks, seconds)
@@ -115,4 +129,3 @@ class StragglerMonitor:
             self.say(f"health: step {step}: straggler{'s' if len(slow) > 1 else ''}: {named} "
                      f"in forward compute against a median of {median:.3f} s over ranks "
                      f"{', '.join(map(str, ranks))}")
-        return seconds_here

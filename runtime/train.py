@@ -148,7 +148,7 @@ def train(args, rank: int, watchdog: Watchdog, injection, skip_steps: set[int], 
             args.global_batch, args.seq_len = args.job_plan.layout.gbs, args.job_plan.seq_len
         cadence = checkpoint_cadence(args)
         if health is not None:
-            health = replace(health, gemm_every=product_check_cadence(args))
+            health = replace(health, **check_cadences(args))
         model, graph = build(args.model, args.seq_len, args.seed)
         layout = run_layout(args, graph)
         if not args.plan and layout.global_batch % (layout.dp * layout.micro_batch):
@@ -205,22 +205,28 @@ def checkpoint_cadence(args) -> Cadence:
     return Cadence(None, job_mtbf_s(plan_cluster(args.job_plan), dist.get_world_size()))
 
 
-def product_check_cadence(args) -> int:
-    """--gemm-every N, or auto: the cadence the plan's goodput model chooses (rank 0 works it out, every rank
-    takes its answer)."""
-    if args.gemm_every != "auto":
-        return args.gemm_every
+def check_cadences(args) -> dict:
+    """--gemm-every and --optimizer-check-every, each N or auto: the cadence the plan's goodput model chooses
+    (rank 0 works it out, every rank takes its answer); HealthPolicy's fields."""
+    given = {"gemm_every": args.gemm_every, "optimizer_every": args.optimizer_check_every}
+    auto = [key for key, value in given.items() if value == "auto"]
+    if not auto:
+        return given
     if not args.plan:
-        raise ValueError("--gemm-every auto needs a --plan: its step time, its cluster's failure rate and what "
-                         "checking its products costs give the cadence")
+        flag = "--gemm-every" if "gemm_every" in auto else "--optimizer-check-every"
+        raise ValueError(f"{flag} auto needs a --plan: its step time, its cluster's failure rate and what the "
+                         "check costs give the cadence")
     answer = [None]
     if dist.get_rank() == 0:
-        from planner.api import product_check_every
-        answer = [product_check_every(args.job_plan, model=args.model)]
-        print(f"note: matrix products checked every {answer[0]} steps, the cadence the plan's goodput model "
-              "chooses (0: never)", file=sys.stderr, flush=True)
+        from planner.api import check_cadence
+        chosen = check_cadence(args.job_plan, model=args.model)
+        answer = [{"gemm_every": chosen.products_every_steps, "optimizer_every": chosen.optimizer_every_steps}]
+        what = {"gemm_every": "matrix products checked", "optimizer_every": "optimizer updates sampled"}
+        for key in auto:
+            print(f"note: {what[key]} every {answer[0][key]} steps, the cadence the plan's goodput model chooses "
+                  "(0: never)", file=sys.stderr, flush=True)
     dist.broadcast_object_list(answer, src=0)
-    return answer[0]
+    return {key: answer[0][key] if key in auto else value for key, value in given.items()}
 
 
 def telemetry_header(args, layout) -> TelemetryHeader:

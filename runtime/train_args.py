@@ -63,17 +63,18 @@ def parse_args(argv=None):
     parser.add_argument("--flight-record-dir", default=None, help="where a rank that loses a peer writes torch's "
                         "flight record of its last collectives (default: --checkpoint-dir, else the temp directory)")
     parser.add_argument("--inject", default=None, action=Once, help="KIND@STEP[:RANK], KIND one of stop, kill, "
-                        "node, nan, spike, bitflip, slow, sdc, optsdc, diskfull, savekill (runtime/faults.py): a fault the "
+                        "node, nan, spike, bitflip, slow, sdc, defect, optsdc, diskfull, savekill (runtime/faults.py): a fault the "
                         "health checks or the watchdog must name")
-    parser.add_argument("--sdc-error", type=float, default=1.0, help="--inject sdc or optsdc: the wrong "
+    parser.add_argument("--sdc-error", type=float, default=1.0, help="--inject sdc, defect or optsdc: the wrong "
                         "element's error relative to itself (1: doubled, as a flipped low exponent bit)")
     parser.add_argument("--sdc-phase", default="forward", choices=["forward", "backward"],
-                        help="--inject sdc: a product of the forward or of the backward")
+                        help="--inject sdc or defect: a product of the forward or of the backward")
     parser.add_argument("--no-health", action="store_true", help="turn the in-step health checks off")
     parser.add_argument("--sdc-every", type=steps_or_never, default=HealthPolicy.sdc_every,
                         help="steps between replica fingerprints (0: never)")
-    parser.add_argument("--optimizer-check-every", type=steps_or_never, default=HealthPolicy.optimizer_every,
-                        help="steps between checks of a sharded optimizer's update by another rank (0: never)")
+    parser.add_argument("--optimizer-check-every", type=steps_never_or_auto, default=HealthPolicy.optimizer_every,
+                        help="auto (with --plan: the cadence its goodput model chooses), or steps between checks "
+                        "of a sharded optimizer's update by another rank (0: never)")
     parser.add_argument("--optimizer-check-samples", type=steps_or_never, default=HealthPolicy.optimizer_samples,
                         help="elements of each owned tensor the other rank recomputes (0: all)")
     parser.add_argument("--gemm-every", type=steps_never_or_auto, default=HealthPolicy.gemm_every,
@@ -82,8 +83,9 @@ def parse_args(argv=None):
     parser.add_argument("--on-sdc", default="skip", choices=["skip", "rollback", "exclude", "stop"],
                         help="a wrong matrix product found: skip the batch on every rank, roll back to the last "
                         "checkpoint (each is written after a clean check of its step) and skip it, exclude the "
-                        "node (it leaves the job; torchrun restarts the rest, --elastic re-plans), or stop the "
-                        "job (a wrong optimizer update: roll back, exclude or stop)")
+                        "node where its self-test fails or it was found before (it leaves the job; torchrun "
+                        "restarts the rest, --elastic re-plans; else it is kept and the job rolls back), or stop "
+                        "the job (a wrong optimizer update: roll back, exclude or stop)")
     parser.add_argument("--straggler-every", type=steps_or_never, default=HealthPolicy.straggler_every,
                         help="steps per straggler comparison (0: off)")
     parser.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"])

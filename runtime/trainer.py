@@ -143,19 +143,18 @@ class Trainer:
             started = time.perf_counter()
             try:
                 loss = self._train(step)
-            except Rollback as spike:
+            except (Rollback, Exclude) as found:
+                if isinstance(found, Exclude) and not self._exclude(found):
+                    return STOPPED   # no node left to go on with
                 if self.checkpointer is None:   # nothing to undo the update with
-                    self._say(f"error: step {spike.step}: {spike.reason}, and no checkpoints to roll back to "
+                    self._say(f"error: step {found.step}: {found.reason}, and no checkpoints to roll back to "
                               "(--checkpoint-dir, --save-every): training stopped")
                     return STOPPED
-                step = self.roll_back(spike.step)
+                step = self.roll_back(found.step)
                 continue
             except HealthStop as exc:
                 print(f"error (rank {self.rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
                 return STOPPED
-            except Exclude as found:   # the node leaves; the others end for torchrun to restart them without it
-                exclude(found, self.parallel.device, self.config.checkpoint_dir)
-                return STOPPED   # no node left to go on with
             step_s = time.perf_counter() - started
             self.losses[step] = loss
             if self.rank == 0:
@@ -168,6 +167,7 @@ class Trainer:
             if self.telemetry:
                 self.telemetry.write(step, self.parallel.timing, blocking)
             step += 1
+        self.parallel.settle()
         if pending is not None:
             pending()   # the asynchronous write finishes before the job ends
         if self.checkpointer:
@@ -201,6 +201,13 @@ class Trainer:
                 raise
             self.watchdog.fail(step, exc)   # names the ranks lost and ends this process
             raise
+
+    def _exclude(self, found: Exclude) -> bool:
+        """The suspected node leaves (this process ends) or, its self-test passed and no finding before, is kept:
+        True, the job rolls back; False where no node would be left."""
+        health = self.parallel.health
+        return exclude(found, self.parallel.device, self.config.checkpoint_dir,
+                       health.injected_defect(found.step) if health else None)
 
     def roll_back(self, spike_step: int) -> int:
         """Reload the last complete checkpoint, skip the batches that end at the spike; the step to go on from."""

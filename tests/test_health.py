@@ -329,11 +329,11 @@ def test_a_lost_node_is_replanned_and_the_run_continues(tmp_path, references):
 
 def test_a_node_computing_wrong_is_excluded_and_the_rest_go_on(tmp_path, references):
     """Two torchrun agents, two nodes of 2 CPUs, a 4-device plan, every product checked, `--on-sdc exclude`: at
-    step 4 one product of rank 2 comes out wrong. Every rank learns it before any update uses it; rank 2 runs
-    its self-test (the injected error is in the product, not in the device: it passes, and says what that
-    means); rank 0 names node 1 and records it in excluded-nodes.json; node 1 leaves (its agent and workers
-    end), the agent left restarts its workers, --elastic plans for 2 ranks, and the run resumes from step 2's
-    checkpoint and ends where the uninterrupted run does."""
+    step 4 rank 2's device turns defective (`defect@4:2`: a wrong element in one product of every step, and of
+    its self-test). Every rank learns it before any update uses it; rank 2's self-test fails; rank 0 names node
+    1 and why and records it in excluded-nodes.json; node 1 leaves (its agent and workers end), the agent left
+    restarts its workers, --elastic plans for 2 ranks, and the run resumes from step 2's checkpoint and ends
+    where the uninterrupted run does."""
     from planner import api
     from test_runtime import free_port
     plan, ckpt = tmp_path / "p4.yaml", tmp_path / "ckpt"
@@ -341,17 +341,18 @@ def test_a_node_computing_wrong_is_excluded_and_the_rest_go_on(tmp_path, referen
              stack="parallel-planner").save(plan)
     port = free_port()
     args = ["--model", "tiny-llama", "--plan", str(plan), "--steps", "6", *TRAIN, "--precision", "fp32",
-            "--checkpoint-dir", str(ckpt), "--save-every", "2", "--elastic", "--inject", "sdc@4:2",
+            "--checkpoint-dir", str(ckpt), "--save-every", "2", "--elastic", "--inject", "defect@4:2",
             "--gemm-every", "1", "--on-sdc", "exclude", "--collective-timeout", "10"]
     second = two_nodes(port, args, tmp_path)
     assert second.returncode == -signal.SIGKILL   # the excluded node's agent, ended so that it never rejoins
     out, err = (tmp_path / "node0.out").read_text(), (tmp_path / "node0.err").read_text()
     found = [line for line in err.splitlines() if line.startswith("health: step 4: a wrong matrix product")]
-    assert found and "on rank 2: node 1 (" in found[0] and "excluded (policy exclude); the job restarts on " \
-        "node 0" in found[0], err[-3000:]
-    assert "self-test, a product of known result 8 times: passed" in (tmp_path / "node1.err").read_text()
+    assert found and "on rank 2: node 1 (" in found[0] and "(its self-test failed) excluded (policy exclude); the " \
+        "job restarts on node 0" in found[0], err[-3000:]
+    assert "self-test, a product of known result 8 times: FAILED" in (tmp_path / "node1.err").read_text()
     record = json.loads((ckpt / "excluded-nodes.json").read_text())
     assert record[0]["ranks"] == [2] and record[0]["nodes"][0].startswith("node 1 (") and record[0]["step"] == 4
+    assert record[0]["why"] == ["its self-test failed"]
     assert "note: replanned from 4 to 2 devices, global batch 8 kept" in err
     assert "resumed from step-000002 (restart 1)" in err
     trained = {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")}

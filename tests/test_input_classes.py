@@ -160,12 +160,14 @@ def test_extreme_numbers_in_a_cluster_profile_never_reach_the_solver_unchecked(w
                "--time-limit", "5", "--objective", "goodput"]), f"{'.'.join(path)}={value!r}", valid=None)
 
 
-RECOVERY_VALUES = st.one_of(st.floats(), st.integers(-(10 ** 20), 10 ** 20), st.sampled_from(["yes", "no", "", "x"]))
+RECOVERY_VALUES = st.one_of(st.floats(), st.integers(-(10 ** 20), 10 ** 20),
+                            st.sampled_from(["yes", "no", "", "x", "auto"]))
+RECOVERY_KEYS = ["timeout", "spares", "elastic", "sdc_every", "spikes_per_day", "gemm_every", "sdc_seen", "opt_every",
+                 "opt_seen", "opt_share", "t"]
 
 
 @SETTINGS
-@given(items=st.lists(st.tuples(st.sampled_from(["timeout", "spares", "elastic", "sdc_every", "spikes_per_day", "t"]),
-                                RECOVERY_VALUES), min_size=1, max_size=4),
+@given(items=st.lists(st.tuples(st.sampled_from(RECOVERY_KEYS), RECOVERY_VALUES), min_size=1, max_size=4),
        goodput=st.booleans())
 def test_recovery_settings_out_of_range_or_repeated_are_refused(items, goodput):
     text = ",".join(f"{key}={value}" for key, value in items)
@@ -181,11 +183,16 @@ def _in_range(key: str, value) -> bool:
     """What parse_recovery's documented limits accept, written out from its EXPECTED text and limits."""
     if key in ("spares", "elastic"):
         return value in ("yes", "no")
+    if key in ("gemm_every", "opt_every") and value == "auto":
+        return True
     if key == "t" or isinstance(value, str):
         return False
-    if key == "sdc_every" and not isinstance(value, int):
+    if key in ("sdc_every", "gemm_every", "opt_every") and not isinstance(value, int):
         return False
-    limit = {"timeout": 86_400, "sdc_every": 1_000_000, "spikes_per_day": 86_400}[key]
+    if key in ("sdc_seen", "opt_seen"):
+        return 0 < value <= 1   # a chance: none at all would never find anything
+    limit = {"timeout": 86_400, "sdc_every": 1_000_000, "spikes_per_day": 86_400, "gemm_every": 1_000_000,
+             "opt_every": 1_000_000, "opt_share": 1}[key]
     return 0 <= value <= limit   # nan compares false
 
 

@@ -154,36 +154,80 @@ def test_every_checkpoint_follows_a_clean_check_and_a_rollback_returns_to_it(tmp
     (every 2): a wrong product at step 4, a save step, is found there; `--on-sdc rollback` returns to step 2's
     checkpoint and skips batch 4, and steps 5 and 6 are those of a run that skipped it. Each manifest records the
     check of its step. A wrong product at step 3, neither a save step nor due, passes unseen: the cadence's
-    limit, which the goodput model prices (docs/reliability.md)."""
+    limit, which the goodput model prices (docs/reliability.md).
+
+    `--on-sdc exclude` acts on the self-test: the injected error is in one product, not in the device, so the
+    self-test passes and, never suspected before, the node is kept, recorded in suspected-nodes.json, and the
+    job rolls back as under `rollback`. Found again (a record naming it from before), it is excluded though its
+    self-test passes: on one node nothing is left to go on with, and the job stops saying so."""
+    import socket
     saves = {"save_every": "2", "steps": 6, "gemm_every": 1000, "layout": "dp=2,zero=1"}
+    node = f"node 0 ({socket.gethostname()})"
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "suspected-nodes.json").write_text(json.dumps([{"nodes": [node], "step": 1}]))
     cases = run(2, [{"name": "reference", "layout": "dp=2,zero=1", "skip_steps": "4", "steps": 6},
                     {"name": "rollback", **saves, "inject": "sdc@4:1", "on_sdc": "rollback",
                      "checkpoint_dir": str(tmp_path / "rollback")},
-                    {"name": "unseen", **saves, "inject": "sdc@3:1", "checkpoint_dir": str(tmp_path / "unseen")}],
-                tmp_path)
+                    {"name": "unseen", **saves, "inject": "sdc@3:1", "checkpoint_dir": str(tmp_path / "unseen")},
+                    {"name": "kept", **saves, "inject": "sdc@4:1", "on_sdc": "exclude",
+                     "checkpoint_dir": str(tmp_path / "kept")},
+                    {"name": "again", **saves, "inject": "sdc@4:1", "on_sdc": "exclude",
+                     "checkpoint_dir": str(tmp_path / "again")}],
+                tmp_path, stops=True)
     said = [line for line in cases["rollback"] if line.startswith("health: step")]
     assert said[0].startswith("health: step 4: a matrix product computed wrong (silent data corruption in "
                               "computation) on rank 1") and said[0].endswith("policy rollback"), said
     assert said[1] == "health: step 4: rolled back to step 2 (its checkpoint); batch 4 skipped", said
-    got, expected = losses(cases["rollback"]), losses(cases["reference"])
-    assert all(abs(got[step] - expected[step]) < LOSS_TOLERANCE for step in (5, 6)), (got, expected)
+    expected = losses(cases["reference"])
+    for name in ("rollback", "kept"):
+        got = losses(cases[name])
+        assert all(abs(got[step] - expected[step]) < LOSS_TOLERANCE for step in (5, 6)), (name, got, expected)
     manifest = json.loads((tmp_path / "rollback" / "step-000006" / "manifest.json").read_text())
     assert manifest["checks"]["products_checked_at_step"] is True
     assert not [line for line in cases["unseen"] if line.startswith("health: step")]
+    assert "health: rank 1 on node 0 (" in "\n".join(cases["stderr"])
+    assert f"health: step 4: a wrong matrix product on {node}: kept, its self-test passed and it was not suspected " \
+           "before (a second finding excludes it); rolling back" in cases["stderr"]
+    assert "health: step 4: rolled back to step 2 (its checkpoint); batch 4 skipped" in cases["kept"]
+    suspected = json.loads((tmp_path / "kept" / "suspected-nodes.json").read_text())
+    assert suspected[0]["nodes"] == [node] and suspected[0]["ranks"] == [1] and suspected[0]["step"] == 4
+    assert any(line.startswith(f"health: step 4: a wrong matrix product on rank 1: {node} (found computing wrong "
+                               "before (its self-test passes: a defect it does not reproduce)) excluded (policy "
+                               "exclude); no node can go on") for line in cases["stderr"]), cases["stderr"][-20:]
+    assert max(losses(cases["again"])) == 3
+
+
+def test_a_node_is_excluded_where_its_self_test_fails_or_it_was_found_before():
+    """Every combination of two suspected nodes' self-tests and earlier findings: excluded exactly where the
+    self-test failed or the node was found before, each with its reason; kept otherwise."""
+    import itertools
+
+    from runtime.exclusion import decide
+    for passed_a, passed_b, before_a, before_b in itertools.product((True, False), repeat=4):
+        before = {node for node, was in (("a", before_a), ("b", before_b)) if was}
+        decision = decide({"a": passed_a, "b": passed_b}, before)
+        for node, passed, was in (("a", passed_a, before_a), ("b", passed_b, before_b)):
+            assert (node in decision.excluded) == (not passed or was)
+            assert (node in decision.kept) == (passed and not was)
+            if not passed:
+                assert decision.excluded[node] == "its self-test failed"
 
 
 def test_the_runtime_takes_the_cadence_the_plans_goodput_model_chooses(tmp_path):
-    """`--gemm-every auto` with a plan: the cadence of `planner.api.product_check_every` (the goodput model's
-    for that plan's job), said and used on every rank; without a plan, refused in one line before step 1."""
+    """`--gemm-every auto` and `--optimizer-check-every auto` with a plan: the cadences of
+    `planner.api.check_cadence` (the goodput model's for that plan's job), said and used on every rank; without a
+    plan, refused in one line before step 1."""
     from planner import api
     path = tmp_path / "plan.yaml"
     plan = api.plan("tiny-llama", device="h100-sxm", num_devices=2, global_batch=8, stack="parallel-planner")
     plan.save(path)
-    expected = api.product_check_every(plan)
-    assert expected > 0
+    expected = api.check_cadence(plan)
+    assert expected.products_every_steps > 0 and expected.optimizer_every_steps > 0
     proc = launch(2, "--model", "tiny-llama", "--plan", str(path), "--steps", "2", "--gemm-every", "auto",
-                  "--device-type", "cpu", "--precision", "fp32")
-    assert f"note: matrix products checked every {expected} steps, the cadence the plan's goodput model " \
-           "chooses" in proc.stderr
+                  "--optimizer-check-every", "auto", "--device-type", "cpu", "--precision", "fp32")
+    assert f"note: matrix products checked every {expected.products_every_steps} steps, the cadence the plan's " \
+           "goodput model chooses" in proc.stderr
+    assert f"note: optimizer updates sampled every {expected.optimizer_every_steps} steps, the cadence the " \
+           "plan's goodput model chooses" in proc.stderr
     refused = launch(1, "--model", "tiny-llama", "--steps", "2", "--gemm-every", "auto", check=False)
     assert refused.returncode == 2 and "--gemm-every auto needs a --plan" in refused.stderr

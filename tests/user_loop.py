@@ -30,6 +30,7 @@ from planner.graph_capture.reference_model import build_model  # noqa: E402
 from runtime import (Cadence, Checkpointer, HealthMonitor, HealthPolicy, LoopState, LossTerms, Step,  # noqa: E402
                      end_distributed, init_distributed, parallelize, rank_loader, settle)
 from runtime.gemm_check import GemmFault  # noqa: E402
+from runtime.health import InjectedProductFault  # noqa: E402
 from runtime.step import IGNORE_INDEX, logits_of  # noqa: E402
 
 SEQ, GLOBAL_BATCH, AUX_COEFFICIENT = 32, 8, 0.02
@@ -105,7 +106,7 @@ def run(case: dict, dump: Path) -> None:
     wrong_at = case.get("wrong_product_at")   # [step, rank]: a backward product of that rank's step comes out wrong
     health = HealthMonitor.for_model(laid, HealthPolicy(gemm_every=1) if wrong_at else HealthPolicy())
     if wrong_at and wrong_at[1] == rank:
-        health.gemm_fault = (wrong_at[0], GemmFault("backward", 1.0))
+        health.gemm_fault = InjectedProductFault(wrong_at[0], GemmFault("backward", 1.0))
     state = LoopState(laid, optimizer, scheduler, loader)
     checkpointer = Checkpointer(case["checkpoint_dir"], Cadence(case["save_every"]), health=health) \
         if case.get("checkpoint_dir") else None
