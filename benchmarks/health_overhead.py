@@ -107,6 +107,7 @@ def build(variant: Variant, batch: int):
                           precision="fp32", health=variant.health)
     if variant.comm_every:
         parallel.record_communication(variant.comm_every)
+    parallel.deferred_checks = True   # as the driver's Trainer runs it (settled after the last step)
     return parallel
 
 
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
             own, gathering = clock.read()
             inside[index].append(own)
             waits[index].append(gathering)
+    for model in models:
+        model.settle()
     kept = slice(args.steps // 4, None)
     base = statistics.mean(times[0][kept])
     if dist.get_rank() == 0:

@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 
 from cost_models.layout import Layout, Recompute
-from cost_models.layout_codec import FIELDS, FULL_KEYS, layout_from, parse_text, parse_values
+from cost_models.layout_codec import FIELDS, FULL_KEYS, layout_from, parse_text, parse_values, text_of
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.errors import UserInputError
@@ -16,12 +16,12 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from .error_bands import band_for
-from .region import outside_notes
+from .region import measured_bounds, outside_notes
 from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
-from .plans import LayoutRecord, Plan, SearchStats, memory_records, stage_records
+from .plans import Alternative, LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import search
 from .search.tree import SearchOutcome
 from .rules.device import check_device_for
@@ -187,9 +187,16 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
         raise InfeasibleError(f"capturing {graph.name} took {graph.capture_seconds:.1f} s and no time of "
                               f"--time-limit was left to search", field="--time-limit",
                               expected="a time limit longer than the capture")
+    result, placed = _best_placement(job, cluster, pins, top_k, progress, pins_field, deadline)
+    return _beside_inside(job, result, placed, pins, pins_field, deadline)
+
+
+def _best_placement(job: Job, cluster: Cluster, pins, top_k: int, progress, pins_field: str, deadline: float
+                    ) -> tuple[Plan, Cluster]:
+    """The fastest plan over the placements of the job's devices (planner/placement.py), and its placement."""
     choices = placement_choices(cluster)
     if len(choices) == 1:
-        return _plan_on(job, cluster, pins, top_k, progress, pins_field, deadline)
+        return _plan_on(job, cluster, pins, top_k, progress, pins_field, deadline), cluster
     tried, plans, refusals = [], [], []
     for index, placed in enumerate(choices):   # each the time left, shared with the placements after it
         share = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(choices) - index)
@@ -204,9 +211,28 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
     return _placement_chosen(plans, tried)
 
 
-def _placement_chosen(plans: list[tuple[Plan, Cluster]], tried) -> Plan:
+def _placement_chosen(plans: list[tuple[Plan, Cluster]], tried) -> tuple[Plan, Cluster]:
     best, chosen = min(plans, key=lambda pair: pair[0].step_time_s)
-    return best.model_copy(update={"reasons": best.reasons + [placement_reason(chosen, tried)]})
+    return best.model_copy(update={"reasons": best.reasons + [placement_reason(chosen, tried)]}), chosen
+
+
+def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: str, deadline: float) -> Plan:
+    """Where the plan lies outside the region the published runs measured, the best plan inside it (its per-rank
+    shapes kept to the measured ranges, on the same placement, in the time left) beside it: where a model is
+    least right is where a search's optimum tends to lie."""
+    if not result.outside_measured:
+        return result
+    graph = job.graph
+    inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts))
+    try:
+        inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline)
+    except UserInputError as exc:   # none fits there, or no time is left to look
+        return result.model_copy(update={"reasons": result.reasons + [
+            f"no plan inside the measured region was found: {exc.args[0] if exc.args else exc}"]})
+    slower = inside.step_time_s / result.step_time_s - 1
+    return result.model_copy(update={"inside_measured": Alternative(
+        layout=text_of(inside.to_layout()), step_time_s=inside.step_time_s, mfu=inside.mfu,
+        loses=f"{slower:+.1%} step time predicted, inside the measured region")})
 
 
 def _plan_on(job: Job, cluster, pins, top_k: int, progress, pins_field: str, deadline: float) -> Plan:
@@ -292,7 +318,7 @@ def predict(job: Job, given: Layout) -> Plan:
     if len(choices) == 1:
         return _predict_on(job, job.cluster, given)
     plans = [(_predict_on(job, placed, given), placed) for placed in choices]
-    return _placement_chosen(plans, [(placed, plan_.step_time_s) for plan_, placed in plans])
+    return _placement_chosen(plans, [(placed, plan_.step_time_s) for plan_, placed in plans])[0]
 
 
 def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:

@@ -163,6 +163,8 @@ class Plan(_Frozen):
     band_basis: str = ""
     # per-rank shapes outside the range the published runs measured (planner/region.py): where it extrapolates
     outside_measured: list[str] = []
+    # where it extrapolates: the best plan the search finds with the per-rank shapes kept inside that range
+    inside_measured: Alternative | None = None
     tokens_per_s: float
     tflops_per_device: float
     mfu: float

@@ -4,6 +4,7 @@ runs covered the model is extrapolating (cp's per-chunk overheads at a few hundr
 GEMMs of a wide tp, many experts per rank), and the plan says so, shape by shape."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -13,6 +14,29 @@ REGION_PATH = Path(__file__).resolve().parent / "measured_region.yaml"
 WORDS = {"tokens_per_cp_rank": "tokens per context-parallel rank (sequence / cp)",
          "hidden_per_tp_rank": "hidden width per tensor-parallel rank (hidden / tp)",
          "experts_per_ep_rank": "routed experts per expert-parallel rank (experts / ep)"}
+
+
+SHAPE_DEGREES = {"tokens_per_cp_rank": "cp", "hidden_per_tp_rank": "tp", "experts_per_ep_rank": "ep"}
+
+
+@dataclass(frozen=True)
+class ShapeBound:
+    """A degree (user key) kept to where the per-rank shape it gives, `total // degree`, lies in [low, high]."""
+    degree: str
+    total: int
+    low: int
+    high: int
+
+    def allows(self, value: int) -> bool:
+        return self.low <= self.total // value <= self.high
+
+
+def measured_bounds(seq_len: int, hidden_size: int, num_experts: int) -> tuple[ShapeBound, ...]:
+    """The degrees' bounds that keep a layout inside what the published runs of the model's class measured."""
+    ranges = _region().get("MoE" if num_experts else "dense", {})
+    totals = {"tokens_per_cp_rank": seq_len, "hidden_per_tp_rank": hidden_size, "experts_per_ep_rank": num_experts}
+    return tuple(ShapeBound(degree, totals[name], *ranges[name]) for name, degree in SHAPE_DEGREES.items()
+                 if name in ranges and totals[name])
 
 
 def shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> dict[str, int]:

@@ -112,6 +112,10 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
             console.print("~ within the plan's band: the prediction cannot order it before the plan")
     for note in result.outside_measured:
         console.print(f"- {note}")
+    if result.inside_measured is not None:
+        inside = result.inside_measured
+        console.print(f"- the best plan inside the measured region: {inside.layout}, {inside.step_time_s:.3f} s, MFU "
+                      f"{inside.mfu:.1%} ({inside.loses})")
     for reason in result.reasons:
         console.print(f"- {reason}")
     for note in result.capture_notes:

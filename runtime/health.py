@@ -14,8 +14,10 @@ on every rank, and the step's policy (skip the batch, or stop) is applied on eve
   optimizer step uses it (or the job stops, `on_sdc`);
 * silent data corruption in memory: where parameters are replicated over the data-parallel ranks (ZeRO-0/1), a
   bit-exact fingerprint of each rank's parameters (their bytes summed as 64-bit integers) is compared
-  over the replicas every `sdc_every` steps after the optimizer step; a rank that disagrees with the
-  majority is named. Sharded parameters (FSDP2) have no replicas to compare, and that is said once.
+  over the replicas every `sdc_every` steps after the optimizer step (runtime/replica_check.py; in the driver's
+  step its all-gather is read after the next step's loss all-reduce, so that it waits for no one); a rank that
+  disagrees with the majority is named. Sharded parameters (FSDP2) have no replicas to compare, and that is said
+  once.
 
 The driver's `ParallelModel` runs them inside its step; a user's own loop calls them around its optimizer:
 

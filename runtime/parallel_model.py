@@ -48,11 +48,16 @@ class ParallelModel:
         self.on_gradients = None   # callback(ParallelModel) between backward and the optimizer step
         self.after_backward = None  # callback(ParallelModel) once gradients are complete (fault injection)
         self.after_step = None     # callback(ParallelModel) after the optimizer step (fault injection)
+        # the replica check's all-gather read in the next step, after its loss all-reduce (waiting for no one): for a
+        # caller that calls `settle()` after its last step, as the Trainer does; else each check is read at once
+        self.deferred_checks = False
         group = laid.dp_mesh().get_group()
         self.health = None if health is None else HealthMonitor(health, group, self.replicated, self.device)
+        blocks_alone = self.layout.tp == self.layout.cp == self.layout.ep == 1   # no collective inside a block
         self.stragglers = None if health is None or not health.straggler_every else StragglerMonitor(
             health.straggler_every, health.straggler_ratio, health.straggler_min_excess_s,
-            ComputeTimer(self.modules, self.device), group, self.device, self.health.report)
+            ComputeTimer(self.modules, self.device, whole_blocks=blocks_alone), group, self.device,
+            self.health.report)
         sharded_update = isinstance(self.optimizer, ZeroRedundancyOptimizer) or not self.replicated
         self.optimizer_check = OptimizerCheck(self.optimizer, group, health.optimizer_every, health.optimizer_samples) \
             if health and health.optimizer_every and sharded_update and laid.dp_mesh().size() > 1 else None
@@ -107,7 +112,8 @@ class ParallelModel:
             self._update()
             clock.mark("optimizer_s")
             if self.health:
-                self.health.check_replicas(self.step, self.params, stragglers=self.stragglers, deferred=True)
+                self.health.check_replicas(self.step, self.params, stragglers=self.stragglers,
+                                           deferred=self.deferred_checks)
         else:
             self.optimizer.zero_grad()   # the batch is skipped on every rank: no update, no optimizer step
         computed = self.stragglers.after_step(self.step) if self.stragglers else None

@@ -4,9 +4,11 @@ In synchronous training a slow rank makes every peer wait inside the collectives
 everywhere and says nothing about who is slow. What differs is the time each rank spends computing: the
 forward of its leaf modules that hold parameters (Linear, Embedding, norms, experts), timed from after the
 parallel wrappers' input hooks (TP's redistribution, registered first) to before their output hooks (ours is
-prepended), so collectives stay outside. FSDP2 gathers at the block boundary, outside the leaves. On a CPU
-the host clock times it; on an accelerator, device events recorded on the compute stream (read once a step,
-after the loss has synchronised it).
+prepended), so collectives stay outside. FSDP2 gathers at the block boundary, outside the leaves. Where no
+collective runs inside a block (no tensor, context or expert parallelism: data parallelism, FSDP2 and
+pipelining communicate at block and stage boundaries), whole blocks are timed instead of their leaves: the same
+compute, with a tenth of the hooks. On a CPU the host clock times it; on an accelerator, device events recorded
+on the compute stream (read once a step, after the loss has synchronised it).
 
 One step in every `every` is timed (the hooks cost a few percent of a toy step, so they are attached for
 that step only; a throttled or failing device is slow step after step) and its compute seconds are
@@ -29,11 +31,31 @@ def compute_leaves(modules: list[nn.Module]) -> list[nn.Module]:
             if not any(True for _ in leaf.children()) and any(True for _ in leaf.parameters(recurse=False))]
 
 
-class ComputeTimer:
-    """Seconds this rank spends in its leaf modules' forward, summed until read."""
+def compute_blocks(modules: list[nn.Module]) -> list[nn.Module]:
+    """The largest units of compute below the stage modules: each member of a ModuleList or ModuleDict (the
+    blocks), and the leaves holding parameters outside them (embedding, final norm, head)."""
+    units = []
 
-    def __init__(self, modules: list[nn.Module], device: torch.device):
-        self.device, self.leaves = device, compute_leaves(modules)
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                units.extend(block for block in child.children() if any(True for _ in block.parameters()))
+            elif any(True for _ in child.children()):
+                visit(child)
+            elif any(True for _ in child.parameters(recurse=False)):
+                units.append(child)
+    for module in modules:
+        visit(module)
+    return units
+
+
+class ComputeTimer:
+    """Seconds this rank spends in its compute modules' forward (leaves, or whole blocks where no collective runs
+    inside one), summed until read."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device, whole_blocks: bool = False):
+        self.device = device
+        self.leaves = compute_blocks(modules) if whole_blocks else compute_leaves(modules)
         self.events = device.type != "cpu"
         self.total_s = 0.0
         self.open: dict[int, object] = {}

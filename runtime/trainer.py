@@ -63,6 +63,7 @@ class Trainer:
         the same on every rank; `watchdog`: names a lost peer when a step's collective fails (None: the error
         propagates)."""
         self.parallel, self.batches, self.config, self.watchdog = parallel, batches, config, watchdog
+        parallel.deferred_checks = True   # settled after the last step (_run)
         self.rank = dist.get_rank()
         self.skip_steps = set(config.skip_steps)
         self.losses: dict[int, float] = {}   # each trained step's loss (a step trained again after a rollback: its last)

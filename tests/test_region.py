@@ -15,7 +15,8 @@ def test_shapes_are_the_layouts_per_rank_sizes():
 
 def test_llama3_405b_on_16384_h100_says_it_extrapolates_in_cp_and_tp():
     """The search's plan (cp32: 256 tokens of each sequence per rank; tp1: 16,384-wide GEMMs per rank) lies
-    outside every dense run measured; Meta's TP8 layout (2,048 per rank, cp1) does not."""
+    outside every dense run measured; Meta's TP8 layout (2,048 per rank, cp1) does not. The plan shows the
+    best plan inside the region beside it."""
     plan = planner.plan("llama3-405b", device="h100-sxm", num_devices=16384, global_batch=2048, seq_len=8192,
                         time_limit_s=120)
     said = " ".join(plan.outside_measured)
@@ -24,3 +25,8 @@ def test_llama3_405b_on_16384_h100_says_it_extrapolates_in_cp_and_tp():
     if plan.layout.tp < 4:
         assert "hidden width per tensor-parallel rank" in said
     assert not outside_notes(8192, 16384, 0, tp=8, cp=1, ep=1)
+    # beside it, the best plan inside the measured region: its shapes inside, and no faster than the plan
+    inside = plan.inside_measured
+    assert inside is not None and inside.step_time_s >= plan.step_time_s * (1 - 1e-9)
+    degrees = dict(item.split("=") for item in inside.layout.split(","))
+    assert not outside_notes(8192, 16384, 0, tp=int(degrees["tp"]), cp=int(degrees["cp"]), ep=int(degrees["ep"]))

@@ -170,6 +170,28 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
         assert changed
 
 
+def test_a_search_kept_to_shape_bounds_matches_the_enumeration_inside_them():
+    """The measured region's bounds (planner/region.py ShapeBound: tp, cp and ep kept where hidden / tp,
+    sequence / cp and experts / ep lie in a range) narrow the search to exactly the layouts of the independent
+    enumeration that keep them: its best plan is the best of those, and it never leaves them."""
+    from planner.region import ShapeBound
+    graph = capture(moe_model())
+    cluster = small_cluster(8, 16)
+    per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16)
+    bounds = (ShapeBound("tp", 2048, 1024, 2048), ShapeBound("ep", 8, 2, 8), ShapeBound("cp", 4096, 4096, 4096))
+    inside = [e for lay, e in per_layout.items()
+              if lay.tp in (1, 2) and lay.ep in (1, 2, 4) and lay.cp == 1]
+    assert inside and len(inside) < len(per_layout)
+    truth = min(inside, key=lambda e: e.step_time_s)
+    outcome = search(graph.costs(), cluster, 16, Pins(vp=1, shape_bounds=bounds), graph=graph, top_k=3,
+                     time_limit_s=120, recompute_choices=(Recompute.none,))
+    assert outcome.unexplored == 0
+    assert outcome.ranked[0].estimate.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
+    for solution in outcome.ranked:
+        lay = solution.estimate.layout
+        assert lay.tp in (1, 2) and lay.ep in (1, 2, 4) and lay.cp == 1
+
+
 def test_time_limit_without_a_plan_is_not_called_infeasible():
     with pytest.raises(InfeasibleError, match="time limit") as info:
         plan("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256, time_limit_s=0)

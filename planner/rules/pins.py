@@ -32,14 +32,19 @@ class DualPipeVRules:
 
 @dataclass(frozen=True)
 class _StackSpace:
-    """What the software stack runs, set by `rules.stack.stack_pins` (the search reads it with the pins)."""
+    """What the software stack runs, set by `rules.stack.stack_pins` (the search reads it with the pins), and the
+    per-rank shapes a search is kept to (the measured region: planner/region.py)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     dualpipev: DualPipeVRules | None = None       # its DualPipeV, None where it has none
     interleaved_schedule: bool = True             # whether it interleaves virtual stages
+    shape_bounds: tuple = ()                      # region.ShapeBound per degree kept inside a range; () none
 
     def allows(self, name: str, value) -> bool:
-        """Whether the search may give field `name` (a user key) this value: the pin's, or any the stack runs."""
+        """Whether the search may give field `name` (a user key) this value: the pin's, or any the stack runs,
+        inside the shape bounds."""
         if name == "zero" and value not in self.zero_stages:
+            return False
+        if any(bound.degree == name and not bound.allows(value) for bound in self.shape_bounds):
             return False
         pinned = getattr(self, name)
         return pinned is None or pinned == value
