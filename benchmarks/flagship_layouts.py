@@ -1,0 +1,99 @@
+"""The planner's plan beside the layout its builders published, part by part, with the error bands and the
+measured region, for the two flagship jobs issue 43 names: Llama 3.1 405B on 16,384 H100 (Meta) and DeepSeek-V3
+on 2,048 H800 (DeepSeek). Both through the plain path: `planner.plan` given the job, `planner.evaluate` given the
+published degrees; never fitted (neither run is in shared/validation).
+
+    .venv/bin/python benchmarks/flagship_layouts.py     # markdown, for docs/accuracy.md
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import planner  # noqa: E402
+
+PARTS = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pipeline_bubble_s", "pp_comm_s",
+         "dp_comm_s", "zero_comm_s", "optimizer_s", "host_s")
+
+
+@dataclass(frozen=True)
+class Flagship:
+    name: str
+    model: str
+    device: str
+    num_devices: int
+    global_batch: int
+    seq_len: int
+    precision: str
+    published: str          # the builders' degrees, as layout text
+    published_source: str
+    measured_step_s: float  # derived from the source's figure, as `measured_how` says
+    measured_how: str
+
+
+JOBS = (
+    Flagship("Llama 3.1 405B, 16,384 H100, 2,048 x 8K", "llama3-405b", "h100-sxm", 16384, 2048, 8192, "bf16",
+             "tp=8,cp=1,pp=16,dp=128",
+             "Llama 3 paper (arXiv 2407.21783) Table 4: TP 8, CP 1, PP 16, DP 128, 16 sequences of 8,192 per DP "
+             "rank, 400 TFLOPs/GPU (BF16)",
+             6.22, "6 N D / (400 TFLOP/s x 16,384): 405e9 parameters x 16.8M tokens; with attention FLOPs "
+                   "counted as well, about 4% more (6.48 s)"),
+    Flagship("DeepSeek-V3, 2,048 H800, 15,360 x 4K, FP8", "deepseek-v3", "h800", 2048, 15360, 4096, "fp8",
+             "tp=1,cp=1,pp=16,dp=128,ep=64,zero=1",
+             "DeepSeek-V3 report (arXiv 2412.19437) sections 3.2 and 3.3: PP 16, EP 64 over 8 nodes, ZeRO-1 data "
+             "parallelism, no TP, FP8 mixed precision, batch 15,360 x 4,096 after its ramp",
+             19.9, "upper bound: 180K H800 GPU-hours per trillion tokens (the report's cluster-wide figure, every "
+                   "overhead in it) at 62.9M tokens a step"),
+)
+
+
+def row(part: str, plan, published) -> str:
+    return f"| {part.removesuffix('_s').replace('_', ' ')} | {plan.breakdown.get(part, 0.0):.3f} | " \
+           f"{published.breakdown.get(part, 0.0):.3f} |"
+
+
+def band(result) -> str:
+    low, high = result.step_time_band_s or (float("nan"), float("nan"))
+    return f"{result.step_time_s:.2f} s ({low:.2f}-{high:.2f})"
+
+
+def report(job: Flagship) -> list[str]:
+    common = dict(device=job.device, num_devices=job.num_devices, global_batch=job.global_batch,
+                  seq_len=job.seq_len, precision=job.precision, time_limit_s=120)
+    plan = planner.plan(job.model, **common)
+    published = planner.evaluate(job.model, layout=job.published, **common)
+    inside = plan.inside_measured
+    lines = [f"### {job.name}", "",
+             f"Published: {job.published_source}. Measured: {job.measured_step_s:.2f} s a step ({job.measured_how}).",
+             "", "| | the plan | the published layout |", "|---|---|---|",
+             f"| layout | {plan.layout.tp} tp, {plan.layout.pp} pp x {plan.layout.vp}, "
+             f"{plan.layout.dp} dp, {plan.layout.cp} cp, {plan.layout.ep} ep, mbs {plan.layout.mbs}, ZeRO "
+             f"{plan.layout.zero}, {plan.layout.recompute} | {published.layout.tp} tp, {published.layout.pp} pp x "
+             f"{published.layout.vp}, {published.layout.dp} dp, {published.layout.cp} cp, {published.layout.ep} ep, "
+             f"mbs {published.layout.mbs}, ZeRO {published.layout.zero}, {published.layout.recompute} |",
+             f"| step, predicted (band) | {band(plan)} | {band(published)} |",
+             f"| MFU predicted | {plan.mfu:.1%} | {published.mfu:.1%} |",
+             *(row(part, plan, published) for part in PARTS
+               if plan.breakdown.get(part, 0.0) or published.breakdown.get(part, 0.0)),
+             f"| outside the measured region | {'; '.join(plan.outside_measured) or 'no'} | "
+             f"{'; '.join(published.outside_measured) or 'no'} |"]
+    if inside is not None:
+        lines.append(f"| the best plan inside the measured region | {inside.layout}: {inside.step_time_s:.2f} s "
+                     f"({inside.loses}) | |")
+    low, high = published.step_time_band_s or (0.0, 0.0)
+    lines += ["", f"The published layout's measured {job.measured_step_s:.2f} s is "
+              f"{'inside' if low <= job.measured_step_s <= high else 'outside'} its predicted band; the prediction "
+              f"is {published.step_time_s / job.measured_step_s - 1:+.1%} against it.", ""]
+    return lines
+
+
+def main() -> None:
+    for job in JOBS:
+        print("\n".join(report(job)))
+
+
+if __name__ == "__main__":
+    main()
