@@ -1,13 +1,15 @@
 """The planner's plan beside the layout its builders published, part by part, with the error bands and the
 measured region, for the two flagship jobs issue 43 names: Llama 3.1 405B on 16,384 H100 (Meta) and DeepSeek-V3
 on 2,048 H800 (DeepSeek). Both through the plain path: `planner.plan` given the job, `planner.evaluate` given the
-published degrees; never fitted (neither run is in shared/validation).
+published degrees; never fitted (neither run is in shared/validation). Writes docs/flagship-layouts.md.
 
-    .venv/bin/python benchmarks/flagship_layouts.py     # markdown, for docs/accuracy.md
+    .venv/bin/python benchmarks/flagship_layouts.py [--out docs/flagship-layouts.md]
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,7 @@ class Flagship:
     published_source: str
     measured_step_s: float  # derived from the source's figure, as `measured_how` says
     measured_how: str
+    ran: str                # what the builders' software did that a plain prediction does not state
 
 
 JOBS = (
@@ -40,13 +43,19 @@ JOBS = (
              "Llama 3 paper (arXiv 2407.21783) Table 4: TP 8, CP 1, PP 16, DP 128, 16 sequences of 8,192 per DP "
              "rank, 400 TFLOPs/GPU (BF16)",
              6.22, "6 N D / (400 TFLOP/s x 16,384): 405e9 parameters x 16.8M tokens; with attention FLOPs "
-                   "counted as well, about 4% more (6.48 s)"),
+                   "counted as well, about 4% more (6.48 s)",
+             "Meta's own framework (not public); predicted with Megatron-Core's stack"),
     Flagship("DeepSeek-V3, 2,048 H800, 15,360 x 4K, FP8", "deepseek-v3", "h800", 2048, 15360, 4096, "fp8",
              "tp=1,cp=1,pp=16,dp=128,ep=64,zero=1",
              "DeepSeek-V3 report (arXiv 2412.19437) sections 3.2 and 3.3: PP 16, EP 64 over 8 nodes, ZeRO-1 data "
              "parallelism, no TP, FP8 mixed precision, batch 15,360 x 4,096 after its ramp",
              19.9, "upper bound: 180K H800 GPU-hours per trillion tokens (the report's cluster-wide figure, every "
-                   "overhead in it) at 62.9M tokens a step"),
+                   "overhead in it) at 62.9M tokens a step",
+             "DualPipe (each micro-batch's expert all-to-alls hidden behind another's compute) and node-limited "
+             "routing with DeepEP's dispatch (each token sent to at most 4 nodes); through the plain path "
+             "Megatron-Core's stack bills its default `alltoall` dispatcher with nothing overlapping it, since its "
+             "stack file runs combined 1F1B only when a user turns it on and the dispatcher is the stack's, not a "
+             "plan field the search chooses (issue 43)"),
 )
 
 
@@ -66,8 +75,9 @@ def report(job: Flagship) -> list[str]:
     plan = planner.plan(job.model, **common)
     published = planner.evaluate(job.model, layout=job.published, **common)
     inside = plan.inside_measured
-    lines = [f"### {job.name}", "",
-             f"Published: {job.published_source}. Measured: {job.measured_step_s:.2f} s a step ({job.measured_how}).",
+    lines = [f"## {job.name}", "",
+             f"Published: {job.published_source}. Measured: {job.measured_step_s:.2f} s a step ({job.measured_how}). "
+             f"The builders ran: {job.ran}.",
              "", "| | the plan | the published layout |", "|---|---|---|",
              f"| layout | {plan.layout.tp} tp, {plan.layout.pp} pp x {plan.layout.vp}, "
              f"{plan.layout.dp} dp, {plan.layout.cp} cp, {plan.layout.ep} ep, mbs {plan.layout.mbs}, ZeRO "
@@ -84,15 +94,29 @@ def report(job: Flagship) -> list[str]:
         lines.append(f"| the best plan inside the measured region | {inside.layout}: {inside.step_time_s:.2f} s "
                      f"({inside.loses}) | |")
     low, high = published.step_time_band_s or (0.0, 0.0)
+    largest = max(PARTS, key=lambda part: published.breakdown.get(part, 0.0) if part != "compute_s" else 0.0)
     lines += ["", f"The published layout's measured {job.measured_step_s:.2f} s is "
               f"{'inside' if low <= job.measured_step_s <= high else 'outside'} its predicted band; the prediction "
-              f"is {published.step_time_s / job.measured_step_s - 1:+.1%} against it.", ""]
+              f"is {published.step_time_s / job.measured_step_s - 1:+.1%} against it. Its largest part beside "
+              f"compute: {largest.removesuffix('_s').replace('_', ' ')}, {published.breakdown.get(largest, 0.0):.2f} "
+              f"s of {published.step_time_s:.2f}.", ""]
     return lines
 
 
-def main() -> None:
-    for job in JOBS:
-        print("\n".join(report(job)))
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "flagship-layouts.md"))
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    body = [line for job in JOBS for line in report(job)]
+    header = ["# Two flagship jobs: the plan beside the builders' layouts", "",
+              f"Generated by `.venv/bin/python benchmarks/flagship_layouts.py` ({time.perf_counter() - started:.0f} s; "
+              "do not edit by hand). `planner.plan` given the job and `planner.evaluate` given the published degrees, "
+              "through the plain path (model, devices, batch, sequence, precision; Megatron-Core's stack); parts in "
+              "seconds a step; bands: the measured times a prediction of its class is consistent with "
+              "(planner/error_bands.py); the measured region: planner/region.py. Never fitted.", ""]
+    Path(args.out).write_text("\n".join(header + body) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
