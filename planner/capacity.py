@@ -75,6 +75,7 @@ class Row:
     placement: str = ""           # Cluster.placement_text of the point
     domain_change: str = ""       # said where this point's devices cross a scale-up domain boundary
     step_band_s: tuple[float, float] | None = None   # the plan's 90% band (Plan.step_time_band_s)
+    extrapolates: str = ""        # the plan's shapes outside the measured region, and the best plan inside it
 
     @property
     def days_band(self) -> tuple[float, float] | None:
@@ -128,7 +129,7 @@ class Report:
         head = ["point", "layout", "devices", "placement", "step s", "step s, 90% band", "MFU", "tokens/s", "days",
                 "days, 90% band", "device-hours",
                 "ETTR", "goodput", "interruptions/day", "ckpt every (min)"]
-        notes = [" ".join(filter(None, (r.note, r.domain_change))) for r in self.rows]
+        notes = [" ".join(filter(None, (r.note, r.domain_change, r.extrapolates))) for r in self.rows]
         if any(notes):   # a column only where some point has something to say
             head.append("note")
         rows = "".join(
@@ -219,8 +220,24 @@ def whatif_job(job: Job, key: str, points: list[str], budget: float, where: Clus
                         result.step_time_s, result.mfu, result.tokens_per_s, days,
                         days * 24 * point_cluster.num_devices, good.ettr, good.goodput, good.interruptions_per_day,
                         good.interval_s / 60, **placed,
-                        step_band_s=tuple(result.step_time_band_s) if result.step_time_band_s else None))
+                        step_band_s=tuple(result.step_time_band_s) if result.step_time_band_s else None,
+                        extrapolates=_extrapolation(result)))
     return Report(job.graph.name, key, budget, tuple(rows))
+
+
+def _extrapolation(result) -> str:
+    """What a point's plan says of the measured region (planner/region.py): its shapes outside it, and the best
+    plan a search found inside it; "" where the plan is inside."""
+    if not result.outside_measured:
+        return ""
+    shapes = "; ".join(note.split(": ", 1)[-1].split(", where")[0] for note in result.outside_measured)
+    inside = result.inside_measured
+    if inside is None:
+        return f"outside the measured region ({shapes}); no plan inside it found"
+    degrees = dict(item.split("=", 1) for item in inside.layout.split(","))
+    best = " ".join(f"{key}{degrees[key]}" for key in ("tp", "pp", "dp", "cp", "ep") if key in degrees)
+    return (f"outside the measured region ({shapes}); the best plan inside it: {best}, {inside.step_time_s:.2f} s "
+            f"({inside.step_time_s / result.step_time_s - 1:+.1%})")
 
 
 def _band_text(band, digits: int) -> str:

@@ -193,8 +193,8 @@ def show_whatif(console: Console, report) -> None:
         console.print(f"- left out at {console.width} columns: {', '.join(left_out)} (--json, --out or a wider "
                       "terminal shows them)")
     for r in report.rows:
-        if r.domain_change:
-            console.print(f"- {r.point}: {r.domain_change}")
+        for said in filter(None, (r.domain_change, r.extrapolates)):
+            console.print(f"- {r.point}: {said}")
 
 
 def token_text(tokens: float) -> str:

@@ -30,3 +30,14 @@ def test_llama3_405b_on_16384_h100_says_it_extrapolates_in_cp_and_tp():
     assert inside is not None and inside.step_time_s >= plan.step_time_s * (1 - 1e-9)
     degrees = dict(item.split("=") for item in inside.layout.split(","))
     assert not outside_notes(8192, 16384, 0, tp=int(degrees["tp"]), cp=int(degrees["cp"]), ep=int(degrees["ep"]))
+
+
+def test_a_whatif_point_says_where_its_plan_extrapolates_and_the_best_plan_inside():
+    """Each point of a sweep carries what its plan alone says: the shapes outside the measured region and the best
+    plan inside it, with its step time."""
+    report = planner.whatif("llama3-70b", device="h100-sxm", sweep="num-devices=64,1024", global_batch=1024)
+    for row in report.rows:
+        alone = planner.plan("llama3-70b", device="h100-sxm", num_devices=row.num_devices, global_batch=1024)
+        assert bool(row.extrapolates) == bool(alone.outside_measured)
+        if alone.inside_measured is not None:
+            assert f"{alone.inside_measured.step_time_s:.2f} s" in row.extrapolates
