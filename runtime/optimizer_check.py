@@ -51,6 +51,18 @@ class OptimizerCheck:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
+    def limit(self) -> str:
+        """What passes unseen, said once as a note: an error within ULPS units in the last place of an element,
+        and any element outside the sample."""
+        local = local_optimizer(self.optimizer)
+        dtypes = {_local(param).dtype for group in local.param_groups for param in group["params"]}
+        coarsest = max(dtypes, key=lambda dtype: torch.finfo(dtype).eps) if dtypes else torch.float32
+        sampled = f"{self.samples} elements of each owned tensor (one wrong element of a tensor of n is seen " \
+            f"with {self.samples}/n a check)" if self.samples else "every owned element"
+        return (f"optimizer updates checked every {self.every} steps by the next data-parallel rank, {sampled}: "
+                f"an error under {ULPS * torch.finfo(coarsest).eps:.2g} of an element ({ULPS} units in the last "
+                f"place, {str(coarsest).removeprefix('torch.')}) passes unseen")
+
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.forced_step) and self.size > 1
 

@@ -61,6 +61,8 @@ class ParallelModel:
         sharded_update = isinstance(self.optimizer, ZeroRedundancyOptimizer) or not self.replicated
         self.optimizer_check = OptimizerCheck(self.optimizer, group, health.optimizer_every, health.optimizer_samples) \
             if health and health.optimizer_every and sharded_update and laid.dp_mesh().size() > 1 else None
+        if self.optimizer_check:
+            self.notes.append(self.optimizer_check.limit())
         if self.health and not self.replicated and laid.dp_mesh().size() > 1:
             self.notes.append("the replica fingerprint (silent data corruption) is off: FSDP2 shards the "
                               "parameters, so no rank holds a replica to compare")

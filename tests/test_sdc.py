@@ -132,10 +132,15 @@ def assert_rolled_back(lines: list[str], reference: list[str], rank: int) -> Non
 def test_a_wrong_optimizer_update_is_named_and_rolled_back_on_two_ranks(tmp_path):
     cases = run(2, [{"name": "reference", "layout": "dp=2,zero=1", "skip_steps": "3"},
                     *optimizer_cases(tmp_path, {"zero1": "dp=2,zero=1", "zero3": "dp=2,zero=3"}, 1),
+                    {**optimizer_cases(tmp_path, {"below-limit": "dp=2,zero=1"}, 1)[0], "sdc_error": 1e-8},
                     {"name": "no-checkpoints", "layout": "dp=2,zero=1", "inject": "optsdc@3:0",
                      "optimizer_check_samples": 0, "optimizer_check_every": 1}], tmp_path, stops=True)
     assert_rolled_back(cases["zero1"], cases["reference"], 1)
     assert_rolled_back(cases["zero3"], cases["reference"], 1)
+    # an error of 1e-8 of the element passes unseen, below the limit the run states (8 units in the last place)
+    assert not [line for line in cases["below-limit"] if line.startswith("health: step")]
+    stated = next(line for line in cases["stderr"] if "optimizer updates checked every 1 steps" in line)
+    assert 1e-8 < float(stated.split("an error under ")[1].split()[0]) < 1e-5
     assert max(losses(cases["no-checkpoints"])) == 2   # stopped at the step whose update was wrong, saying why
     assert "error: step 3: a wrong optimizer update, and no checkpoints to roll back to (--checkpoint-dir, " \
            "--save-every): training stopped" in cases["stderr"]
