@@ -123,6 +123,7 @@ class Trainer:
             after = f"; {latest.name} stays the latest, training stopped" if isinstance(exc, CheckpointFailed) \
                 and latest else "; training stopped"
             self._say(f"error: {exc}{after}")
+            self.parallel.settle()   # every rank stops here alike: a replica check in flight is read first
             return CHECKPOINT_ERROR
         finally:
             if self.telemetry:
@@ -146,16 +147,16 @@ class Trainer:
                 loss = self._train(step)
             except (Rollback, Exclude) as found:
                 if isinstance(found, Exclude) and not self._exclude(found):
-                    return STOPPED   # no node left to go on with
+                    return self._stopped()   # no node left to go on with
                 if self.checkpointer is None:   # nothing to undo the update with
                     self._say(f"error: step {found.step}: {found.reason}, and no checkpoints to roll back to "
                               "(--checkpoint-dir, --save-every): training stopped")
-                    return STOPPED
+                    return self._stopped()
                 step = self.roll_back(found.step)
                 continue
             except HealthStop as exc:
                 print(f"error (rank {self.rank}): stopped by the health policy: {exc}", file=sys.stderr, flush=True)
-                return STOPPED
+                return self._stopped()
             step_s = time.perf_counter() - started
             self.losses[step] = loss
             if self.rank == 0:
@@ -202,6 +203,12 @@ class Trainer:
                 raise
             self.watchdog.fail(step, exc)   # names the ranks lost and ends this process
             raise
+
+    def _stopped(self) -> int:
+        """STOPPED, after the replica check still in flight is read (every rank stops at the same step: the health
+        policy's findings are the job's), so that no collective is left pending as the process ends."""
+        self.parallel.settle()
+        return STOPPED
 
     def _exclude(self, found: Exclude) -> bool:
         """The suspected node leaves (this process ends) or, its self-test passed and no finding before, is kept:

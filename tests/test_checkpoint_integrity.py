@@ -137,9 +137,11 @@ def test_a_full_disk_on_one_rank_is_named_and_training_stops_at_that_save(refere
     directory = tmp_path / "ckpt"
     extra = ("--async-save",) if asynchronous else ()
     layout = ("--layout", "dp=2,zero=1")
+    # a replica check every step: one is in flight (read in the next step) wherever the job stops
     proc = launch(2, *ARGS, *layout, *extra, "--steps", "8", "--checkpoint-dir", str(directory),
-                  "--inject", "diskfull@4:1", check=False)
+                  "--inject", "diskfull@4:1", "--sdc-every", "1", check=False)
     assert proc.returncode != 0
+    assert "exitcode: 5" in proc.stderr and "terminate called" not in proc.stderr, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and "step-000004 failed: rank 1: OSError: [Errno 28] No space left on device" in errors[0] \
         and "step-000002 stays the latest" in errors[0], proc.stderr[-2000:]
