@@ -164,8 +164,7 @@ class HealthMonitor:
 
     def injected_defect(self, step: int) -> GemmFault | None:
         """An injected defect of this device at `step`, which its self-test meets too (none: a real device's)."""
-        fault = self.gemm_fault.at(step) if self.gemm_fault and self.gemm_fault.lasting else None
-        return fault
+        return self.gemm_fault.at(step) if self.gemm_fault and self.gemm_fault.lasting else None
 
     def wrong_product_flag(self) -> torch.Tensor:
         """1 where this rank's last watched step had a wrong product, else 0 (rides the loss's all-reduce)."""
