@@ -93,7 +93,7 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
                 pins: Pins, precision: str, stack: SoftwareStack, pins_field: str = "--fix") -> InfeasibleError:
     capacity = usable_bytes(cluster.device)
     need = outcome.smallest_memory_need
-    if outcome.unexplored and need <= capacity:
+    if outcome.unexplored and (need <= capacity or need == float("inf")):   # inf: cut before any was sized
         return InfeasibleError(f"the search reached its time limit after {outcome.wall_s:.0f} s with "
                                f"{outcome.unexplored} of {outcome.candidates} candidate layouts unexplored and "
                                f"no plan found yet for {graph.name} on {cluster.num_devices} x {cluster.device.name}",

@@ -62,3 +62,20 @@ def test_a_limit_too_short_for_any_plan_says_why_in_time(monkeypatch, limit_s, l
         api.plan("kimi-k2", **KIMI, time_limit_s=limit_s)
     assert refused.value.field == "--time-limit"
     assert clock.now - start <= limit_s + 1.0
+
+
+def test_a_search_cut_before_any_layout_was_sized_says_time_limit_not_that_none_divides():
+    """Time left after capture but none to size a candidate (a busy machine, a short --time-limit): every
+    candidate unexplored and no memory need known; the paragraph names --time-limit, not the layout (the
+    70B on 1,024 H100 has 39,932 candidates that divide)."""
+    from hardware_profiles import cluster_from_device
+    from hardware_profiles.loader import load_stack
+    from planner.graph_capture.model_capture import capture
+    from planner.rules.pins import Pins
+    graph = capture("llama3-70b", 8192)
+    cluster = cluster_from_device("h100-sxm", 1024)
+    outcome = branch_and_bound.search(graph.costs_record, cluster, 1024, Pins(), "bf16", 0.0, 1, stack=load_stack(),
+                                      graph=graph)
+    assert outcome.candidates > 0 and outcome.unexplored == outcome.candidates and not outcome.ranked
+    refused = api._infeasible(graph, cluster, 1024, outcome, Pins(), "bf16", load_stack())
+    assert refused.field == "--time-limit" and "reached its time limit" in str(refused)
