@@ -7,12 +7,13 @@ from pathlib import Path
 
 from hardware_profiles.errors import UserInputError, clip
 
-from cost_models.layout_codec import parse_values
+from cost_models.layout_codec import parse_text, parse_values
 
 from .api import InfeasibleError, check_time_limit, pin_values, plan_job
 from .goodput_report import plan_goodput
 from .views import token_text
 from .job import Job, job_of, resolve_cluster
+from .region import outside_shapes
 
 SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -221,20 +222,22 @@ def whatif_job(job: Job, key: str, points: list[str], budget: float, where: Clus
                         days * 24 * point_cluster.num_devices, good.ettr, good.goodput, good.interruptions_per_day,
                         good.interval_s / 60, **placed,
                         step_band_s=tuple(result.step_time_band_s) if result.step_time_band_s else None,
-                        extrapolates=_extrapolation(result)))
+                        extrapolates=_extrapolation(result, point.graph)))
     return Report(job.graph.name, key, budget, tuple(rows))
 
 
-def _extrapolation(result) -> str:
+def _extrapolation(result, graph) -> str:
     """What a point's plan says of the measured region (planner/region.py): its shapes outside it, and the best
     plan a search found inside it; "" where the plan is inside."""
-    if not result.outside_measured:
+    lay = result.layout
+    outside = outside_shapes(graph.seq_len, graph.hidden_size, graph.num_experts, lay.tp, lay.cp, lay.ep)
+    if not outside:
         return ""
-    shapes = "; ".join(note.split(": ", 1)[-1].split(", where")[0] for note in result.outside_measured)
+    shapes = "; ".join(shape.words for shape in outside)
     inside = result.inside_measured
     if inside is None:
         return f"outside the measured region ({shapes}); no plan inside it found"
-    degrees = dict(item.split("=", 1) for item in inside.layout.split(","))
+    degrees = parse_text(inside.layout)
     best = " ".join(f"{key}{degrees[key]}" for key in ("tp", "pp", "dp", "cp", "ep") if key in degrees)
     return (f"outside the measured region ({shapes}); the best plan inside it: {best}, {inside.step_time_s:.2f} s "
             f"({inside.step_time_s / result.step_time_s - 1:+.1%})")

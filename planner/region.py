@@ -54,16 +54,31 @@ def _region() -> dict:
     return parse_yaml(read_bounded_text(REGION_PATH, "measured-region table", 1 << 16), str(REGION_PATH)) or {}
 
 
+@dataclass(frozen=True)
+class OutsideShape:
+    """A per-rank shape of a layout outside the range the published runs of its class measured."""
+    name: str      # a key of WORDS
+    value: int
+    low: int
+    high: int
+
+    @property
+    def words(self) -> str:
+        return f"{self.value:,} {WORDS[self.name]}"
+
+
+def outside_shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> list[OutsideShape]:
+    """The layout's per-rank shapes outside what the published runs of the model's class measured."""
+    ranges = _region().get("MoE" if num_experts else "dense", {})
+    return [OutsideShape(name, value, *ranges[name])
+            for name, value in shapes(seq_len, hidden_size, num_experts, tp, cp, ep).items()
+            if name in ranges and not ranges[name][0] <= value <= ranges[name][1]]
+
+
 def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> list[str]:
     """One line per shape outside what the published runs of the model's class measured."""
     kind = "MoE" if num_experts else "dense"
-    ranges = _region().get(kind, {})
-    notes = []
-    for name, value in shapes(seq_len, hidden_size, num_experts, tp, cp, ep).items():
-        if name not in ranges:
-            continue
-        low, high = ranges[name]
-        if not low <= value <= high:
-            notes.append(f"outside the measured region: {value:,} {WORDS[name]}, where the {ranges['runs']} "
-                         f"published {kind} runs measured {low:,} to {high:,}; the prediction extrapolates there")
-    return notes
+    runs = _region().get(kind, {}).get("runs")
+    return [f"outside the measured region: {shape.words}, where the {runs} published {kind} runs measured "
+            f"{shape.low:,} to {shape.high:,}; the prediction extrapolates there"
+            for shape in outside_shapes(seq_len, hidden_size, num_experts, tp, cp, ep)]

@@ -1,8 +1,10 @@
 """The mesh a plan runs on: checked by the rulebook on every rank before any collective, then built."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from cost_models.layout import Layout
 from planner.rules.runtime import runtime_problems
@@ -10,6 +12,12 @@ from planner.rules.runtime import runtime_problems
 
 class PlanError(ValueError):
     """A plan that cannot run on this world: raised on every rank before any collective."""
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is (isinstance: hasattr costs a raised error per plain
+    tensor, on paths that run every step)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def error_line(error: BaseException, limit: int = 200) -> str:

@@ -42,7 +42,11 @@ class Exclude(RuntimeError):
     def __init__(self, step: int, ranks: list[int], what: str):
         super().__init__(f"{what} at step {step} on rank{'s' if len(ranks) > 1 else ''} "
                          f"{', '.join(map(str, ranks))}")
-        self.step, self.ranks, self.what, self.reason = step, ranks, what, what
+        self.step, self.ranks, self.what = step, ranks, what
+
+    @property
+    def reason(self) -> str:   # what Rollback calls it: the Trainer handles both alike
+        return self.what
 
 
 def self_test(device: torch.device, fault=None) -> bool:

@@ -22,6 +22,8 @@ from planner.graph_capture.expert_structure import indexed_experts
 from planner.graph_capture.graph_analysis import routed_experts
 from planner.graph_capture.reference_model import activate
 
+from .dims import local_shard
+
 
 def expert_meshes(world: DeviceMesh, ep: int, etp: int = 1) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
     """Split the dp dim of the world mesh into (edp, ep), ep innermost: ep ranks are neighbours in dp.
@@ -167,7 +169,7 @@ def finish_expert_grads(params: list[nn.Parameter], edp_mesh: DeviceMesh, dp_tot
     for param in params:
         if param.grad is None:
             continue
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad = local_shard(param.grad)
         if edp_mesh.size() > 1:
             dist.all_reduce(grad, group=edp_mesh.get_group())
         grad.div_(dp_total)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dims import local_shard
 from .stragglers import compute_leaves
 
 KINDS = ("stop", "kill", "node", "nan", "spike", "bitflip", "slow", "sdc", "defect", "optsdc", "diskfull",
@@ -98,14 +99,14 @@ def install(injection: Injection | None, parallel, rank: int) -> None:
         def poison(pm):
             if pm.step == injection.step:
                 grad = next(p.grad for p in pm.params if p.grad is not None)
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                local = local_shard(grad)
                 local.view(-1)[0] = float("nan")
         parallel.after_backward = poison
     elif injection.kind == "bitflip":
         def flip(pm):
             if pm.step == injection.step:
                 param = pm.params[0].detach()
-                local = param.to_local() if hasattr(param, "to_local") else param
+                local = local_shard(param)
                 bits = local.view(-1)[:1].view(torch.int32)
                 bits.bitwise_xor_(FLIPPED_BIT)
         parallel.after_step = flip

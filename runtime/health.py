@@ -44,7 +44,8 @@ from cost_models.reliability import Recovery   # the settings the goodput model 
 
 from .exclusion import Exclude
 from .gemm_check import GemmCheck, GemmFault, GemmVerdict
-from .replica_check import ReplicaCheck, _local, fingerprint  # noqa: F401 (fingerprint: part of this API)
+from .dims import local_shard
+from .replica_check import ReplicaCheck
 from .stragglers import StragglerMonitor
 
 MAD_TO_SIGMA = 1.4826   # median absolute deviation of a normal distribution, as a standard deviation
@@ -212,7 +213,7 @@ class HealthMonitor:
             self.found, self.unit = torch.zeros((), device=loss.device), torch.ones((), device=loss.device)
         self.found.zero_()
         # the loss among them: its own storage, multiplied in place by exactly 1 (the kernel unscales)
-        checked = [_local(g) for g in gradients] + [loss.detach().float().reshape(1)]
+        checked = [local_shard(g) for g in gradients] + [loss.detach().float().reshape(1)]
         torch._amp_foreach_non_finite_check_and_unscale_(checked, self.found, self.unit)
         return self.found
 

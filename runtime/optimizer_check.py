@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from .dims import local_shard
+
 ULPS = 8   # units in the last place a recomputed parameter may differ by (foreach and fused kernels round apart)
 
 
@@ -39,10 +41,6 @@ def local_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 class OptimizerCheck:
     def __init__(self, optimizer, group, every: int = 1, samples: int = 16):
         self.optimizer, self.group, self.every, self.samples = optimizer, group, every, samples
@@ -55,7 +53,7 @@ class OptimizerCheck:
         """What passes unseen, said once as a note: an error within ULPS units in the last place of an element,
         and any element outside the sample."""
         local = local_optimizer(self.optimizer)
-        dtypes = {_local(param).dtype for group in local.param_groups for param in group["params"]}
+        dtypes = {local_shard(param).dtype for group in local.param_groups for param in group["params"]}
         coarsest = max(dtypes, key=lambda dtype: torch.finfo(dtype).eps) if dtypes else torch.float32
         sampled = f"{self.samples} elements of each owned tensor (one wrong element of a tensor of n is seen " \
             f"with {self.samples}/n a check)" if self.samples else "every owned element"
@@ -69,7 +67,7 @@ class OptimizerCheck:
     def owned(self) -> list[tuple[int, torch.nn.Parameter]]:
         local = local_optimizer(self.optimizer)
         return [(index, param) for index, group in enumerate(local.param_groups) for param in group["params"]
-                if param.grad is not None and _local(param).numel()]
+                if param.grad is not None and local_shard(param).numel()]
 
     def _indices(self, step: int, numel: int) -> torch.Tensor:
         if not self.samples or numel <= self.samples:
@@ -79,12 +77,12 @@ class OptimizerCheck:
 
     def _take(self, param, indices) -> dict[str, torch.Tensor]:
         """The sampled elements of a parameter, its gradient and its per-element state, on the CPU."""
-        taken = {"param": _local(param.detach()).reshape(-1)[indices].cpu().clone()}
+        taken = {"param": local_shard(param.detach()).reshape(-1)[indices].cpu().clone()}
         if param.grad is not None:
-            taken["grad"] = _local(param.grad).reshape(-1)[indices].cpu().clone()
+            taken["grad"] = local_shard(param.grad).reshape(-1)[indices].cpu().clone()
         for key, value in local_optimizer(self.optimizer).state.get(param, {}).items():
-            value = _local(value)
-            if torch.is_tensor(value) and value.numel() == _local(param).numel():
+            value = local_shard(value)
+            if torch.is_tensor(value) and value.numel() == local_shard(param).numel():
                 taken[key] = value.reshape(-1)[indices].cpu().clone()
             elif torch.is_tensor(value):
                 taken[key] = value.detach().cpu().clone()   # a per-tensor scalar (AdamW's step)
@@ -97,7 +95,7 @@ class OptimizerCheck:
         verdict: list[int] = []
         due = self.due(step)
         owned = self.owned() if due else []
-        indices = [self._indices(step, _local(param).numel()) for _, param in owned]
+        indices = [self._indices(step, local_shard(param).numel()) for _, param in owned]
         before = [self._take(param, index) for (_, param), index in zip(owned, indices)]
         with self._faulty(step):
             yield verdict
@@ -116,7 +114,7 @@ class OptimizerCheck:
 
         def wrong_step(*args, **kwargs):
             result = original(*args, **kwargs)
-            param = _local(self.owned()[0][1].detach()).reshape(-1)
+            param = local_shard(self.owned()[0][1].detach()).reshape(-1)
             with torch.no_grad():
                 param[param.numel() // 2] *= 1 + self.fault.relative_error
             return result

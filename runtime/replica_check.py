@@ -18,16 +18,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from .dims import local_shard
 from .stragglers import StragglerMonitor
 
 INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
                 torch.float64: torch.int64}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor   # (hasattr costs a raised error a tensor)
 
 
 def fingerprint(parameters: list[torch.Tensor]) -> int:
@@ -37,7 +33,7 @@ def fingerprint(parameters: list[torch.Tensor]) -> int:
     total = 0
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for param in parameters:
-        local = _local(param.detach())
+        local = local_shard(param.detach())
         by_dtype.setdefault(local.dtype, []).append(local.reshape(-1))
     for flat in (torch.cat(views) for views in by_dtype.values()):
         words = flat.view(torch.int64) if flat.numel() * flat.element_size() % 8 == 0 \

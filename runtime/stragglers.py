@@ -55,7 +55,7 @@ class ComputeTimer:
 
     def __init__(self, modules: list[nn.Module], device: torch.device, whole_blocks: bool = False):
         self.device = device
-        self.leaves = compute_blocks(modules) if whole_blocks else compute_leaves(modules)
+        self.units = compute_blocks(modules) if whole_blocks else compute_leaves(modules)
         self.events = device.type != "cpu"
         self.total_s = 0.0
         self.open: dict[int, object] = {}
@@ -65,7 +65,7 @@ class ComputeTimer:
     def arm(self) -> None:
         """Time the leaves from now on: starting after the hooks already there (TP's input redistribution),
         stopping before theirs (TP's output redistribution)."""
-        for leaf in self.leaves:
+        for leaf in self.units:
             self.handles.append(leaf.register_forward_pre_hook(self._start))   # after TP's input redistribution
             self.handles.append(leaf.register_forward_hook(self._stop, prepend=True))
 

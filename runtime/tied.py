@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dims import PlanError
+from .dims import PlanError, local_shard
 
 
 def tied_names(model: nn.Module) -> list[tuple[str, ...]]:
@@ -111,4 +111,4 @@ class StageTies:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
-                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
+                dist.all_reduce(local_shard(grad), group=self.group)

@@ -383,7 +383,8 @@ def test_the_fingerprint_changes_with_any_single_flipped_bit_and_the_flag_with_a
     The non-finite flag is raised by one NaN or Inf anywhere (gradients or loss) and leaves values as they were."""
     import torch
 
-    from runtime.health import HealthMonitor, fingerprint
+    from runtime.health import HealthMonitor
+    from runtime.replica_check import fingerprint
     generator = torch.Generator().manual_seed(0)
     for dtype, words in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
         params = [torch.randn(shape, generator=generator).to(dtype) for shape in ((7, 3), (5,), (1,))]
