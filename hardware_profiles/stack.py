@@ -114,7 +114,10 @@ class SoftwareStack(Strict):
     # recomputes act(gate) in backward, so the product does not store it (Megatron-Core's bias_swiglu_impl)
     fused_gated_activation: bool = False
     tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
-    moe_a2a_overlap: bool                    # MoE all-to-alls beside another micro-batch's compute
+    # the stack can run Megatron's combined 1F1B (MoE all-to-alls beside another micro-batch's compute): whether
+    # a plan runs it is the search's choice per layout (Layout.moe_a2a_overlap), and evaluate's where a layout
+    # leaves it out; the exports write the flags where a plan runs it
+    moe_a2a_overlap: bool
     # MoE token dispatcher: a plain all-to-all (one copy per chosen expert), or DeepEP's deduplicated one
     # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
     # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
@@ -299,8 +302,10 @@ class SoftwareStack(Strict):
         return layout.dualpipev and self.dualpipev_hides_moe_a2a and layout.ep > 1
 
     def pairs_moe_a2a(self, layout) -> bool:
-        """The layout is one where the stack's combined 1F1B can pair MoE passes (the search's choice)."""
-        return self.moe_a2a_overlap and layout.ep > 1 and layout.pairs_passes_across_micro_batches
+        """The layout is one where the stack's combined 1F1B can pair MoE passes (the search's choice); not with
+        the allgather dispatcher, which Megatron-Core's TransformerConfig refuses beside it."""
+        return (self.moe_a2a_overlap and self.moe_dispatcher != "allgather" and layout.ep > 1
+                and layout.pairs_passes_across_micro_batches)
 
     def summary(self) -> str:
         """One line for plan output: the stack and what it changes in the prediction."""

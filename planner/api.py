@@ -27,7 +27,7 @@ from .search.tree import SearchOutcome
 from .rules.device import check_device_for
 from .rules.layout import layout_problems, pin_problems
 from .rules.pins import Pins
-from .rules.stack import (layout_stack_problems, module_choices, recompute_choices, stack_pins, stack_problems,
+from .rules.stack import (a2a_overlap_refusal, layout_stack_problems, module_choices, recompute_choices, stack_pins, stack_problems,
                           uniform_recompute)
 
 
@@ -295,8 +295,19 @@ def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, de
     if not set(FULL_KEYS) <= set(layout):  # search the rest with these pinned
         return plan_job(job, time_limit_s, pins_field="--layout", deadline=deadline)
     given = {key: value for key, value in layout.items() if key not in ("precision", "gbs")}
-    return predict(job, layout_from(stack_defaults(given, job.stack), global_batch=job.global_batch,
-                                    precision=job.precision))
+    plans = [predict(job, layout_from(stack_defaults(choice, job.stack), global_batch=job.global_batch,
+                                      precision=job.precision)) for choice in settings_left_out(given, job)]
+    # the settings the layout leaves out, as the search chooses them: the faster plan that fits
+    return min(plans, key=lambda p: (not p.fits, p.step_time_s))
+
+
+def settings_left_out(given: dict, job: Job) -> list[dict]:
+    """A whole layout's values with each searched setting it leaves out taken every way the stack can run it
+    for this model (combined 1F1B on and off where the stack has it); the stack's default for the rest."""
+    if "a2a_overlap" in given or not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.stack,
+                                                                                        job.graph):
+        return [{**given, "a2a_overlap": False}] if "a2a_overlap" not in given else [given]
+    return [{**given, "a2a_overlap": on} for on in (False, True)]
 
 
 def layout_values(layout) -> dict:

@@ -202,8 +202,10 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
     def evaluate(pp, dp, flag="", rc="selective"):
         return json.loads(run_here(args.format(pp=pp, dp=dp, rc=rc) + flag, capsys, monkeypatch))
 
-    plain, overlapped = evaluate(1, 16), evaluate(1, 16, " --moe-a2a-overlap")
+    plain, overlapped = evaluate(1, 16, rc="selective,a2a_overlap=false"), evaluate(1, 16, " --moe-a2a-overlap")
     assert plain["breakdown"]["ep_comm_s"] > 0 and overlapped["layout"]["moe_a2a_overlap"] is True
+    # Megatron-Core can run it (off by default): a whole layout that leaves it out takes the faster of the two
+    assert evaluate(1, 16) == overlapped and overlapped["step_time_s"] < plain["step_time_s"]
     # without a pipeline the next micro-batch's forward runs beside this one's backward: two held, not one
     # (Megatron-Core combined_1f1b_schedule_for_no_pipelining)
     assert overlapped["memory"][0]["parts"]["activations"] == pytest.approx(

@@ -11,6 +11,7 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_stacks, load_stack
 from planner import api
 from planner.graph_capture.model_capture import capture
+from planner.graph_capture.model_sources import resolve_model
 from planner.plans import Plan
 from planner.rules.pins import pins_from
 from planner.rules.stack import layout_stack_problems, stack_problems
@@ -55,9 +56,10 @@ def test_a_layout_the_stack_cannot_run_is_refused_with_the_rule():
     proc = run("evaluate --model llama3-8b --device h100-sxm --num-devices 8 --global-batch 64 --stack mindspeed "
                "--precision fp8 --layout tp=1,pp=1,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=none")
     assert proc.returncode == 2 and "no FP8 training" in proc.stderr and "Traceback" not in proc.stderr
-    # combined 1F1B: only where the stack runs it (the runtime's stack does not: its refusal is this rule)
+    # combined 1F1B: only where the stack runs it (Megatron-Core 0.12 under NeMo 2 has none; the runtime's stack
+    # neither: its refusal is this rule)
     with pytest.raises(UserInputError, match="no combined 1F1B"):
-        api.evaluate("mixtral-8x7b", device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core",
+        api.evaluate("mixtral-8x7b", device="h100-sxm", num_devices=16, global_batch=64, stack="nemo-2",
                      layout="tp=1,pp=1,dp=16,cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap=true")
     runtime_layout = Layout(dp=2, ep=2, global_batch=4, moe_a2a_overlap=True)
     assert any("no combined 1F1B" in p for p in layout_stack_problems(runtime_layout, load_stack("parallel-planner")))
@@ -449,3 +451,23 @@ def test_the_shared_expert_overlap_runs_with_the_dispatchers_megatron_core_runs_
                         layout="tp=1,pp=1,vp=1,dp=16,cp=1,ep=16,etp=1,mbs=1,zero=1,recompute=none")
     assert plan.layout.moe_shared_expert_overlap and "--moe-shared-expert-overlap" in megatron_args(plan)[0]
     assert any("SMs while the shared experts run beside them" in r for r in plan.reasons)
+
+
+def test_combined_1f1b_beside_multi_token_prediction_as_megatron_core_allows_it():
+    """Megatron-Core's TransformerConfig refuses --overlap-moe-expert-parallel-comm beside a multi-token
+    prediction module without a pipeline (and beside more than one module): pinned there it is refused with the
+    rule; left out, neither evaluate nor the search runs it; with pp 2 and virtual stages it may run.
+    (tests/test_exports_megatron.py builds Megatron-Core's own config from such plans.)"""
+    mtp = resolve_model("mixtral-8x7b").model_copy(update={"mtp_layers": 1, "num_layers": 8})
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core", time_limit_s=60)
+    whole = "tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp={vp},mbs=1,zero=1,recompute=none"
+    with pytest.raises(UserInputError, match="multi-token prediction module.*only with pp > 1"):
+        api.evaluate(mtp, layout=whole.format(pp=1, dp=16, vp=1) + ",a2a_overlap=true", **common)
+    assert api.evaluate(mtp, layout=whole.format(pp=1, dp=16, vp=1), **common).layout.moe_a2a_overlap is False
+    assert api.plan(mtp, pp=1, ep=8, **common).layout.moe_a2a_overlap is False
+    piped = whole.format(pp=2, dp=8, vp=2)
+    on, off = (api.evaluate(mtp, layout=f"{piped},a2a_overlap={flag}", **common) for flag in ("true", "false"))
+    assert on.layout.moe_a2a_overlap is True and off.layout.moe_a2a_overlap is False
+    two = mtp.model_copy(update={"mtp_layers": 2})
+    with pytest.raises(UserInputError, match="beside one at most"):
+        api.evaluate(two, layout=f"{piped},a2a_overlap=true", **common)

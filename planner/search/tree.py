@@ -20,6 +20,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from ..rules.pins import Pins
+from ..rules.stack import a2a_overlap_refusal
 from .partition import PartitionResult
 from .space import MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices
 
@@ -170,7 +171,8 @@ class TreeShape:
         p = self.problem
         if not p.stack.moe_a2a_overlap or placement[1] == 1:   # the common case, without building a layout
             return (False,)
-        if not p.stack.pairs_moe_a2a(replace(node, placement=placement).layout(p)):
+        if not p.stack.pairs_moe_a2a(replace(node, placement=placement).layout(p)) \
+                or a2a_overlap_refusal(node.shape.pp, p.stack, p.graph):
             return (False,)
         return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
 
