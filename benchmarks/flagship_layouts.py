@@ -53,9 +53,11 @@ JOBS = (
                    "overhead in it) at 62.9M tokens a step",
              "DualPipe (each micro-batch's expert all-to-alls hidden behind another's compute) and node-limited "
              "routing with DeepEP's dispatch (each token sent to at most 4 nodes); through the plain path "
-             "Megatron-Core's stack bills its default `alltoall` dispatcher with nothing overlapping it, since its "
-             "stack file runs combined 1F1B only when a user turns it on and the dispatcher is the stack's, not a "
-             "plan field the search chooses (issue 43)"),
+             "Megatron-Core's stack bills its default `alltoall` dispatcher (the dispatcher is the stack's, not yet "
+             "a plan field the search chooses: issue 43) with nothing overlapping it: Megatron-Core pairs passes "
+             "(combined 1F1B, which the search weighs where the stack can run it) only with virtual stages or "
+             "without a pipeline, and the published PP 16 has no virtual stages; DualPipe is not a Megatron-Core "
+             "schedule"),
 )
 
 
