@@ -12,7 +12,7 @@ from .layout_choices import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, MODULE_I
 from .layout_domains import (Choice, Count, LayoutField, MeshOrder, ModuleSet, StageCounts, Switch, ZeroStage,
                              declare)
 
-__all__ = ["Layout", "first_blocks_of_each_chunk", "DEFAULT_RECOMPUTE_MODULES", "MEGATRON_ORDER", "MODULE_INDEX",
+__all__ = ["Layout", "first_blocks_of_each_chunk", "passes_pair_across_micro_batches", "DEFAULT_RECOMPUTE_MODULES", "MEGATRON_ORDER", "MODULE_INDEX",
            "Fp8Recipe", "GradReduce", "Precision", "Recompute", "RecomputeModule", "Schedule", "TextEnum",
            "nested_modules"]
 
@@ -96,8 +96,7 @@ class Layout:
 
     @property
     def pairs_passes_across_micro_batches(self) -> bool:
-        """Megatron's combined 1F1B (MoE A2A overlap) runs without a pipeline or with virtual stages."""
-        return (self.pp == 1 or self.vp > 1) and not self.dualpipev
+        return passes_pair_across_micro_batches(self.pp, self.vp, self.dualpipev)
 
     @property
     def num_micro_batches(self) -> int:
@@ -152,6 +151,11 @@ class Layout:
 _CHOICE_ATTRIBUTES = tuple((item.name, item.metadata["layout"].domain.kind) for item in fields(Layout)
                            if "layout" in item.metadata and isinstance(item.metadata["layout"].domain, Choice)
                            and item.metadata["layout"].reads is None)
+
+
+def passes_pair_across_micro_batches(pp: int, vp: int, dualpipev: bool) -> bool:
+    """Megatron's combined 1F1B (MoE A2A overlap) runs without a pipeline or with virtual stages."""
+    return (pp == 1 or vp > 1) and not dualpipev
 
 
 def first_blocks_of_each_chunk(stage_layers: tuple[int, ...], count: int) -> tuple[Recompute, ...]:

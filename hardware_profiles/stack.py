@@ -304,8 +304,11 @@ class SoftwareStack(Strict):
     def pairs_moe_a2a(self, layout) -> bool:
         """The layout is one where the stack's combined 1F1B can pair MoE passes (the search's choice); not with
         the allgather dispatcher, which Megatron-Core's TransformerConfig refuses beside it."""
-        return (self.moe_a2a_overlap and self.moe_dispatcher != "allgather" and layout.ep > 1
-                and layout.pairs_passes_across_micro_batches)
+        return self.pairs_moe_passes(layout.ep, layout.pairs_passes_across_micro_batches)
+
+    def pairs_moe_passes(self, ep: int, passes_pair: bool) -> bool:
+        """`pairs_moe_a2a` of a layout with expert degree `ep` whose schedule pairs passes or not."""
+        return self.moe_a2a_overlap and self.moe_dispatcher != "allgather" and ep > 1 and passes_pair
 
     def summary(self) -> str:
         """One line for plan output: the stack and what it changes in the prediction."""

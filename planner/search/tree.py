@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models.layout import MEGATRON_ORDER, Layout
+from cost_models.layout import MEGATRON_ORDER, Layout, passes_pair_across_micro_batches
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
@@ -169,10 +169,8 @@ class TreeShape:
         """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
         holds one more forward's activations: the search weighs both), else off; or as pinned."""
         p = self.problem
-        if not p.stack.moe_a2a_overlap or placement[1] == 1:   # the common case, without building a layout
-            return (False,)
-        if not p.stack.pairs_moe_a2a(replace(node, placement=placement).layout(p)) \
-                or a2a_overlap_refusal(node.shape.pp, p.stack, p.graph):
+        pairs = passes_pair_across_micro_batches(node.shape.pp, node.vp, node.dualpipev)
+        if not p.stack.pairs_moe_passes(placement[1], pairs) or a2a_overlap_refusal(node.shape.pp, p.stack, p.graph):
             return (False,)
         return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
 
