@@ -30,15 +30,16 @@ DEGREES = ("dp", "tp", "pp", "vp", "cp", "ep", "etp", "mbs")
 OUT = Path(__file__).resolve().parents[1] / "docs" / "accuracy-plain.md"
 
 
-def plain(run, time_limit_s: float, whole_row: bool = False):
+def plain(run, time_limit_s: float, whole_row: bool = False, settings: dict | None = None):
     """What a user states: model, devices, the published degrees (or, `whole_row`, everything the row's layout
-    states: also zero, recompute, sp; never a recipe's settings), batch, sequence, precision, the stack by name."""
+    states: also zero, recompute, sp; never a recipe's settings), batch, sequence, precision, the stack by name;
+    `settings`: layout values pinned beside them (a test's like-for-like comparison)."""
     stack = FAMILY_STACKS.get(run_family(run.id), DEFAULT_FAMILY_STACK)
     cluster = run.cluster.model_copy(update={"segment_devices": None})
     from_recipe = RECIPE_SETTINGS.get(run.id, {})
     stated = {key: value for key, value in run.known.items() if key not in from_recipe
               and (whole_row or key in DEGREES)}
-    return evaluate(run.model, cluster, stated, global_batch=run.global_batch, seq_len=run.seq_len,
+    return evaluate(run.model, cluster, {**stated, **(settings or {})}, global_batch=run.global_batch, seq_len=run.seq_len,
                     precision=run.precision, stack=stack, time_limit_s=time_limit_s)
 
 
