@@ -224,3 +224,4 @@ def test_the_shipped_band_covers_most_held_out_measurements(runs):
         low, high = result.step_time_band_s
         inside += low <= run.measured_step_s <= high
     assert inside >= 0.8 * len(held), f"{inside} of {len(held)}"
+
