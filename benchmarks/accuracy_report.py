@@ -168,7 +168,8 @@ EXPERTS_SECTION = PublishedSection(
      "fitted); higher is faster:", ""),
     "run | source | layout | precision | stack flags | published | predicted | error")
 VARIANTS_SECTION = PublishedSection(
-    ("The megatron-core stack above hides none of DeepSeek-V3's all-to-alls. Predicted with the "
+    ("Above, the search fills what DeepSeek-V3's layout leaves open (virtual stages, cp) and hides its "
+     "all-to-alls with Megatron-Core's combined 1F1B where it chooses it. Predicted with the "
      "schedule its report describes (a megatron-core stack file with the fields shown), the model is "
      "faster than the report by the error below: with the all-to-alls hidden as DeepSeek hides them, "
      "some cost of that run is not billed, and which is not known:", ""),

@@ -288,8 +288,9 @@ def evaluate(model, cluster=None, layout: str | dict | Layout = "", *, global_ba
 
 
 def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, deadline: float | None = None) -> Plan:
-    """The job's prediction for `layout` (typed values by key, or a `Layout`): a whole layout as given, with
-    what it leaves open taken from the stack; a partial one searched with its fields pinned."""
+    """The job's prediction for `layout` (typed values by key, or a `Layout`): a whole layout as given, with the
+    searched settings it leaves out weighed as the search weighs them and the rest taken from the stack; a
+    partial one searched with its fields pinned."""
     if isinstance(layout, Layout):
         return predict(job, replace(layout, global_batch=job.global_batch))
     if not set(FULL_KEYS) <= set(layout):  # search the rest with these pinned
@@ -304,9 +305,10 @@ def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, de
 def settings_left_out(given: dict, job: Job) -> list[dict]:
     """A whole layout's values with each searched setting it leaves out taken every way the stack can run it
     for this model (combined 1F1B on and off where the stack has it); the stack's default for the rest."""
-    if "a2a_overlap" in given or not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.stack,
-                                                                                        job.graph):
-        return [{**given, "a2a_overlap": False}] if "a2a_overlap" not in given else [given]
+    if "a2a_overlap" in given:
+        return [given]
+    if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.stack, job.graph):
+        return [{**given, "a2a_overlap": False}]
     return [{**given, "a2a_overlap": on} for on in (False, True)]
 
 
