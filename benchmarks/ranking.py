@@ -37,6 +37,7 @@ OUT = ROOT / "docs" / "ranking.md"
 
 @dataclass(frozen=True)
 class Variant:
+    """One layout or setting of a sweep's job: its step seconds as measured and as predicted."""
     label: str
     measured_s: float      # step seconds
     predicted_s: float
@@ -44,6 +45,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class Sweep:
+    """One job under several variants, and where its source published them."""
     name: str
     source: str
     variants: tuple[Variant, ...]
