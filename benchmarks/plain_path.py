@@ -39,8 +39,8 @@ def plain(run, time_limit_s: float, whole_row: bool = False, settings: dict | No
     from_recipe = RECIPE_SETTINGS.get(run.id, {})
     stated = {key: value for key, value in run.known.items() if key not in from_recipe
               and (whole_row or key in DEGREES)}
-    return evaluate(run.model, cluster, {**stated, **(settings or {})}, global_batch=run.global_batch, seq_len=run.seq_len,
-                    precision=run.precision, stack=stack, time_limit_s=time_limit_s)
+    return evaluate(run.model, cluster, {**stated, **(settings or {})}, global_batch=run.global_batch,
+                    seq_len=run.seq_len, precision=run.precision, stack=stack, time_limit_s=time_limit_s)
 
 
 def mape(errors: list[float]) -> str:

@@ -12,9 +12,9 @@ from .layout_choices import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, MODULE_I
 from .layout_domains import (Choice, Count, LayoutField, MeshOrder, ModuleSet, StageCounts, Switch, ZeroStage,
                              declare)
 
-__all__ = ["Layout", "first_blocks_of_each_chunk", "passes_pair_across_micro_batches", "DEFAULT_RECOMPUTE_MODULES", "MEGATRON_ORDER", "MODULE_INDEX",
-           "Fp8Recipe", "GradReduce", "Precision", "Recompute", "RecomputeModule", "Schedule", "TextEnum",
-           "nested_modules"]
+__all__ = ["Layout", "first_blocks_of_each_chunk", "passes_pair_across_micro_batches", "DEFAULT_RECOMPUTE_MODULES",
+           "MEGATRON_ORDER", "MODULE_INDEX", "Fp8Recipe", "GradReduce", "Precision", "Recompute", "RecomputeModule",
+           "Schedule", "TextEnum", "nested_modules"]
 
 DEGREE = Count()
 RECOMPUTE_WHAT = "none, selective or full"

@@ -27,8 +27,8 @@ from .search.tree import SearchOutcome
 from .rules.device import check_device_for
 from .rules.layout import layout_problems, pin_problems
 from .rules.pins import Pins
-from .rules.stack import (a2a_overlap_refusal, layout_stack_problems, module_choices, recompute_choices, stack_pins, stack_problems,
-                          uniform_recompute)
+from .rules.stack import (a2a_overlap_refusal, layout_stack_problems, module_choices, recompute_choices, stack_pins,
+                          stack_problems, uniform_recompute)
 
 
 class InfeasibleError(UserInputError):
@@ -307,7 +307,7 @@ def settings_left_out(given: dict, job: Job) -> list[dict]:
     for this model (combined 1F1B on and off where the stack has it); the stack's default for the rest."""
     if "a2a_overlap" in given:
         return [given]
-    if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.stack, job.graph):
+    if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.graph):
         return [{**given, "a2a_overlap": False}]
     return [{**given, "a2a_overlap": on} for on in (False, True)]
 

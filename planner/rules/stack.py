@@ -75,7 +75,7 @@ def untrainable_parts(stack: SoftwareStack, graph=None) -> list[str]:
     return []
 
 
-def a2a_overlap_refusal(pp: int | None, stack: SoftwareStack, graph=None) -> str | None:
+def a2a_overlap_refusal(pp: int | None, graph=None) -> str | None:
     """Why combined 1F1B cannot run for this model at pipeline degree `pp` (None: any pp), or None: Megatron-Core's
     TransformerConfig takes at most one multi-token prediction module beside it, and with one a pipeline."""
     mtp = graph.mtp_layers if graph is not None else 0
@@ -128,8 +128,8 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
-    elif pins.a2a_overlap and a2a_overlap_refusal(pins.pp, stack, graph):
-        problems.append(f"a2a_overlap=true: {a2a_overlap_refusal(pins.pp, stack, graph)}")
+    elif pins.a2a_overlap and (refusal := a2a_overlap_refusal(pins.pp, graph)):
+        problems.append(f"a2a_overlap=true: {refusal}")
     problems += untrainable_parts(stack, graph)
     if precision == Precision.fp8 and not stack.fp8_recipes:
         problems.append(f"precision=fp8: the {name} stack has no FP8 training")

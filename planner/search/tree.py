@@ -170,7 +170,7 @@ class TreeShape:
         holds one more forward's activations: the search weighs both), else off; or as pinned."""
         p = self.problem
         pairs = passes_pair_across_micro_batches(node.shape.pp, node.vp, node.dualpipev)
-        if not p.stack.pairs_moe_passes(placement[1], pairs) or a2a_overlap_refusal(node.shape.pp, p.stack, p.graph):
+        if not p.stack.pairs_moe_passes(placement[1], pairs) or a2a_overlap_refusal(node.shape.pp, p.graph):
             return (False,)
         return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
 
