@@ -111,6 +111,7 @@ class SharedCosts:
     compute: dict = field(default_factory=dict)
     placements: dict = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
+    by_placement: dict = field(default_factory=dict)    # the same, by (op, bytes, dim, placement key, options)
     paired_layers: dict = field(default_factory=dict)   # combined 1F1B's exposure by (passes, layers, SM share)
 
 
@@ -126,9 +127,13 @@ class MeshCosts(ExpertCommunication):
         self._shared = shared if shared is not None else SharedCosts()
 
     @cached_property
-    def placement(self):
+    def _placement_key(self) -> tuple:
         lay = self.layout
-        key = (lay.mesh_dims(), lay.etp, lay.ep)
+        return lay.mesh_dims(), lay.etp, lay.ep
+
+    @cached_property
+    def placement(self):
+        key = self._placement_key
         if key not in self._shared.placements:
             self._shared.placements[key] = self._place()
         return self._shared.placements[key]
@@ -159,6 +164,15 @@ class MeshCosts(ExpertCommunication):
         return tuple(MeshDim(name, size) for name, size in dims)
 
     def collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
+        # looked up first by the placement's own key (ints and names): hashing the group placements themselves
+        # is most of a search's time in this call
+        fast = (op, size, dim, self._placement_key, *kwargs.items())
+        cost = self._shared.by_placement.get(fast)
+        if cost is None:
+            cost = self._shared.by_placement[fast] = self._collective(op, size, dim, **kwargs)
+        return cost
+
+    def _collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
         groups = self.placement
         group = {"dpcp": groups.dp_cp, "ep": groups.experts.of("ep") if self.layout.ep > 1 else None,
                  "etpep": groups.experts_tp_ep, "edp": groups.experts.of("edp")}.get(dim) or groups.attention.of(dim)
@@ -186,6 +200,13 @@ class MeshCosts(ExpertCommunication):
         compute = self._compute(kind)
         first = total / self.layout.tp
         return first + max(0.0, total - first - compute.forward_s - compute.backward_s)
+
+    def tp_comm_floor_s(self, kind: LayerKind) -> float:
+        """The least of `tp_comm_s` whatever compute runs beside it: with the overlap, its first chunk."""
+        if self.layout.tp == 1 or not kind.tp_pair_count:
+            return 0.0
+        total = self._tp_collectives_s(kind)
+        return total / self.layout.tp if self.stack.tp_comm_overlap else total
 
     def _tp_collectives_s(self, kind: LayerKind) -> float:
         size = self.activation_message_bytes

@@ -13,6 +13,7 @@ from hardware_profiles import UserInputError, cluster_from_device
 from planner.api import InfeasibleError, evaluate, plan
 from planner.graph_capture.model_capture import capture
 from planner.graph_capture.model_config import ModelConfig, MoEConfig
+from planner.search.branch_and_bound import LEAF_WORK_LIMIT, BranchAndBound
 from planner.search.bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
 from planner.search.branch_and_bound import search
 from planner.rules.pins import Pins
@@ -109,6 +110,36 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
     assert found.fits and Recompute.full in found.layer_recompute
 
 
+def _check_tree_bounds(graph, cluster, stack, per_layout):
+    """The search's own root bounds (compute plus the least tp, cp and hop communication of any mesh order)
+    stay at or below each placed child's communication bound, and each child's bound, taken through the
+    search's caches shared across virtual-stage counts, equals the one computed from its layout alone: the
+    roots in one order of vp and then the other, so that a cache reused across vp would show."""
+    tol = 1 + 1e-9
+    for reverse in (False, True):
+        bnb = BranchAndBound(graph.costs(), cluster, 16, Pins(vp=None), "bf16", 120, 1, stack, 1.0, graph, None,
+                             (Recompute.none,), LEAF_WORK_LIMIT, ())
+        roots = sorted(bnb.tree.roots(), key=lambda r: r.vp, reverse=reverse)
+        placed = 0
+        for root in roots:
+            root_bound = bnb.root_bound(root)
+            for child in bnb.tree.children(root):
+                layout = child.layout(bnb.problem)
+                costs = MeshCosts(graph.costs(), cluster, layout, stack)
+                alone = communication_bound(work_floor(*work_before_zero(costs, Recompute.none), layout.pp, layout.vp),
+                                            costs.p2p_s(), layout)
+                assert bnb.communication_bound(child) == pytest.approx(alone, rel=1e-12)
+                assert root_bound <= alone * tol
+                best = [e.step_time_s for lay, e in per_layout.items()
+                        if (lay.tp, lay.cp, lay.pp, lay.vp, lay.ep, lay.etp, lay.micro_batch, lay.mesh_order,
+                            lay.moe_a2a_overlap) == (layout.tp, layout.cp, layout.pp, layout.vp, layout.ep,
+                                                     layout.etp, layout.micro_batch, layout.mesh_order,
+                                                     layout.moe_a2a_overlap)]
+                assert all(root_bound <= b * tol for b in best)
+                placed += 1
+        assert placed > 100
+
+
 def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_stack(), vps=(1,)):
     """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order, MoE all-to-all overlap off and on
     (where the stack has it) and partition (no recomputation): the best plan of each layout, keyed by it."""
@@ -163,6 +194,7 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
         assert balanced <= best.step_time_s * tol
         assert bounds.memory_floor(layout)[0] <= max(m.total for m in best.stage_memory)
     assert outcome.pruned_memory > 0 and outcome.pruned_bound > 0
+    _check_tree_bounds(graph, cluster, overlap, per_layout)
     if overlap.moe_a2a_overlap:   # the choice is live: somewhere it changes the step or whether it fits
         changed = [lay for lay in per_layout if lay.moe_a2a_overlap and overlap.hides_moe_a2a(lay)
                    and per_layout.get(replace(lay, moe_a2a_overlap=False)) is not None

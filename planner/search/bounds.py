@@ -37,21 +37,51 @@ class WorkFloor:
     busiest_rank_floor_s: float
 
 
+@dataclass(frozen=True)
+class PipelineShape:
+    """What a pipeline bound reads of a layout (a placed node's bounds are taken without building one)."""
+    pp: int
+    vp: int
+    num_micro_batches: int
+    dualpipev: bool = False
+
+
+@dataclass(frozen=True)
+class SortedWork:
+    """The per-micro-batch work items of one model on `pp` ranks, largest first, and what of its floor holds
+    for every virtual-stage count: a placed node's children share it and differ only in the schedule."""
+    total_s: float
+    packing_s: float                    # the P||Cmax part of the floor
+    edge_work_s: tuple[float, float]
+    least_block_s: float
+    pp: int
+
+    @classmethod
+    def of(cls, block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int
+           ) -> "SortedWork":
+        """`block_work_s`: (blocks, seconds each) per block kind."""
+        items = sorted([w for n, w in block_work_s for _ in range(n)] + list(edge_work_s), reverse=True)
+        # scheduling bound (P||Cmax): of the k pp + 1 largest items some rank holds k + 1, so its work is at
+        # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
+        packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
+            if pp > 1 and len(items) > pp else 0.0
+        return cls(sum(items), packing, tuple(edge_work_s), min(w for _, w in block_work_s), pp)
+
+    def floor(self, vp: int, v_shape: bool = False) -> WorkFloor:
+        """`v_shape`: DualPipeV's placement."""
+        if self.pp == 1:
+            return WorkFloor(self.total_s, self.total_s)
+        # the ranks with the embedding or the head hold a block in each of their chunks but the one beside it;
+        # a V puts the first and the last chunk, so both, on rank 0
+        edges = self.edge_work_s
+        edge_rank = sum(edges) if v_shape else max(edges) + (vp - 1) * self.least_block_s
+        return WorkFloor(self.total_s, max(self.packing_s, edge_rank))
+
+
 def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int, vp: int,
                v_shape: bool = False) -> WorkFloor:
     """`block_work_s`: (blocks, seconds each) per block kind; `v_shape`: DualPipeV's placement."""
-    items = sorted([w for n, w in block_work_s for _ in range(n)] + list(edge_work_s), reverse=True)
-    total = sum(items)
-    if pp == 1:
-        return WorkFloor(total, total)
-    # scheduling bound (P||Cmax): of the k pp + 1 largest items some rank holds k + 1, so its work is at
-    # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
-    packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
-        if len(items) > pp else 0.0
-    # the ranks with the embedding or the head hold a block in each of their chunks but the one beside it;
-    # a V puts the first and the last chunk, so both, on rank 0
-    edge_rank = sum(edge_work_s) if v_shape else max(edge_work_s) + (vp - 1) * min(w for _, w in block_work_s)
-    return WorkFloor(total, max(packing, edge_rank))
+    return SortedWork.of(block_work_s, edge_work_s, pp).floor(vp, v_shape)
 
 
 def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple[float, float]]:
@@ -62,7 +92,7 @@ def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple
     return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
 
 
-def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout) -> float:
+def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout | PipelineShape) -> float:
     """Pipeline of compute and exposed per-layer communication as balanced as integers allow."""
     return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s)
             + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * p2p_s)
@@ -89,7 +119,7 @@ def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recomp
             + mean.optimizer_s)
 
 
-def pipeline_bound(total_work_s: float, layout: Layout, busiest_floor_s: float = 0.0,
+def pipeline_bound(total_work_s: float, layout: Layout | PipelineShape, busiest_floor_s: float = 0.0,
                    dualpipev_bubble_s: float = 0.0) -> float:
     """The pipeline's critical path with max W_i at its least possible value: the mean, or the floor if higher.
     Under DualPipeV each rank's pairs take X with F + B >= X, so X and A at that value, and the bubble term at
@@ -139,6 +169,14 @@ class Bounds:
             self.work[spec] = sum(n * (compute.forward_s + compute.backward_s) for kind, n in counted
                                   for compute in [layer_compute(kind, self.cluster.device, spec)])
         return self.work[spec]
+
+    def layer_communication_floor_s(self, costs: MeshCosts) -> float:
+        """One micro-batch's per-layer collectives over the whole model that every expert folding of `costs`'s
+        mesh order pays at least: tp's and cp's, whose groups the attention mesh places (ep and etp fold
+        only the experts' ranks), tp's at its first chunk where the stack overlaps it with compute."""
+        model = self.model
+        counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
+        return sum(n * (costs.tp_comm_floor_s(kind) + costs.work(kind).cp_comm_s) for kind, n in counted)
 
     def memory_floor(self, layout: Layout) -> tuple[float, dict]:
         """Least memory any partition needs on its fullest stage, with the cheapest activations."""

@@ -26,7 +26,8 @@ from hardware_profiles.stack import SoftwareStack
 
 from ..rules.pins import Pins
 from ..rules.stack import leaf_recompute_methods
-from .bounds import Bounds, balanced_bound, communication_bound, pipeline_bound, work_before_zero, work_floor
+from .bounds import (Bounds, PipelineShape, SortedWork, balanced_bound, communication_bound, pipeline_bound,
+                     work_before_zero)
 from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
 from .space import zero_choices
 from .tree import (TIE_TOLERANCE, Scored, SearchOutcome, SolvedModels, TreeNode, TreeProblem, TreeShape, beyond,
@@ -104,9 +105,16 @@ class BranchAndBound:
         self.counts = _Counts()
         self.floor_need = _LeastNeed()      # the least memory floor of any candidate
         self.whole_need = _LeastNeed()      # of layouts evaluated whole (their floor fitted)
-        # (shape, micro_batch, placement, MoE overlaps): the work before ZeRO, any vp; and a pipeline hop's seconds at
-        # each (vp, DualPipeV) (which hops leave a domain depends on them), from the placement's first layout
-        self.placement_work: dict[tuple, tuple] = {}
+        # (shape, micro_batch, placement, MoE overlaps, vp where combined 1F1B pairs passes): the work before
+        # ZeRO, with the micro-batch count and the hops, from the placement's first layout
+        self.placement_work: dict[tuple, tuple[SortedWork, int, dict]] = {}
+        # (shape, micro_batch, mesh order): a pipeline hop's seconds at each (vp, DualPipeV) (which hops leave a
+        # domain depends on them)
+        self.pipeline_hops: dict[tuple, dict[tuple[int, bool], float]] = {}
+        # (placement, a2a overlap asked, pp, vp, DualPipeV) -> whether the MoE all-to-alls are hidden
+        self.overlap_flags: dict[tuple, tuple[bool, bool]] = {}
+        # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
+        self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> SearchOutcome:
@@ -156,10 +164,32 @@ class BranchAndBound:
         heapq.heappush(self.heap, (bound, node.tie_key(), node, costs))
 
     def push_roots(self) -> None:
-        """Each mesh shape with a schedule, bounded by its compute alone."""
+        """Each mesh shape with a schedule, bounded by its compute and the communication that every expert
+        folding and mesh order of it pays at least: per layer, and the pipeline's hops."""
         for root in self.tree.roots():
-            layout = root.layout(self.problem)
-            self.push(root, pipeline_bound(self.bounds.compute_work_s(layout), layout))
+            self.push(root, self.root_bound(root))
+
+    def root_bound(self, root: TreeNode) -> float:
+        layout = root.layout(self.problem)
+        layers_s, hop_s = self.least_communication_s(root)
+        return pipeline_bound(self.bounds.compute_work_s(layout) + layers_s, layout) \
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * hop_s
+
+    def least_communication_s(self, root: TreeNode) -> tuple[float, float]:
+        """The least over the root's mesh orders of its tp and cp collectives (which no vp reads), and of a
+        pipeline hop at its schedule."""
+        orders = {order for _, _, order in self.tree.placements(root.shape)}
+        if (root.shape, root.micro_batch) not in self.root_communication:
+            layers, hops = [], []
+            for order in orders:
+                node = TreeNode(root.shape, root.vp, root.micro_batch, root.dualpipev, (1, 1, order))
+                costs = MeshCosts(self.model, self.cluster, node.layout(self.problem), self.stack,
+                                  self.ep_imbalance, self.shared)
+                layers.append(self.bounds.layer_communication_floor_s(costs))
+                hops.append(self.hops(node, costs))
+            self.root_communication[root.shape, root.micro_batch] = (min(layers, default=0.0), hops)
+        layers_s, hops = self.root_communication[root.shape, root.micro_batch]
+        return layers_s, min((hop[root.vp, root.dualpipev] for hop in hops), default=0.0)
 
     # -- expanding a node ------------------------------------------------------------------------------
     def expand(self, node: TreeNode, bound: float) -> None:
@@ -171,11 +201,10 @@ class BranchAndBound:
         """The node's children with their bounds, those that cannot fit or beat the K-th plan counted out."""
         kth, kept = self.kth_s(), []
         for child in self.tree.children(node):
-            layout = child.layout(self.problem)
             if child.zero is None:
-                child_bound, child_costs = self.communication_bound(child, layout), None
+                child_bound, child_costs = self.communication_bound(child), None
             else:
-                child_bound, child_costs = self.leaf_bound(layout)
+                child_bound, child_costs = self.leaf_bound(child.layout(self.problem))
                 if child_bound is None:
                     self.counts.pruned_memory += 1
                     continue
@@ -215,18 +244,38 @@ class BranchAndBound:
             return None, None
         return balanced_bound(costs, layout, self.bounds.fastest, forced), costs
 
-    def communication_bound(self, node: TreeNode, layout: Layout) -> float:
-        """A placed node's bound: compute and exposed per-layer communication, as balanced as integers allow."""
-        stack = self.stack
-        key = (node.shape, node.micro_batch, node.placement, stack.hides_moe_a2a(layout), stack.dualpipev_hides(layout))
-        if key not in self.placement_work:  # the last entries: whether MoE all-to-alls overlap (schedule-dependent)
-            costs = MeshCosts(self.model, self.cluster, layout, stack, self.ep_imbalance, self.shared)
-            hops = {(vp, v_shape): costs.p2p_s(vp, v_shape)
-                    for vp, v_shape in self.tree.virtual_stage_choices(node.shape)}
-            self.placement_work[key] = (*work_before_zero(costs, self.bounds.fastest), hops)
-        blocks, edges, hops = self.placement_work[key]
-        return communication_bound(work_floor(blocks, edges, layout.pp, layout.vp, layout.dualpipev),
-                                   hops[layout.vp, layout.dualpipev], layout)
+    def communication_bound(self, node: TreeNode) -> float:
+        """A placed node's bound: compute and exposed per-layer communication, as balanced as integers allow.
+        Its children of every vp share the work (a layout is built only for the first of them), but where
+        combined 1F1B hides the all-to-alls: the share of passes it pairs depends on vp."""
+        hides, v_hides = self.hidden_a2a(node)
+        key = (node.shape, node.micro_batch, node.placement, hides, v_hides, node.vp if hides else 0)
+        if key not in self.placement_work:
+            layout = node.layout(self.problem)
+            costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
+            work = SortedWork.of(*work_before_zero(costs, self.bounds.fastest), layout.pp)
+            self.placement_work[key] = (work, layout.num_micro_batches, self.hops(node, costs))
+        work, micro_batches, hops = self.placement_work[key]
+        shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
+        return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
+
+    def hops(self, node: TreeNode, costs: MeshCosts) -> dict[tuple[int, bool], float]:
+        """A pipeline hop's seconds at each (vp, DualPipeV) of the node's shape: the pipeline group's placement
+        is the mesh order's, whatever the experts' folding."""
+        key = (node.shape, node.micro_batch, node.placement[2])
+        if key not in self.pipeline_hops:
+            self.pipeline_hops[key] = {(vp, v_shape): costs.p2p_s(vp, v_shape)
+                                       for vp, v_shape in self.tree.virtual_stage_choices(node.shape)}
+        return self.pipeline_hops[key]
+
+    def hidden_a2a(self, node: TreeNode) -> tuple[bool, bool]:
+        """Whether the node's MoE all-to-alls hide behind combined 1F1B, and behind DualPipeV's pairs: the
+        stack's rules read from the node's first layout of that placement and schedule."""
+        key = (node.placement, node.moe_a2a_overlap, node.shape.pp, node.vp, node.dualpipev)
+        if key not in self.overlap_flags:
+            layout = node.layout(self.problem)
+            self.overlap_flags[key] = (self.stack.hides_moe_a2a(layout), self.stack.dualpipev_hides(layout))
+        return self.overlap_flags[key]
 
     # -- solving a leaf --------------------------------------------------------------------------------
     def solve_leaf(self, node: TreeNode, costs: MeshCosts) -> None:

@@ -160,10 +160,12 @@ class TreeShape:
         return self._placements[shape]
 
     def children(self, node: TreeNode) -> list[TreeNode]:
+        # built directly, not by dataclasses.replace: a large search makes hundreds of thousands
         if node.placement is None:
-            return [replace(node, placement=placement, moe_a2a_overlap=overlap)
+            return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, placement, overlap)
                     for placement in self.placements(node.shape) for overlap in self.overlaps(node, placement)]
-        return [replace(node, zero=zero) for zero in self.zeros(node)]
+        return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, node.placement, node.moe_a2a_overlap,
+                         zero) for zero in self.zeros(node)]
 
     def overlaps(self, node: TreeNode, placement: tuple) -> tuple[bool, ...]:
         """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
