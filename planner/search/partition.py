@@ -91,6 +91,10 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     solver.parameters.max_time_in_seconds = time_limit_s          # a safety net; the work limit decides
     solver.parameters.max_deterministic_time = work_limit
     solver.parameters.num_workers = 1  # deterministic: same inputs, same plan
+    # the full LP relaxation: with it the bound meets the optimum at the root on the models whose module choice
+    # and stage sums left CP-SAT's default branching for seconds unproven (DeepSeek-V3, pp2 x vp8, 10 -> 0.04
+    # units of work; benchmarks/search_speed.py)
+    solver.parameters.linearization_level = 2
     solver.parameters.catch_sigint_signal = False  # Ctrl-C reaches Python and ends the search (exit 130)
     status = solver.Solve(built.cp)
     wall = time.perf_counter() - start_time
