@@ -22,7 +22,7 @@ from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
 from .plans import Alternative, LayoutRecord, Plan, SearchStats, memory_records, stage_records
-from .search.branch_and_bound import search
+from .search.branch_and_bound import SearchCaches, search
 from .search.tree import SearchOutcome
 from .rules.device import check_device_for
 from .rules.layout import layout_problems, pin_problems
@@ -187,21 +187,22 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
         raise InfeasibleError(f"capturing {graph.name} took {graph.capture_seconds:.1f} s and no time of "
                               f"--time-limit was left to search", field="--time-limit",
                               expected="a time limit longer than the capture")
-    result, placed = _best_placement(job, cluster, pins, top_k, progress, pins_field, deadline)
-    return _beside_inside(job, result, placed, pins, pins_field, deadline)
+    caches: dict[Cluster, SearchCaches] = {}   # per placement: its searches share layer costs and leaf answers
+    result, placed = _best_placement(job, cluster, pins, top_k, progress, pins_field, deadline, caches)
+    return _beside_inside(job, result, placed, pins, pins_field, deadline, caches)
 
 
-def _best_placement(job: Job, cluster: Cluster, pins, top_k: int, progress, pins_field: str, deadline: float
-                    ) -> tuple[Plan, Cluster]:
+def _best_placement(job: Job, cluster: Cluster, pins, top_k: int, progress, pins_field: str, deadline: float,
+                    caches: dict) -> tuple[Plan, Cluster]:
     """The fastest plan over the placements of the job's devices (planner/placement.py), and its placement."""
     choices = placement_choices(cluster)
     if len(choices) == 1:
-        return _plan_on(job, cluster, pins, top_k, progress, pins_field, deadline), cluster
+        return _plan_on(job, cluster, pins, top_k, progress, pins_field, deadline, caches), cluster
     tried, plans, refusals = [], [], []
     for index, placed in enumerate(choices):   # each the time left, shared with the placements after it
         share = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(choices) - index)
         try:
-            plans.append((_plan_on(job, placed, pins, top_k, progress, pins_field, share), placed))
+            plans.append((_plan_on(job, placed, pins, top_k, progress, pins_field, share, caches), placed))
             tried.append((placed, plans[-1][0].step_time_s))
         except UserInputError as exc:   # no plan on this placement (memory, or its share of the time)
             refusals.append(exc)
@@ -216,7 +217,8 @@ def _placement_chosen(plans: list[tuple[Plan, Cluster]], tried) -> tuple[Plan, C
     return best.model_copy(update={"reasons": best.reasons + [placement_reason(chosen, tried)]}), chosen
 
 
-def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: str, deadline: float) -> Plan:
+def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: str, deadline: float,
+                   caches: dict) -> Plan:
     """Where the plan lies outside the region the published runs measured, the best plan inside it (its per-rank
     shapes kept to the measured ranges, on the same placement, in the time left) beside it: where a model is
     least right is where a search's optimum tends to lie."""
@@ -225,7 +227,7 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
     graph = job.graph
     inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts))
     try:
-        inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline)
+        inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline, caches)
     except UserInputError as exc:   # none fits there, or no time is left to look
         return result.model_copy(update={"reasons": result.reasons + [
             f"no plan inside the measured region was found: {exc.args[0] if exc.args else exc}"]})
@@ -235,8 +237,9 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
         loses=f"{slower:+.1%} step time predicted, inside the measured region")})
 
 
-def _plan_on(job: Job, cluster, pins, top_k: int, progress, pins_field: str, deadline: float) -> Plan:
-    """The search on one placement of the job's devices."""
+def _plan_on(job: Job, cluster, pins, top_k: int, progress, pins_field: str, deadline: float,
+             caches: dict | None = None) -> Plan:
+    """The search on one placement of the job's devices (`caches`: by placement, what its searches share)."""
     stack, graph = job.stack, job.graph
     # a stack that checkpoints every layer or none: one search per method, the fastest plan wins
     methods = [(r,) for r in recompute_choices(pins, stack)] if uniform_recompute(pins, stack) \
@@ -248,6 +251,7 @@ def _plan_on(job: Job, cluster, pins, top_k: int, progress, pins_field: str, dea
         outcomes.append(search(graph.costs_record, cluster, job.global_batch, pins, job.precision, share,
                                max(top_k, 1), stack=stack, ep_imbalance=job.ep_imbalance, graph=graph,
                                progress=progress, recompute_choices=allowed,
+                               caches=None if caches is None else caches.setdefault(cluster, SearchCaches()),
                                module_choices=modules if Recompute.none in allowed else ()))
     found = [o for o in outcomes if o.ranked]
     if not found:

@@ -80,13 +80,23 @@ class _LeastNeed:
             self.bytes, self.parts = need, parts
 
 
+class SearchCaches:
+    """What searches of one job on one placement of its devices share: layer costs by shard, collective times
+    and the proven answers of leaf models (the search for the best plan inside the measured region re-reads
+    most of the plan's own)."""
+
+    def __init__(self):
+        self.shared = SharedCosts()
+        self.solved_models = SolvedModels()
+
+
 class BranchAndBound:
     """One search: the tree, its bounds, the heap of open nodes and the K best plans so far."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins, precision: str,
                  time_limit_s: float, top_k: int, stack: SoftwareStack, ep_imbalance: float, graph, progress,
                  recompute_choices: tuple[Recompute, ...], leaf_work_limit: float,
-                 module_choices: tuple[RecomputeModule, ...]):
+                 module_choices: tuple[RecomputeModule, ...], caches: SearchCaches | None = None):
         self.start, self.cpu_start = time.perf_counter(), time.process_time()
         self.model, self.cluster, self.stack, self.ep_imbalance = model, cluster, stack, ep_imbalance
         self.deadline = self.start + time_limit_s
@@ -98,8 +108,8 @@ class BranchAndBound:
         self.tree = TreeShape(self.problem)
         self.capacity = usable_bytes(cluster.device)
         self.bounds = Bounds(model, cluster, stack, self.allowed, module_choices)
-        self.shared = SharedCosts()
-        self.solved_models = SolvedModels()
+        caches = caches or SearchCaches()
+        self.shared, self.solved_models = caches.shared, caches.solved_models
         self.heap: list = []
         self.ranked: list[Scored] = []
         self.counts = _Counts()
@@ -350,11 +360,11 @@ def search(model: ModelCosts, cluster: Cluster, global_batch: int, pins: Pins = 
            stack: SoftwareStack | None = None, ep_imbalance: float = 1.0, graph=None,
            progress=None, recompute_choices: tuple[Recompute, ...] | None = None,
            leaf_work_limit: float = LEAF_WORK_LIMIT,
-           module_choices: tuple[RecomputeModule, ...] = ()) -> SearchOutcome:
+           module_choices: tuple[RecomputeModule, ...] = (), caches: SearchCaches | None = None) -> SearchOutcome:
     """The K fastest layouts that fit, with what the search did. `module_choices`: the modules selective
     recomputation may repeat, chosen with each leaf's partition (empty: the pinned layout's, Megatron-Core's
     core_attn by default)."""
     allowed = recompute_choices or ((pins.recompute,) if pins.recompute else tuple(Recompute))
     return BranchAndBound(model, cluster, global_batch, pins, precision, time_limit_s, top_k,
                           stack or load_stack(),   # Megatron-Core's defaults (the API always names its stack)
-                          ep_imbalance, graph, progress, allowed, leaf_work_limit, module_choices).run()
+                          ep_imbalance, graph, progress, allowed, leaf_work_limit, module_choices, caches).run()
