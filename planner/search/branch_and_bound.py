@@ -14,7 +14,7 @@ import heapq
 import time
 from dataclasses import dataclass, replace
 
-from cost_models.layer_costs import MeshCosts, SharedCosts
+from cost_models.layer_costs import LayerWork, MeshCosts, SharedCosts
 from cost_models.layout import Layout, Recompute, RecomputeModule
 from cost_models.memory import usable_bytes
 from cost_models.pipeline import p2p_transfers_on_critical_path
@@ -124,7 +124,7 @@ class BranchAndBound:
         # (placement, a2a overlap asked, pp, vp, DualPipeV) -> whether the MoE all-to-alls are hidden
         self.overlap_flags: dict[tuple, tuple[bool, bool]] = {}
         # (kind, shape, micro_batch, mesh order): the work of a kind without experts where no passes pair
-        self.kind_work: dict[tuple, object] = {}
+        self.kind_work: dict[tuple, LayerWork] = {}
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
 
@@ -182,6 +182,7 @@ class BranchAndBound:
             self.push(root, self.root_bound(root))
 
     def root_bound(self, root: TreeNode) -> float:
+        """At or below the best plan of every placement, folding and ZeRO stage beneath the root."""
         layout = root.layout(self.problem)
         layers_s, hop_s = self.least_communication_s(root)
         return pipeline_bound(self.bounds.compute_work_s(layout) + layers_s, layout) \
@@ -190,10 +191,9 @@ class BranchAndBound:
     def least_communication_s(self, root: TreeNode) -> tuple[float, float]:
         """The least over the root's mesh orders of its tp and cp collectives (which no vp reads), and of a
         pipeline hop at its schedule."""
-        orders = {order for _, _, order in self.tree.placements(root.shape)}
         if (root.shape, root.micro_batch) not in self.root_communication:
             layers, hops = [], []
-            for order in orders:
+            for order in {order for _, _, order in self.tree.placements(root.shape)}:
                 node = TreeNode(root.shape, root.vp, root.micro_batch, root.dualpipev, (1, 1, order))
                 costs = MeshCosts(self.model, self.cluster, node.layout(self.problem), self.stack,
                                   self.ep_imbalance, self.shared)
