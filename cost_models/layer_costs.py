@@ -262,8 +262,10 @@ class MeshCosts(ExpertCommunication):
         compute = self._compute(kind)
         shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, self.stack.saved_input_precision(lay.precision))
         load = self.spec.expert_load
-        activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules, load) for r in RECOMPUTE_ORDER)
-        freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,), load)
+        probs = self.stack.moe_probs_in_expert_activation
+        activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules, load, probs)
+                            for r in RECOMPUTE_ORDER)
+        freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,), load, probs)
                       for module in RecomputeModule)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)

@@ -143,7 +143,8 @@ def adam_bytes_touched(sharding: StateSharding) -> float:
 
 def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, cp: int, micro_batch: int,
                      precision: str = "bf16",
-                     modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES, expert_load: float = 1.0) -> float:
+                     modules: tuple[RecomputeModule, ...] = DEFAULT_RECOMPUTE_MODULES, expert_load: float = 1.0,
+                     probs_in_expert_activation: bool = False) -> float:
     """Saved-for-backward bytes of one layer and micro-batch (Korthikanti et al. 2022, Table 2 forms).
 
     Tensors inside tensor-parallel pairs are divided by tp; the rest by tp only with sequence
@@ -152,7 +153,8 @@ def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, c
     What the routed ops make or keep (`OpCost.routed`) is the most loaded expert rank's: `expert_load` x the mean.
     FP8 transformer layers keep their weight-GEMM inputs as 1-byte copies (Transformer Engine; `precision` is
     the stack's `saved_input_precision`, bf16 where FP8 layers keep bf16 inputs); the embedding and output
-    layers stay in bf16 (Megatron-Core builds them without Transformer Engine).
+    layers stay in bf16 (Megatron-Core builds them without Transformer Engine). `probs_in_expert_activation`:
+    the stack's `moe_probs_in_expert_activation`, under which the routed experts' output is not kept.
     """
     if recompute is Recompute.full:
         return kind.input_bytes * micro_batch / ((tp if sp else 1) * cp)
@@ -160,6 +162,8 @@ def activation_bytes(kind: LayerKind, recompute: Recompute, tp: int, sp: bool, c
     total = 0.0
     for saved in kind.saved:
         if recompute is Recompute.selective and saved.dropped_by(modules):
+            continue
+        if probs_in_expert_activation and saved.routed_output_for_probs:
             continue
         divisor = tp if saved.sharding is Sharding.tensor or sp else 1
         load = expert_load if expert_load != 1.0 and routed_tensor(kind, saved) else 1.0

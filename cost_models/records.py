@@ -87,6 +87,9 @@ class SavedTensor:
     producer_module: RecomputeModule | None = None  # the recomputable module that made it, if any
     saver_modules: frozenset = frozenset()          # the modules of its savers (None: outside any)
     inner_module: RecomputeModule | None = None     # made and kept by a module inside producer_module's
+    # the routed experts' output, kept by its multiply by the routing probabilities (for their gradient): what
+    # a stack that applies them inside the expert activation never keeps (`moe_probs_in_expert_activation`)
+    routed_output_for_probs: bool = False
 
     def dropped_by(self, modules: tuple[RecomputeModule, ...]) -> bool:
         """Whether recomputing `modules` frees it: made inside one of them, and either that module discards

@@ -134,6 +134,11 @@ class SoftwareStack(Strict):
     # local expert before the experts and back after them (token_dispatcher.py, MoEAlltoAllTokenDispatcher
     # "Permutation 2" / "Unpermutation 2", sort_chunks_by_idxs), 2; each reads and writes k tokens per token
     moe_sort_copies: int = Field(default=0, ge=0)
+    # the routing probabilities multiply the experts' activation (a weighted SwiGLU on the intermediate
+    # tensor) rather than their output: the h-wide expert output is then not kept for the probabilities'
+    # gradient (Megatron-Core 0.13 CHANGELOG: "moving the probs multiplication from unpermutation to activation
+    # function of GroupedMLP"; experts.py weighted_bias_swiglu_impl). False: the output is multiplied and kept
+    moe_probs_in_expert_activation: bool = False
     # trains a model's multi-token prediction modules (Megatron-Core --mtp-num-layers, since 0.12)
     multi_token_prediction: bool = False
     # host time per call (cost_models/host_time.py): a pass takes the longer of the device's work and the host's

@@ -7,6 +7,7 @@ from cost_models.layout import Layout, Recompute
 from cost_models.memory import activation_bytes
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
+from hardware_profiles.loader import load_stack
 from planner.graph_capture.model_capture import capture
 from planner.graph_capture.model_config import ModelConfig, MoEConfig
 from planner.graph_capture.model_sources import config_from_hf, resolve_model
@@ -107,6 +108,17 @@ def test_each_routed_copy_of_a_token_keeps_its_expert_activations():
 
     one, two = (activation_bytes(moe_layer(k), Recompute.none, 1, False, 1, 1) for k in (1, 2))
     assert two - one == pytest.approx(s * (2 * h + 4 * f) * 2, rel=0.03)
+    # where the stack multiplies the routing probabilities into the experts' activation (Megatron-Core 0.13+,
+    # weighted SwiGLU), the experts' h-wide output is not kept for their gradient: h bf16 values fewer per
+    # routed token, the rest unchanged
+    for k in (1, 2):
+        kind = moe_layer(k)
+        kept = activation_bytes(kind, Recompute.none, 1, False, 1, 1)
+        weighted = activation_bytes(kind, Recompute.none, 1, False, 1, 1, probs_in_expert_activation=True)
+        assert kept - weighted == pytest.approx(s * k * h * 2, rel=1e-9)
+        assert sum(t.routed_output_for_probs for t in kind.saved) == 1
+    assert load_stack("megatron-core").moe_probs_in_expert_activation
+    assert not load_stack("nemo-2").moe_probs_in_expert_activation   # on Megatron-Core 0.12
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

@@ -21,6 +21,12 @@ from .graph_analysis import (EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWA
 from .op_costs import expert_down_width, experts_gated, storage_key
 
 
+# what views and GEMMs leave on their outputs (autograd's node names)
+VIEW_BACKWARDS = ("ViewBackward", "UnsafeViewBackward", "SliceBackward", "SelectBackward", "ReshapeAliasBackward",
+                  "AsStridedBackward", "TransposeBackward", "PermuteBackward", "SqueezeBackward", "UnsqueezeBackward")
+GEMM_BACKWARDS = ("MmBackward", "BmmBackward", "AddmmBackward", "BaddbmmBackward", "GroupedMmBackward")
+
+
 class ExpertLeafAttribution:
     """Attribution of saved tensors inside an expert container run as one node."""
     # the container's children now running beside its routed experts (router, shared experts), each with
@@ -45,6 +51,20 @@ class ExpertLeafAttribution:
         experts, hidden = self._running_experts()
         return experts is not None and not self.beside_routed and len(experts.gemms) > 1 \
             and t.shape[-1] == expert_down_width(experts.gemms, hidden)
+
+    def _routed_output(self, t: torch.Tensor) -> bool:
+        """Inside an expert container run as one leaf, while its routed experts run: a tensor as wide as the
+        hidden state that a GEMM made (its grad_fn a matmul's once views are looked through), the experts'
+        down-projection output, which only the multiply by the routing probabilities keeps."""
+        if self.beside_routed or t.dim() == 0:
+            return False
+        experts, hidden = self._running_experts()
+        if experts is None or t.shape[-1] != hidden:
+            return False
+        made = t.grad_fn
+        while made is not None and type(made).__name__.startswith(VIEW_BACKWARDS) and made.next_functions:
+            made = made.next_functions[0][0]
+        return made is not None and type(made).__name__.startswith(GEMM_BACKWARDS)
 
     def _inner_module(self, t: torch.Tensor) -> RecomputeModule | None:
         """The module inside an expert container run as one leaf that made `t` and keeps it: the routed

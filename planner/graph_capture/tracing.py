@@ -160,7 +160,7 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
         saved = self.results.setdefault(self.part_of(self.current), Measured()).saved
         inner = self._inner_module(t)
         saved.append(SavedTensor(producer, float(nbytes), self._sharding(producer_node), attention_matrix,
-                                 float(nbytes), inner_module=inner))
+                                 float(nbytes), inner_module=inner, routed_output_for_probs=self._routed_output(t)))
         self.savers[key] = _Savers(saved, len(saved) - 1, t.untyped_storage().nbytes() // t.element_size())
         self.savers[key].add(self.gemms.depth_in_weight_gemm > 0, self.current.name)
         return t

@@ -227,7 +227,8 @@ class Bounds:
                self.stack.saved_input_precision(layout.precision),
                self._least_memory_modules(layout))
         if key not in self.activations:
-            self.activations[key] = tuple(activation_bytes(kind, recompute, *key[1:])
+            probs = self.stack.moe_probs_in_expert_activation
+            self.activations[key] = tuple(activation_bytes(kind, recompute, *key[1:], probs_in_expert_activation=probs)
                                           for kind, _ in self.model.block_counts)
         return self.activations[key]
 
