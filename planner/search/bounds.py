@@ -84,12 +84,12 @@ def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[f
     return SortedWork.of(block_work_s, edge_work_s, pp).floor(vp, v_shape)
 
 
-def work_before_zero(costs: MeshCosts, fastest: Recompute, work=None) -> tuple[tuple, tuple[float, float]]:
+def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple[float, float]]:
     """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
-    stage pays at least. `work`: a kind's `LayerWork` (`costs.work`, or a cache of it)."""
-    model, work = costs.model, work or costs.work
-    blocks = tuple((n, work(kind).work_before_zero_s(fastest)) for kind, n in model.block_counts)
-    return blocks, tuple(work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
+    stage pays at least."""
+    model = costs.model
+    blocks = tuple((n, costs.work(kind).work_before_zero_s(fastest)) for kind, n in model.block_counts)
+    return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
 
 
 def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout | PipelineShape) -> float:

@@ -14,7 +14,7 @@ import heapq
 import time
 from dataclasses import dataclass, replace
 
-from cost_models.layer_costs import LayerWork, MeshCosts, SharedCosts
+from cost_models.layer_costs import MeshCosts, SharedCosts
 from cost_models.layout import Layout, Recompute, RecomputeModule
 from cost_models.memory import usable_bytes
 from cost_models.pipeline import p2p_transfers_on_critical_path
@@ -123,8 +123,6 @@ class BranchAndBound:
         self.pipeline_hops: dict[tuple, dict[tuple[int, bool], float]] = {}
         # (placement, a2a overlap asked, pp, vp, DualPipeV) -> whether the MoE all-to-alls are hidden
         self.overlap_flags: dict[tuple, tuple[bool, bool]] = {}
-        # (kind, shape, micro_batch, mesh order): the work of a kind without experts where no passes pair
-        self.kind_work: dict[tuple, LayerWork] = {}
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
 
@@ -265,8 +263,7 @@ class BranchAndBound:
         if key not in self.placement_work:
             layout = node.layout(self.problem)
             costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
-            shared = None if hides or v_hides else self.attention_work(node, costs)
-            work = SortedWork.of(*work_before_zero(costs, self.bounds.fastest, shared), layout.pp)
+            work = SortedWork.of(*work_before_zero(costs, self.bounds.fastest), layout.pp)
             self.placement_work[key] = (work, layout.num_micro_batches, self.hops(node, costs))
         work, micro_batches, hops = self.placement_work[key]
         shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
@@ -280,18 +277,6 @@ class BranchAndBound:
             self.pipeline_hops[key] = {(vp, v_shape): costs.p2p_s(vp, v_shape)
                                        for vp, v_shape in self.tree.virtual_stage_choices(node.shape)}
         return self.pipeline_hops[key]
-
-    def attention_work(self, node: TreeNode, costs: MeshCosts):
-        """`costs.work`, that of a kind without experts shared by the expert foldings of one mesh order: where no
-        schedule pairs the passes, its collectives are the attention mesh's, and nothing in it reads ep or etp."""
-        def work(kind):
-            if kind.num_experts:
-                return costs.work(kind)
-            key = (kind.name, node.shape, node.micro_batch, node.placement[2])
-            if key not in self.kind_work:
-                self.kind_work[key] = costs.work(kind)
-            return self.kind_work[key]
-        return work
 
     def hidden_a2a(self, node: TreeNode) -> tuple[bool, bool]:
         """Whether the node's MoE all-to-alls hide behind combined 1F1B, and behind DualPipeV's pairs: the
