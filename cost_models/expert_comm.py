@@ -8,6 +8,8 @@ stack, the placement of the groups and the collective times.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .communication import ACTIVATION_BYTES, Collective
 from .compute import LayerCompute, SharedExpertSeconds
 from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
@@ -15,6 +17,19 @@ from .layout import Precision
 from .paired_passes import LayerPassParts, combined_1f1b_exposed_s
 from .pipeline import combined_1f1b_paired_share
 from .records import LayerKind
+
+
+@dataclass(frozen=True)
+class PairedPasses:
+    """A layer's all-to-alls and passes as combined 1F1B pairs them."""
+    per_pass_s: float          # one pass's dispatch and combine, alone
+    forward: LayerPassParts
+    backward: LayerPassParts
+    held_share: float          # of the SMs, by the dispatch kernels
+
+    def exposed_s(self, paired_share: float, paired_pass_s: float) -> float:
+        """A forward and a backward: the unpaired share alone, the paired share as the pair exposes them."""
+        return 2 * self.per_pass_s * (1 - paired_share) + paired_share * paired_pass_s
 
 
 def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:
@@ -59,18 +74,37 @@ class ExpertCommunication:
                 exposed_beside_compute(per_pass, compute.forward_s, share)
         if stack.runs_shared_experts_beside_a2a(lay):
             return self._beside_shared_experts_s(dispatch, combine, compute.shared_experts, share)
+        return self.combined_1f1b_ep_comm_s(kind, compute, lay.vp)
+
+    def combined_1f1b_ep_comm_s(self, kind: LayerKind, compute: LayerCompute, vp: int) -> float:
+        """`ep_comm_s` where combined 1F1B pairs the passes, at `vp` virtual stages of this layout's pipeline."""
+        passes = self.paired_passes(kind, compute)
+        return passes.exposed_s(self.paired_share(vp), self.paired_pass_s(passes, self.layers_per_chunk(vp)))
+
+    def paired_passes(self, kind: LayerKind, compute: LayerCompute) -> "PairedPasses":
+        """What combined 1F1B pairs of a layer: no vp changes it (a search bounds every vp of a placement from
+        one layout's costs)."""
+        dispatch, combine = self.ep_exchanges_s(kind)
+        forward, backward = self._pass_parts(dispatch, combine, compute)
+        share = self.sm_share_held_by_dispatch() or 0.0   # what compute runs beside them holds the rest
+        return PairedPasses(dispatch + combine, forward, backward, share)
+
+    def paired_share(self, vp: int) -> float:
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
         # Megatron-Core's order on two streams; the warmup forwards and cooldown backwards are alone
-        paired = combined_1f1b_paired_share(lay.pp, lay.vp, lay.num_micro_batches)
-        forward, backward = self._pass_parts(dispatch, combine, compute)
-        layers = max(1, round(len(self.model.blocks) / (lay.pp * lay.vp)))
-        # with the weight gradients delayed: the plan's Megatron export adds --delay-wgrad-compute to it
-        key = (forward, backward, layers, share)
+        return combined_1f1b_paired_share(self.layout.pp, vp, self.layout.num_micro_batches)
+
+    def layers_per_chunk(self, vp: int) -> int:
+        return max(1, round(len(self.model.blocks) / (self.layout.pp * vp)))
+
+    def paired_pass_s(self, passes: "PairedPasses", layers: int) -> float:
+        """The all-to-alls a paired forward and backward expose, with the weight gradients delayed (the plan's
+        Megatron export adds --delay-wgrad-compute to it)."""
+        key = (passes.forward, passes.backward, layers, passes.held_share)
         if key not in self._shared.paired_layers:
-            self._shared.paired_layers[key] = combined_1f1b_exposed_s(forward, backward, layers, share,
-                                                                      delay_wgrad=True)
-        beside = self._shared.paired_layers[key]
-        return 2 * per_pass * (1 - paired) + paired * beside
+            self._shared.paired_layers[key] = combined_1f1b_exposed_s(passes.forward, passes.backward, layers,
+                                                                      passes.held_share, delay_wgrad=True)
+        return self._shared.paired_layers[key]
 
     @staticmethod
     def _beside_shared_experts_s(dispatch: float, combine: float, shared: SharedExpertSeconds,

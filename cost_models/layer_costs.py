@@ -12,7 +12,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, place_dims_together, place_mesh
 
 from .communication import ACTIVATION_BYTES, Collective, CollectiveCost, collective_time
-from .compute import ShardSpec, layer_compute, memory_seconds
+from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
 from .expert_comm import ExpertCommunication
 from .host_time import host_excess_seconds, layer_host_seconds
 from hardware_profiles.stack import SoftwareStack
@@ -42,8 +42,12 @@ class LayerWork:
     host_excess_s: float
 
     def work_before_zero_s(self, recompute: Recompute) -> float:
+        return self.work_but_all_to_alls_s(recompute) + self.ep_comm_s
+
+    def work_but_all_to_alls_s(self, recompute: Recompute) -> float:
+        """`work_before_zero_s` less the all-to-alls: the part that no pipeline schedule changes."""
         return (self.forward_s + self.backward_s + self.recompute_s[RECOMPUTE_INDEX[recompute]]
-                + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.host_excess_s)
+                + self.tp_comm_s + self.cp_comm_s + self.host_excess_s)
 
     @property
     def unpaired_extra_s(self) -> float:
@@ -113,6 +117,7 @@ class SharedCosts:
     collectives: dict = field(default_factory=dict)
     by_placement: dict = field(default_factory=dict)    # the same, by (op, bytes, dim, placement key, options)
     paired_layers: dict = field(default_factory=dict)   # combined 1F1B's exposure by (passes, layers, SM share)
+    activations: dict = field(default_factory=dict)     # a layer's activation bytes by (kind, shape, modules, load)
 
 
 class MeshCosts(ExpertCommunication):
@@ -197,7 +202,7 @@ class MeshCosts(ExpertCommunication):
             return total
         # chunked over tp ring steps (Wang et al. ASPLOS'23 decomposition; TE userbuffers): one chunk is
         # exposed, the others overlap the GEMMs of the same layer, forward and backward
-        compute = self._compute(kind)
+        compute = self.compute_of(kind)
         first = total / self.layout.tp
         return first + max(0.0, total - first - compute.forward_s - compute.backward_s)
 
@@ -229,7 +234,7 @@ class MeshCosts(ExpertCommunication):
         hidden_bwd = self.stack.cp_hidden * 2 * attention_forward_s
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
-    def _compute(self, kind: LayerKind):
+    def compute_of(self, kind: LayerKind) -> LayerCompute:
         key = (kind.name, self.spec)
         if key not in self._shared.compute:
             self._shared.compute[key] = layer_compute(kind, self.cluster.device, self.spec)
@@ -241,10 +246,11 @@ class MeshCosts(ExpertCommunication):
             self._shared.compute[key] = layer_host_seconds(kind, self.cluster.device, self.stack, self.spec)
         return self._shared.compute[key]
 
-    def work(self, kind: LayerKind) -> LayerWork:
+    def work(self, kind: LayerKind, all_to_alls: bool = True) -> LayerWork:
         """The layer's time without its memory parts: what it costs under every ZeRO stage at least
-        (the search bounds whole subtrees with it)."""
-        compute = self._compute(kind)
+        (the search bounds whole subtrees with it); without `all_to_alls`, less the MoE all-to-alls (the
+        search adds them per pipeline schedule: `planner.search.bounds.PairedWork`)."""
+        compute = self.compute_of(kind)
         selective = compute.selective_forward_s(self.layout.recompute_modules)
         host = self._host(kind)
         return LayerWork(forward_s=compute.forward_s, backward_s=compute.backward_s,
@@ -252,21 +258,16 @@ class MeshCosts(ExpertCommunication):
                          recompute_s=(0.0, selective, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
-                         ep_comm_s=self.ep_comm_s(kind, compute), module_recompute_s=compute.module_forward_s,
-                         backward_weight_s=compute.backward_weight_s, ep_comm_alone_s=2 * self.ep_pass_s(kind))
+                         ep_comm_s=self.ep_comm_s(kind, compute) if all_to_alls else 0.0,
+                         module_recompute_s=compute.module_forward_s, backward_weight_s=compute.backward_weight_s,
+                         ep_comm_alone_s=2 * self.ep_pass_s(kind) if all_to_alls else 0.0)
 
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:
             return self._cache[kind.name]
         lay = self.layout
-        compute = self._compute(kind)
-        shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, self.stack.saved_input_precision(lay.precision))
-        load = self.spec.expert_load
-        probs = self.stack.moe_probs_in_expert_activation
-        activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules, load, probs)
-                            for r in RECOMPUTE_ORDER)
-        freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,), load, probs)
-                      for module in RecomputeModule)
+        compute = self.compute_of(kind)
+        activations, freed = self._activations(kind)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
@@ -290,6 +291,22 @@ class MeshCosts(ExpertCommunication):
             cost = replace(cost, zero_exposed_s=max(0.0, traffic - compute.forward_s - compute.backward_s))
         self._cache[kind.name] = cost
         return cost
+
+    def _activations(self, kind: LayerKind) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """A layer's activation bytes by RECOMPUTE_ORDER, and what recomputing each module alone frees (the many
+        layouts of a search that share the shape of a micro-batch on a rank share them)."""
+        lay = self.layout
+        shape = (lay.tp, lay.sp, lay.cp, lay.micro_batch, self.stack.saved_input_precision(lay.precision))
+        load = self.spec.expert_load
+        key = (kind.name, shape, lay.recompute_modules, load)
+        if key not in self._shared.activations:
+            probs = self.stack.moe_probs_in_expert_activation
+            activations = tuple(activation_bytes(kind, r, *shape, lay.recompute_modules, load, probs)
+                                for r in RECOMPUTE_ORDER)
+            freed = tuple(activations[0] - activation_bytes(kind, Recompute.selective, *shape, (module,), load,
+                                                            probs) for module in RecomputeModule)
+            self._shared.activations[key] = (activations, freed)
+        return self._shared.activations[key]
 
     @cached_property
     def comm_buffer_bytes(self) -> float:

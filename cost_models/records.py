@@ -135,7 +135,14 @@ class LayerKind:
         return sum(group.count for group in self.params)
 
     def params_by(self, sharding: Sharding) -> int:
-        return sum(group.count for group in self.params if group.sharding is sharding)
+        return self._params_by_sharding.get(sharding, 0)
+
+    @cached_property
+    def _params_by_sharding(self) -> dict[Sharding, int]:   # a search asks for each layout it bounds
+        counts: dict[Sharding, int] = {}
+        for group in self.params:
+            counts[group.sharding] = counts.get(group.sharding, 0) + group.count
+        return counts
 
     @property
     def active_param_count(self) -> int:

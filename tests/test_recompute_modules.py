@@ -217,6 +217,51 @@ def test_the_leaf_bound_stays_below_the_best_plan_when_modules_are_chosen(pp, vp
     assert solved >= 2 and selective
 
 
+@pytest.mark.parametrize("pp,vp,dp,ep", [(2, 2, 8, 4), (4, 1, 8, 8), (2, 1, 16, 2)])
+def test_a_leaf_with_kinds_in_runs_chooses_the_module_set_the_enumeration_finds(pp, vp, dp, ep):
+    """The leaf model's free module choice, with dense and MoE blocks in runs over several ranks (where its
+    sums over the ranks tie each module's recomputed blocks to its choice), answers what solving the leaf
+    once per valid module set pinned and keeping the fastest answers: the same step, at each memory size
+    that forces recomputation."""
+    from dataclasses import replace
+
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout, nested_modules
+    from hardware_profiles.loader import load_stack
+    from planner.search.bounds import Bounds
+    from planner.search.partition import solve_partition
+    from tests.test_search import GB, mixed_moe_model, small_cluster
+
+    stack = load_stack("megatron-core")
+    graph = capture(mixed_moe_model(seq=4096), fused_kernels=True)
+    model = graph.costs()
+    assert len({kind for kind in model.blocks}) >= 2
+    allowed = (Recompute.none, Recompute.selective, Recompute.full)
+    choices = tuple(m for m in RecomputeModule if any(m in s.recompute_modules for s in graph.structures))
+    subsets = [subset for size in range(1, len(choices) + 1) for subset in itertools.combinations(choices, size)
+               if not nested_modules(subset)]
+    base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=vp, ep=ep, global_batch=64, zero=1)
+    roomy = small_cluster(32, 80)
+    floor = Bounds(model, roomy, stack, allowed, choices)._floor(base, Recompute.none).bytes
+    reserve = roomy.device.memory_reserve
+    compared = 0
+    for share in (0.95, 0.9, 0.85):
+        cluster = small_cluster(32, (share * floor / (1 - reserve.fragmentation_fraction)
+                                     + reserve.runtime_context_bytes) / GB)
+        free = solve_partition(MeshCosts(model, cluster, base, stack), allowed, module_choices=choices)
+        pinned = [solve_partition(MeshCosts(model, cluster, replace(base, recompute_modules=subset), stack),
+                                  allowed) for subset in subsets]
+        assert free.status in ("OPTIMAL", "INFEASIBLE") and all(p.status in ("OPTIMAL", "INFEASIBLE") for p in pinned)
+        found = [p.objective_s for p in pinned if p.stage_layers]
+        assert bool(free.stage_layers) == bool(found)
+        if found:
+            # the free model sums each chosen module's time rounded to 0.1 us apiece, a pinned set's once, and
+            # the pipeline's objective scales the units by the micro-batches
+            assert free.objective_s == pytest.approx(min(found), rel=1e-4)
+            compared += Recompute.selective in free.layer_recompute
+    assert compared
+
+
 # (model, hidden, the experts' down-projection input width f, top-k): a reference model whose expert container
 # capture runs as one node (with a shared expert beside the routed ones), and transformers' own classes, whose
 # grouped GEMMs the graph runs node by node

@@ -203,7 +203,8 @@ class GroupedExperts(nn.Module):
 
     def reset_parameters(self):
         for weight in (self.w_up, self.w_gate, self.w_down):
-            if weight is not None:
+            # nothing to fill on meta, where torch runs normal_ through its Python reference decomposition
+            if weight is not None and not weight.is_meta:
                 nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
 
     def expert_forward(self, e: int, x):

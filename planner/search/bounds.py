@@ -92,6 +92,33 @@ def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple
     return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
 
 
+class PairedWork:
+    """`work_before_zero` of a placed node whose MoE all-to-alls combined 1F1B pairs, at each vp of it: the
+    share of passes paired and the layers per chunk read vp; the rest of each layer's work and its passes do
+    not, so they are taken once from the costs of the placement's first layout."""
+
+    def __init__(self, costs: MeshCosts, fastest: Recompute):
+        model, self.costs = costs.model, costs
+        kinds = [(kind, fastest) for kind, _ in model.block_counts] + \
+            [(edge, Recompute.none) for edge in (model.embedding, model.head)]
+        self.counts = tuple(n for _, n in model.block_counts)
+        self.rest_s = [costs.work(kind, all_to_alls=False).work_before_zero_s(method) for kind, method in kinds]
+        self.passes = [costs.paired_passes(kind, costs.compute_of(kind)) for kind, _ in kinds]
+        self.by_layers: dict[tuple[int, int], float] = {}
+
+    def at(self, vp: int) -> tuple[tuple, tuple[float, float]]:
+        costs, layers = self.costs, self.costs.layers_per_chunk(vp)
+        paired = costs.paired_share(vp)
+        seconds = [rest + passes.exposed_s(paired, self._paired_pass_s(i, passes, layers))
+                   for i, (rest, passes) in enumerate(zip(self.rest_s, self.passes))]
+        return tuple(zip(self.counts, seconds)), (seconds[-2], seconds[-1])
+
+    def _paired_pass_s(self, index: int, passes, layers: int) -> float:
+        if (index, layers) not in self.by_layers:
+            self.by_layers[index, layers] = self.costs.paired_pass_s(passes, layers)
+        return self.by_layers[index, layers]
+
+
 def communication_bound(work: WorkFloor, p2p_s: float, layout: Layout | PipelineShape) -> float:
     """Pipeline of compute and exposed per-layer communication as balanced as integers allow."""
     return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s)

@@ -26,7 +26,7 @@ from hardware_profiles.stack import SoftwareStack
 
 from ..rules.pins import Pins
 from ..rules.stack import leaf_recompute_methods
-from .bounds import (Bounds, PipelineShape, SortedWork, balanced_bound, communication_bound, pipeline_bound,
+from .bounds import (Bounds, PairedWork, PipelineShape, SortedWork, balanced_bound, communication_bound, pipeline_bound,
                      work_before_zero)
 from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
 from .space import zero_choices
@@ -118,6 +118,8 @@ class BranchAndBound:
         # (shape, micro_batch, placement, MoE overlaps, vp where combined 1F1B pairs passes): the work before
         # ZeRO, with the micro-batch count and the hops, from the placement's first layout
         self.placement_work: dict[tuple, tuple[SortedWork, int, dict]] = {}
+        # the same key less vp, where combined 1F1B pairs passes: what its layouts of every vp share
+        self.paired_work: dict[tuple, tuple[PairedWork, int, dict, MeshCosts]] = {}
         # (shape, micro_batch, mesh order): a pipeline hop's seconds at each (vp, DualPipeV) (which hops leave a
         # domain depends on them)
         self.pipeline_hops: dict[tuple, dict[tuple[int, bool], float]] = {}
@@ -257,14 +259,22 @@ class BranchAndBound:
     def communication_bound(self, node: TreeNode) -> float:
         """A placed node's bound: compute and exposed per-layer communication, as balanced as integers allow.
         Its children of every vp share the work (a layout is built only for the first of them), but where
-        combined 1F1B hides the all-to-alls: the share of passes it pairs depends on vp."""
+        combined 1F1B hides the all-to-alls: their exposure depends on vp (`PairedWork`)."""
         hides, v_hides = self.hidden_a2a(node)
         key = (node.shape, node.micro_batch, node.placement, hides, v_hides, node.vp if hides else 0)
         if key not in self.placement_work:
-            layout = node.layout(self.problem)
-            costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
-            work = SortedWork.of(*work_before_zero(costs, self.bounds.fastest), layout.pp)
-            self.placement_work[key] = (work, layout.num_micro_batches, self.hops(node, costs))
+            hides = hides and not v_hides   # (DualPipeV's pairs, where they hide them, take the place of 1F1B's)
+            first = self.paired_work.get(key[:-1]) if hides else None
+            if first is None:
+                layout = node.layout(self.problem)
+                costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
+                first = (PairedWork(costs, self.bounds.fastest) if hides else None, layout.num_micro_batches,
+                         self.hops(node, costs), costs)
+                if hides:
+                    self.paired_work[key[:-1]] = first
+            paired, micro_batches, hops, costs = first
+            blocks = paired.at(node.vp) if hides else work_before_zero(costs, self.bounds.fastest)
+            self.placement_work[key] = (SortedWork.of(*blocks, node.shape.pp), micro_batches, hops)
         work, micro_batches, hops = self.placement_work[key]
         shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
         return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
