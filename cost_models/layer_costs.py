@@ -126,10 +126,16 @@ class MeshCosts(ExpertCommunication):
     def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack,
                  ep_imbalance: float = 1.0, shared: SharedCosts | None = None):
         self.model, self.cluster, self.layout, self.stack = model, cluster, layout, stack
+        self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
         self.state_sharding = StateSharding.of(layout, stack)
         self._cache: dict[str, LayerCost] = {}
         self._shared = shared if shared is not None else SharedCosts()
+
+    def with_recompute_modules(self, modules: tuple[RecomputeModule, ...]) -> "MeshCosts":
+        """The same layout's costs with selective recomputation repeating `modules` (what it shares kept)."""
+        return MeshCosts(self.model, self.cluster, replace(self.layout, recompute_modules=modules), self.stack,
+                         self.ep_imbalance, self._shared)
 
     @cached_property
     def _placement_key(self) -> tuple:

@@ -70,6 +70,20 @@ def test_held_sms_slow_the_compute_as_a_step_by_step_run_of_the_streams_does(for
                                                              abs=len(tasks) * 2 * step)
 
 
+
+@settings(max_examples=80, deadline=None)
+@given(pass_parts(False), pass_parts(True), st.integers(1, 40), st.sampled_from([0.0, 0.1, 0.3, 0.8]), st.booleans())
+def test_a_chunk_of_many_layers_is_its_first_pairs_and_their_steady_increment(forward, backward, layers, share,
+                                                                              delay):
+    """The exposure of a chunk of identical layers, taken from its first pairs and the steady increment, is the
+    whole two-stream run of every pair."""
+    whole = two_stream_seconds(combined_1f1b_tasks(forward, backward, layers, delay), share) / layers \
+        - forward.compute_s - backward.compute_s
+    scale = forward.compute_s + backward.compute_s + sum(
+        (forward.dispatch_s, forward.combine_s, backward.dispatch_s, backward.combine_s))
+    assert combined_1f1b_exposed_s(forward, backward, layers, share, delay) == pytest.approx(
+        whole, rel=1e-9, abs=1e-12 * max(scale, 1.0))
+
 @given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.floats(0.0, 0.9))
 def test_one_all_to_all_beside_one_compute_is_the_closed_form(a2a, compute, share):
     tasks = [StreamTask("compute", COMPUTE, compute), StreamTask("a2a", COMM, a2a)]

@@ -24,7 +24,7 @@ from cost_models.records import ModelCosts
 from cost_models.step_time import estimate
 from hardware_profiles.schema import Cluster
 
-from .partition import selective_is_one_switch
+from .partition_model import selective_is_one_switch
 
 MEMORY_RANK = RECOMPUTE_INDEX   # none, selective, full: least memory last
 

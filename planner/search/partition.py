@@ -8,6 +8,7 @@ fully. The model (`partition_model.PartitionModel`) sums the stage terms the ste
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -15,9 +16,11 @@ from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import MeshCosts
 from cost_models.layout import Recompute, RecomputeModule, first_blocks_of_each_chunk
-from cost_models.pipeline import least_blocks
+from cost_models.layout import nested_modules
+from cost_models.pipeline import least_blocks, p2p_transfers_on_critical_path
 
-from .partition_model import TIME_UNIT_S, PartitionModel
+from .bounds import balanced_bound
+from .partition_model import TIME_UNIT_S, PartitionModel, selective_is_one_switch
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class PartitionResult:
     gap: float
     wall_s: float
     recompute_modules: tuple[RecomputeModule, ...] = ()   # chosen by the solver where it was given a choice
+    work: float = 0.0   # CP-SAT's deterministic time spent
 
 
 def model_key(costs: MeshCosts, allowed: tuple[Recompute, ...], module_choices: tuple[RecomputeModule, ...] = ()
@@ -51,12 +55,6 @@ LEAF_WORK_LIMIT = 4.0
 PROOFS = ("OPTIMAL", "INFEASIBLE")
 
 
-def selective_is_one_switch(stack, allowed: tuple[Recompute, ...]) -> bool:
-    """Whether a plan must recompute selectively every block or none (and then none fully): the stack's
-    selective recomputation is one switch for the model and the leaf may choose among methods."""
-    return stack.selective_every_layer and Recompute.selective in allowed and len(allowed) > 1
-
-
 def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float = 600.0,
                     cutoff_s: float = float("inf"), work_limit: float = LEAF_WORK_LIMIT,
                     module_choices: tuple[RecomputeModule, ...] = ()) -> PartitionResult:
@@ -72,7 +70,7 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
         return _solve(costs, allowed, time_limit_s, cutoff_s, work_limit, module_choices)
     start = time.perf_counter()
     # the selective model first: it has no per-layer choice, and its answer bounds the other
-    everywhere = _solve(costs, (Recompute.selective,), time_limit_s, cutoff_s, work_limit, module_choices)
+    everywhere = _selective_everywhere(costs, time_limit_s, cutoff_s, work_limit, module_choices)
     bar = min(cutoff_s, everywhere.objective_s) if everywhere.stage_layers else cutoff_s
     without = _solve(costs, tuple(r for r in allowed if r is not Recompute.selective),
                      max(0.0, time_limit_s - (time.perf_counter() - start)), bar, work_limit, ())
@@ -81,6 +79,58 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     status = ("OPTIMAL" if best.stage_layers else "INFEASIBLE") if proven else (
         "FEASIBLE" if best.stage_layers else "UNKNOWN")
     return replace(best, status=status, gap=best.gap if not proven else 0.0, wall_s=time.perf_counter() - start)
+
+
+def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float, work_limit: float,
+                          module_choices: tuple[RecomputeModule, ...]) -> PartitionResult:
+    """Every block recomputing selectively one module set. Where the solver chooses the set, each valid set is
+    solved in turn as a model of its own, least balanced bound first and below the best so far, until the
+    next set's bound reaches that best: a model that chooses the set multiplies a choice by a count, which
+    CP-SAT's relaxation ties loosely (DeepSeek-V3's leaves took 0.8 s each that way, 0.1-0.3 s so)."""
+    selective = (Recompute.selective,)
+    if not module_choices:
+        return _solve(costs, selective, time_limit_s, cutoff_s, work_limit, ())
+    start = time.perf_counter()
+    best, bar, proven, work_left = None, cutoff_s, True, work_limit
+    for bound, set_costs in _module_sets_by_bound(costs, module_choices):
+        if bound > bar * (1 + BOUND_TOLERANCE):   # nor can any set after it
+            break
+        if work_left <= 0:
+            proven = False   # the leaf's work is spent with sets left that might beat the best
+            break
+        result = _solve(set_costs, selective, max(0.0, time_limit_s - (time.perf_counter() - start)), bar,
+                        work_left, ())
+        work_left -= result.work
+        proven &= result.status in PROOFS
+        if result.stage_layers and (best is None or result.objective_s < best.objective_s):
+            best = replace(result, recompute_modules=set_costs.layout.recompute_modules)
+            bar = min(bar, result.objective_s)
+    wall = time.perf_counter() - start
+    if best is None:
+        return PartitionResult((), (), float("inf"), "INFEASIBLE" if proven else "UNKNOWN", float("inf"), wall,
+                               work=work_limit - work_left)
+    return replace(best, status="OPTIMAL" if proven else "FEASIBLE", gap=0.0 if proven else best.gap, wall_s=wall,
+                   work=work_limit - work_left)
+
+
+# the balanced bound is in exact seconds, the model's objective in 0.1 us units: a set whose bound lies within
+# the rounding of the best is still solved
+BOUND_TOLERANCE = 1e-6
+
+
+def _module_sets_by_bound(costs: MeshCosts, module_choices: tuple[RecomputeModule, ...]):
+    """(bound, costs) of each valid module set (none nested in another of it), least bound first: the
+    balanced-pipeline bound of the layout recomputing it in every block, less the pipeline's hops, which the
+    leaf model's objective leaves to the search."""
+    lay = costs.layout
+    hops_s = p2p_transfers_on_critical_path(lay.pp, lay.vp, lay.dualpipev) * costs.p2p_s()
+    sets = [subset for size in range(1, len(module_choices) + 1)
+            for subset in itertools.combinations(module_choices, size) if not nested_modules(subset)]
+    bounded = []
+    for index, subset in enumerate(sets):
+        set_costs = costs.with_recompute_modules(subset)
+        bounded.append((balanced_bound(set_costs, set_costs.layout, Recompute.selective) - hops_s, index, set_costs))
+    return [(bound, set_costs) for bound, _, set_costs in sorted(bounded, key=lambda item: item[:2])]
 
 
 def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float, cutoff_s: float,
@@ -100,8 +150,8 @@ def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float
     wall = time.perf_counter() - start_time
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return PartitionResult((), (), float("inf"), name, float("inf"), wall)
-    return _decode(solver, built, name, wall)
+        return PartitionResult((), (), float("inf"), name, float("inf"), wall, work=solver.deterministic_time)
+    return replace(_decode(solver, built, name, wall), work=solver.deterministic_time)
 
 
 def _decode(solver: cp_model.CpSolver, built: PartitionModel, status: str, wall: float) -> PartitionResult:

@@ -50,6 +50,12 @@ def m(nbytes: float) -> int:
     return int(round(nbytes / MEMORY_UNIT_BYTES))
 
 
+def selective_is_one_switch(stack, allowed: tuple[Recompute, ...]) -> bool:
+    """Whether a plan must recompute selectively every block or none (and then none fully): the stack's
+    selective recomputation is one switch for the model and the leaf may choose among methods."""
+    return stack.selective_every_layer and Recompute.selective in allowed and len(allowed) > 1
+
+
 def block_runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
     """Maximal runs of consecutive blocks of one kind: (kind, start, end)."""
     runs: list[tuple[str, int, int]] = []
@@ -147,15 +153,6 @@ class PartitionModel:
                 self.part[i, r, mod] = cp.NewIntVar(0, self.runs[r][2] - self.runs[r][1], f"part{i}_{r}_{mod.value}")
                 cp.Add(self.part[i, r, mod] == var).OnlyEnforceIf(on)
                 cp.Add(self.part[i, r, mod] == 0).OnlyEnforceIf(on.Not())
-        # the same over the ranks, linear in the choice: the LP relaxation then ties each module's blocks to its
-        # choice (every block of a run recomputes where nothing is left unrecomputed)
-        for mod, on in self.chosen.items():
-            for r, (_, r0, r1) in enumerate(self.runs):
-                over_ranks = sum(self.part[i, r, mod] for i in range(self.pp))
-                if Recompute.none in self.allowed:
-                    cp.Add(over_ranks <= (r1 - r0) * on)
-                else:
-                    cp.Add(over_ranks == (r1 - r0) * on)
 
     # -- constraints ---------------------------------------------------------------------------------
     def add_tiling(self) -> None:
