@@ -27,7 +27,7 @@ LAYOUT_FIELDS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vp
 # A longer id prefix wins: dgxc-benchmarking's 25.03 Grok runs used NeMo 24.12's YAML launcher (grok1/launch.sh
 # FW_VERSION=24.12), its 25.05 releases NeMo 2's performance scripts (deepseek_v3/pretraining and grok1 launch.sh:
 # NeMo 25.04, `python3 -m scripts.performance.llm.pretrain_*`).
-FAMILY_STACKS = {"narayanan21": "megatron-lm-2021", "mtnlg": "megatron-lm-2021", "bloom": "megatron-lm-2021",
+FAMILY_STACKS = {"narayanan21": "megatron-lm-2021", "mtnlg": "megatron-deepspeed-2021", "bloom": "megatron-deepspeed-2021",
                  "opt": "megatron-lm-2021", "korthikanti22": "megatron-lm-2022", "mbridge": "megatron-bridge",
                  "nemo2407": "nemo", "dgxc": "nemo", "dgxc-250504": "nemo-2", "torchtitan": "torchtitan",
                  "pangu": "mindspeed", "megatron24": "megatron-core"}
@@ -326,12 +326,16 @@ UNSTATED_CHOICES = (("grad_reduce", "bf16"), ("zero", 2), ("zero", 3), ("recompu
 
 def published_values(run: PublishedRun) -> dict | None:
     """The run's whole layout as `evaluate` values when the source gives every degree and the micro-batch;
-    what it leaves out is ASSUMED_WHERE_UNSTATED (Megatron's defaults)."""
+    what it leaves out is ASSUMED_WHERE_UNSTATED (Megatron's defaults), ZeRO-0 where the run's stack has no
+    distributed optimizer."""
     need = ("tp", "pp", "dp", "cp", "mbs")
     if not all(k in run.known for k in need):
         return None
     known = {key: value for key, value in run.known.items() if key in LAYOUT_KEYS}
-    return {**ASSUMED_WHERE_UNSTATED, **known}
+    assumed = dict(ASSUMED_WHERE_UNSTATED)
+    if assumed["zero"] not in run_stack(run.id).zero_stages:
+        assumed["zero"] = 0
+    return {**assumed, **known}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from planner.plans import Plan
 from planner.rules.pins import pins_from
 from planner.rules.stack import layout_stack_problems, stack_problems
 
-BUILT_IN = {"megatron-lm-2021", "megatron-lm-2022", "megatron-core", "nemo", "nemo-2", "megatron-bridge", "torchtitan",
+BUILT_IN = {"megatron-lm-2021", "megatron-deepspeed-2021", "megatron-lm-2022", "megatron-core", "nemo", "nemo-2", "megatron-bridge", "torchtitan",
             "deepspeed", "llm-foundry", "mindspeed", "parallel-planner", "torchtitan-npu"}
 
 
