@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 # 32 elements (OCP MX spec v1.0), blockwise an fp32 scale per 128-element tile (DeepSeek-V3 report 3.3.1)
 FP8_CAST_BYTES = {Fp8Recipe.delayed: 4.0, Fp8Recipe.tensorwise: 6.0, Fp8Recipe.mxfp8: 4.0 + 2 * 1 / 32,
                   Fp8Recipe.blockwise: 4.0 + 2 * 4 / 128}
+# per-tensor scalings on a device whose FP8 GEMMs take any layout (`Device.fp8_any_layout`) write no
+# column-wise copy (Transformer Engine skips the transpose there); block scalings still do, their scales
+# running along the other dimension
+PER_TENSOR_RECIPES = (Fp8Recipe.delayed, Fp8Recipe.tensorwise)
 
 # a fused flash backward recomputes q k^T: 5 matmuls where an unfused backward has 4 (Dao 2023: backward =
 # 2.5 x forward FLOPs); measured on an H200 it takes 3.0-3.6 x the forward (docs/gpu-validation.md)
@@ -111,25 +115,29 @@ def work_divisor(sharding: Sharding, spec: ShardSpec) -> int:
     return tp_share * spec.cp
 
 
-def gemm_efficiency(device: Device, gemm_flops: float, precision: str) -> float:
+def gemm_efficiency(device: Device, gemm_flops: float, precision: str, fp8_recipe: Fp8Recipe | None = None
+                    ) -> float:
     # saturating curve: peak_fraction * W / (W + W_half) (profile parameters, calibrated on MAMF tables)
     gemm = device.gemm
     fraction, half = gemm.peak_fraction, gemm.half_work_gflop * 1e9
     if precision == "fp8" and gemm.fp8_peak_fraction:
         fraction = gemm.fp8_peak_fraction
+    if precision == "fp8" and fp8_recipe == Fp8Recipe.mxfp8 and gemm.mxfp8_peak_fraction:
+        fraction = gemm.mxfp8_peak_fraction
     if precision == "fp8" and gemm.fp8_half_work_gflop is not None:
         half = gemm.fp8_half_work_gflop * 1e9
     fraction *= gemm.sustained_fraction
     return fraction * gemm_flops / (gemm_flops + half) if half else fraction
 
 
-def gemm_seconds(device: Device, flops: float, count: int, precision: str) -> float:
+def gemm_seconds(device: Device, flops: float, count: int, precision: str, fp8_recipe: Fp8Recipe | None = None
+                 ) -> float:
     if flops <= 0:
         return 0.0
     dtype = precision if precision == "fp8" and device.peak_tflops.fp8 else "bf16"
     peak = device.peak_flops(dtype)
     per_gemm = flops / max(1, count)
-    seconds = flops / (peak * gemm_efficiency(device, per_gemm, dtype))
+    seconds = flops / (peak * gemm_efficiency(device, per_gemm, dtype, fp8_recipe))
     return max(seconds, device.gemm.kernel_floor_us * 1e-6)
 
 
@@ -163,7 +171,8 @@ def fp8_cast_seconds(op: OpCost, device: Device, spec: ShardSpec, scale: float) 
         return 0.0, 0.0
     tokens, n_out, n_in = op.gemm_mnk
     elements = tokens * op.gemm_count * scale
-    per_element = FP8_CAST_BYTES[spec.fp8_recipe]
+    per_element = FP8_CAST_BYTES[spec.fp8_recipe] - (
+        1.0 if device.fp8_any_layout and spec.fp8_recipe in PER_TENSOR_RECIPES else 0.0)
     return (memory_seconds(device, per_element * elements * n_in),
             memory_seconds(device, per_element * elements * n_out))
 
@@ -177,7 +186,7 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
         count = max(1, op.gemm_count // spec.ep) if op.sharding is Sharding.expert else op.gemm_count
         traffic = gemm_traffic_seconds(op, device, spec, scale)  # each pass moves about the same bytes
         forward, backward_input, backward_weight = (
-            max(traffic, gemm_seconds(device, flops * scale, count, spec.precision))
+            max(traffic, gemm_seconds(device, flops * scale, count, spec.precision, spec.fp8_recipe))
             for flops in (op.forward_flops, op.backward_input_flops, op.backward_weight_flops))
         cast_forward, cast_backward = fp8_cast_seconds(op, device, spec, scale)
         return forward + cast_forward, backward_input + cast_backward, backward_weight

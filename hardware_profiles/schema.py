@@ -67,6 +67,9 @@ class GemmEfficiency(Strict):
     # FP8 GEMMs' own scale (they saturate later: docs/gpu-validation.md; measured on Hopper, fitted on
     # Blackwell by benchmarks/calibrate.py); None: FP8 GEMMs take the one above
     fp8_half_work_gflop: float | None = Field(default=None, ge=0)
+    # MXFP8 block-scaled GEMMs' fraction where it is not the per-tensor FP8 one (the scales' loads in the
+    # kernel); None: the FP8 fraction
+    mxfp8_peak_fraction: float | None = Field(default=None, gt=0, le=1)
     kernel_floor_us: float = Field(ge=0)
     # share of MAMF sustained inside a training step (fusions, launch gaps, non-ideal shapes); fitted on
     # published runs by benchmarks/calibrate.py, 1.0 where no run exists
@@ -151,6 +154,9 @@ class Device(Strict):
     host_call_us: float | None = Field(default=None, gt=0)
     # tensor cores that apply MXFP8's per-block scales (Blackwell); the mxfp8 recipe needs them
     mxfp8: bool = False
+    # per-tensor FP8 GEMMs take any operand layout (Blackwell: Transformer Engine's is_non_tn_fp8_gemm_supported),
+    # so a cast writes no transposed copy for the backward's GEMMs; Hopper's take TN only
+    fp8_any_layout: bool = False
     gemm: GemmEfficiency
     intra_node: IntraNodeFabric
     collective_backend: Literal["nccl", "hccl", "rccl", "gloo"]

@@ -70,6 +70,23 @@ def test_fp8_gemms_pay_for_casting_their_operands(recipe, bytes_per_element):
     assert backward_weight == pytest.approx(gemm_s, rel=1e-9)   # reuses both copies
 
 
+@pytest.mark.parametrize("recipe,bytes_per_element", [("delayed", 3), ("tensorwise", 5), ("mxfp8", 4 + 2 / 32)])
+def test_blackwell_fp8_casts_skip_the_transposed_copy_only_for_per_tensor_scales(recipe, bytes_per_element):
+    """On compute capability 10.x per-tensor FP8 GEMMs take any layout, so Transformer Engine writes no
+    column-wise copy (utils.is_non_tn_fp8_gemm_supported); MXFP8's scales run along one dimension, so it still
+    writes both. Its block-scaled GEMMs run at the profile's MXFP8 fraction, the others at the FP8 one."""
+    b200 = cluster_from_device("b200", 8).device
+    tokens, n_in, n_out = 8192, 8192, 28672
+    op, _, _ = gemm(tokens, n_in, n_out)
+    forward, _, backward_weight = op_seconds(op, b200, ShardSpec(precision="fp8", fp8_recipe=recipe))
+    hbm = b200.hbm_bandwidth_gbytes_per_s * 1e9 * b200.hbm_bandwidth_fraction
+    assert forward - backward_weight == pytest.approx(bytes_per_element * tokens * n_in / hbm, rel=1e-9)
+    fraction = b200.gemm.mxfp8_peak_fraction if recipe == "mxfp8" else b200.gemm.fp8_peak_fraction
+    half = b200.gemm.fp8_half_work_gflop * 1e9
+    efficiency = fraction * b200.gemm.sustained_fraction * op.forward_flops / (op.forward_flops + half)
+    assert backward_weight == pytest.approx(op.forward_flops / (b200.peak_flops("fp8") * efficiency), rel=1e-9)
+
+
 def test_mxfp8_is_refused_where_the_tensor_cores_lack_it():
     """TE's support matrix lists MXFP8 on Blackwell data-center parts only: an H100 plan naming it exits 2."""
     from hardware_profiles import UserInputError

@@ -1,7 +1,8 @@
 """The ranking measure (benchmarks/ranking.py): the planner orders a job's layouts as published sweeps measured."""
 import pytest
+import yaml
 
-from benchmarks.ranking import Sweep, Variant, published_sweeps
+from benchmarks.ranking import SWEEPS, Sweep, Variant, published_sweeps
 
 
 def test_agreement_and_regret_count_as_defined():
@@ -14,11 +15,25 @@ def test_agreement_and_regret_count_as_defined():
     assert Sweep("s", "t", (Variant("a", 1.0, 2.0), Variant("b", 2.0, 2.0))).agreeing() == 0
 
 
+# sweeps the model orders wrong (docs/ranking.md): Megatron-Bridge's FP8-CS runs with Megatron FSDP against FP8-MX
+# ones with tensor and pipeline parallelism, which NVIDIA measured 4-26% slower and the model predicts within 2%
+# or faster; strict, so that a model that gets them right says so
+MISORDERED = {"Llama 3 70B, 64 GB200, Megatron-Bridge 26.02", "Llama 3 70B, 64 GB200, Megatron-Bridge 25.09",
+              "Llama 3.1 405B, 128 GB200, Megatron-Bridge 25.09"}
+SWEEP_NAMES = [entry["name"] for entry in yaml.safe_load(SWEEPS.read_text())]
+
+
+@pytest.fixture(scope="module")
+def predicted_sweeps():
+    return {sweep.name: sweep for sweep in published_sweeps()}
+
+
 @pytest.mark.heavy
-def test_published_sweeps_are_ordered_as_measured():
-    """Never-fitted sweeps (benchmarks/sweeps.yaml: torchtitan's pipeline schedules, async TP and Float8 tables):
-    each pair of variants is predicted in the order its source measured."""
-    sweeps = published_sweeps()
-    assert len(sweeps) >= 4
-    for sweep in sweeps:
-        assert sweep.agreeing() == len(sweep.pairs), sweep
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="misordered"))
+                                  if name in MISORDERED else name for name in SWEEP_NAMES])
+def test_published_sweeps_are_ordered_as_measured(predicted_sweeps, name):
+    """Never-fitted sweeps (benchmarks/sweeps.yaml: torchtitan's pipeline schedules, async TP and Float8 tables;
+    Megatron-Bridge's FP8 recipes and layouts on GB200 and B200): each pair of variants is predicted in the order
+    its source measured."""
+    sweep = predicted_sweeps[name]
+    assert sweep.agreeing() == len(sweep.pairs), sweep
