@@ -167,6 +167,30 @@ def test_one_rule_set_refuses_what_a_stack_cannot_recompute():
     assert not layout_stack_problems(mixed, runtime, graph)
 
 
+def _mixed_moe_leaf(pp: int, vp: int, dp: int, ep: int):
+    """The mixed dense/MoE test model under Megatron-Core on 32 devices: its costs, the modules it can recompute,
+    a layout of these degrees, and `squeezed(share)`: a cluster whose devices hold that share of the memory the
+    layout needs without recomputation."""
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import load_stack
+    from planner.search.bounds import Bounds
+    from tests.test_search import GB, mixed_moe_model, small_cluster
+
+    stack = load_stack("megatron-core")
+    graph = capture(mixed_moe_model(seq=4096), fused_kernels=True)
+    model = graph.costs()
+    choices = tuple(m for m in RecomputeModule if any(m in s.recompute_modules for s in graph.structures))
+    base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=vp, ep=ep, global_batch=64, zero=1)
+    roomy = small_cluster(32, 80)
+    floor = Bounds(model, roomy, stack, (Recompute.none,), choices)._floor(base, Recompute.none).bytes
+    reserve = roomy.device.memory_reserve
+
+    def squeezed(share: float):
+        return small_cluster(32, (share * floor / (1 - reserve.fragmentation_fraction)
+                                  + reserve.runtime_context_bytes) / GB)
+    return stack, model, choices, base, squeezed
+
+
 @pytest.mark.parametrize("pp,vp,dp,ep", [(2, 1, 16, 2), (2, 2, 8, 4), (4, 1, 8, 8)])
 def test_the_leaf_bound_stays_below_the_best_plan_when_modules_are_chosen(pp, vp, dp, ep):
     """The search prunes a leaf by a bound that adds the recomputation memory forces; with Megatron's one
@@ -177,27 +201,16 @@ def test_the_leaf_bound_stays_below_the_best_plan_when_modules_are_chosen(pp, vp
     from dataclasses import replace
 
     from cost_models.layer_costs import MeshCosts
-    from cost_models.layout import Layout
     from cost_models.step_time import estimate
-    from hardware_profiles.loader import load_stack
     from planner.search.bounds import Bounds, balanced_bound
     from planner.search.partition import solve_partition
-    from tests.test_search import GB, mixed_moe_model, small_cluster
 
-    stack = load_stack("megatron-core")
-    graph = capture(mixed_moe_model(seq=4096), fused_kernels=True)
-    model = graph.costs()
+    stack, model, choices, base, squeezed = _mixed_moe_leaf(pp, vp, dp, ep)
     allowed = (Recompute.none, Recompute.selective, Recompute.full)
-    choices = tuple(m for m in RecomputeModule if any(m in s.recompute_modules for s in graph.structures))
     assert len(choices) >= 3
-    base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=vp, ep=ep, global_batch=64, zero=1)
-    roomy = small_cluster(32, 80)
-    floor = Bounds(model, roomy, stack, allowed, choices)._floor(base, Recompute.none).bytes
-    reserve = roomy.device.memory_reserve
     solved = selective = 0
     for share in (0.99, 0.9, 0.75):
-        cluster = small_cluster(32, (share * floor / (1 - reserve.fragmentation_fraction)
-                                     + reserve.runtime_context_bytes) / GB)
+        cluster = squeezed(share)
         costs = MeshCosts(model, cluster, base, stack)
         forced = Bounds(model, cluster, stack, allowed, choices).forced_recompute_s(base, costs)
         assert forced > 0
@@ -226,28 +239,17 @@ def test_a_leaf_with_kinds_in_runs_chooses_the_module_set_the_enumeration_finds(
     from dataclasses import replace
 
     from cost_models.layer_costs import MeshCosts
-    from cost_models.layout import Layout, nested_modules
-    from hardware_profiles.loader import load_stack
-    from planner.search.bounds import Bounds
+    from cost_models.layout import nested_modules
     from planner.search.partition import _module_sets_by_bound, solve_partition
-    from tests.test_search import GB, mixed_moe_model, small_cluster
 
-    stack = load_stack("megatron-core")
-    graph = capture(mixed_moe_model(seq=4096), fused_kernels=True)
-    model = graph.costs()
+    stack, model, choices, base, squeezed = _mixed_moe_leaf(pp, vp, dp, ep)
     assert len({kind for kind in model.blocks}) >= 2
     allowed = (Recompute.none, Recompute.selective, Recompute.full)
-    choices = tuple(m for m in RecomputeModule if any(m in s.recompute_modules for s in graph.structures))
     subsets = [subset for size in range(1, len(choices) + 1) for subset in itertools.combinations(choices, size)
                if not nested_modules(subset)]
-    base = Layout(dp=dp, tp=32 // (pp * dp), pp=pp, vp=vp, ep=ep, global_batch=64, zero=1)
-    roomy = small_cluster(32, 80)
-    floor = Bounds(model, roomy, stack, allowed, choices)._floor(base, Recompute.none).bytes
-    reserve = roomy.device.memory_reserve
     compared = bounded = 0
     for share in (0.95, 0.9, 0.85):
-        cluster = small_cluster(32, (share * floor / (1 - reserve.fragmentation_fraction)
-                                     + reserve.runtime_context_bytes) / GB)
+        cluster = squeezed(share)
         free = solve_partition(MeshCosts(model, cluster, base, stack), allowed, module_choices=choices)
         pinned = [solve_partition(MeshCosts(model, cluster, replace(base, recompute_modules=subset), stack),
                                   allowed) for subset in subsets]
