@@ -26,8 +26,8 @@ from hardware_profiles.stack import SoftwareStack
 
 from ..rules.pins import Pins
 from ..rules.stack import leaf_recompute_methods
-from .bounds import (Bounds, PairedWork, PipelineShape, SortedWork, balanced_bound, communication_bound, pipeline_bound,
-                     work_before_zero)
+from .bounds import (Bounds, PairedWork, PipelineShape, SortedWork, balanced_bound, communication_bound,
+                     pipeline_bound, work_before_zero)
 from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
 from .space import zero_choices
 from .tree import (TIE_TOLERANCE, Scored, SearchOutcome, SolvedModels, TreeNode, TreeProblem, TreeShape, beyond,
@@ -119,7 +119,7 @@ class BranchAndBound:
         # ZeRO, with the micro-batch count and the hops, from the placement's first layout
         self.placement_work: dict[tuple, tuple[SortedWork, int, dict]] = {}
         # the same key less vp, where combined 1F1B pairs passes: what its layouts of every vp share
-        self.paired_work: dict[tuple, tuple[PairedWork, int, dict, MeshCosts]] = {}
+        self.paired_work: dict[tuple, tuple[PairedWork, int, dict]] = {}
         # (shape, micro_batch, mesh order): a pipeline hop's seconds at each (vp, DualPipeV) (which hops leave a
         # domain depends on them)
         self.pipeline_hops: dict[tuple, dict[tuple[int, bool], float]] = {}
@@ -263,21 +263,26 @@ class BranchAndBound:
         hides, v_hides = self.hidden_a2a(node)
         key = (node.shape, node.micro_batch, node.placement, hides, v_hides, node.vp if hides else 0)
         if key not in self.placement_work:
-            hides = hides and not v_hides   # (DualPipeV's pairs, where they hide them, take the place of 1F1B's)
-            first = self.paired_work.get(key[:-1]) if hides else None
-            if first is None:
-                layout = node.layout(self.problem)
-                costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
-                first = (PairedWork(costs, self.bounds.fastest) if hides else None, layout.num_micro_batches,
-                         self.hops(node, costs), costs)
-                if hides:
-                    self.paired_work[key[:-1]] = first
-            paired, micro_batches, hops, costs = first
-            blocks = paired.at(node.vp) if hides else work_before_zero(costs, self.bounds.fastest)
-            self.placement_work[key] = (SortedWork.of(*blocks, node.shape.pp), micro_batches, hops)
+            # (DualPipeV's pairs, where they hide the all-to-alls, take the place of 1F1B's)
+            self.placement_work[key] = self.placed_work(node, key, paired=hides and not v_hides)
         work, micro_batches, hops = self.placement_work[key]
         shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
         return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
+
+    def placed_work(self, node: TreeNode, key: tuple, paired: bool) -> tuple[SortedWork, int, dict]:
+        """A placed node's work before ZeRO, micro-batch count and hops: from its own layout's costs, or, where
+        combined 1F1B pairs its passes, from `PairedWork` of the placement's first layout at the node's vp."""
+        first = self.paired_work.get(key[:-1]) if paired else None
+        if first is None:
+            layout = node.layout(self.problem)
+            costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
+            first = (PairedWork(costs, self.bounds.fastest) if paired else costs, layout.num_micro_batches,
+                     self.hops(node, costs))
+            if paired:
+                self.paired_work[key[:-1]] = first
+        source, micro_batches, hops = first
+        blocks = source.at(node.vp) if paired else work_before_zero(source, self.bounds.fastest)
+        return SortedWork.of(*blocks, node.shape.pp), micro_batches, hops
 
     def hops(self, node: TreeNode, costs: MeshCosts) -> dict[tuple[int, bool], float]:
         """A pipeline hop's seconds at each (vp, DualPipeV) of the node's shape: the pipeline group's placement

@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import MeshCosts
-from cost_models.layout import Recompute, RecomputeModule, first_blocks_of_each_chunk
-from cost_models.layout import nested_modules
+from cost_models.layout import Recompute, RecomputeModule, first_blocks_of_each_chunk, nested_modules
 from cost_models.pipeline import least_blocks, p2p_transfers_on_critical_path
 
 from .bounds import balanced_bound
