@@ -74,20 +74,15 @@ class ExpertCommunication:
                 exposed_beside_compute(per_pass, compute.forward_s, share)
         if stack.runs_shared_experts_beside_a2a(lay):
             return self._beside_shared_experts_s(dispatch, combine, compute.shared_experts, share)
-        return self.combined_1f1b_ep_comm_s(kind, compute, lay.vp)
-
-    def combined_1f1b_ep_comm_s(self, kind: LayerKind, compute: LayerCompute, vp: int) -> float:
-        """`ep_comm_s` where combined 1F1B pairs the passes, at `vp` virtual stages of this layout's pipeline."""
-        passes = self.paired_passes(kind, compute)
-        return passes.exposed_s(self.paired_share(vp), self.paired_pass_s(passes, self.layers_per_chunk(vp)))
+        passes = PairedPasses(per_pass, *self._pass_parts(dispatch, combine, compute), share)
+        return passes.exposed_s(self.paired_share(lay.vp), self.paired_pass_s(passes, self.layers_per_chunk(lay.vp)))
 
     def paired_passes(self, kind: LayerKind, compute: LayerCompute) -> "PairedPasses":
         """What combined 1F1B pairs of a layer: no vp changes it (a search bounds every vp of a placement from
         one layout's costs)."""
         dispatch, combine = self.ep_exchanges_s(kind)
-        forward, backward = self._pass_parts(dispatch, combine, compute)
         share = self.sm_share_held_by_dispatch() or 0.0   # what compute runs beside them holds the rest
-        return PairedPasses(dispatch + combine, forward, backward, share)
+        return PairedPasses(dispatch + combine, *self._pass_parts(dispatch, combine, compute), share)
 
     def paired_share(self, vp: int) -> float:
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
