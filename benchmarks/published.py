@@ -206,6 +206,11 @@ MTP_MARK, MTP_MODULES = "w/ MTP", 1
 MTP_BY_LAUNCHER = ("dgxc-250504-dsv3-bf16-h100-512gpu", "mbridge-25p09-h100-deepseekv3-prec-na-1024gpu")
 
 
+# Model facts the runs file leaves out, by family: BLOOM trained without dropout (bigscience/bloom config.json and
+# transformers' BloomConfig: hidden_dropout 0.0, attention_dropout 0.0); other rows leave it to their stack
+STATED_DROPOUT = {"bloom": 0.0}
+
+
 def _model(run: dict) -> ModelConfig:
     m = run["model"]
     activation = m.get("activation") or "gelu"
@@ -225,7 +230,8 @@ def _model(run: dict) -> ModelConfig:
         # sliding windows: no runs-file field; a completed model's fills give them (accuracy.py COMPLETED_MODELS)
         sliding_window=m.get("sliding_window"), sliding_layers=m.get("sliding_layers"),
         moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None,
-        mtp_layers=MTP_MODULES if MTP_MARK in m["name"] or run["id"] in MTP_BY_LAUNCHER else 0)
+        mtp_layers=MTP_MODULES if MTP_MARK in m["name"] or run["id"] in MTP_BY_LAUNCHER else 0,
+        **({"dropout": STATED_DROPOUT[family]} if (family := run_family(run["id"])) in STATED_DROPOUT else {}))
 
 
 def _step_time(run: dict, gbs: int, seq: int) -> tuple[float | None, str]:

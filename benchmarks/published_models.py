@@ -16,7 +16,7 @@ from benchmarks.published import DEFAULT_RUNS, _model  # noqa: E402
 
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
           "seq_length", "activation", "normalization", "position_embedding", "tied_embeddings", "attention",
-          "attention_impl", "add_bias")
+          "add_bias")   # not attention_impl: the stack decides how a config's attention runs
 
 
 def main() -> None:
@@ -34,7 +34,8 @@ def main() -> None:
         seen.add(key)
         name = re.sub(r"-(selective|full|\d+gpu)$", "", re.sub(r"-(selective|full)$", "", run["id"]))
         name = re.sub(r"-\d+gpu$", "", name)
-        data = {"name": name, **{f: getattr(config, f) for f in FIELDS}}
+        data = {"name": name, **{f: getattr(config, f) for f in FIELDS},
+                **({"dropout": config.dropout} if "dropout" in config.model_fields_set else {})}
         header = f"# {run['model']['name']}: from shared/validation/published_runs.yaml run {run['id']} ({run['source'][:80]}...)\n"
         (MODEL_DIR / f"{name}.yaml").write_text(header + yaml.safe_dump(data, sort_keys=False))
         print(name)

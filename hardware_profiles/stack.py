@@ -54,6 +54,10 @@ class SoftwareStack(Strict):
     # one of zero_stages); this project's runtime shards them with FSDP2 there, ZeRO-2/3 only
     zero_stages_beside_model_parallel: tuple[int, ...] | None = Field(default=None, min_length=1, strict=False)
     interleaved_schedule: bool               # virtual pipeline stages (interleaved 1F1B)
+    # the layers split evenly over the pp x vp chunks, the embedding and loss beside them (Megatron-LM before
+    # --decoder-first/last-pipeline-num-layers asserts num_layers % pp == 0 and per-stage % vp == 0; DeepSpeed's
+    # PipelineModule 'parameters' partition of equal layers); else any split the search balances
+    even_pipeline_split: bool = False
     # DualPipeV: two chunks per pipeline rank placed as a V, a forward beside another micro-batch's backward
     # in the steady state (torch ScheduleDualPipeV; MindSpeed --schedules-method dualpipev)
     dualpipev_schedule: bool = False
@@ -113,6 +117,11 @@ class SoftwareStack(Strict):
     # a gated activation (SwiGLU, GeGLU: act(gate) * up) as one kernel that keeps its two inputs and
     # recomputes act(gate) in backward, so the product does not store it (Megatron-Core's bias_swiglu_impl)
     fused_gated_activation: bool = False
+    # dropout (hidden and attention) on a model whose config does not state it: the framework's own default
+    # (Megatron-LM's arguments.py: --hidden-dropout and --attention-dropout 0.1); 0 where the stack's models
+    # train without. Its masks and the attention-probability copy it keeps are billed by capture (Korthikanti
+    # et al. 2022 Table 2: sbh per mask, as^2b + 2as^2b under the attention dropout)
+    model_dropout: float = Field(default=0.0, ge=0, lt=1)
     tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
     # the stack can run Megatron's combined 1F1B (MoE all-to-alls beside another micro-batch's compute): whether
     # a plan runs it is the search's choice per layout (Layout.moe_a2a_overlap), and evaluate's where a layout

@@ -74,7 +74,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         alternatives=alternatives(best, ranked[1:]),
         reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster)
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
-        + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance), ep_imbalance=ep_imbalance,
+        + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance) + list(graph.assumed),
+        ep_imbalance=ep_imbalance,
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers,
         **_band_fields(best.step_time_s, graph.num_experts > 0),
         outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,

@@ -81,7 +81,8 @@ def capture_for(model, seq_len: int | None, leaf_modules: tuple[str, ...], stack
     and norms as the stack runs them (fused kernels, or the model's own code). `strict`: a capture that
     had to bill any part inexactly (capture_notes) is an error instead of a note in the plan."""
     graph = capture(model, seq_len, leaf_modules, attention_impl="flash" if stack.flash_attention else "math",
-                    fused_kernels=stack.fused_kernels, fused_gated_activation=stack.fused_gated_activation)
+                    fused_kernels=stack.fused_kernels, fused_gated_activation=stack.fused_gated_activation,
+                    dropout=stack.model_dropout)
     if strict and graph.capture_notes:
         raise UserInputError(f"capture of {graph.name} is not exact: " + "; ".join(graph.capture_notes),
                              field="--strict-capture", expected="a model whose every part capture can read "

@@ -5,6 +5,7 @@ import pytest
 
 from cost_models.layout import Layout, Recompute
 from cost_models.memory import activation_bytes
+from cost_models.records import OpKind
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
 from hardware_profiles.loader import load_stack
@@ -191,6 +192,16 @@ def test_flash_attention_removes_the_attention_matrix_term():
     # without dropout masks (2 x sbh x 1 byte) and with flash's saved output/logsumexp instead of s x s
     assert got < S * H * 40
     assert got > S * H * 30
+
+
+@pytest.mark.parametrize("fused,dropout,passes", [(False, 0.0, 3), (True, 0.0, 1), (True, 0.1, 2)])
+def test_a_fused_softmax_passes_over_the_scores_once(fused, dropout, passes):
+    # bf16 bytes moved over the b a s^2 scores by the ops between the two attention GEMMs: one read and one write
+    # per pass (4 bytes); separate ops make three passes (scale, mask, softmax), Megatron's FusedScaleMaskSoftmax
+    # one, and the attention dropout one more of its own
+    layer = capture(gpt(l=2, h=H, a=A, s=S, impl="math", dropout=dropout), fused_kernels=fused).kind("dense")
+    moved = sum(op.bytes_accessed for op in layer.ops if op.kind is OpKind.attention_elementwise)
+    assert moved == pytest.approx(passes * 4 * A * S * S, rel=0.01)
 
 
 def test_capture_work_does_not_grow_with_hidden_size():

@@ -84,6 +84,31 @@ def test_plan_may_leave_the_embedding_or_the_loss_alone_in_its_chunk():
     assert counts[0] == 0 and counts[-1] == 0 and sum(counts) == 6
 
 
+def test_a_stack_that_splits_layers_evenly_is_planned_and_checked_as_megatron_lm_asserts_it():
+    """Megatron-LM of 2021-2022 asserts num_layers % pp == 0 (and per-stage layers % vp == 0): over every
+    pp x vp the search may take for 10 layers on 8 devices, the plan's and each evaluated split are even,
+    and a pp that does not divide the layers is refused with the rule. The search against enumeration:
+    the plan is the fastest of the even layouts evaluated one by one."""
+    from planner.graph_capture.model_config import ModelConfig
+    model = ModelConfig(name="ten-layers", num_layers=10, hidden_size=1024, num_attention_heads=8,
+                        ffn_hidden_size=4096, vocab_size=51200, seq_length=1024, activation="gelu",
+                        normalization="layernorm", position_embedding="learned", dropout=0.0)
+    shape = dict(device="a100-80g", num_devices=8, global_batch=16, seq_len=1024, stack="megatron-lm-2021")
+    fixed = dict(tp=2, dp=8 // 2, mbs=1, zero=0, recompute="none")
+    with pytest.raises(UserInputError, match="splits the layers evenly"):
+        evaluate(model, layout=dict(fixed, tp=1, pp=4, dp=2), **shape)
+    with pytest.raises(UserInputError, match="splits the layers evenly"):
+        evaluate(model, layout=dict(fixed, tp=1, pp=2, dp=4, cp=1, ep=1, etp=1, vp=1, stages="4-6"), **shape)
+    times = {}
+    for pp, vp in [(1, 1), (2, 1), (2, 5)]:   # the pp x vp dividing 10 with tp 2 x dp on 8 devices
+        result = evaluate(model, layout=dict(fixed, pp=pp, dp=8 // (2 * pp), vp=vp), **shape)
+        assert {len(s.layers) for s in result.stages} == {10 // (pp * vp)}   # per chunk
+        times[pp, vp] = result.step_time_s
+    best = plan(model, tp=2, mbs=1, zero=0, recompute="none", **shape)
+    assert {len(s.layers) for s in best.stages} == {10 // (best.layout.pp * best.layout.vp)}
+    assert best.step_time_s == pytest.approx(min(times.values()), rel=1e-6)
+
+
 def torch_interleaved_peak(pp: int, vp: int, micro_batches: int) -> list[float]:
     """Chunk forwards each rank holds at its peak in torch's own ScheduleInterleaved1F1B order (the runtime's
     schedule), in stage units (v chunks make a stage)."""

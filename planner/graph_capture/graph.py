@@ -71,6 +71,7 @@ class ModelGraph:
     capture_seconds: float
     front_end: str = "torch.fx"          # "torch.fx" (symbolic trace) or "recorded" (eager on meta, recording.py)
     capture_notes: tuple[str, ...] = ()  # what capture could not see or bill exactly, with its effect
+    assumed: tuple[str, ...] = ()        # what the model's config left out that the stack's defaults filled
     model_class: str = ""                # the nn.Module class captured (a transformers class, or Decoder)
     # embedding-part modules whose weights the top-level code reads without calling them (a learned position
     # table sliced by the sequence length): positions context parallelism cannot make global

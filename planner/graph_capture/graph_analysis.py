@@ -191,6 +191,24 @@ def function_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
+# the ops over the attention scores a fused softmax kernel takes in: Megatron's FusedScaleMaskSoftmax scales,
+# masks and normalises in one pass over the scores (megatron/model/fused_softmax.py, --masked-softmax-fusion)
+SCORE_OPS_BEFORE_SOFTMAX = 4
+
+
+def feeds_softmax(node: fx.Node, modules: dict) -> bool:
+    """Whether `node` (an op over attention scores) reaches a softmax through single-user ops, at most
+    SCORE_OPS_BEFORE_SOFTMAX of them: the scale, mask (and soft cap) a fused softmax kernel applies itself."""
+    for _ in range(SCORE_OPS_BEFORE_SOFTMAX):
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+        module = modules.get(node.target) if node.op == "call_module" else None
+        if function_name(node) == "softmax" or isinstance(module, nn.Softmax):
+            return True
+    return False
+
+
 def block_window(block: nn.Module) -> int:
     """The keys each query sees in a block whose attention slides (0: all). A module's own `sliding_window`
     decides where it has one, None included (transformers' Gemma 3 and Qwen2 set it per layer type); else the

@@ -1,6 +1,8 @@
 """From a model argument to a `ModelGraph`: build on meta, trace, measure each layer kind once."""
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import functools
 import json
@@ -317,16 +319,18 @@ def _notes(parts: list[Measured]) -> tuple[str, ...]:
 
 def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (),
             attention_impl: str | None = None, fused_kernels: bool = False,
-            fused_gated_activation: bool = False) -> ModelGraph:
+            fused_gated_activation: bool = False, dropout: float | None = None) -> ModelGraph:
     """Capture a model (built-in name, YAML, HF config, `file.py:factory`, ModelConfig or nn.Module).
 
     `attention_impl` ("flash" or "math"): how a model built from a config runs attention, as the software
     stack does it, unless the config names its own; a user module's own attention code is what it captures.
     `fused_kernels`: the stack runs every norm as one fused kernel (it keeps its input and fp32 statistics);
     else each norm's own code is measured op by op. `fused_gated_activation`: a gated activation's act(gate)
-    is recomputed by its fused kernel, not stored (the stack field of that name)."""
+    is recomputed by its fused kernel, not stored (the stack field of that name). `dropout`: the probability a
+    model built from a config that does not state one trains with (the stack's default; said in
+    ModelGraph.assumed where it is not 0)."""
     with _CAPTURE_LOCK:
-        return _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_gated_activation)
+        return _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_gated_activation, dropout)
 
 
 # Capture is one at a time in a process: it imports a user's file and transformers' lazy modules, traces with
@@ -335,11 +339,17 @@ def capture(model, seq_len: int | None = None, leaf_modules: tuple[str, ...] = (
 _CAPTURE_LOCK = threading.RLock()
 
 
-def _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_gated_activation) -> ModelGraph:
+def _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_gated_activation,
+             dropout) -> ModelGraph:
     source = resolve_model(model)
     if attention_impl is not None and isinstance(source, ModelConfig) \
             and "attention_impl" not in source.model_fields_set:
         source = source.model_copy(update={"attention_impl": attention_impl})
+    assumed = ()
+    if dropout and isinstance(source, ModelConfig) and "dropout" not in source.model_fields_set:
+        source = source.model_copy(update={"dropout": dropout})
+        assumed = (f"dropout {dropout:g} on hidden states and attention probabilities: the model does not state "
+                   "it, the stack's default assumed (its masks billed; state `dropout: 0` for a model without)",)
     if seq_len is None:
         if not isinstance(source, ModelConfig):
             raise UserInputError("a user module needs a sequence length", field="seq_len",
@@ -347,5 +357,6 @@ def _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_
         seq_len = source.seq_length
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= MAX_SEQ:
         raise UserInputError(f"{seq_len!r}", field="seq_len", expected=f"a positive integer sequence length up to {MAX_SEQ:,}")
-    return _capture_cached(source, int(seq_len), tuple(leaf_modules), bool(fused_kernels),
-                           bool(fused_gated_activation))
+    graph = _capture_cached(source, int(seq_len), tuple(leaf_modules), bool(fused_kernels),
+                            bool(fused_gated_activation))
+    return dataclasses.replace(graph, assumed=assumed) if assumed else graph

@@ -23,9 +23,9 @@ from hardware_profiles.errors import UserInputError
 
 from .expert_leaf import ExpertLeafAttribution
 from .expert_structure import router_groups, router_topk, stacked_experts
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, block_window, find_tp_pairs, function_name, graph_topk,
-                             head_norms, is_activation_node, is_expert_container, is_linear_like, is_multiply,
-                             is_norm_like, routed_experts)
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, block_window, feeds_softmax, find_tp_pairs,
+                             function_name, graph_topk, head_norms, is_activation_node, is_expert_container,
+                             is_linear_like, is_multiply, is_norm_like, routed_experts)
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .block_graphs import BlockGraph, block_graph
@@ -259,12 +259,16 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
         if node.meta.get("attention_core"):
             q, k, v, o = bhsd(node.meta["attention_core"], (*args[:3], out))
             ops = [attention_cost(node.name, q, k, v, o, self.window)]
-        if node.name in self.attention_nodes:  # scale, mask, softmax, dropout of an unfused attention core
-            ops = [replace(op, kind=OpKind.attention_elementwise) if op.kind is OpKind.elementwise else op
-                   for op in ops]
+        # scale, mask, softmax, dropout of an unfused attention core; the scale and mask inside the softmax's
+        # one pass where the stack fuses kernels (they move no bytes of their own and launch nothing)
+        fused_away = node.name in self.attention_nodes and self.fused_kernels and feeds_softmax(node, self.modules)
+        if node.name in self.attention_nodes:
+            ops = [replace(op, kind=OpKind.attention_elementwise, **({"bytes_accessed": 0} if fused_away else {}))
+                   if op.kind is OpKind.elementwise else op for op in ops]
         launched = self.launches.counted
         if ops:   # the node's launches beside its GEMMs ride on its first op (a fused stand-in is one kernel)
-            ops[0] = replace(ops[0], launches=max(launched.other, int(self.stand_in)), expert_launches=launched.in_experts)
+            ops[0] = replace(ops[0], launches=0 if fused_away else max(launched.other, int(self.stand_in)),
+                             expert_launches=launched.in_experts)
         first_input = node.all_input_nodes[0].name if node.all_input_nodes else ""
         ops = [replace(op, reads=first_input) if op.kind is OpKind.gemm else op for op in ops]
         measured.ops.extend(replace(op, node=node.name) for op in ops)

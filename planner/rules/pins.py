@@ -37,6 +37,7 @@ class _StackSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     dualpipev: DualPipeVRules | None = None       # its DualPipeV, None where it has none
     interleaved_schedule: bool = True             # whether it interleaves virtual stages
+    even_pipeline_split: bool = False             # whether it splits the layers evenly over the chunks
     shape_bounds: tuple = ()                      # region.ShapeBound per degree kept inside a range; () none
 
     def allows(self, name: str, value) -> bool:

@@ -106,7 +106,7 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
                             f"stack runs ZeRO stages {list(stages)} there")
     if pins.vp and pins.vp > 1 and not stack.interleaved_schedule and pins.schedule != Schedule.dualpipev:
         problems.append(f"vp={pins.vp}: the {name} stack has no interleaved pipeline schedule")
-    problems += _dualpipev_problems(pins, stack, graph)
+    problems += _dualpipev_problems(pins, stack, graph) + _even_split_problems(pins, stack, graph)
     if pins.sp and not stack.sequence_parallel:
         problems.append(f"sp=true: the {name} stack has no sequence parallelism")
     if pins.recompute_layers is not None and not stack.per_layer_recompute:
@@ -166,6 +166,18 @@ def _dualpipev_problems(pins: Pins, stack: SoftwareStack, graph) -> list[str]:
     return problems
 
 
+def _even_split_problems(pins: Pins, stack: SoftwareStack, graph=None) -> list[str]:
+    """A stack that splits the layers evenly runs only pp x vp dividing them."""
+    if not stack.even_pipeline_split or graph is None or not pins.pp or pins.schedule == Schedule.dualpipev:
+        return []
+    chunks = pins.pp * (pins.vp or 1)
+    if graph.num_blocks % chunks == 0:
+        return []
+    return [f"pp={pins.pp}" + (f" x vp={pins.vp}" if pins.vp and pins.vp > 1 else "") + f": the {stack.name} "
+            f"stack splits the layers evenly over the pipeline chunks, and {graph.name}'s {graph.num_blocks} "
+            f"do not divide by {chunks}"]
+
+
 def dualpipev_rules(stack: SoftwareStack) -> DualPipeVRules:
     return DualPipeVRules(stack.dualpipev_even_split, stack.dualpipev_beside_cp)
 
@@ -181,6 +193,9 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> l
     if layout.dualpipev and stack.dualpipev_even_split and stages and len(set(stages)) > 1:
         problems.append(f"stages {'-'.join(map(str, stages))} with schedule=dualpipev: the {stack.name} stack splits "
                         "the layers evenly over the chunks")
+    elif stack.even_pipeline_split and stages and len(set(stages)) > 1:
+        problems.append(f"stages {'-'.join(map(str, stages))}: the {stack.name} stack splits the layers evenly "
+                        "over the pipeline chunks")
     methods = set(layout.layer_recompute or ())
     if len(methods) > 1 and not stack.per_layer_recompute:
         problems.append(f"per-layer recomputation ({', '.join(sorted(map(str, methods)))}): the {stack.name} "
@@ -209,7 +224,8 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
     fixed.update(stack_filled(pins, stack))
     dualpipev = dualpipev_rules(stack) if stack.dualpipev_schedule else None
     return replace(pins, zero_stages=stack.zero_stages, dualpipev=dualpipev,
-                   interleaved_schedule=stack.interleaved_schedule, **fixed)
+                   interleaved_schedule=stack.interleaved_schedule,
+                   even_pipeline_split=stack.even_pipeline_split, **fixed)
 
 
 def stack_filled(pins: Pins, stack: SoftwareStack) -> dict:

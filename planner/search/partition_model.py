@@ -158,8 +158,8 @@ class PartitionModel:
     def add_tiling(self) -> None:
         """The units tile the blocks, each a contiguous slice in order; an even split where the stack needs it."""
         cp, num_blocks = self.cp, len(self.model.blocks)
-        if self.lay.dualpipev and self.costs.stack.dualpipev_even_split:
-            # the stack splits the layers evenly over the chunks (MindSpeed's DualPipeV)
+        if self.costs.stack.even_pipeline_split or (self.lay.dualpipev and self.costs.stack.dualpipev_even_split):
+            # the stack splits the layers evenly over the chunks (Megatron-LM's assert, MindSpeed's DualPipeV)
             for u in range(self.units):
                 cp.Add(self.size[u] == num_blocks * (self.chunks // self.units) // self.chunks)
         cp.Add(sum(self.size) == num_blocks)
