@@ -1,9 +1,8 @@
 """From a model argument to a `ModelGraph`: build on meta, trace, measure each layer kind once."""
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 import functools
 import json
 import threading
