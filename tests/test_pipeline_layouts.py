@@ -3,6 +3,8 @@ per-chunk layer counts, checked with Megatron-Core's own parser of --pipeline-mo
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cost_models.layout_codec import parse_text
 from cost_models.pipeline import even_partition, partition_problem
@@ -107,6 +109,28 @@ def test_a_stack_that_splits_layers_evenly_is_planned_and_checked_as_megatron_lm
     best = plan(model, tp=2, mbs=1, zero=0, recompute="none", **shape)
     assert {len(s.layers) for s in best.stages} == {10 // (best.layout.pp * best.layout.vp)}
     assert best.step_time_s == pytest.approx(min(times.values()), rel=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(2, 24), pp=st.sampled_from([1, 2, 4, 8]), vp=st.integers(1, 4))
+def test_every_pipeline_split_megatron_lm_refuses_is_refused_and_every_other_is_even(layers, pp, vp):
+    """Property over the layer counts, pp and vp a user may give the megatron-lm-2021 stack: refused with the
+    even-split rule exactly where pp x vp does not divide the layers, else every chunk holds as many layers."""
+    from planner.graph_capture.model_config import ModelConfig
+    model = ModelConfig(name=f"tiny-{layers}", num_layers=layers, hidden_size=256, num_attention_heads=4,
+                        ffn_hidden_size=1024, vocab_size=1024, seq_length=256, activation="gelu",
+                        normalization="layernorm", position_embedding="learned", dropout=0.0)
+    layout = dict(tp=1, pp=pp, dp=8 // pp, vp=vp, mbs=1, zero=0, recompute="none")
+    shape = dict(device="a100-80g", num_devices=8, global_batch=8 * 8, seq_len=256, stack="megatron-lm-2021")
+    if vp > 1 and pp == 1:
+        return   # no interleaving without a pipeline: a rule of its own
+    try:
+        result = evaluate(model, layout=layout, **shape)
+    except UserInputError as refused:
+        assert (layers % (pp * vp) != 0) == ("splits the layers evenly" in str(refused)), str(refused)
+        return
+    assert layers % (pp * vp) == 0
+    assert {len(s.layers) for s in result.stages} == {layers // (pp * vp)}
 
 
 def torch_interleaved_peak(pp: int, vp: int, micro_batches: int) -> list[float]:
