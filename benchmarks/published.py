@@ -218,6 +218,8 @@ def _model(run: dict) -> ModelConfig:
     moe = m.get("moe")
     mla = m.get("mla")
     heads = m["num_attention_heads"]
+    family = run_family(run["id"])
+    stated = {"dropout": STATED_DROPOUT[family]} if family in STATED_DROPOUT else {}
     return ModelConfig(
         name=run["id"], num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=heads,
         num_query_groups=m.get("num_query_groups") or heads, head_dim=m.get("head_dim"),
@@ -231,7 +233,7 @@ def _model(run: dict) -> ModelConfig:
         sliding_window=m.get("sliding_window"), sliding_layers=m.get("sliding_layers"),
         moe=MoEConfig(**{MOE_FIELDS.get(k, k): v for k, v in moe.items() if v is not None}) if moe else None,
         mtp_layers=MTP_MODULES if MTP_MARK in m["name"] or run["id"] in MTP_BY_LAUNCHER else 0,
-        **({"dropout": STATED_DROPOUT[family]} if (family := run_family(run["id"])) in STATED_DROPOUT else {}))
+        **stated)
 
 
 def _step_time(run: dict, gbs: int, seq: int) -> tuple[float | None, str]:

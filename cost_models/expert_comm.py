@@ -74,7 +74,7 @@ class ExpertCommunication:
                 exposed_beside_compute(per_pass, compute.forward_s, share)
         if stack.runs_shared_experts_beside_a2a(lay):
             return self._beside_shared_experts_s(dispatch, combine, compute.shared_experts, share)
-        passes = PairedPasses(per_pass, *self._pass_parts(dispatch, combine, compute), share)
+        passes = self._paired(dispatch, combine, compute, share)
         return passes.exposed_s(self.paired_share(lay.vp), self.paired_pass_s(passes, self.layers_per_chunk(lay.vp)))
 
     def paired_passes(self, kind: LayerKind, compute: LayerCompute) -> "PairedPasses":
@@ -82,6 +82,9 @@ class ExpertCommunication:
         one layout's costs)."""
         dispatch, combine = self.ep_exchanges_s(kind)
         share = self.sm_share_held_by_dispatch() or 0.0   # what compute runs beside them holds the rest
+        return self._paired(dispatch, combine, compute, share)
+
+    def _paired(self, dispatch: float, combine: float, compute: LayerCompute, share: float) -> "PairedPasses":
         return PairedPasses(dispatch + combine, *self._pass_parts(dispatch, combine, compute), share)
 
     def paired_share(self, vp: int) -> float:

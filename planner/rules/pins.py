@@ -30,6 +30,12 @@ class DualPipeVRules:
         return problems
 
 
+def splits_evenly(even_split: bool, num_blocks: int, chunks: int) -> bool:
+    """Whether a stack that splits the layers evenly over the pipeline chunks (`even_split`) can cut
+    `num_blocks` layers into `chunks`."""
+    return not even_split or num_blocks % chunks == 0
+
+
 @dataclass(frozen=True)
 class _StackSpace:
     """What the software stack runs, set by `rules.stack.stack_pins` (the search reads it with the pins), and the
@@ -49,6 +55,10 @@ class _StackSpace:
             return False
         pinned = getattr(self, name)
         return pinned is None or pinned == value
+
+    def allows_chunks(self, num_blocks: int, chunks: int) -> bool:
+        """Whether the stack can cut the model's layers into `chunks` pipeline chunks (`splits_evenly`)."""
+        return splits_evenly(self.even_pipeline_split, num_blocks, chunks)
 
 
 PIN_KEYS = tuple(key for key, declared in FIELDS.items() if declared.field.pin)

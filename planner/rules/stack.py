@@ -12,7 +12,7 @@ from cost_models.layout import Fp8Recipe, Layout, Precision, Recompute, Recomput
 from cost_models.layout_codec import FIELDS, FULL_KEYS, values_of
 from hardware_profiles.stack import SoftwareStack
 
-from .pins import DualPipeVRules, Pins, pins_from
+from .pins import DualPipeVRules, Pins, pins_from, splits_evenly
 
 AXES = ("tp", "pp", "cp", "ep")
 
@@ -171,7 +171,7 @@ def _even_split_problems(pins: Pins, stack: SoftwareStack, graph=None) -> list[s
     if not stack.even_pipeline_split or graph is None or not pins.pp or pins.schedule == Schedule.dualpipev:
         return []
     chunks = pins.pp * (pins.vp or 1)
-    if graph.num_blocks % chunks == 0:
+    if splits_evenly(stack.even_pipeline_split, graph.num_blocks, chunks):
         return []
     return [f"pp={pins.pp}" + (f" x vp={pins.vp}" if pins.vp and pins.vp > 1 else "") + f": the {stack.name} "
             f"stack splits the layers evenly over the pipeline chunks, and {graph.name}'s {graph.num_blocks} "

@@ -39,7 +39,7 @@ def mesh_shapes(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pi
             if cp > 1 and graph.seq_len % (2 * cp):
                 continue
             for pp in (p for p in divisors(num_devices // (tp * cp)) if p <= most_chunks(graph.num_blocks)
-                       and pins.allows("pp", p) and not (pins.even_pipeline_split and graph.num_blocks % p)):
+                       and pins.allows("pp", p) and pins.allows_chunks(graph.num_blocks, p)):
                 dp = num_devices // (tp * cp * pp)
                 if pins.allows("dp", dp) and global_batch % dp == 0:
                     out.append(MeshShape(tp, cp, pp, dp))
@@ -62,7 +62,7 @@ def schedule_choices(graph: ModelGraph, shape: MeshShape, global_batch: int, pin
     # a chunk may hold just the embedding or the loss beside its layers (Megatron-Core, torchtitan)
     vps = [v for v in range(1, most_chunks(blocks) // shape.pp + 1)
            if (v <= 8 or blocks % (shape.pp * v) == 0 or most_chunks(blocks) % (shape.pp * v) == 0)
-           and not (pins.even_pipeline_split and blocks % (shape.pp * v))]   # the stack's even split
+           and pins.allows_chunks(blocks, shape.pp * v)]   # the stack's even split
     interleaved = pins.interleaved_schedule and pins.schedule in (None, Schedule.interleaved)
     for micro_batch in (b for b in (1, 2, 4, 8) if (global_batch // shape.dp) % b == 0 and pins.allows("mbs", b)):
         micro = global_batch // (shape.dp * micro_batch)
