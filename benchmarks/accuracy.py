@@ -78,7 +78,7 @@ HOST_BOUND_LAYOUTS = [
     ("DeepSeek-V3, 256 GB200, the guide's baseline", GB200_GUIDE, ("deepseek-v3", {}), "gb200", 256, 2048, 4096,
      "tp=1,pp=8,vp=4,dp=32,cp=1,ep=32,etp=1,mbs=1,zero=1,recompute=selective,recompute_modules=mlp+mla_up_proj,"
      "fp8_recipe=mxfp8,"
-     "stages=1-2*30-0,a2a_overlap=false", "fp8",
+     "stages=1-2*30-0,a2a_overlap=false,dispatcher=alltoall", "fp8",
      # the guide's baseline lists its features (section 1: MXFP8, grouped GEMM, fusions, the PP layout, BF16
      # optimizer states, selective recomputation, the AlltoAll dispatcher): no combined 1F1B
      {"precision_aware_optimizer": "on", "adam_moment_bytes": 2},
@@ -106,7 +106,9 @@ def expert_layout_plans(entries) -> list[tuple[tuple, object]]:
     """Each entry predicted through planner.evaluate: its table row and the plan."""
     out = []
     for name, source, model, device, count, batch, seq, layout, precision, flags, published, unit in entries:
-        stack = load_stack("megatron-core").model_copy(update=flags)
+        # --moe-dispatcher: the only dispatcher the stack runs (planner/cli.py)
+        only = {"moe_dispatchers": (flags["moe_dispatcher"],)} if "moe_dispatcher" in flags else {}
+        stack = load_stack("megatron-core").model_copy(update={**flags, **only})
         builtin, changes = model   # a built-in model and what the run changes in it
         plan = evaluate(resolve_model(builtin).model_copy(update=changes), layout=layout, device=device,
                         num_devices=count, segment_devices=SEGMENT_DEVICES.get(name), global_batch=batch,

@@ -5,6 +5,7 @@ shared/validation, read from its published degrees and its model (no prediction 
 - tokens_per_cp_rank: the sequence over cp (context parallelism's chunk; its per-chunk overheads grow as it shrinks)
 - hidden_per_tp_rank: the hidden size over tp (the width of each rank's GEMMs)
 - experts_per_ep_rank: routed experts over ep (MoE)
+- dispatchers: the MoE dispatchers the runs' stacks and launchers ran (MoE; benchmarks/published.py run_stack)
 
 A plan outside a range says so (planner/region.py).
 
@@ -21,7 +22,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.accuracy_sources import NOT_USABLE  # noqa: E402
-from benchmarks.published import DEFAULT_RUNS, load_runs  # noqa: E402
+from benchmarks.published import DEFAULT_RUNS, load_runs, run_stack  # noqa: E402
 from planner.region import REGION_PATH, shapes  # noqa: E402
 
 
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
             low, high = region.setdefault(kind, {}).get(name, [value, value])
             region[kind][name] = [min(low, value), max(high, value)]
         region[kind]["runs"] = region[kind].get("runs", 0) + 1
+        if moe:
+            dispatchers = set(region[kind].get("dispatchers", [])) | {run_stack(run.id).moe_dispatcher}
+            region[kind]["dispatchers"] = sorted(dispatchers)
     header = ("# Written by benchmarks/measured_region.py (do not edit): per class, the range of each per-rank shape\n"
               "# over the published degrees of shared/validation's usable runs.\n")
     REGION_PATH.write_text(header + yaml.safe_dump(region, sort_keys=True))

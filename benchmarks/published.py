@@ -56,8 +56,12 @@ RUN_STACK_SETTINGS = {
                                                       "dp_window_fraction": 0.0, **DEEPSEEK_V3_OPTIMIZER},
     # Megatron-Bridge v0.2.1's DeepSeek-V3 configs build on the recipe above (configs/deepseek/
     # deepseek_llm_pretrain.py: deepseek_v3_pretrain_config), in every precision
-    **{run: DEEPSEEK_V3_OPTIMIZER for run in ("mbridge-25p11-gb200-deepseekv3-bf16-256gpu-wo-mtp",
-                                              "mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp")},
+    # (configs/deepseek/workload_base_configs.py DEEPSEEK_V3_GB200_BASE_CONFIG, @d19cb73c: the BF16 row's degrees,
+    # TP1 PP4 VP4 EP64, with moe_flex_dispatcher_backend "hybridep" and moe_a2a_overlap False: `--moe-dispatcher
+    # deepep`, HybridEP on GB200 as the device profile says; the MXFP8 row's PP8 EP32 is not that config, so its
+    # dispatcher is not known and stays the stack's default)
+    "mbridge-25p11-gb200-deepseekv3-bf16-256gpu-wo-mtp": {**DEEPSEEK_V3_OPTIMIZER, "moe_dispatcher": "deepep"},
+    "mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp": DEEPSEEK_V3_OPTIMIZER,
     # and on B200 with the alltoall dispatcher and without the a2a overlap, the DeepSeek provider's default
     # moe_shared_expert_overlap (src/megatron/bridge/models/deepseek/deepseek_provider.py, v0.2.1); on GB200 its
     # HybridEP (flex) dispatcher runs without it, as Megatron-Core requires
@@ -96,7 +100,9 @@ def run_stack(run_id: str) -> SoftwareStack:
     family = run_family(run_id)
     stack = load_stack(FAMILY_STACKS.get(family, DEFAULT_FAMILY_STACK))
     settings = {**FAMILY_STACK_SETTINGS.get(family, {}), **RUN_STACK_SETTINGS.get(run_id, {})}
-    return stack.model_copy(update=settings) if settings else stack
+    # a run's recipe ran one MoE dispatcher: its stack's default unless the run's launcher says another
+    dispatcher = settings.get("moe_dispatcher", stack.moe_dispatcher)
+    return stack.model_copy(update={**settings, "moe_dispatchers": (dispatcher,)})
 
 
 # Per-run layout facts read in the recipe a run used, where its source states them

@@ -65,7 +65,7 @@ class ShardSpec:
                    precision=layout.precision, fp8_recipe=layout.fp8_recipe,
                    causal_attention_work=stack.causal_attention_work,
                    ep=ep, etp=layout.etp if etp is None else etp,
-                   sort_copies=stack.moe_sort_copies if stack.moe_dispatcher == "alltoall" else 0,
+                   sort_copies=stack.moe_sort_copies if layout.moe_dispatcher == "alltoall" else 0,
                    expert_load=rank_load(ep_imbalance, ep))
 
 

@@ -48,9 +48,9 @@ class ExpertCommunication:
             return 0.0, 0.0
         lay = self.layout
         tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
-        if self.stack.moe_dispatcher == "deepep":
+        if self.layout.moe_dispatcher == "deepep":
             return self._deduplicated_exchanges_s(kind, tokens)
-        if self.stack.moe_dispatcher == "allgather":
+        if self.layout.moe_dispatcher == "allgather":
             return self._gathered_exchanges_s(kind, tokens)
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
         one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.spec.expert_load).seconds
@@ -132,7 +132,7 @@ class ExpertCommunication:
         device = self.cluster.device
         if device.sm_count is None:
             return None
-        if self.stack.moe_dispatcher == "deepep":
+        if self.layout.moe_dispatcher == "deepep":
             return self.stack.deepep_sms / device.sm_count
         if device.nccl_p2p_sms is None:
             return None

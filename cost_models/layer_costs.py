@@ -118,6 +118,8 @@ class SharedCosts:
     by_placement: dict = field(default_factory=dict)    # the same, by (op, bytes, dim, placement key, options)
     paired_layers: dict = field(default_factory=dict)   # combined 1F1B's exposure by (passes, layers, SM share)
     activations: dict = field(default_factory=dict)     # a layer's activation bytes by (kind, shape, modules, load)
+    work_ids: dict = field(default_factory=dict)        # (shard spec, placement, modules) -> id (`_work_key`)
+    work: dict = field(default_factory=dict)            # a layer's work but its all-to-alls by (kind, work id)
 
 
 class MeshCosts(ExpertCommunication):
@@ -130,12 +132,23 @@ class MeshCosts(ExpertCommunication):
         self.spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
         self.state_sharding = StateSharding.of(layout, stack)
         self._cache: dict[str, LayerCost] = {}
+        self._work_ids: dict[bool, int] = {}
         self._shared = shared if shared is not None else SharedCosts()
 
     def with_recompute_modules(self, modules: tuple[RecomputeModule, ...]) -> "MeshCosts":
         """The same layout's costs with selective recomputation repeating `modules` (what it shares kept)."""
         return MeshCosts(self.model, self.cluster, replace(self.layout, recompute_modules=modules), self.stack,
                          self.ep_imbalance, self._shared)
+
+    def _work_key(self, experts: bool) -> int:
+        """What a layer's work but its all-to-alls reads of this layout (its shard spec, less the all-to-all
+        dispatcher's sorts for a layer without experts, which has none; the placement; the recomputed modules),
+        as an id the search's layouts share: hashed once per layout, not per layer."""
+        if experts not in self._work_ids:
+            spec = self.spec if experts or not self.spec.sort_copies else replace(self.spec, sort_copies=0)
+            key = (spec, self._placement_key, self.layout.recompute_modules)
+            self._work_ids[experts] = self._shared.work_ids.setdefault(key, len(self._shared.work_ids))
+        return self._work_ids[experts]
 
     @cached_property
     def _placement_key(self) -> tuple:
@@ -256,6 +269,22 @@ class MeshCosts(ExpertCommunication):
         """The layer's time without its memory parts: what it costs under every ZeRO stage at least
         (the search bounds whole subtrees with it); without `all_to_alls`, less the MoE all-to-alls (the
         search adds them per pipeline schedule: `planner.search.bounds.PairedWork`)."""
+        rest = self._work_but_all_to_alls(kind)
+        if not (all_to_alls and kind.num_experts):
+            return rest
+        return replace(rest, ep_comm_s=self.ep_comm_s(kind, self.compute_of(kind)),
+                       ep_comm_alone_s=2 * self.ep_pass_s(kind))
+
+    def _work_but_all_to_alls(self, kind: LayerKind) -> LayerWork:
+        """`work` less the all-to-alls: the same under every MoE dispatcher and all-to-all overlap of one
+        placement (but the all-to-all dispatcher's sorts, in the shard spec of a layer with experts), so the
+        layouts of a search that differ only in those share it."""
+        key = (kind.name, self._work_key(bool(kind.num_experts)))
+        if key not in self._shared.work:
+            self._shared.work[key] = self._work_alone(kind)
+        return self._shared.work[key]
+
+    def _work_alone(self, kind: LayerKind) -> LayerWork:
         compute = self.compute_of(kind)
         selective = compute.selective_forward_s(self.layout.recompute_modules)
         host = self._host(kind)
@@ -264,9 +293,8 @@ class MeshCosts(ExpertCommunication):
                          recompute_s=(0.0, selective, compute.forward_s),
                          tp_comm_s=self.tp_comm_s(kind),
                          cp_comm_s=self.cp_comm_s(kind, compute.attention_core_forward_s),
-                         ep_comm_s=self.ep_comm_s(kind, compute) if all_to_alls else 0.0,
-                         module_recompute_s=compute.module_forward_s, backward_weight_s=compute.backward_weight_s,
-                         ep_comm_alone_s=2 * self.ep_pass_s(kind) if all_to_alls else 0.0)
+                         ep_comm_s=0.0, module_recompute_s=compute.module_forward_s,
+                         backward_weight_s=compute.backward_weight_s, ep_comm_alone_s=0.0)
 
     def layer(self, kind: LayerKind) -> LayerCost:
         if kind.name in self._cache:

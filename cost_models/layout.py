@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .layout_choices import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, MODULE_INDEX, Fp8Recipe, GradReduce,
-                             Precision, Recompute, RecomputeModule, Schedule, TextEnum, nested_modules)
+                             MoeDispatcher, Precision, Recompute, RecomputeModule, Schedule, TextEnum, nested_modules)
 from .layout_domains import (Choice, Count, LayoutField, MeshOrder, ModuleSet, StageCounts, Switch, ZeroStage,
                              declare)
 
 __all__ = ["Layout", "first_blocks_of_each_chunk", "passes_pair_across_micro_batches", "DEFAULT_RECOMPUTE_MODULES",
-           "MEGATRON_ORDER", "MODULE_INDEX", "Fp8Recipe", "GradReduce", "Precision", "Recompute", "RecomputeModule",
+           "MEGATRON_ORDER", "MODULE_INDEX", "Fp8Recipe", "GradReduce", "MoeDispatcher", "Precision", "Recompute", "RecomputeModule",
            "Schedule", "TextEnum", "nested_modules"]
 
 DEGREE = Count()
@@ -63,6 +63,11 @@ class Layout:
     moe_a2a_overlap: bool = declare(False, LayoutField(
         "a2a_overlap", Switch(), plan_key="moe_a2a_overlap", searched=True, plan_default=True,
         stack_default=lambda stack: stack.moe_a2a_overlap))
+    # the MoE token dispatcher: chosen by the search among those the stack runs on this device where experts
+    # spread (ep > 1), the stack's default elsewhere; the exports write it (--moe-token-dispatcher-type)
+    moe_dispatcher: MoeDispatcher = declare(MoeDispatcher.alltoall, LayoutField(
+        "dispatcher", Choice(MoeDispatcher, "alltoall, deepep or allgather (Megatron --moe-token-dispatcher-type)"),
+        plan_key="moe_dispatcher", searched=True, plan_default=True, stack_default=lambda stack: stack.moe_dispatcher))
     grad_reduce: GradReduce = declare(GradReduce.fp32, LayoutField(
         "grad_reduce", Choice(GradReduce, "fp32 or bf16"), plan_key="grad_reduce", plan_default=True,
         stack_default=lambda stack: stack.gradient_reduce))

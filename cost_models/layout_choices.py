@@ -86,6 +86,15 @@ class Fp8Recipe(TextEnum):
     blockwise = "blockwise"     # DeepSeek-V3's fp32 scale per 1x128 activation and 128x128 weight tile
 
 
+class MoeDispatcher(TextEnum):
+    """How a MoE layer's tokens reach their experts' ranks (Megatron-Core --moe-token-dispatcher-type)."""
+    alltoall = "alltoall"     # one copy per chosen expert, sent by NCCL's all-to-all
+    # one copy per destination scale-up domain, forwarded inside it (DeepEP, HybridEP: Megatron-Core
+    # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep|hybridep); FP8 dispatch in FP8
+    deepep = "deepep"
+    allgather = "allgather"   # every token to the expert tp x ep group, outputs reduce-scattered back
+
+
 class Schedule(TextEnum):
     one_f_one_b = "1f1b"
     interleaved = "interleaved-1f1b"

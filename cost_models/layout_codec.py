@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 
 from hardware_profiles.errors import UserInputError
 
-from .layout import DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, Precision, Schedule
+from .layout import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, MoeDispatcher, Precision,
+                     Schedule)
 from .layout_domains import MODULES_WHAT, Choice, DomainError, LayoutField, Switch
 
 __all__ = ["FIELDS", "LAYOUT_KEYS", "FULL_KEYS", "ATTRIBUTES", "MODULES_WHAT", "Declared", "parse_text",
@@ -112,6 +113,8 @@ def text_of(layout: Layout) -> str:
         parts.append(f"schedule={Schedule.dualpipev}")
     if layout.moe_a2a_overlap:
         parts.append("a2a_overlap=true")
+    if layout.moe_dispatcher != MoeDispatcher.alltoall:
+        parts.append(f"dispatcher={layout.moe_dispatcher}")
     if layout.grad_reduce != GradReduce.fp32:
         parts.append(f"grad_reduce={layout.grad_reduce}")
     if layout.precision == Precision.fp8 and layout.fp8_recipe != Fp8Recipe.delayed:

@@ -145,6 +145,10 @@ class Device(Strict):
     # streaming multiprocessors (NVIDIA): what a communication kernel that occupies SMs (DeepEP) takes from
     # the GEMMs running beside it; None where no profile source gives the count
     sm_count: int | None = Field(default=None, gt=0)
+    # the DeepEP-style dispatch kernels that run here (the `deepep` MoE dispatcher: Megatron-Core's flex dispatcher
+    # with this backend), as Megatron-Bridge's validate_flex_dispatcher_backend allows them: DeepEP on compute
+    # capability 8.x and 9.x and on B200/B300, HybridEP on 8.x-10.x (GB200/GB300 NVL72 included); None: neither
+    flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = None
     # what NCCL's all-to-all holds of them (the compute it hides behind runs on the rest); None where no
     # NCCL log for the node is known
     nccl_p2p_sms: NcclP2pSms | None = None

@@ -131,6 +131,9 @@ class SoftwareStack(Strict):
     # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
     # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
     moe_dispatcher: MoeDispatcher = "alltoall"
+    # the dispatchers it can run (the search chooses among them per layout where experts spread, DeepEP's only
+    # on a device whose profile runs its kernels); `moe_dispatcher` is its default, where ep = 1 or none is chosen
+    moe_dispatchers: tuple[MoeDispatcher, ...] = Field(default=("alltoall",), min_length=1, strict=False)
     # the shared experts beside the all-to-alls on a stream of their own (Megatron-Core --moe-shared-expert-overlap,
     # token_dispatcher.py: their up-projection beside the dispatch, the down-projection beside the combine,
     # forward and backward); alltoall dispatcher only, and not under combined 1F1B, as Megatron-Core requires
@@ -237,11 +240,14 @@ class SoftwareStack(Strict):
             raise ValueError("dualpipev_weight_pass_recompute needs dualpipev_schedule and dualpipev_recompute")
         if self.dualpipev_hides_moe_a2a and not self.dualpipev_schedule:
             raise ValueError("dualpipev_hides_moe_a2a needs dualpipev_schedule")
-        if self.moe_shared_expert_overlap and self.moe_dispatcher != "alltoall":
-            raise ValueError("moe_shared_expert_overlap needs moe_dispatcher alltoall: Megatron-Core's "
+        if self.moe_dispatcher not in self.moe_dispatchers:
+            raise ValueError(f"moe_dispatcher {self.moe_dispatcher}: the default must be one of moe_dispatchers "
+                             f"{list(self.moe_dispatchers)}")
+        if self.moe_shared_expert_overlap and "alltoall" not in self.moe_dispatchers:
+            raise ValueError("moe_shared_expert_overlap needs alltoall among moe_dispatchers: Megatron-Core's "
                              "TransformerConfig runs it with the alltoall dispatcher only")
-        if self.moe_a2a_overlap and self.moe_dispatcher == "allgather":
-            raise ValueError("moe_a2a_overlap needs moe_dispatcher alltoall or deepep: Megatron-Core's "
+        if self.moe_a2a_overlap and set(self.moe_dispatchers) == {"allgather"}:
+            raise ValueError("moe_a2a_overlap needs alltoall or deepep among moe_dispatchers: Megatron-Core's "
                              "TransformerConfig refuses the overlap with the allgather dispatcher")
         if self.precision_aware_optimizer != "off" and self.master_weights != "separate":
             raise ValueError("precision_aware_optimizer needs master_weights: separate (bf16 weights beside a master)")
@@ -277,8 +283,8 @@ class SoftwareStack(Strict):
     def runs_shared_experts_beside_a2a(self, layout) -> bool:
         """The shared-expert overlap applies: the stack has it, experts spread, and neither combined 1F1B nor
         DualPipeV's pairs run the all-to-alls beside other compute instead."""
-        return (self.moe_shared_expert_overlap and layout.ep > 1 and not self.hides_moe_a2a(layout)
-                and not self.dualpipev_hides(layout))
+        return (self.moe_shared_expert_overlap and layout.ep > 1 and layout.moe_dispatcher == "alltoall"
+                and not self.hides_moe_a2a(layout) and not self.dualpipev_hides(layout))
 
     def precision_aware_in(self, layout) -> bool:
         """Whether the precision-aware optimizer runs for `layout`: in its precision, and with the distributed
@@ -318,11 +324,19 @@ class SoftwareStack(Strict):
     def pairs_moe_a2a(self, layout) -> bool:
         """The layout is one where the stack's combined 1F1B can pair MoE passes (the search's choice); not with
         the allgather dispatcher, which Megatron-Core's TransformerConfig refuses beside it."""
-        return self.pairs_moe_passes(layout.ep, layout.pairs_passes_across_micro_batches)
+        return self.pairs_moe_passes(layout.ep, layout.pairs_passes_across_micro_batches, layout.moe_dispatcher)
 
-    def pairs_moe_passes(self, ep: int, passes_pair: bool) -> bool:
-        """`pairs_moe_a2a` of a layout with expert degree `ep` whose schedule pairs passes or not."""
-        return self.moe_a2a_overlap and self.moe_dispatcher != "allgather" and ep > 1 and passes_pair
+    def pairs_moe_passes(self, ep: int, passes_pair: bool, dispatcher: str) -> bool:
+        """`pairs_moe_a2a` of a layout with expert degree `ep` and this dispatcher whose schedule pairs passes
+        or not."""
+        return self.moe_a2a_overlap and dispatcher != "allgather" and ep > 1 and passes_pair
+
+    def dispatchers_on(self, device) -> tuple[str, ...]:
+        """The dispatchers it runs on `device`: DeepEP's only where the device profile runs its kernels and
+        `deepep_sms` leaves SMs to compute."""
+        deepep = device.flex_dispatcher_backend is not None and (device.sm_count is None
+                                                                 or self.deepep_sms < device.sm_count)
+        return tuple(d for d in self.moe_dispatchers if d != "deepep" or deepep)
 
     def summary(self) -> str:
         """One line for plan output: the stack and what it changes in the prediction."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import time
 from dataclasses import replace
 
-from cost_models.layout import Layout, Recompute
+from cost_models.layout import Layout, MoeDispatcher, Recompute
 from cost_models.layout_codec import FIELDS, FULL_KEYS, layout_from, parse_text, parse_values, text_of
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
@@ -16,8 +16,9 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from .error_bands import band_for
-from .region import measured_bounds, outside_notes
-from .explain import alternatives, dispatch_sm_notes, expert_load_note, host_note, reasons, state_notes
+from .region import measured_bounds, measured_dispatchers, outside_notes
+from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, host_note, reasons,
+                      state_notes)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
@@ -66,20 +67,36 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         cluster_profile=cluster.profile,
         device_profile=cluster.device.profile,
         placement=cluster.placement_text(), seq_len=graph.seq_len,
-        layout=LayoutRecord.of(best.layout, best.layer_recompute, stack),
+        layout=LayoutRecord.of(best.layout, best.layer_recompute, stack, cluster.device),
         stages=stage_records(best, block_names, graph.embedding_modules, graph.head_modules),
         step_time_s=best.step_time_s, tokens_per_s=best.tokens_per_s, tflops_per_device=best.tflops_per_device,
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
         alternatives=alternatives(best, ranked[1:]),
-        reasons=reasons(best, cluster, ranked[1:], pairs, twin) + dispatch_sm_notes(best, stack, cluster)
+        reasons=reasons(best, cluster, ranked[1:], pairs, twin)
+        + dispatcher_reason(best, _other_dispatchers(graph, cluster, best, stack, ep_imbalance))
+        + dispatch_sm_notes(best, stack, cluster)
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance) + list(graph.assumed),
         ep_imbalance=ep_imbalance,
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers,
         **_band_fields(best.step_time_s, graph.num_experts > 0),
         outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,
-                                       best.layout.cp, best.layout.ep))
+                                       best.layout.cp, best.layout.ep, best.layout.moe_dispatcher))
+
+
+def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
+                       ep_imbalance: float) -> list[Estimate]:
+    """The plan under each other MoE dispatcher the stack runs on the device (experts spread), with the same
+    split and recomputation; combined 1F1B kept where that dispatcher runs it."""
+    lay = best.layout
+    if lay.ep == 1:
+        return []
+    full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute)
+    return [estimate(graph.costs_record, cluster, replace(full, moe_dispatcher=MoeDispatcher(d),
+                                                          moe_a2a_overlap=lay.moe_a2a_overlap and d != "allgather"),
+                     stack, ep_imbalance)
+            for d in stack.dispatchers_on(cluster.device) if d != lay.moe_dispatcher]
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:
@@ -226,7 +243,8 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
     if not result.outside_measured:
         return result
     graph = job.graph
-    inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts))
+    inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts),
+                          measured_dispatchers=measured_dispatchers(graph.num_experts))
     try:
         inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline, caches)
     except UserInputError as exc:   # none fits there, or no time is left to look
@@ -309,10 +327,22 @@ def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, de
 
 def settings_left_out(given: dict, job: Job) -> list[dict]:
     """A whole layout's values with each searched setting it leaves out taken every way the stack can run it
-    for this model (combined 1F1B on and off where the stack has it); the stack's default for the rest."""
+    for this model (each MoE dispatcher the stack runs on the device where experts spread, combined 1F1B on and
+    off where the stack has it); the stack's default for the rest."""
+    if "dispatcher" in given or given["ep"] == 1:
+        dispatched = [given]
+    else:   # a pinned combined 1F1B takes the dispatchers that run it
+        dispatched = [{**given, "dispatcher": MoeDispatcher(d)} for d in job.stack.dispatchers_on(job.cluster.device)
+                      if not (given.get("a2a_overlap") and d == MoeDispatcher.allgather)]
+    return [choice for values in dispatched for choice in _overlaps_left_out(values, job)]
+
+
+def _overlaps_left_out(given: dict, job: Job) -> list[dict]:
+    """Combined 1F1B as given, else on and off where the stack can pair the layout's passes, else off."""
     if "a2a_overlap" in given:
         return [given]
-    if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.graph):
+    if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.graph) \
+            or given.get("dispatcher") == MoeDispatcher.allgather:
         return [{**given, "a2a_overlap": False}]
     return [{**given, "a2a_overlap": on} for on in (False, True)]
 
@@ -345,7 +375,7 @@ def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
-    check_device_for(cluster, stack, given.precision, given.fp8_recipe)
+    check_device_for(cluster, stack, given.precision, given.fp8_recipe, given.moe_dispatcher if given.ep > 1 else None)
     problems = layout_problems(given, graph, cluster.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

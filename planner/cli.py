@@ -78,7 +78,9 @@ StackOpt = typer.Option(None, "--stack", help=f"software stack that trains the m
 OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="also overlap TP collectives with GEMMs where the stack "
                           "does not (Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
 DISPATCHERS = get_args(MoeDispatcher)
-DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="MoE token dispatcher where the stack's differs: alltoall "
+DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="the only MoE token dispatcher the stack runs (without it "
+                             "the search weighs each one the stack runs on the device; dispatcher=NAME in the layout "
+                             "pins one): alltoall "
                              "(one copy per chosen expert), deepep (one per destination node, forwarded over "
                              "NVLink; FP8 dispatch under --precision fp8: Megatron-Core --moe-token-dispatcher-type "
                              "flex --moe-flex-dispatcher-backend deepep) or allgather (every token gathered to the "
@@ -97,7 +99,7 @@ def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool, moe_d
     if moe_dispatcher is not None:
         if moe_dispatcher not in DISPATCHERS:
             raise UserInputError(f"'{moe_dispatcher}'", field="--moe-dispatcher", expected=" or ".join(DISPATCHERS))
-        extra["moe_dispatcher"] = moe_dispatcher
+        extra.update(moe_dispatcher=moe_dispatcher, moe_dispatchers=(moe_dispatcher,))
     return stack.model_copy(update=extra) if extra else stack
 LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
 StrictOpt = typer.Option(False, "--strict-capture", help="refuse a model that capture can only bill in part "

@@ -20,14 +20,17 @@ class ErrorBand:
     fitted_runs: int
     held_out_covered: int
     held_out_runs: int
+    pooled: bool = False      # fitted on every class's runs: too few of its own
 
     def measured_s(self, predicted_s: float) -> tuple[float, float]:
         """The measured step times the prediction is consistent with: predicted / (1 + high) .. / (1 + low)."""
         return predicted_s / (1 + self.high), predicted_s / (1 + self.low)
 
     def words(self) -> str:
-        return (f"{self.kind} runs' 5-95% residuals {self.low:+.0%}..{self.high:+.0%} ({self.fitted_runs} fitted; "
-                f"{self.held_out_covered} of {self.held_out_runs} held-out runs inside)")
+        fitted = f"{self.fitted_runs} fitted, every class pooled: too few {self.kind} runs" if self.pooled else \
+            f"{self.fitted_runs} fitted"
+        return (f"{self.kind} runs' 5-95% residuals {self.low:+.0%}..{self.high:+.0%} ({fitted}; "
+                f"{self.held_out_covered} of {self.held_out_runs} held-out {self.kind} runs inside)")
 
 
 @lru_cache(maxsize=1)
@@ -42,4 +45,4 @@ def band_for(moe: bool) -> ErrorBand | None:
     if not entry:
         return None
     return ErrorBand(kind, entry["low"], entry["high"], entry["fitted_runs"], entry["held_out_covered"],
-                     entry["held_out_runs"])
+                     entry["held_out_runs"], bool(entry.get("pooled", False)))

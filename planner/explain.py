@@ -61,6 +61,22 @@ def combined_1f1b_reason(best: Estimate, twin: Estimate | None) -> str:
     return f"combined 1F1B with the same split and recomputation {_loses(best, on)}"
 
 
+DISPATCHER_WORDS = {"alltoall": "NCCL all-to-all, one copy per chosen expert",
+                    "deepep": "DeepEP-style, one copy per destination domain",
+                    "allgather": "all-gather to the expert group"}
+
+
+def dispatcher_reason(best: Estimate, others: list[Estimate]) -> list[str]:
+    """Why the plan's MoE dispatcher: each other one the stack runs on the device, with the same split and
+    recomputation (combined 1F1B kept where that dispatcher runs it)."""
+    if not others:
+        return []
+    words = [f"{other.layout.moe_dispatcher} " + (_loses(best, other) if other.fits else "does not fit")
+             for other in others]
+    return [f"dispatcher {best.layout.moe_dispatcher} ({DISPATCHER_WORDS[best.layout.moe_dispatcher]}); with the "
+            f"same split and recomputation {'; '.join(words)}"]
+
+
 def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: bool = False,
             twin: Estimate | None = None) -> list[str]:
     """`pairs`: the stack could pair this layout's MoE passes (combined 1F1B); `twin`: the plan with that
@@ -131,7 +147,7 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
     else:
         return []
     device = cluster.device
-    deepep = stack.moe_dispatcher == "deepep"
+    deepep = best.layout.moe_dispatcher == "deepep"
     kernels = "DeepEP's kernels hold" if deepep else "NCCL's all-to-all holds"
     if device.sm_count is None or not (deepep or device.nccl_p2p_sms):
         missing = "no SM count" if device.sm_count is None else "no NCCL p2p channel count"

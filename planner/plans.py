@@ -15,7 +15,7 @@ from cost_models.layout_domains import MAX_DEGREE
 from cost_models.step_time import Estimate
 from hardware_profiles.errors import format_pydantic_error
 from hardware_profiles.parsing import parse_json, parse_yaml, read_bounded_text
-from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher, SoftwareStack
+from hardware_profiles.stack import DEFAULT_STACK, SoftwareStack
 
 from .output_paths import write_no_follow
 from .rules.plan_file import plan_problems, record_problems
@@ -35,11 +35,12 @@ class _Frozen(BaseModel):
 class StackAssumptions(_Frozen):
     """What the prediction assumed of the software stack beside the layout (a plan file's layout record)."""
     tp_comm_overlap: bool = False   # TP collectives overlapped with GEMMs
-    moe_dispatcher: MoeDispatcher = "alltoall"   # this MoE token dispatcher
     moe_shared_expert_overlap: bool = False   # shared experts beside the all-to-alls
     precision_aware_optimizer: bool = False   # Megatron-Core's precision-aware optimizer (memory.py)
     fused_loss: bool = False                  # Transformer Engine's fused cross-entropy (memory.py)
     adam_moment_bytes: Literal[2, 4] = 4      # each Adam moment kept in these bytes
+    # the kernels of the deepep dispatcher on this plan's device (Megatron --moe-flex-dispatcher-backend)
+    flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = None
 
 
 class _LayoutRecordRules(_Frozen):
@@ -51,7 +52,8 @@ class _LayoutRecordRules(_Frozen):
         return self
 
     @classmethod
-    def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...], stack: SoftwareStack) -> "LayoutRecord":
+    def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...], stack: SoftwareStack,
+           device=None) -> "LayoutRecord":
         """The record of a planned layout: each declared field's value as a plan file keeps it, with what the
         prediction took of the stack (SP in effect, combined 1F1B where it hides the all-to-alls)."""
         values = {declared.field.plan_key: declared.field.domain.to_plan(getattr(layout, declared.reads))
@@ -60,10 +62,11 @@ class _LayoutRecordRules(_Frozen):
         values.update(sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
                       moe_a2a_overlap=stack.hides_moe_a2a(layout))
         return cls(**values, tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
-                   moe_dispatcher=stack.moe_dispatcher if layout.ep > 1 else "alltoall",
                    moe_shared_expert_overlap=stack.runs_shared_experts_beside_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
-                   fused_loss=stack.loss_gradient == "fused", adam_moment_bytes=stack.moment_bytes_in(layout))
+                   fused_loss=stack.loss_gradient == "fused", adam_moment_bytes=stack.moment_bytes_in(layout),
+                   flex_dispatcher_backend=device.flex_dispatcher_backend if device is not None and layout.ep > 1
+                   and layout.moe_dispatcher == "deepep" else None)
 
     def layout_values(self) -> dict:
         """The record's layout fields as typed values by user key (`layout_codec`)."""

@@ -75,10 +75,23 @@ def outside_shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp
             if name in ranges and not ranges[name][0] <= value <= ranges[name][1]]
 
 
-def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> list[str]:
-    """One line per shape outside what the published runs of the model's class measured."""
+def measured_dispatchers(num_experts: int) -> tuple[str, ...]:
+    """The MoE dispatchers the published MoE runs measured (their stacks' and launchers'); () for a dense model
+    or a table without them."""
+    return tuple(_region().get("MoE", {}).get("dispatchers", ())) if num_experts else ()
+
+
+def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int,
+                  dispatcher: str = "alltoall") -> list[str]:
+    """One line per shape outside what the published runs of the model's class measured, and the MoE
+    dispatcher where none of them dispatched so."""
     kind = "MoE" if num_experts else "dense"
     runs = _region().get(kind, {}).get("runs")
-    return [f"outside the measured region: {shape.words}, where the {runs} published {kind} runs measured "
-            f"{shape.low:,} to {shape.high:,}; the prediction extrapolates there"
-            for shape in outside_shapes(seq_len, hidden_size, num_experts, tp, cp, ep)]
+    notes = [f"outside the measured region: {shape.words}, where the {runs} published {kind} runs measured "
+             f"{shape.low:,} to {shape.high:,}; the prediction extrapolates there"
+             for shape in outside_shapes(seq_len, hidden_size, num_experts, tp, cp, ep)]
+    measured = measured_dispatchers(num_experts)
+    if ep > 1 and measured and str(dispatcher) not in measured:
+        notes.append(f"outside the measured region: the {dispatcher} MoE dispatcher, where the {runs} published "
+                     f"MoE runs dispatched with {', '.join(measured)}; the prediction extrapolates there")
+    return notes

@@ -197,7 +197,7 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
     the all-to-alls, only the first forward's and the last backward's stay exposed, 1/m of them (m = 4
     micro-batches here); with a pipeline but no virtual stages Megatron cannot pair, nothing changes."""
     args = ("evaluate --model mixtral-8x7b --device h100-sxm --num-devices 16 --global-batch 64 --json "
-            "--layout tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute={rc}")
+            "--layout tp=1,pp={pp},dp={dp},cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,dispatcher=alltoall,recompute={rc}")
 
     def evaluate(pp, dp, flag="", rc="selective"):
         return json.loads(run_here(args.format(pp=pp, dp=dp, rc=rc) + flag, capsys, monkeypatch))
@@ -397,12 +397,16 @@ def test_evaluate_json_and_out_load_as_plans(tmp_path, capsys, monkeypatch):
 
 
 def test_the_deepep_dispatcher_is_an_input_recorded_and_exported(tmp_path, capsys, monkeypatch):
-    """`--moe-dispatcher deepep`: experts spread over 4 nodes send one copy per node instead of one per
-    expert (the exposed all-to-all shrinks), the plan says which dispatcher it billed, the Megatron export
-    asks for the flex dispatcher's DeepEP backend; an unknown dispatcher exits 2 naming the flag."""
+    """`--moe-dispatcher deepep` (the only dispatcher the stack runs): experts spread over 4 nodes send one copy
+    per node instead of one per expert (the exposed all-to-all shrinks), the plan says which dispatcher it
+    billed, the Megatron export asks for the flex dispatcher's DeepEP backend; left out, evaluate weighs the
+    stack's three and takes the fastest, here DeepEP's; an unknown dispatcher exits 2 naming the flag."""
     args = ("evaluate --model mixtral-8x7b --device h100-sxm --num-devices 32 --devices-per-node 4 --global-batch 64 "
             "--json --layout tp=1,pp=1,dp=32,cp=1,ep=8,etp=1,vp=1,mbs=1,zero=1,recompute=none")
-    plain = json.loads(run_here(args, capsys, monkeypatch))
+    plain = json.loads(run_here(args.replace("recompute=none", "recompute=none,dispatcher=alltoall"), capsys,
+                                monkeypatch))
+    chosen = json.loads(run_here(args, capsys, monkeypatch))
+    assert chosen["layout"]["moe_dispatcher"] == "deepep"
     path = tmp_path / "plan.yaml"
     run_here(args.replace("--json", f"--out {path}") + " --moe-dispatcher deepep", capsys, monkeypatch)
     deepep = Plan.load(path)

@@ -216,9 +216,8 @@ def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
     cfg = ModelConfig(name="moe", num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=4 * hidden,
                       vocab_size=512, seq_length=tokens, moe=MoEConfig(num_experts=experts, router_topk=topk,
                                                                        moe_ffn_hidden_size=16))
-    stack = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "allgather"})
-    costs = MeshCosts(capture(cfg).costs(), cluster_from_device("h100-sxm", 2, 2), Layout(dp=2, ep=2, global_batch=2),
-                      stack)
+    costs = MeshCosts(capture(cfg).costs(), cluster_from_device("h100-sxm", 2, 2),
+                      Layout(dp=2, ep=2, global_batch=2, moe_dispatcher="allgather"), load_stack("megatron-core"))
     billed = []
     original = costs.collective
 

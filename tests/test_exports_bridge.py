@@ -23,8 +23,6 @@ from planner.exports import bridge_yaml  # noqa: E402
 HERE = Path(__file__).resolve().parent
 FULL = "tp={tp},pp={pp},vp={vp},dp={dp},cp={cp},ep={ep},etp=1,mbs={mbs},zero={zero},recompute={rc}"
 BRIDGE, MCORE = load_stack("megatron-bridge"), load_stack("megatron-core")
-DEEPEP = BRIDGE.model_copy(update={"moe_dispatcher": "deepep"})
-ALLGATHER = MCORE.model_copy(update={"moe_dispatcher": "allgather"})
 OVERLAP = BRIDGE.model_copy(update={"moe_a2a_overlap": True})
 
 
@@ -51,8 +49,12 @@ PLANS = [
      layout(tp=4, cp=4, dp=4) + ",fp8_recipe=blockwise", "fp8", MCORE),
     ("405b", "llama3-405b", "h100-sxm", 512, 512, layout(tp=8, pp=16, vp=4, dp=4, rc="full"), "bf16", BRIDGE),
     ("qwen3-30b-ep", "qwen3-30b-a3b", "h100-sxm", 16, 64, layout(dp=16, ep=8), "bf16", BRIDGE),
-    ("qwen3-30b-pp-ep-deepep", "qwen3-30b-a3b", "h100-sxm", 16, 64, layout(pp=2, dp=8, ep=8), "bf16", DEEPEP),
-    ("qwen3-30b-allgather", "qwen3-30b-a3b", "h100-sxm", 16, 64, layout(tp=2, dp=8, ep=4), "bf16", ALLGATHER),
+    ("qwen3-30b-pp-ep-deepep", "qwen3-30b-a3b", "h100-sxm", 16, 64, layout(pp=2, dp=8, ep=8, extra=",dispatcher=deepep"),
+     "bf16", BRIDGE),
+    ("qwen3-30b-gb200-hybridep", "qwen3-30b-a3b", "gb200", 16, 64, layout(pp=2, dp=8, ep=8, extra=",dispatcher=deepep"),
+     "bf16", BRIDGE),
+    ("qwen3-30b-allgather", "qwen3-30b-a3b", "h100-sxm", 16, 64, layout(tp=2, dp=8, ep=4, extra=",dispatcher=allgather"),
+     "bf16", MCORE),
     ("qwen3-30b-a2a-overlap", "qwen3-30b-a3b", "h100-sxm", 16, 64, layout(dp=16, ep=8), "bf16", OVERLAP),
     ("qwen3-235b", "qwen3-235b-a22b", "h100-sxm", 256, 1024, layout(tp=2, pp=8, dp=16, ep=32, rc="full"), "bf16",
      BRIDGE),
@@ -60,7 +62,7 @@ PLANS = [
      "bf16", OVERLAP),
     ("dsv3-pp-ep", "deepseek-v3", "h100-sxm", 256, 512, layout(pp=8, dp=32, ep=8, rc="full"), "bf16", BRIDGE),
     ("dsv3-deepep-fp8", "deepseek-v3", "h100-sxm", 256, 512, layout(pp=8, dp=32, ep=8, rc="full")
-     + ",fp8_recipe=tensorwise", "fp8", DEEPEP),
+     + ",fp8_recipe=tensorwise,dispatcher=deepep", "fp8", BRIDGE),
     ("dsv3-uneven", "deepseek-v3", "h100-sxm", 256, 512, layout(pp=4, dp=64, ep=16, rc="full",
                                                                  extra=",stages=15-16-16-14"), "bf16", BRIDGE),
 ]
@@ -111,8 +113,10 @@ def test_megatron_bridge_reads_the_export_as_the_plan(read_back, name):
         assert granularity is None
     if lay.ep > 1:
         assert got["dispatcher"] == {"alltoall": ["alltoall", None], "allgather": ["allgather", None],
-                                     "deepep": ["flex", "deepep"]}[lay.moe_dispatcher] or \
+                                     "deepep": ["flex", lay.flex_dispatcher_backend]}[lay.moe_dispatcher] or \
             got["dispatcher"][0] == lay.moe_dispatcher
+        assert lay.moe_dispatcher != "deepep" or lay.flex_dispatcher_backend == (
+            "hybridep" if plan.device_profile == "gb200" else "deepep")
         assert got["a2a_overlap"] == [lay.moe_a2a_overlap, lay.moe_a2a_overlap]
         assert got["shared_expert_overlap"] == lay.moe_shared_expert_overlap
     assert got["distributed_optimizer"] == [lay.zero >= 1, lay.zero >= 1]

@@ -24,8 +24,6 @@ with warnings.catch_warnings():
 
 FULL = "tp={tp},pp={pp},vp={vp},dp={dp},cp={cp},ep={ep},etp={etp},mbs={mbs},zero={zero},recompute={rc}"
 MOE_OVERLAP = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "tp_comm_overlap": True})
-DEEPEP = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "deepep"})
-ALLGATHER = load_stack("megatron-core").model_copy(update={"moe_dispatcher": "allgather"})
 MTP_MOE = resolve_model("mixtral-8x7b").model_copy(update={"mtp_layers": 1, "num_layers": 8})
 # (id, model, device, devices, global batch, layout, precision, stack)
 PLANS = [
@@ -53,12 +51,21 @@ PLANS = [
     # full recomputation: Megatron-Core refuses the MoE overlap beside it, so the prediction does without
     ("moe-overlap-stack-full-recompute", "mixtral-8x7b", "h100-sxm", 16, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="full"), "bf16", MOE_OVERLAP),
-    # DeepEP's deduplicated dispatch, as predicted (--moe-dispatcher deepep): Megatron's flex dispatcher
+    # DeepEP's deduplicated dispatch, as predicted (dispatcher=deepep): Megatron's flex dispatcher
     ("moe-deepep", "mixtral-8x7b", "h100-sxm", 32, 64,
-     FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", DEEPEP),
+     FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none") + ",dispatcher=deepep", "bf16",
+     None),
+    # the same on GB200 NVL72, whose flex backend is HybridEP
+    ("moe-hybridep-gb200", "mixtral-8x7b", "gb200", 32, 64,
+     FULL.format(tp=1, pp=2, vp=1, dp=16, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none") + ",dispatcher=deepep", "bf16",
+     None),
     # Megatron-Core's default dispatcher: every token all-gathered to the expert tp x ep group
     ("moe-allgather", "mixtral-8x7b", "h100-sxm", 32, 64,
-     FULL.format(tp=2, pp=1, vp=1, dp=16, cp=1, ep=8, etp=2, mbs=1, zero=1, rc="none"), "bf16", ALLGATHER),
+     FULL.format(tp=2, pp=1, vp=1, dp=16, cp=1, ep=8, etp=2, mbs=1, zero=1, rc="none") + ",dispatcher=allgather",
+     "bf16", None),
+    # the dispatcher left to evaluate, which weighs the three: the one it chose is exported
+    ("moe-dispatcher-chosen", "qwen3-30b-a3b", "h100-sxm", 16, 64,
+     FULL.format(tp=1, pp=1, vp=1, dp=16, cp=1, ep=16, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
     # Megatron-Bridge's stack: Transformer Engine's fused cross-entropy, the precision-aware optimizer in BF16
     ("megatron-bridge", "llama3-8b", "h100-sxm", 8, 64, FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1,
                                                                      zero=1, rc="none"), "bf16", "megatron-bridge"),
@@ -188,7 +195,7 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case, monkeyp
     if lay.ep > 1:   # what the cost model bills: a plain all-to-all, an all-gather, or DeepEP through flex
         deepep = lay.moe_dispatcher == "deepep"
         assert transformer.moe_token_dispatcher_type == ("flex" if deepep else lay.moe_dispatcher)
-        assert not deepep or transformer.moe_flex_dispatcher_backend == "deepep"
+        assert not deepep or transformer.moe_flex_dispatcher_backend == lay.flex_dispatcher_backend
     # ZeRO: 1 the distributed optimizer, 2 and 3 Megatron-FSDP sharding gradients (and parameters)
     assert ddp.use_distributed_optimizer == (lay.zero >= 1)
     assert ddp.data_parallel_sharding_strategy == {0: "no_shard", 1: "no_shard", 2: "optim_grads",

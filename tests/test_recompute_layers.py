@@ -48,7 +48,7 @@ def test_the_plan_is_the_best_partition_a_brute_force_finds_with_megatrons_block
     positions, as Megatron's loop does. (`evaluate` of the whole layout splits evenly, as Megatron does.)"""
     model = mixed_moe_model(seq=1024)
     planned = planner.plan(model, device="h100-sxm", num_devices=16, global_batch=32, tp=1, pp=2, vp=2, dp=8, cp=1,
-                           ep=2, etp=1, mbs=1, zero=1, recompute="full", recompute_layers=count)
+                           ep=2, etp=1, mbs=1, zero=1, recompute="full", recompute_layers=count, dispatcher="alltoall")
     sizes = tuple(len(s.layers) for s in planned.stages)
     assert [r for s in planned.stages for r in s.recompute] == [r.value for r in megatron_block_method(sizes, count)]
     stack = load_stack()

@@ -41,3 +41,22 @@ def test_a_whatif_point_says_where_its_plan_extrapolates_and_the_best_plan_insid
         assert bool(row.extrapolates) == bool(alone.outside_measured)
         if alone.inside_measured is not None:
             assert f"{alone.inside_measured.step_time_s:.2f} s" in row.extrapolates
+
+
+def test_a_dispatcher_no_published_moe_run_used_is_said_and_the_best_plan_inside_keeps_theirs():
+    """The published MoE runs all dispatched with NCCL's all-to-all (measured_region.yaml's dispatchers, from their
+    stacks and launchers). Qwen3-30B-A3B's 128 experts over 16 H100 in two nodes: the search prefers DeepEP-style
+    dispatch (one copy per remote node), which is outside what was measured; the plan says so, and the best plan
+    inside the region dispatches as the runs did, slower by what the deduplication saved."""
+    from planner.region import measured_dispatchers
+    assert measured_dispatchers(128) == ("alltoall",) and measured_dispatchers(0) == ()
+    plan = planner.plan("qwen3-30b-a3b", device="h100-sxm", num_devices=16, global_batch=64, tp=1, pp=1, cp=1, ep=16)
+    assert plan.layout.moe_dispatcher == "deepep"
+    assert any("the deepep MoE dispatcher" in note for note in plan.outside_measured)
+    inside = plan.inside_measured
+    assert inside is not None and "dispatcher=" not in inside.layout   # alltoall: the layout text's default
+    assert inside.step_time_s > plan.step_time_s
+    pinned = planner.plan("qwen3-30b-a3b", device="h100-sxm", num_devices=16, global_batch=64, tp=1, pp=1, cp=1,
+                          ep=16, dispatcher="alltoall")
+    assert not pinned.outside_measured and pinned.step_time_s == pytest.approx(inside.step_time_s, rel=1e-9)
+    assert plan.outside_measured == [note for note in plan.outside_measured if "dispatcher" in note]

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from cost_models.layer_costs import MeshCosts
-from cost_models.layout import MEGATRON_ORDER, Layout, Recompute
+from cost_models.layout import MEGATRON_ORDER, Layout, MoeDispatcher, Recompute
 from hardware_profiles.loader import load_stack
 from cost_models.step_time import estimate
 from hardware_profiles import UserInputError, cluster_from_device
@@ -132,9 +132,10 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
                 assert root_bound <= alone * tol
                 best = [e.step_time_s for lay, e in per_layout.items()
                         if (lay.tp, lay.cp, lay.pp, lay.vp, lay.ep, lay.etp, lay.micro_batch, lay.mesh_order,
-                            lay.moe_a2a_overlap) == (layout.tp, layout.cp, layout.pp, layout.vp, layout.ep,
-                                                     layout.etp, layout.micro_batch, layout.mesh_order,
-                                                     layout.moe_a2a_overlap)]
+                            lay.moe_a2a_overlap, lay.moe_dispatcher) == (
+                                layout.tp, layout.cp, layout.pp, layout.vp, layout.ep, layout.etp,
+                                layout.micro_batch, layout.mesh_order, layout.moe_a2a_overlap,
+                                layout.moe_dispatcher)]
                 assert all(root_bound <= b * tol for b in best)
                 placed += 1
         assert placed > 100
@@ -142,7 +143,8 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
 
 def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_stack(), vps=(1,)):
     """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order, MoE all-to-all overlap off and on
-    (where the stack has it) and partition (no recomputation): the best plan of each layout, keyed by it."""
+    (where the stack has it), MoE dispatcher (each the stack runs on the device where experts spread) and
+    partition (no recomputation): the best plan of each layout, keyed by it."""
     n, best = cluster.num_devices, {}
     for tp, cp, pp, vp in itertools.product((1, 2, 4), (1, 2), (1, 2), vps):
         if n % (tp * cp * pp) or graph.attention_heads % tp or (pp == 1 and vp > 1):
@@ -150,14 +152,19 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
         dp = n // (tp * cp * pp)
         orders = (MEGATRON_ORDER, ("tp", "dp", "cp", "ep", "pp"), ("tp", "pp", "cp", "ep", "dp"))
         switches = (False, True) if overlap.moe_a2a_overlap else (False,)
-        for etp, ep, mbs, zero, order, paired in itertools.product({1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3),
-                                                                    orders, switches):
+        dispatchers = ("alltoall", "allgather", "deepep")
+        for etp, ep, mbs, zero, order, paired, dispatcher in itertools.product(
+                {1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3), orders, switches, dispatchers):
             if (dp * cp * tp) % (ep * etp) or graph.num_experts % ep or global_batch % (dp * mbs):
                 continue
             if vp > 1 and (global_batch // (dp * mbs)) % pp:
                 continue
+            runs = overlap.dispatchers_on(cluster.device) if ep > 1 else (overlap.moe_dispatcher,)
+            if dispatcher not in runs:
+                continue
             base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
-                          global_batch=global_batch, zero=zero, mesh_order=order, moe_a2a_overlap=paired)
+                          global_batch=global_batch, zero=zero, mesh_order=order, moe_a2a_overlap=paired,
+                          moe_dispatcher=dispatcher)
             if paired and not overlap.pairs_moe_a2a(base):
                 continue   # the same plan as without: the stack cannot pair this layout's passes
             costs = MeshCosts(model_costs, cluster, base, overlap)
@@ -172,7 +179,8 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
 @pytest.mark.parametrize("overlap,vps", [(load_stack(), (1,)), (load_stack().model_copy(update={"moe_a2a_overlap": True}), (1, 2, 4))])
 def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
     """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum, also
-    where MoE all-to-all overlap makes the communication depend on the virtual-stage count."""
+    where MoE all-to-all overlap makes the communication depend on the virtual-stage count and the MoE
+    dispatcher (Megatron-Core's three, on H100) is chosen per placement."""
     graph = capture(moe_model())
     cluster = small_cluster(8, 16)
     per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16, overlap, vps)
@@ -195,6 +203,14 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
         assert bounds.memory_floor(layout)[0] <= max(m.total for m in best.stage_memory)
     assert outcome.pruned_memory > 0 and outcome.pruned_bound > 0
     _check_tree_bounds(graph, cluster, overlap, per_layout)
+    # the dispatcher is live: each wins somewhere, by the step time its bytes and links give
+    winners = {}
+    for lay, best in per_layout.items():
+        if lay.ep > 1 and not lay.moe_a2a_overlap:
+            key = replace(lay, moe_dispatcher="alltoall")
+            if best.step_time_s < winners.get(key, (float("inf"), None))[0]:
+                winners[key] = (best.step_time_s, lay.moe_dispatcher)
+    assert {str(d) for _, d in winners.values()} == {"alltoall", "allgather", "deepep"}
     if overlap.moe_a2a_overlap:   # the choice is live: somewhere it changes the step or whether it fits
         changed = [lay for lay in per_layout if lay.moe_a2a_overlap and overlap.hides_moe_a2a(lay)
                    and per_layout.get(replace(lay, moe_a2a_overlap=False)) is not None
@@ -401,7 +417,7 @@ def test_pinned_search_equals_the_best_split_by_enumeration(zero, pp, vp, dp, ep
                               mesh_costs=costs)
             if result.fits and (best is None or result.step_time_s < best.step_time_s):
                 best = result
-    pins = Pins(dp=dp, tp=tp, pp=pp, vp=vp, cp=1, ep=ep, etp=1, mbs=1, zero=zero)
+    pins = Pins(dp=dp, tp=tp, pp=pp, vp=vp, cp=1, ep=ep, etp=1, mbs=1, zero=zero, dispatcher=MoeDispatcher.alltoall)
     outcome = search(graph.costs(), cluster, 16, pins, graph=graph, top_k=1, recompute_choices=choices)
     assert best is not None and outcome.unexplored == 0
     found = outcome.ranked[0].estimate
@@ -478,6 +494,33 @@ def test_search_status_says_complete_only_when_it_is(capsys, monkeypatch):
     assert outcome.unproven > 0 and not outcome.complete
 
 
+def test_the_search_and_evaluate_choose_the_dispatcher_the_three_pinned_plans_rank_first():
+    """Megatron-Core runs the alltoall, allgather and flex (DeepEP) dispatchers, and DeepEP's kernels run on
+    Hopper: for Qwen3-30B-A3B's 128 experts over 16 H100 in two nodes (eight per rank) the search, and evaluate of a whole layout that leaves the dispatcher out, weigh each. Their
+    plan is the fastest of the plans pinned to one dispatcher (search = enumeration over it), and says what
+    the others would cost. On a device whose profile names no DeepEP-style kernels, deepep is never chosen and
+    refused when pinned, naming the device."""
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core", time_limit_s=60)
+    pins = dict(tp=1, pp=1, cp=1, ep=16, etp=1, mbs=1, zero=1, recompute="none", a2a_overlap=False)
+    pinned = {d: plan("qwen3-30b-a3b", **common, **pins, dispatcher=d) for d in ("alltoall", "allgather", "deepep")}
+    fastest = min(pinned.values(), key=lambda p: p.step_time_s)
+    assert len({round(p.step_time_s, 6) for p in pinned.values()}) == 3   # the choice matters here
+    chosen = plan("qwen3-30b-a3b", **common, **pins)
+    assert chosen.layout.moe_dispatcher == fastest.layout.moe_dispatcher
+    assert chosen.step_time_s == pytest.approx(fastest.step_time_s, rel=1e-9)
+    text = ",".join(f"{k}={v}" for k, v in {**pins, "dp": 16, "vp": 1}.items())
+    assert evaluate("qwen3-30b-a3b", layout=text, **common).layout.moe_dispatcher == fastest.layout.moe_dispatcher
+    why = next(line for line in chosen.reasons if line.startswith("dispatcher "))
+    assert all(str(d) in why for d in pinned)
+    h100 = cluster_from_device("h100-sxm", 16)
+    without = {**common, "device": None, "num_devices": None,
+               "cluster": h100.model_copy(update={"device": h100.device.model_copy(
+                   update={"flex_dispatcher_backend": None})})}
+    assert plan("qwen3-30b-a3b", **without, **pins).layout.moe_dispatcher != "deepep"
+    with pytest.raises(UserInputError, match="dispatcher=deepep on h100-sxm"):
+        plan("qwen3-30b-a3b", **without, **pins, dispatcher="deepep")
+
+
 def test_the_search_weighs_combined_1f1b_against_its_memory():
     """Where the stack has combined 1F1B the search tries each layout with it and without: Mixtral on 16
     H100 with tp2 (one micro-batch per forward) is faster with it but holds two micro-batches' activations
@@ -486,7 +529,7 @@ def test_the_search_weighs_combined_1f1b_against_its_memory():
     out, which weighs the two as the search does. Megatron-Core runs it (off by default): its stack can."""
     common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core", time_limit_s=60)
     for tp, chosen in ((2, False), (4, True)):
-        pins = dict(tp=tp, pp=1, cp=1, ep=8, etp=1, mbs=1, zero=3, recompute="none")
+        pins = dict(tp=tp, pp=1, cp=1, ep=8, etp=1, mbs=1, zero=3, recompute="none", dispatcher="alltoall")
         text = ",".join(f"{k}={v}" for k, v in {**pins, "dp": 16 // tp, "vp": 1}.items())
         on, off = (evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap={flag}", **common) for flag in ("true", "false"))
         assert on.step_time_s < off.step_time_s and off.fits and on.fits is chosen

@@ -141,8 +141,15 @@ def test_the_allgather_dispatcher_beside_the_a2a_overlap_is_refused_as_megatron_
             TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
                               moe_router_topk=2, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather",
                               overlap_moe_expert_parallel_comm=True)
-    assert "moe_a2a_overlap needs moe_dispatcher" in refused_stack_file(tmp_path, moe_dispatcher="allgather",
-                                                                        moe_a2a_overlap=True)
+    assert "moe_a2a_overlap needs alltoall or deepep" in refused_stack_file(
+        tmp_path, moe_dispatcher="allgather", moe_dispatchers=["allgather"], moe_a2a_overlap=True)
+    # where the stack runs several, the rule is the layout's: pinned together they are refused, and the search
+    # gives an allgather plan no combined 1F1B
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core")
+    layout = "tp=1,pp=1,vp=1,dp=16,cp=1,ep=8,etp=1,mbs=1,zero=1,recompute=none,dispatcher=allgather"
+    with pytest.raises(UserInputError, match="a2a_overlap=true with dispatcher=allgather"):
+        api.evaluate("mixtral-8x7b", layout=layout + ",a2a_overlap=true", **common)
+    assert not api.evaluate("mixtral-8x7b", layout=layout, **common).layout.moe_a2a_overlap
 
 
 def test_a_fused_loss_keeps_the_bf16_logits_transformer_engines_cross_entropy_keeps():
@@ -312,7 +319,7 @@ def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
     stack = load_stack("megatron-core").model_copy(update={"moe_a2a_overlap": True, "moe_dispatcher": "deepep"})
     h100 = cluster_from_device("h100-sxm", 16)
     unknown = h100.model_copy(update={"device": h100.device.model_copy(update={"sm_count": None})})
-    layout = "tp=4,pp=1,dp=4,cp=1,ep=4,etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap={}"
+    layout = "tp=4,pp=1,dp=4,cp=1,ep=4,etp=1,vp=1,mbs=1,zero=1,recompute=none,dispatcher=deepep,a2a_overlap={}"
     billed, unbilled, alone = (
         api.evaluate("mixtral-8x7b", cluster, layout.format(on), global_batch=64, stack=stack)
         for cluster, on in ((h100, "true"), (unknown, "true"), (h100, "false")))
@@ -336,7 +343,7 @@ def test_nccl_all_to_all_hidden_behind_compute_holds_its_p2p_channels_sms():
     fast = network.model_copy(update={"nic_bandwidth_gbit_per_s": 100 * network.nic_bandwidth_gbit_per_s})
     h100 = h100.model_copy(update={"inter_node": fast})
     unknown = h100.model_copy(update={"device": h100.device.model_copy(update={"nccl_p2p_sms": None})})
-    layout = "tp=1,pp=1,dp=16,cp=1,ep={},etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap={}"
+    layout = "tp=1,pp=1,dp=16,cp=1,ep={},etp=1,vp=1,mbs=1,zero=1,recompute=none,dispatcher=alltoall,a2a_overlap={}"
     for ep, held in ((8, 32), (16, 16)):
         billed, unbilled, alone = (
             api.evaluate("qwen3-30b-a3b", cluster, layout.format(ep, on), global_batch=64, stack=stack)
@@ -445,11 +452,15 @@ def test_the_shared_expert_overlap_runs_with_the_dispatchers_megatron_core_runs_
             TransformerConfig(**moe, moe_token_dispatcher_type="flex")
         assert TransformerConfig(**moe, moe_token_dispatcher_type="alltoall").moe_shared_expert_overlap
     assert "moe_shared_expert_overlap needs" in refused_stack_file(tmp_path, moe_dispatcher="deepep",
+                                                                  moe_dispatchers=["deepep"],
                                                                   moe_shared_expert_overlap=True)
     stack = load_stack("megatron-core").model_copy(update={"moe_shared_expert_overlap": True})
     plan = api.evaluate(_shared_expert_moe(), device="h100-sxm", num_devices=16, global_batch=16, stack=stack,
-                        layout="tp=1,pp=1,vp=1,dp=16,cp=1,ep=16,etp=1,mbs=1,zero=1,recompute=none")
+                        layout="tp=1,pp=1,vp=1,dp=16,cp=1,ep=16,etp=1,mbs=1,zero=1,recompute=none,dispatcher=alltoall")
     assert plan.layout.moe_shared_expert_overlap and "--moe-shared-expert-overlap" in megatron_args(plan)[0]
+    flex = api.evaluate(_shared_expert_moe(), device="h100-sxm", num_devices=16, global_batch=16, stack=stack,
+                        layout="tp=1,pp=1,vp=1,dp=16,cp=1,ep=16,etp=1,mbs=1,zero=1,recompute=none,dispatcher=deepep")
+    assert not flex.layout.moe_shared_expert_overlap   # Megatron-Core runs it with the alltoall dispatcher only
     assert any("SMs while the shared experts run beside them" in r for r in plan.reasons)
 
 

@@ -19,7 +19,7 @@ MIXED_PRECISION = {"delayed": "bf16_with_fp8_delayed_scaling_mixed", "tensorwise
                    "mxfp8": "bf16_with_mxfp8_mixed", "blockwise": "bf16_with_fp8_subchannel_scaling_mixed"}
 DISPATCHER = {"alltoall": {"moe_token_dispatcher_type": "alltoall"},
               "allgather": {"moe_token_dispatcher_type": "allgather"},
-              "deepep": {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "deepep"}}
+              "deepep": {"moe_token_dispatcher_type": "flex"}}   # its backend: the plan's flex_dispatcher_backend
 
 
 def bridge_overrides(plan: Plan) -> tuple[dict, list[str]]:
@@ -32,6 +32,8 @@ def bridge_overrides(plan: Plan) -> tuple[dict, list[str]]:
              "seq_length": plan.seq_len, "cuda_graph_impl": "none",   # the prediction bills no CUDA graphs
              **_pipeline_split(plan), **_recompute(plan)}
     if lay.ep > 1:
+        if lay.moe_dispatcher == "deepep":   # plans written before the backend was recorded: DeepEP
+            model["moe_flex_dispatcher_backend"] = lay.flex_dispatcher_backend or "deepep"
         model.update(DISPATCHER[lay.moe_dispatcher], overlap_moe_expert_parallel_comm=lay.moe_a2a_overlap,
                      delay_wgrad_compute=lay.moe_a2a_overlap, moe_shared_expert_overlap=lay.moe_shared_expert_overlap)
     # Transformer Engine's fused cross-entropy (the bf16 logits hold their own gradient) as memory.py billed it

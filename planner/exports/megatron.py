@@ -32,7 +32,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     if lay.moe_shared_expert_overlap:
         args.append("--moe-shared-expert-overlap")
     if lay.ep > 1 and lay.moe_dispatcher == "deepep":   # deduplicated dispatch, as the cost model billed it
-        args.append("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep")
+        backend = lay.flex_dispatcher_backend or "deepep"   # plans written before the field: DeepEP
+        args.append(f"--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend}")
     elif lay.ep > 1:   # the dispatcher the cost model billed (Megatron's default is allgather)
         args.append(f"--moe-token-dispatcher-type {lay.moe_dispatcher}")
     if lay.grad_reduce == "bf16":

@@ -17,8 +17,10 @@ def check_model_on_stack(graph, stack: SoftwareStack) -> None:
                              expected="a stack that trains them (planner stacks show NAME), or the model without them")
 
 
-def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8_recipe: str | None = None) -> None:
-    """The device profile has what the precision, the FP8 recipe and the stack's settings need to be costed."""
+def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8_recipe: str | None = None,
+                     dispatcher: str | None = None) -> None:
+    """The device profile has what the precision, the FP8 recipe, the MoE dispatcher and the stack's settings
+    need to be costed."""
     device = cluster.device
     if precision == "fp8" and not device.peak_tflops.fp8:
         raise UserInputError(f"{device.name} has no FP8 matrix units (its profile gives no fp8 peak)",
@@ -27,7 +29,11 @@ def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8
         raise UserInputError(f"fp8_recipe=mxfp8 on {device.name}: MXFP8's block scales need Blackwell tensor cores "
                              "(the device profile's mxfp8)", field="fp8_recipe",
                              expected="tensorwise, delayed or blockwise on this device, or a Blackwell device")
-    if stack.moe_dispatcher == "deepep" and device.sm_count is not None and stack.deepep_sms >= device.sm_count:
+    if dispatcher == "deepep" and device.flex_dispatcher_backend is None:
+        raise UserInputError(f"dispatcher=deepep on {device.name}: Megatron-Core's flex dispatcher runs DeepEP or "
+                             "HybridEP kernels, and the device profile names neither (its flex_dispatcher_backend)",
+                             field="dispatcher", expected="alltoall or allgather on this device")
+    if dispatcher == "deepep" and device.sm_count is not None and stack.deepep_sms >= device.sm_count:
         raise UserInputError(f"deepep_sms {stack.deepep_sms} leaves none of the {device.name}'s {device.sm_count} "
                              "SMs to compute", field="deepep_sms", expected=f"fewer than {device.sm_count} SMs")
     if stack.optimizer_swap_chunks and device.host_link_gbytes_per_s is None:
@@ -40,10 +46,12 @@ def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8
 
 
 def check_plan_device(plan) -> None:
-    """A plan file's precision and FP8 recipe against its own device profile (a hand-edited mxfp8 on H100)."""
-    if str(plan.layout.precision) != "fp8":
+    """A plan file's precision, FP8 recipe and dispatcher against its own device profile (a hand-edited mxfp8 or
+    deepep on a device without them)."""
+    if str(plan.layout.precision) != "fp8" and (plan.layout.ep == 1 or plan.layout.moe_dispatcher != "deepep"):
         return
     from hardware_profiles.loader import load_stack
 
     from ..job import plan_cluster
-    check_device_for(plan_cluster(plan), load_stack(plan.stack), "fp8", str(plan.layout.fp8_recipe))
+    check_device_for(plan_cluster(plan), load_stack(plan.stack), str(plan.layout.precision), str(plan.layout.fp8_recipe),
+                     str(plan.layout.moe_dispatcher) if plan.layout.ep > 1 else None)

@@ -8,7 +8,7 @@ read through the captured graph's attributes only (heads, kv groups, experts, bl
 from __future__ import annotations
 
 from cost_models.layout import MEGATRON_ORDER, Layout, Recompute, RecomputeModule, Schedule, nested_modules
-from cost_models.layout_codec import CHOICES
+from cost_models.layout_codec import ATTRIBUTES, CHOICES
 from cost_models.pipeline import dualpipev_micro_batch_problem, most_chunks, partition_problem
 
 from .pins import Pins, pins_of
@@ -33,7 +33,7 @@ def value_problems(layout: Layout) -> list[str]:
     if layout.zero not in (0, 1, 2, 3) or isinstance(layout.zero, bool):
         problems.append(f"zero={layout.zero} is not a ZeRO stage 0-3")
     for key, kind in CHOICES.items():
-        value = getattr(layout, key)
+        value = getattr(layout, ATTRIBUTES[key])
         if not isinstance(value, kind):
             problems.append(f"{key}={str(value)!r} is not one of {', '.join(kind.texts())}")
     if not isinstance(layout.dualpipev, bool):

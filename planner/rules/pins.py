@@ -45,6 +45,7 @@ class _StackSpace:
     interleaved_schedule: bool = True             # whether it interleaves virtual stages
     even_pipeline_split: bool = False             # whether it splits the layers evenly over the chunks
     shape_bounds: tuple = ()                      # region.ShapeBound per degree kept inside a range; () none
+    measured_dispatchers: tuple = ()              # the MoE dispatchers a search is kept to (the region's); () any
 
     def allows(self, name: str, value) -> bool:
         """Whether the search may give field `name` (a user key) this value: the pin's, or any the stack runs,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Fp8Recipe, Layout, Precision, Recompute, RecomputeModule, Schedule
+from cost_models.layout import Fp8Recipe, Layout, MoeDispatcher, Precision, Recompute, RecomputeModule, Schedule
 from cost_models.layout_codec import FIELDS, FULL_KEYS, values_of
 from hardware_profiles.stack import SoftwareStack
 
@@ -125,6 +125,12 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
         if refused:
             problems.append(f"recompute_modules={'+'.join(refused)} with fp8_recipe=delayed: Megatron-Core "
                             "recomputes these under FP8 current or block scaling only")
+    if pins.dispatcher is not None and pins.dispatcher not in stack.moe_dispatchers:
+        problems.append(f"dispatcher={pins.dispatcher}: the {name} stack runs the "
+                        f"{', '.join(stack.moe_dispatchers)} MoE dispatcher(s)")
+    elif pins.a2a_overlap and pins.dispatcher == MoeDispatcher.allgather:
+        problems.append("a2a_overlap=true with dispatcher=allgather: Megatron-Core's TransformerConfig runs combined "
+                        "1F1B with the alltoall or flex dispatcher only")
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
@@ -185,9 +191,9 @@ def dualpipev_rules(stack: SoftwareStack) -> DualPipeVRules:
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
-    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "fp8_recipe",
-                                                                       "recompute_modules", "schedule",
-                                                                       "recompute_layers"))), stack,
+    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "dispatcher",
+                                                                       "fp8_recipe", "recompute_modules",
+                                                                       "schedule", "recompute_layers"))), stack,
                               layout.precision, graph)
     stages = layout.stage_layers
     if layout.dualpipev and stack.dualpipev_even_split and stages and len(set(stages)) > 1:

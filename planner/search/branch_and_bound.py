@@ -261,7 +261,8 @@ class BranchAndBound:
         Its children of every vp share the work (a layout is built only for the first of them), but where
         combined 1F1B hides the all-to-alls: their exposure depends on vp (`PairedWork`)."""
         hides, v_hides = self.hidden_a2a(node)
-        key = (node.shape, node.micro_batch, node.placement, hides, v_hides, node.vp if hides else 0)
+        key = (node.shape, node.micro_batch, node.placement, node.moe_dispatcher, hides, v_hides,
+               node.vp if hides else 0)
         if key not in self.placement_work:
             # (DualPipeV's pairs, where they hide the all-to-alls, take the place of 1F1B's)
             self.placement_work[key] = self.placed_work(node, key, paired=hides and not v_hides)
@@ -296,7 +297,7 @@ class BranchAndBound:
     def hidden_a2a(self, node: TreeNode) -> tuple[bool, bool]:
         """Whether the node's MoE all-to-alls hide behind combined 1F1B, and behind DualPipeV's pairs: the
         stack's rules read from the node's first layout of that placement and schedule."""
-        key = (node.placement, node.moe_a2a_overlap, node.shape.pp, node.vp, node.dualpipev)
+        key = (node.placement, node.moe_dispatcher, node.moe_a2a_overlap, node.shape.pp, node.vp, node.dualpipev)
         if key not in self.overlap_flags:
             layout = node.layout(self.problem)
             self.overlap_flags[key] = (self.stack.hides_moe_a2a(layout), self.stack.dualpipev_hides(layout))

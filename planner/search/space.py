@@ -106,10 +106,12 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, micro_batch: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
-                moe_a2a_overlap: bool = False, dualpipev: bool = False) -> Layout:
+                moe_a2a_overlap: bool = False, dualpipev: bool = False, moe_dispatcher: str | None = None) -> Layout:
     chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules",
                                                   "recompute_layers") if getattr(pins, key) is not None}
     chosen["a2a_overlap"] = moe_a2a_overlap
+    if moe_dispatcher is not None:
+        chosen["dispatcher"] = moe_dispatcher
     if dualpipev:
         chosen["schedule"] = Schedule.dualpipev
     return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models.layout import MEGATRON_ORDER, Layout, passes_pair_across_micro_batches
+from cost_models.layout import MEGATRON_ORDER, Layout, MoeDispatcher, passes_pair_across_micro_batches
 from cost_models.layout_codec import text_of
 from cost_models.step_time import Estimate
 from hardware_profiles.schema import Cluster
@@ -91,7 +91,7 @@ def rank_key(scored: Scored) -> tuple:
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
     lay = scored.estimate.layout
     return (six_digits(scored.estimate.step_time_s), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
-            lay.moe_a2a_overlap, -lay.micro_batch, text_of(lay))
+            lay.moe_a2a_overlap, lay.moe_dispatcher != MoeDispatcher.alltoall, -lay.micro_batch, text_of(lay))
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,20 @@ class TreeNode:
     placement: tuple | None = None      # (etp, ep, mesh order) from the second level on
     moe_a2a_overlap: bool = False           # combined 1F1B, chosen with the placement where the stack pairs it
     zero: int | None = None             # set on leaves
+    moe_dispatcher: MoeDispatcher = MoeDispatcher.alltoall   # chosen with the placement where experts spread
 
     def layout(self, problem: "TreeProblem") -> Layout:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
         return make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
                            micro_batch=self.micro_batch, etp=etp, ep=ep, order=order, zero=self.zero or 0,
-                           moe_a2a_overlap=self.moe_a2a_overlap, dualpipev=self.dualpipev)
+                           moe_a2a_overlap=self.moe_a2a_overlap, dualpipev=self.dualpipev,
+                           moe_dispatcher=self.moe_dispatcher)
 
     def tie_key(self) -> tuple:
         etp, ep, order = self.placement or (0, 0, ())
         s = self.shape
         return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.dualpipev, self.micro_batch, self.moe_a2a_overlap,
-                -1 if self.zero is None else self.zero, order)
+                -1 if self.zero is None else self.zero, order, self.moe_dispatcher)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ class TreeShape:
         self._placements: dict[MeshShape, list] = {}
         self._virtual_stages: dict[MeshShape, set[tuple[int, bool]]] = {}
         self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
+        self._dispatchers: dict[int, tuple[MoeDispatcher, ...]] = {}    # ep -> dispatchers
+        self._overlaps: dict[tuple, tuple[bool, ...]] = {}   # (pp, vp, DualPipeV, ep, dispatcher) -> switches
 
     def roots(self) -> list[TreeNode]:
         p = self.problem
@@ -162,19 +166,39 @@ class TreeShape:
     def children(self, node: TreeNode) -> list[TreeNode]:
         # built directly, not by dataclasses.replace: a large search makes hundreds of thousands
         if node.placement is None:
-            return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, placement, overlap)
-                    for placement in self.placements(node.shape) for overlap in self.overlaps(node, placement)]
+            return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, placement, overlap, None, dispatcher)
+                    for placement in self.placements(node.shape) for dispatcher in self.dispatchers(placement[1])
+                    for overlap in self.overlaps(node, placement, dispatcher)]
         return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, node.placement, node.moe_a2a_overlap,
-                         zero) for zero in self.zeros(node)]
+                         zero, node.moe_dispatcher) for zero in self.zeros(node)]
 
-    def overlaps(self, node: TreeNode, placement: tuple) -> tuple[bool, ...]:
+    def dispatchers(self, ep: int) -> tuple[MoeDispatcher, ...]:
+        """The MoE dispatchers of a placement: as pinned; with experts spread, each the stack runs on the device
+        (they move different bytes over different links: the search weighs them); else the stack's default."""
+        if ep not in self._dispatchers:
+            p = self.problem
+            if ep == 1:
+                self._dispatchers[ep] = (p.pins.dispatcher or MoeDispatcher(p.stack.moe_dispatcher),)
+            else:
+                runs = (p.pins.dispatcher,) if p.pins.dispatcher is not None else \
+                    p.stack.dispatchers_on(p.cluster.device)
+                kept = p.pins.measured_dispatchers   # a search kept to the measured region
+                self._dispatchers[ep] = tuple(MoeDispatcher(d) for d in runs if not kept or d in kept)
+        return self._dispatchers[ep]
+
+    def overlaps(self, node: TreeNode, placement: tuple, dispatcher: MoeDispatcher) -> tuple[bool, ...]:
         """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
         holds one more forward's activations: the search weighs both), else off; or as pinned."""
-        p = self.problem
-        pairs = passes_pair_across_micro_batches(node.shape.pp, node.vp, node.dualpipev)
-        if not p.stack.pairs_moe_passes(placement[1], pairs) or a2a_overlap_refusal(node.shape.pp, p.graph):
-            return (False,)
-        return (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
+        key = (node.shape.pp, node.vp, node.dualpipev, placement[1], dispatcher)
+        if key not in self._overlaps:
+            p = self.problem
+            pairs = passes_pair_across_micro_batches(node.shape.pp, node.vp, node.dualpipev)
+            if not p.stack.pairs_moe_passes(placement[1], pairs, dispatcher) or a2a_overlap_refusal(node.shape.pp,
+                                                                                                     p.graph):
+                self._overlaps[key] = (False,)
+            else:
+                self._overlaps[key] = (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
+        return self._overlaps[key]
 
     def zeros(self, node: TreeNode) -> tuple[int, ...]:
         """The ZeRO stages of a placed node's leaves: those the stack runs for its degrees."""
@@ -194,7 +218,7 @@ class TreeShape:
             return len(self.zeros(node))
         s = node.shape
         return sum(len(self._zeros_for(s.dp * s.cp, s.tp, placement[1], node.dualpipev))
-                   * len(self.overlaps(node, placement))
+                   * sum(len(self.overlaps(node, placement, d)) for d in self.dispatchers(placement[1]))
                    for placement in self.placements(s))
 
     def leaves(self, node: TreeNode):
