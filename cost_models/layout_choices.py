@@ -94,6 +94,13 @@ class MoeDispatcher(TextEnum):
     deepep = "deepep"
     allgather = "allgather"   # every token to the expert tp x ep group, outputs reduce-scattered back
 
+    @property
+    def words(self) -> str:
+        """How it dispatches, as plans and export notes say it."""
+        return {MoeDispatcher.alltoall: "by NCCL's all-to-all, one copy per chosen expert",
+                MoeDispatcher.deepep: "DeepEP-style, one copy per destination domain",
+                MoeDispatcher.allgather: "by all-gather, every token to the expert tp x ep group"}[self]
+
 
 class Schedule(TextEnum):
     one_f_one_b = "1f1b"

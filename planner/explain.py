@@ -61,11 +61,6 @@ def combined_1f1b_reason(best: Estimate, twin: Estimate | None) -> str:
     return f"combined 1F1B with the same split and recomputation {_loses(best, on)}"
 
 
-DISPATCHER_WORDS = {"alltoall": "NCCL all-to-all, one copy per chosen expert",
-                    "deepep": "DeepEP-style, one copy per destination domain",
-                    "allgather": "all-gather to the expert group"}
-
-
 def dispatcher_reason(best: Estimate, others: list[Estimate]) -> list[str]:
     """Why the plan's MoE dispatcher: each other one the stack runs on the device, with the same split and
     recomputation (combined 1F1B kept where that dispatcher runs it)."""
@@ -73,7 +68,7 @@ def dispatcher_reason(best: Estimate, others: list[Estimate]) -> list[str]:
         return []
     words = [f"{other.layout.moe_dispatcher} " + (_loses(best, other) if other.fits else "does not fit")
              for other in others]
-    return [f"dispatcher {best.layout.moe_dispatcher} ({DISPATCHER_WORDS[best.layout.moe_dispatcher]}); with the "
+    return [f"dispatcher {best.layout.moe_dispatcher} (tokens {best.layout.moe_dispatcher.words}); with the "
             f"same split and recomputation {'; '.join(words)}"]
 
 

@@ -25,8 +25,6 @@ def _notes_for_recompute(plan: Plan, target: str) -> list[str]:
     return []
 
 
-DISPATCH_WORDS = {"deepep": "DeepEP-style (one copy per node)",
-                  "allgather": "by all-gather (every token to the expert tp x ep group, Megatron's allgather)"}
 FUSED_LOSS_NOTE = ("the plan's memory assumed Transformer Engine's fused cross-entropy (the bf16 logits hold their "
                    "own gradient); {target} keeps more for the loss (plan with that framework's stack to predict it)")
 PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-aware optimizer (the master kept as "
@@ -39,7 +37,7 @@ def notes_for_unexpressed(plan: Plan, *, experts: str, mtp: str, optimizer: str,
     each word names the target's own piece (its expert all-to-all, why it has no MTP, its optimizer, its loss)."""
     lay, notes = plan.layout, []
     if lay.moe_dispatcher != "alltoall":
-        notes.append(f"the prediction dispatched MoE tokens {DISPATCH_WORDS[lay.moe_dispatcher]}; {experts} "
+        notes.append(f"the prediction dispatched MoE tokens {lay.moe_dispatcher.words}; {experts} "
                      "sends one per expert, which this export cannot change")
     if plan.mtp_layers:
         notes.append(f"the plan trains {plan.mtp_layers} multi-token prediction module(s); {mtp}")
