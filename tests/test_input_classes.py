@@ -280,3 +280,52 @@ def test_hand_edited_stage_module_names_never_reach_an_exported_command(workdir,
     plain = bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$", name))
     outcome = run(["export", str(path), "--to", target])
     check(outcome, f"module {name!r} to {target}", valid=plain)
+
+
+@pytest.fixture(scope="module")
+def moe_plan(workdir):
+    """A MoE plan whose experts spread over two H100 nodes, dispatched DeepEP-style as the search chose."""
+    path = workdir / "moe-plan.yaml"
+    assert run(["plan", "--model", "qwen3-30b-a3b", "--device", "h100-sxm", "--num-devices", "16", "--global-batch",
+                "64", "--fix", "tp=1,pp=1,cp=1,ep=16,a2a_overlap=false", "--out", str(path)]).code == 0
+    data = yaml.safe_load(path.read_text())
+    assert data["layout"]["moe_dispatcher"] == "deepep" and data["layout"]["flex_dispatcher_backend"] == "deepep"
+    return data
+
+
+# hand edits of a plan's dispatcher fields, and whether Megatron-Core (and the device) could run what they say
+DISPATCHER_EDITS = [
+    ({"moe_dispatcher": "alltoall", "flex_dispatcher_backend": None}, True),
+    ({"moe_dispatcher": "allgather", "flex_dispatcher_backend": None}, True),
+    ({"moe_dispatcher": "allgather", "moe_a2a_overlap": True}, False),   # TransformerConfig refuses it
+    ({"moe_dispatcher": "nccl"}, False),
+    ({"moe_dispatcher": ["deepep"]}, False),
+    ({"flex_dispatcher_backend": "nvshmem"}, False),
+    ({"moe_dispatcher": 3}, False),
+]
+
+
+@SETTINGS
+@given(edit=st.sampled_from(DISPATCHER_EDITS), target=st.sampled_from(["megatron", "torchtitan", "torchrun"]))
+def test_hand_edited_dispatcher_fields_are_exported_as_megatron_runs_them_or_refused(workdir, moe_plan, edit, target):
+    """A plan file's dispatcher, overlap and flex backend as a person might edit them: what Megatron-Core runs
+    exports, anything else exits 2 with one paragraph."""
+    changes, valid = edit
+    data = json.loads(json.dumps(moe_plan))
+    data["layout"].update(changes)
+    path = workdir / "edited-moe-plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    outcome = run(["export", str(path), "--to", target])
+    check(outcome, f"{changes} to {target}", valid=valid)
+
+
+def test_a_deepep_plan_on_a_device_without_its_kernels_is_refused(workdir, moe_plan):
+    """The same plan moved by hand onto a device whose profile names no DeepEP-style kernels (MI300X):
+    refused, naming the dispatcher."""
+    data = json.loads(json.dumps(moe_plan))
+    data["device_profile"] = "mi300x"
+    path = workdir / "mi300x-plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    outcome = run(["export", str(path), "--to", "megatron"])
+    check(outcome, "deepep on a device without flex kernels", valid=False)
+    assert "dispatcher=deepep on mi300x" in outcome.err
