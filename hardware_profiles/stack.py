@@ -30,6 +30,11 @@ RecomputeModuleName = Literal["core_attn", "mlp", "moe", "layernorm", "mla_up_pr
 # plain all-to-all, DeepEP's one copy per destination domain, or Megatron-Core's default all-gather of every
 # token to the expert tp x ep group (--moe-token-dispatcher-type allgather)
 MoeDispatcher = Literal["alltoall", "deepep", "allgather"]
+# the dispatchers Megatron-Core's TransformerConfig runs combined 1F1B beside (--overlap-moe-expert-parallel-comm
+# with --moe-token-dispatcher-type alltoall or flex): one rule for stacks, the search, plan files and evaluate
+A2A_OVERLAP_DISPATCHERS = ("alltoall", "deepep")
+A2A_OVERLAP_DISPATCHER_RULE = ("Megatron-Core's TransformerConfig runs combined 1F1B with the alltoall or flex "
+                               "dispatcher only")
 
 class HostCalls(Strict):
     """Host CPU time the framework spends issuing one call, in units of the node's `Device.host_call_us` (one
@@ -246,9 +251,9 @@ class SoftwareStack(Strict):
         if self.moe_shared_expert_overlap and "alltoall" not in self.moe_dispatchers:
             raise ValueError("moe_shared_expert_overlap needs alltoall among moe_dispatchers: Megatron-Core's "
                              "TransformerConfig runs it with the alltoall dispatcher only")
-        if self.moe_a2a_overlap and set(self.moe_dispatchers) == {"allgather"}:
-            raise ValueError("moe_a2a_overlap needs alltoall or deepep among moe_dispatchers: Megatron-Core's "
-                             "TransformerConfig refuses the overlap with the allgather dispatcher")
+        if self.moe_a2a_overlap and not set(self.moe_dispatchers) & set(A2A_OVERLAP_DISPATCHERS):
+            raise ValueError("moe_a2a_overlap needs alltoall or deepep among moe_dispatchers: "
+                             + A2A_OVERLAP_DISPATCHER_RULE)
         if self.precision_aware_optimizer != "off" and self.master_weights != "separate":
             raise ValueError("precision_aware_optimizer needs master_weights: separate (bf16 weights beside a master)")
         if self.adam_moment_bytes != 4 and self.precision_aware_optimizer != "on":
@@ -329,7 +334,7 @@ class SoftwareStack(Strict):
     def pairs_moe_passes(self, ep: int, passes_pair: bool, dispatcher: str) -> bool:
         """`pairs_moe_a2a` of a layout with expert degree `ep` and this dispatcher whose schedule pairs passes
         or not."""
-        return self.moe_a2a_overlap and dispatcher != "allgather" and ep > 1 and passes_pair
+        return self.moe_a2a_overlap and dispatcher in A2A_OVERLAP_DISPATCHERS and ep > 1 and passes_pair
 
     def dispatchers_on(self, device) -> tuple[str, ...]:
         """The dispatchers it runs on `device`: DeepEP's only where the device profile runs its kernels and

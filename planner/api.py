@@ -13,7 +13,7 @@ from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.schema import Cluster
-from hardware_profiles.stack import SoftwareStack
+from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
@@ -94,7 +94,8 @@ def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stac
         return []
     full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute)
     return [estimate(graph.costs_record, cluster, replace(full, moe_dispatcher=MoeDispatcher(d),
-                                                          moe_a2a_overlap=lay.moe_a2a_overlap and d != "allgather"),
+                                                          moe_a2a_overlap=lay.moe_a2a_overlap
+                                                          and d in A2A_OVERLAP_DISPATCHERS),
                      stack, ep_imbalance)
             for d in stack.dispatchers_on(cluster.device) if d != lay.moe_dispatcher]
 
@@ -333,7 +334,7 @@ def settings_left_out(given: dict, job: Job) -> list[dict]:
         dispatched = [given]
     else:   # a pinned combined 1F1B takes the dispatchers that run it
         dispatched = [{**given, "dispatcher": MoeDispatcher(d)} for d in job.stack.dispatchers_on(job.cluster.device)
-                      if not (given.get("a2a_overlap") and d == MoeDispatcher.allgather)]
+                      if not given.get("a2a_overlap") or d in A2A_OVERLAP_DISPATCHERS]
     return [choice for values in dispatched for choice in _overlaps_left_out(values, job)]
 
 
@@ -342,7 +343,7 @@ def _overlaps_left_out(given: dict, job: Job) -> list[dict]:
     if "a2a_overlap" in given:
         return [given]
     if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.graph) \
-            or given.get("dispatcher") == MoeDispatcher.allgather:
+            or given.get("dispatcher") not in (None, *A2A_OVERLAP_DISPATCHERS):
         return [{**given, "a2a_overlap": False}]
     return [{**given, "a2a_overlap": on} for on in (False, True)]
 

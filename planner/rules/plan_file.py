@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from cost_models.layout import Layout, MoeDispatcher, Schedule
+from cost_models.layout import Layout, Schedule
+from hardware_profiles.stack import A2A_OVERLAP_DISPATCHER_RULE, A2A_OVERLAP_DISPATCHERS
 from cost_models.pipeline import partition_problem
 
 # a module's dotted name as torch names it (layers.3, model.embed_tokens): it goes into exported commands,
@@ -29,9 +30,8 @@ def record_problems(record) -> list[str]:
         problems.append(f"ep*etp = {record.ep * record.etp} does not divide dp*cp*tp = {folded}")
     if record.etp > record.tp:
         problems.append(f"etp={record.etp} exceeds tp={record.tp}")
-    if record.moe_a2a_overlap and record.moe_dispatcher == MoeDispatcher.allgather:
-        problems.append("moe_a2a_overlap with the allgather dispatcher: Megatron-Core runs combined 1F1B with the "
-                        "alltoall or flex dispatcher only")
+    if record.moe_a2a_overlap and record.moe_dispatcher not in A2A_OVERLAP_DISPATCHERS:
+        problems.append(f"moe_a2a_overlap with the {record.moe_dispatcher} dispatcher: {A2A_OVERLAP_DISPATCHER_RULE}")
     return problems
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.layout import Fp8Recipe, Layout, MoeDispatcher, Precision, Recompute, RecomputeModule, Schedule
+from cost_models.layout import Fp8Recipe, Layout, Precision, Recompute, RecomputeModule, Schedule
 from cost_models.layout_codec import FIELDS, FULL_KEYS, values_of
-from hardware_profiles.stack import SoftwareStack
+from hardware_profiles.stack import A2A_OVERLAP_DISPATCHER_RULE, A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .pins import DualPipeVRules, Pins, pins_from, splits_evenly
 
@@ -128,9 +128,8 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
     if pins.dispatcher is not None and pins.dispatcher not in stack.moe_dispatchers:
         problems.append(f"dispatcher={pins.dispatcher}: the {name} stack runs the "
                         f"{', '.join(stack.moe_dispatchers)} MoE dispatcher(s)")
-    elif pins.a2a_overlap and pins.dispatcher == MoeDispatcher.allgather:
-        problems.append("a2a_overlap=true with dispatcher=allgather: Megatron-Core's TransformerConfig runs combined "
-                        "1F1B with the alltoall or flex dispatcher only")
+    elif pins.a2a_overlap and pins.dispatcher is not None and pins.dispatcher not in A2A_OVERLAP_DISPATCHERS:
+        problems.append(f"a2a_overlap=true with dispatcher={pins.dispatcher}: {A2A_OVERLAP_DISPATCHER_RULE}")
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
