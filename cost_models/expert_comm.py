@@ -14,7 +14,7 @@ from .communication import ACTIVATION_BYTES, Collective
 from .compute import LayerCompute, SharedExpertSeconds
 from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
 from .layout import Precision
-from .paired_passes import LayerPassParts, combined_1f1b_exposed_s
+from .paired_passes import LayerPassParts, combined_1f1b_exposed_floor_s, combined_1f1b_exposed_s
 from .pipeline import combined_1f1b_paired_share
 from .records import LayerKind
 
@@ -30,6 +30,11 @@ class PairedPasses:
     def exposed_s(self, paired_share: float, paired_pass_s: float) -> float:
         """A forward and a backward: the unpaired share alone, the paired share as the pair exposes them."""
         return 2 * self.per_pass_s * (1 - paired_share) + paired_share * paired_pass_s
+
+    def exposed_floor_s(self, paired_share: float) -> float:
+        """At or below `exposed_s` for any layers per chunk, without running the two streams."""
+        return self.exposed_s(paired_share, combined_1f1b_exposed_floor_s(self.forward, self.backward,
+                                                                           self.held_share))
 
 
 def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:

@@ -140,13 +140,24 @@ class MeshCosts(ExpertCommunication):
         return MeshCosts(self.model, self.cluster, replace(self.layout, recompute_modules=modules), self.stack,
                          self.ep_imbalance, self._shared)
 
+    @cached_property
+    def _dense_spec(self) -> ShardSpec:
+        """The shard spec as a layer without experts reads it: no expert degrees, dispatcher sorts or load."""
+        dense = replace(self.spec, ep=1, etp=1, sort_copies=0, expert_load=1.0)
+        return self.spec if dense == self.spec else dense
+
+    def spec_of(self, kind: LayerKind) -> ShardSpec:
+        """The spec a layer kind's compute reads: the whole one with experts, else `_dense_spec`, so the layouts
+        of a search that differ only in their experts' folding and dispatcher share a dense layer's costs."""
+        return self.spec if kind.num_experts else self._dense_spec
+
     def _work_key(self, experts: bool) -> int:
-        """What a layer's work but its all-to-alls reads of this layout (its shard spec, less the all-to-all
-        dispatcher's sorts for a layer without experts, which has none; the placement; the recomputed modules),
-        as an id the search's layouts share: hashed once per layout, not per layer."""
+        """What a layer's work but its all-to-alls reads of this layout (its shard spec as `spec_of` gives it; the
+        placement, the attention mesh's alone without experts; the recomputed modules), as an id the search's
+        layouts share: hashed once per layout, not per layer."""
         if experts not in self._work_ids:
-            spec = self.spec if experts or not self.spec.sort_copies else replace(self.spec, sort_copies=0)
-            key = (spec, self._placement_key, self.layout.recompute_modules)
+            placement = self._placement_key if experts else self._placement_key[0]
+            key = (self.spec if experts else self._dense_spec, placement, self.layout.recompute_modules)
             self._work_ids[experts] = self._shared.work_ids.setdefault(key, len(self._shared.work_ids))
         return self._work_ids[experts]
 
@@ -254,15 +265,17 @@ class MeshCosts(ExpertCommunication):
         return max(0.0, forward - hidden_fwd) + max(0.0, backward - hidden_bwd)
 
     def compute_of(self, kind: LayerKind) -> LayerCompute:
-        key = (kind.name, self.spec)
+        spec = self.spec_of(kind)
+        key = (kind.name, spec)
         if key not in self._shared.compute:
-            self._shared.compute[key] = layer_compute(kind, self.cluster.device, self.spec)
+            self._shared.compute[key] = layer_compute(kind, self.cluster.device, spec)
         return self._shared.compute[key]
 
     def _host(self, kind: LayerKind):
-        key = (kind.name, self.spec, "host")
+        spec = self.spec_of(kind)
+        key = (kind.name, spec, "host")
         if key not in self._shared.compute:
-            self._shared.compute[key] = layer_host_seconds(kind, self.cluster.device, self.stack, self.spec)
+            self._shared.compute[key] = layer_host_seconds(kind, self.cluster.device, self.stack, spec)
         return self._shared.compute[key]
 
     def work(self, kind: LayerKind, all_to_alls: bool = True) -> LayerWork:
@@ -274,6 +287,12 @@ class MeshCosts(ExpertCommunication):
             return rest
         return replace(rest, ep_comm_s=self.ep_comm_s(kind, self.compute_of(kind)),
                        ep_comm_alone_s=2 * self.ep_pass_s(kind))
+
+    def work_before_zero_s(self, kind: LayerKind, recompute: Recompute) -> float:
+        """`work(kind).work_before_zero_s(recompute)` without building its record (the search asks it of each
+        placement it bounds)."""
+        rest = self._work_but_all_to_alls(kind).work_but_all_to_alls_s(recompute)
+        return rest + self.ep_comm_s(kind, self.compute_of(kind)) if kind.num_experts else rest
 
     def _work_but_all_to_alls(self, kind: LayerKind) -> LayerWork:
         """`work` less the all-to-alls: the same under every MoE dispatcher and all-to-all overlap of one

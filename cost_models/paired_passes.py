@@ -126,3 +126,12 @@ def combined_1f1b_exposed_s(forward: LayerPassParts, backward: LayerPassParts, l
         settled, one_more = run(STEADY_FROM), run(STEADY_FROM + 1)
         total = settled + (layers - STEADY_FROM) * (one_more - settled)
     return total / layers - forward.compute_s - backward.compute_s
+
+
+def combined_1f1b_exposed_floor_s(forward: LayerPassParts, backward: LayerPassParts, held_share: float) -> float:
+    """At or below `combined_1f1b_exposed_s` for any number of layers, without running the streams: a pair's
+    all-to-alls A = both passes' dispatch and combine, its compute W. The comm stream alone takes A; and with
+    O the time both streams run and C the comm alone, W = compute alone + (1 - held) O, so the pair takes at
+    least W + held O + C >= W + held A. Its exposure (beyond W) is at least max(A - W, held A)."""
+    comm = forward.dispatch_s + forward.combine_s + backward.dispatch_s + backward.combine_s
+    return max(comm - forward.compute_s - backward.compute_s, held_share * comm, 0.0)

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cost_models.expert_comm import exposed_beside_compute
-from cost_models.paired_passes import (COMM, COMPUTE, LayerPassParts, StreamTask, combined_1f1b_exposed_s,
-                                       combined_1f1b_tasks, two_stream_seconds)
+from cost_models.paired_passes import (COMM, COMPUTE, LayerPassParts, StreamTask, combined_1f1b_exposed_floor_s,
+                                       combined_1f1b_exposed_s, combined_1f1b_tasks, two_stream_seconds)
 
 seconds = st.floats(min_value=0.0, max_value=5.0)
 
@@ -83,6 +83,25 @@ def test_a_chunk_of_many_layers_is_its_first_pairs_and_their_steady_increment(fo
         (forward.dispatch_s, forward.combine_s, backward.dispatch_s, backward.combine_s))
     assert combined_1f1b_exposed_s(forward, backward, layers, share, delay) == pytest.approx(
         whole, rel=1e-9, abs=1e-12 * max(scale, 1.0))
+
+@settings(max_examples=120, deadline=None)
+@given(pass_parts(False), pass_parts(True), st.integers(1, 12), st.sampled_from([0.0, 0.1, 0.3, 0.8]))
+def test_the_pairs_floor_is_at_or_below_a_step_by_step_run_of_every_chunk(forward, backward, layers, share):
+    """The search bounds combined 1F1B's exposure by its floor (max(A - W, held A) per pair) before running the
+    streams: at or below a step-by-step run of the streams (an independent integration) for any chunk."""
+    tasks = combined_1f1b_tasks(forward, backward, layers, True)
+    scale = max(1.0, sum(t.seconds for t in tasks))
+    stepped = stepped_seconds(tasks, share, 1e-3 * scale / len(tasks)) / layers - forward.compute_s - backward.compute_s
+    floor = combined_1f1b_exposed_floor_s(forward, backward, share)
+    assert floor <= stepped + 2e-3 * scale
+    assert floor <= combined_1f1b_exposed_s(forward, backward, layers, share, True) + 1e-12 * scale
+
+
+def test_the_pairs_floor_is_the_all_to_alls_without_compute_beside_them():
+    alone = LayerPassParts(0.0, 0.0, 0.0, 0.0, 1.0, 2.0)
+    assert combined_1f1b_exposed_floor_s(alone, alone, 0.3) == pytest.approx(6.0)
+    assert combined_1f1b_exposed_s(alone, alone, 5, 0.3, True) == pytest.approx(6.0)
+
 
 @given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.floats(0.0, 0.9))
 def test_one_all_to_all_beside_one_compute_is_the_closed_form(a2a, compute, share):

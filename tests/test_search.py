@@ -110,6 +110,21 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
     assert found.fits and Recompute.full in found.layer_recompute
 
 
+def _placed(bnb, root):
+    """A root's placed nodes, through the groups that leave a placement's dispatcher and combined 1F1B open:
+    each group's bound at or below each of its children's (`BranchAndBound.group_bound`)."""
+    for child in bnb.tree.children(root):
+        if not child.is_group:
+            yield child
+            continue
+        group_bound, kids = bnb.group_bound(child), bnb.tree.children(child)
+        assert len(kids) > 1 and all(not kid.is_group for kid in kids)
+        assert bnb.tree.leaf_count(child) == sum(bnb.tree.leaf_count(kid) for kid in kids)
+        for kid in kids:
+            assert group_bound <= bnb.communication_bound(kid) * (1 + 1e-9)
+            yield kid
+
+
 def _check_tree_bounds(graph, cluster, stack, per_layout):
     """The search's own root bounds (compute plus the least tp, cp and hop communication of any mesh order)
     stay at or below each placed child's communication bound, and each child's bound, taken through the
@@ -123,7 +138,7 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
         placed = 0
         for root in roots:
             root_bound = bnb.root_bound(root)
-            for child in bnb.tree.children(root):
+            for child in _placed(bnb, root):
                 layout = child.layout(bnb.problem)
                 costs = MeshCosts(graph.costs(), cluster, layout, stack)
                 alone = communication_bound(work_floor(*work_before_zero(costs, Recompute.none), layout.pp, layout.vp),

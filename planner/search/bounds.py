@@ -88,8 +88,8 @@ def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple
     """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
     stage pays at least."""
     model = costs.model
-    blocks = tuple((n, costs.work(kind).work_before_zero_s(fastest)) for kind, n in model.block_counts)
-    return blocks, tuple(costs.work(edge).work_before_zero_s(Recompute.none) for edge in (model.embedding, model.head))
+    blocks = tuple((n, costs.work_before_zero_s(kind, fastest)) for kind, n in model.block_counts)
+    return blocks, tuple(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
 
 
 class PairedWork:
@@ -103,14 +103,24 @@ class PairedWork:
             [(edge, Recompute.none) for edge in (model.embedding, model.head)]
         self.counts = tuple(n for _, n in model.block_counts)
         self.rest_s = [costs.work(kind, all_to_alls=False).work_before_zero_s(method) for kind, method in kinds]
-        self.passes = [costs.paired_passes(kind, costs.compute_of(kind)) for kind, _ in kinds]
+        # (a kind without experts spread has no all-to-alls to pair: None)
+        self.passes = [costs.paired_passes(kind, costs.compute_of(kind)) if kind.num_experts else None
+                       for kind, _ in kinds]
         self.by_layers: dict[tuple[int, int], float] = {}
 
     def at(self, vp: int) -> tuple[tuple, tuple[float, float]]:
         costs, layers = self.costs, self.costs.layers_per_chunk(vp)
         paired = costs.paired_share(vp)
-        seconds = [rest + passes.exposed_s(paired, self._paired_pass_s(i, passes, layers))
+        seconds = [rest if passes is None or not passes.per_pass_s else
+                   rest + passes.exposed_s(paired, self._paired_pass_s(i, passes, layers))
                    for i, (rest, passes) in enumerate(zip(self.rest_s, self.passes))]
+        return tuple(zip(self.counts, seconds)), (seconds[-2], seconds[-1])
+
+    def floor_at(self, vp: int) -> tuple[tuple, tuple[float, float]]:
+        """At or below `at(vp)` per block kind, each pair's exposure at its floor (no streams run)."""
+        paired = self.costs.paired_share(vp)
+        seconds = [rest if passes is None else rest + passes.exposed_floor_s(paired)
+                   for rest, passes in zip(self.rest_s, self.passes)]
         return tuple(zip(self.counts, seconds)), (seconds[-2], seconds[-1])
 
     def _paired_pass_s(self, index: int, passes, layers: int) -> float:

@@ -120,6 +120,8 @@ class BranchAndBound:
         self.placement_work: dict[tuple, tuple[SortedWork, int, dict]] = {}
         # the same key less vp, where combined 1F1B pairs passes: what its layouts of every vp share
         self.paired_work: dict[tuple, tuple[PairedWork, int, dict]] = {}
+        # the same key where no pairing hides the all-to-alls: the work per block kind
+        self.unpaired_work: dict[tuple, tuple[tuple, int, dict]] = {}
         # (shape, micro_batch, mesh order): a pipeline hop's seconds at each (vp, DualPipeV) (which hops leave a
         # domain depends on them)
         self.pipeline_hops: dict[tuple, dict[tuple[int, bool], float]] = {}
@@ -127,6 +129,7 @@ class BranchAndBound:
         self.overlap_flags: dict[tuple, tuple[bool, bool]] = {}
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
+        self.last_layout: tuple[TreeNode | None, Layout | None] = (None, None)   # `layout_of`
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> SearchOutcome:
@@ -213,7 +216,9 @@ class BranchAndBound:
         """The node's children with their bounds, those that cannot fit or beat the K-th plan counted out."""
         kth, kept = self.kth_s(), []
         for child in self.tree.children(node):
-            if child.zero is None:
+            if child.is_group:
+                child_bound, child_costs = self.group_bound(child), None
+            elif child.zero is None:
                 child_bound, child_costs = self.communication_bound(child), None
             else:
                 child_bound, child_costs = self.leaf_bound(child.layout(self.problem))
@@ -256,34 +261,58 @@ class BranchAndBound:
             return None, None
         return balanced_bound(costs, layout, self.bounds.fastest, forced), costs
 
+    def group_bound(self, node: TreeNode) -> float:
+        """A placement's bound under each MoE dispatcher and combined 1F1B switch it leaves open: per block kind
+        the least work of its children, those whose passes combined 1F1B pairs at their floor (no streams
+        run: `PairedWork.floor_at`); the bound rises with each kind's work, so it is at or below every child's.
+        Most groups are never reached, and their children never weighed."""
+        least = None
+        for child in self.tree.children(node):
+            (blocks, edges), micro_batches, hops = self.placed_blocks(child, floor=True)
+            least = (blocks, edges) if least is None else (
+                tuple((n, min(a, b)) for (n, a), (_, b) in zip(least[0], blocks)),
+                tuple(min(a, b) for a, b in zip(least[1], edges)))
+        shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
+        work = SortedWork.of(*least, node.shape.pp).floor(node.vp, node.dualpipev)
+        return communication_bound(work, hops[node.vp, node.dualpipev], shape)
+
     def communication_bound(self, node: TreeNode) -> float:
         """A placed node's bound: compute and exposed per-layer communication, as balanced as integers allow.
         Its children of every vp share the work (a layout is built only for the first of them), but where
         combined 1F1B hides the all-to-alls: their exposure depends on vp (`PairedWork`)."""
-        hides, v_hides = self.hidden_a2a(node)
-        key = (node.shape, node.micro_batch, node.placement, node.moe_dispatcher, hides, v_hides,
-               node.vp if hides else 0)
+        key = self.work_key(node)
         if key not in self.placement_work:
-            # (DualPipeV's pairs, where they hide the all-to-alls, take the place of 1F1B's)
-            self.placement_work[key] = self.placed_work(node, key, paired=hides and not v_hides)
+            blocks, micro_batches, hops = self.placed_blocks(node)
+            self.placement_work[key] = SortedWork.of(*blocks, node.shape.pp), micro_batches, hops
         work, micro_batches, hops = self.placement_work[key]
         shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
         return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
 
-    def placed_work(self, node: TreeNode, key: tuple, paired: bool) -> tuple[SortedWork, int, dict]:
-        """A placed node's work before ZeRO, micro-batch count and hops: from its own layout's costs, or, where
-        combined 1F1B pairs its passes, from `PairedWork` of the placement's first layout at the node's vp."""
-        first = self.paired_work.get(key[:-1]) if paired else None
+    def work_key(self, node: TreeNode) -> tuple:
+        """What a placed node's work reads: vp only where an overlap hides the all-to-alls (combined 1F1B's
+        paired share, or DualPipeV's pairs)."""
+        hides, v_hides = self.hidden_a2a(node)
+        return (node.shape, node.micro_batch, node.placement, node.moe_dispatcher, hides, v_hides,
+                node.vp if hides else 0)
+
+    def placed_blocks(self, node: TreeNode, floor: bool = False) -> tuple[tuple, int, dict]:
+        """A placed node's work per block kind before ZeRO, micro-batch count and hops: from its own layout's
+        costs, or, where combined 1F1B pairs its passes, from `PairedWork` of the placement's first layout at
+        the node's vp (at its floor with `floor`)."""
+        key = self.work_key(node)
+        hides, v_hides = key[4], key[5]
+        paired = hides and not v_hides   # (DualPipeV's pairs, where they hide the all-to-alls, take 1F1B's place)
+        cache = self.paired_work if paired else self.unpaired_work
+        first = cache.get(key[:-1] if paired else key)
         if first is None:
-            layout = node.layout(self.problem)
+            layout = self.layout_of(node)
             costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
-            first = (PairedWork(costs, self.bounds.fastest) if paired else costs, layout.num_micro_batches,
-                     self.hops(node, costs))
-            if paired:
-                self.paired_work[key[:-1]] = first
+            source = PairedWork(costs, self.bounds.fastest) if paired else work_before_zero(costs, self.bounds.fastest)
+            first = cache[key[:-1] if paired else key] = (source, layout.num_micro_batches, self.hops(node, costs))
         source, micro_batches, hops = first
-        blocks = source.at(node.vp) if paired else work_before_zero(source, self.bounds.fastest)
-        return SortedWork.of(*blocks, node.shape.pp), micro_batches, hops
+        if paired:
+            source = source.floor_at(node.vp) if floor else source.at(node.vp)
+        return source, micro_batches, hops
 
     def hops(self, node: TreeNode, costs: MeshCosts) -> dict[tuple[int, bool], float]:
         """A pipeline hop's seconds at each (vp, DualPipeV) of the node's shape: the pipeline group's placement
@@ -294,12 +323,18 @@ class BranchAndBound:
                                        for vp, v_shape in self.tree.virtual_stage_choices(node.shape)}
         return self.pipeline_hops[key]
 
+    def layout_of(self, node: TreeNode) -> Layout:
+        """The node's layout, the last one kept: a placed node's flags and work read it one after the other."""
+        if self.last_layout[0] is not node:
+            self.last_layout = (node, node.layout(self.problem))
+        return self.last_layout[1]
+
     def hidden_a2a(self, node: TreeNode) -> tuple[bool, bool]:
         """Whether the node's MoE all-to-alls hide behind combined 1F1B, and behind DualPipeV's pairs: the
         stack's rules read from the node's first layout of that placement and schedule."""
         key = (node.placement, node.moe_dispatcher, node.moe_a2a_overlap, node.shape.pp, node.vp, node.dualpipev)
         if key not in self.overlap_flags:
-            layout = node.layout(self.problem)
+            layout = self.layout_of(node)
             self.overlap_flags[key] = (self.stack.hides_moe_a2a(layout), self.stack.dualpipev_hides(layout))
         return self.overlap_flags[key]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from cost_models.layer_costs import MeshCosts
+from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
 from cost_models.layout import Recompute, RecomputeModule, first_blocks_of_each_chunk, nested_modules
 from cost_models.pipeline import least_blocks, p2p_transfers_on_critical_path
 
@@ -68,12 +68,22 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
     if not selective_is_one_switch(costs.stack, allowed):
         return _solve(costs, allowed, time_limit_s, cutoff_s, work_limit, module_choices)
     start = time.perf_counter()
-    # the selective model first: it has no per-layer choice, and its answer bounds the other
-    everywhere = _selective_everywhere(costs, time_limit_s, cutoff_s, work_limit, module_choices)
-    bar = min(cutoff_s, everywhere.objective_s) if everywhere.stage_layers else cutoff_s
-    without = _solve(costs, tuple(r for r in allowed if r is not Recompute.selective),
-                     max(0.0, time_limit_s - (time.perf_counter() - start)), bar, work_limit, ())
-    best = without if without.stage_layers else everywhere
+    others = tuple(r for r in allowed if r is not Recompute.selective)
+    sets = _module_sets_by_bound(costs, module_choices)
+    if _without_bound_s(costs, others) <= sets[0][0]:
+        # no recomputation may be the cheaper model (its bound is the least): solved first, its answer bars the
+        # module sets, most of which then need no solve
+        without = _solve(costs, others, time_limit_s, cutoff_s, work_limit, ())
+        bar = min(cutoff_s, without.objective_s) if without.stage_layers else cutoff_s
+        everywhere = _selective_everywhere(costs, max(0.0, time_limit_s - (time.perf_counter() - start)), bar,
+                                           work_limit, module_choices, sets)
+    else:
+        # the selective model first: it has no per-layer choice, and its answer bounds the other
+        everywhere = _selective_everywhere(costs, time_limit_s, cutoff_s, work_limit, module_choices, sets)
+        bar = min(cutoff_s, everywhere.objective_s) if everywhere.stage_layers else cutoff_s
+        without = _solve(costs, others, max(0.0, time_limit_s - (time.perf_counter() - start)), bar, work_limit, ())
+    best = without if without.stage_layers and (
+        not everywhere.stage_layers or without.objective_s <= everywhere.objective_s) else everywhere
     proven = without.status in PROOFS and everywhere.status in PROOFS
     status = ("OPTIMAL" if best.stage_layers else "INFEASIBLE") if proven else (
         "FEASIBLE" if best.stage_layers else "UNKNOWN")
@@ -81,17 +91,20 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
 
 
 def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float, work_limit: float,
-                          module_choices: tuple[RecomputeModule, ...]) -> PartitionResult:
+                          module_choices: tuple[RecomputeModule, ...], sets: list) -> PartitionResult:
     """Every block recomputing selectively one module set. Where the solver chooses the set, each valid set is
     solved in turn as a model of its own, least balanced bound first and below the best so far, until the
     next set's bound reaches that best: a model that chooses the set multiplies a choice by a count, which
-    CP-SAT's relaxation ties loosely (DeepSeek-V3's leaves took 0.8 s each that way, 0.1-0.3 s so)."""
+    CP-SAT's relaxation ties loosely (DeepSeek-V3's leaves took 0.8 s each that way, 0.1-0.3 s so). `sets`:
+    `_module_sets_by_bound`."""
     selective = (Recompute.selective,)
     if not module_choices:
+        if sets[0][0] > cutoff_s * (1 + BOUND_TOLERANCE):
+            return PartitionResult((), (), float("inf"), "INFEASIBLE", float("inf"), 0.0)
         return _solve(costs, selective, time_limit_s, cutoff_s, work_limit, ())
     start = time.perf_counter()
     best, bar, proven, work_left = None, cutoff_s, True, work_limit
-    for bound, set_costs in _module_sets_by_bound(costs, module_choices):
+    for bound, set_costs in sets:
         if bound > bar * (1 + BOUND_TOLERANCE):   # nor can any set after it
             break
         if work_left <= 0:
@@ -117,12 +130,28 @@ def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float
 BOUND_TOLERANCE = 1e-6
 
 
+def _hops_s(costs: MeshCosts) -> float:
+    """The pipeline's hops, which the leaf model's objective leaves to the search."""
+    lay = costs.layout
+    return p2p_transfers_on_critical_path(lay.pp, lay.vp, lay.dualpipev) * costs.p2p_s()
+
+
+def _without_bound_s(costs: MeshCosts, methods: tuple[Recompute, ...]) -> float:
+    """At or below the leaf model's optimum with `methods` (no selective recomputation): its balanced-pipeline
+    bound at the fastest of them, less the hops."""
+    if not methods:
+        return float("inf")
+    fastest = min(methods, key=lambda method: RECOMPUTE_ORDER.index(method))
+    return balanced_bound(costs, costs.layout, fastest) - _hops_s(costs)
+
+
 def _module_sets_by_bound(costs: MeshCosts, module_choices: tuple[RecomputeModule, ...]):
     """(bound, costs) of each valid module set (none nested in another of it), least bound first: the
     balanced-pipeline bound of the layout recomputing it in every block, less the pipeline's hops, which the
-    leaf model's objective leaves to the search."""
-    lay = costs.layout
-    hops_s = p2p_transfers_on_critical_path(lay.pp, lay.vp, lay.dualpipev) * costs.p2p_s()
+    leaf model's objective leaves to the search. Without a choice of modules, the layout's own set."""
+    if not module_choices:
+        return [(balanced_bound(costs, costs.layout, Recompute.selective) - _hops_s(costs), costs)]
+    hops_s = _hops_s(costs)
     sets = [subset for size in range(1, len(module_choices) + 1)
             for subset in itertools.combinations(module_choices, size) if not nested_modules(subset)]
     bounded = []

@@ -104,7 +104,14 @@ class TreeNode:
     placement: tuple | None = None      # (etp, ep, mesh order) from the second level on
     moe_a2a_overlap: bool = False           # combined 1F1B, chosen with the placement where the stack pairs it
     zero: int | None = None             # set on leaves
-    moe_dispatcher: MoeDispatcher = MoeDispatcher.alltoall   # chosen with the placement where experts spread
+    # chosen with the placement where experts spread; None on a placement whose dispatcher and combined 1F1B
+    # are still open (`is_group`)
+    moe_dispatcher: MoeDispatcher | None = MoeDispatcher.alltoall
+
+    @property
+    def is_group(self) -> bool:
+        """A placement with several (dispatcher, combined 1F1B) children, bounded by the least of them."""
+        return self.placement is not None and self.moe_dispatcher is None
 
     def layout(self, problem: "TreeProblem") -> Layout:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
@@ -117,7 +124,7 @@ class TreeNode:
         etp, ep, order = self.placement or (0, 0, ())
         s = self.shape
         return (s.tp, s.pp, s.dp, s.cp, ep, etp, self.vp, self.dualpipev, self.micro_batch, self.moe_a2a_overlap,
-                -1 if self.zero is None else self.zero, order, self.moe_dispatcher)
+                -1 if self.zero is None else self.zero, order, self.moe_dispatcher or "")
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ class TreeShape:
         self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
         self._dispatchers: dict[int, tuple[MoeDispatcher, ...]] = {}    # ep -> dispatchers
         self._overlaps: dict[tuple, tuple[bool, ...]] = {}   # (pp, vp, DualPipeV, ep, dispatcher) -> switches
+        self._leaf_counts: dict[tuple, int] = {}    # (shape, vp, DualPipeV, placement) of a root or group -> leaves
 
     def roots(self) -> list[TreeNode]:
         p = self.problem
@@ -164,13 +172,29 @@ class TreeShape:
         return self._placements[shape]
 
     def children(self, node: TreeNode) -> list[TreeNode]:
+        """A root's placements (a group where several dispatchers or combined 1F1B switches are open: the search
+        bounds them together before it weighs each), a group's choices, a placed node's ZeRO stages."""
         # built directly, not by dataclasses.replace: a large search makes hundreds of thousands
         if node.placement is None:
-            return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, placement, overlap, None, dispatcher)
-                    for placement in self.placements(node.shape) for dispatcher in self.dispatchers(placement[1])
-                    for overlap in self.overlaps(node, placement, dispatcher)]
+            kids = []
+            for placement in self.placements(node.shape):
+                choices = self.choices(node, placement)
+                if not choices:   # (no dispatcher the stack runs on the device kept)
+                    continue
+                dispatcher, overlap = choices[0] if len(choices) == 1 else (None, False)
+                kids.append(TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, placement, overlap, None,
+                                     dispatcher))
+            return kids
+        if node.moe_dispatcher is None:
+            return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, node.placement, overlap, None,
+                             dispatcher) for dispatcher, overlap in self.choices(node, node.placement)]
         return [TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, node.placement, node.moe_a2a_overlap,
                          zero, node.moe_dispatcher) for zero in self.zeros(node)]
+
+    def choices(self, node: TreeNode, placement: tuple) -> list[tuple[MoeDispatcher, bool]]:
+        """The (dispatcher, combined 1F1B) pairs a placement of the node's shape and schedule weighs."""
+        return [(dispatcher, overlap) for dispatcher in self.dispatchers(placement[1])
+                for overlap in self.overlaps(node, placement, dispatcher)]
 
     def dispatchers(self, ep: int) -> tuple[MoeDispatcher, ...]:
         """The MoE dispatchers of a placement: as pinned; with experts spread, each the stack runs on the device
@@ -214,12 +238,17 @@ class TreeShape:
     def leaf_count(self, node: TreeNode) -> int:
         if node.zero is not None:
             return 1
-        if node.placement is not None:
+        if node.placement is not None and not node.is_group:
             return len(self.zeros(node))
-        s = node.shape
-        return sum(len(self._zeros_for(s.dp * s.cp, s.tp, placement[1], node.dualpipev))
-                   * sum(len(self.overlaps(node, placement, d)) for d in self.dispatchers(placement[1]))
-                   for placement in self.placements(s))
+        key = (node.shape, node.vp, node.dualpipev, node.placement)   # (a search counts its open leaves often)
+        if key not in self._leaf_counts:
+            s = node.shape
+            placements = (node.placement,) if node.is_group else self.placements(s)
+            self._leaf_counts[key] = sum(
+                len(self._zeros_for(s.dp * s.cp, s.tp, placement[1], node.dualpipev))
+                * sum(len(self.overlaps(node, placement, d)) for d in self.dispatchers(placement[1]))
+                for placement in placements)
+        return self._leaf_counts[key]
 
     def leaves(self, node: TreeNode):
         if node.zero is not None:
