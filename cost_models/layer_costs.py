@@ -146,6 +146,11 @@ class MeshCosts(ExpertCommunication):
         dense = replace(self.spec, ep=1, etp=1, sort_copies=0, expert_load=1.0)
         return self.spec if dense == self.spec else dense
 
+    @cached_property
+    def tp_overlap(self) -> bool:
+        """Whether the TP collectives run as chunked rings beside the GEMMs (`SoftwareStack.tp_overlap_in`)."""
+        return self.stack.tp_overlap_in(self.layout, self.cluster.device)
+
     def spec_of(self, kind: LayerKind) -> ShardSpec:
         """The spec a layer kind's compute reads: the whole one with experts, else `_dense_spec`, so the layouts
         of a search that differ only in their experts' folding and dispatcher share a dense layer's costs."""
@@ -153,11 +158,12 @@ class MeshCosts(ExpertCommunication):
 
     def _work_key(self, experts: bool) -> int:
         """What a layer's work but its all-to-alls reads of this layout (its shard spec as `spec_of` gives it; the
-        placement, the attention mesh's alone without experts; the recomputed modules), as an id the search's
-        layouts share: hashed once per layout, not per layer."""
+        placement, the attention mesh's alone without experts; the recomputed modules; whether TP overlap runs), as
+        an id the search's layouts share: hashed once per layout, not per layer."""
         if experts not in self._work_ids:
             placement = self._placement_key if experts else self._placement_key[0]
-            key = (self.spec if experts else self._dense_spec, placement, self.layout.recompute_modules)
+            key = (self.spec if experts else self._dense_spec, placement, self.layout.recompute_modules,
+                   self.tp_overlap)
             self._work_ids[experts] = self._shared.work_ids.setdefault(key, len(self._shared.work_ids))
         return self._work_ids[experts]
 
@@ -228,7 +234,7 @@ class MeshCosts(ExpertCommunication):
         if self.layout.tp == 1 or not kind.tp_pair_count:
             return 0.0
         total = self._tp_collectives_s(kind)
-        if not self.stack.tp_comm_overlap:
+        if not self.tp_overlap:
             return total
         # chunked over tp ring steps (Wang et al. ASPLOS'23 decomposition; TE userbuffers): one chunk is
         # exposed, the others overlap the GEMMs of the same layer, forward and backward
@@ -241,7 +247,7 @@ class MeshCosts(ExpertCommunication):
         if self.layout.tp == 1 or not kind.tp_pair_count:
             return 0.0
         total = self._tp_collectives_s(kind)
-        return total / self.layout.tp if self.stack.tp_comm_overlap else total
+        return total / self.layout.tp if self.tp_overlap else total
 
     def _tp_collectives_s(self, kind: LayerKind) -> float:
         size = self.activation_message_bytes

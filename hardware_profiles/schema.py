@@ -149,6 +149,10 @@ class Device(Strict):
     # with this backend), as Megatron-Bridge's validate_flex_dispatcher_backend allows them: DeepEP on compute
     # capability 8.x and 9.x and on B200/B300, HybridEP on 8.x-10.x (GB200/GB300 NVL72 included); None: neither
     flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = None
+    # TP communication overlap (TE userbuffers) needs one CUDA connection per device here, and combined 1F1B
+    # several (Hopper and earlier): a job runs one or the other (Megatron-LM docs moe_a2a_overlap.md; Megatron-
+    # Bridge's H100 Qwen3-235B recipes turn TP overlap off beside it, with CUDA_DEVICE_MAX_CONNECTIONS 8)
+    tp_overlap_single_connection: bool = False
     # what NCCL's all-to-all holds of them (the compute it hides behind runs on the rest); None where no
     # NCCL log for the node is known
     nccl_p2p_sms: NcclP2pSms | None = None

@@ -314,6 +314,13 @@ class SoftwareStack(Strict):
         """Whether its MoE dispatcher copies token counts to the host in each MoE layer's forward at this ep."""
         return self.moe_dispatch_host_sync == "always" or (self.moe_dispatch_host_sync == "spread" and ep > 1)
 
+    def tp_overlap_in(self, layout, device) -> bool:
+        """TP communication overlap runs for this layout: the stack runs it, tp > 1, and not beside combined 1F1B
+        on a device where the two want different CUDA connection counts (`Device.tp_overlap_single_connection`:
+        Megatron-Bridge's H100 recipes with combined 1F1B turn TP overlap off)."""
+        return (self.tp_comm_overlap and layout.tp > 1
+                and not (device.tp_overlap_single_connection and self.hides_moe_a2a(layout)))
+
     def hides_moe_a2a(self, layout) -> bool:
         """MoE A2A overlap applies: the stack has it, the layout asks for it (the search chooses it, or
         `a2a_overlap=true`), experts spread, a schedule Megatron can pair, and no layer recomputed fully

@@ -18,7 +18,7 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
 from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, host_note, reasons,
-                      state_notes)
+                      state_notes, tp_overlap_note)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
@@ -75,7 +75,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         alternatives=alternatives(best, ranked[1:]),
         reasons=reasons(best, cluster, ranked[1:], pairs, twin)
         + dispatcher_reason(best, _other_dispatchers(graph, cluster, best, stack, ep_imbalance))
-        + dispatch_sm_notes(best, stack, cluster)
+        + dispatch_sm_notes(best, stack, cluster) + tp_overlap_note(best, stack, cluster)
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance) + list(graph.assumed),
         ep_imbalance=ep_imbalance,

@@ -109,6 +109,16 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
     return out
 
 
+def tp_overlap_note(best: Estimate, stack: SoftwareStack, cluster: Cluster) -> list[str]:
+    """Where the stack runs TP overlap but not beside this plan's combined 1F1B on this device, said."""
+    lay = best.layout
+    if not stack.tp_comm_overlap or lay.tp == 1 or stack.tp_overlap_in(lay, cluster.device):
+        return []
+    return [f"TP communication overlap is off beside combined 1F1B on {cluster.device.name}: it wants one CUDA "
+            "connection per device and combined 1F1B several (CUDA_DEVICE_MAX_CONNECTIONS), so the TP collectives "
+            "are billed whole, as Megatron-Bridge's H100 recipes with combined 1F1B run them"]
+
+
 def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:
     """What the stack's torch mixed precision and pipelining hold beyond ZeRO's shares (`StateSharding`), said."""
     sharding = StateSharding.of(best.layout, stack)

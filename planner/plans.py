@@ -61,7 +61,9 @@ class _LayoutRecordRules(_Frozen):
         kinds = {r.value for r in layer_recompute} or {layout.recompute.value}
         values.update(sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
                       moe_a2a_overlap=stack.hides_moe_a2a(layout))
-        return cls(**values, tp_comm_overlap=stack.tp_comm_overlap and layout.tp > 1,
+        tp_overlap = stack.tp_overlap_in(layout, device) if device is not None else \
+            stack.tp_comm_overlap and layout.tp > 1
+        return cls(**values, tp_comm_overlap=tp_overlap,
                    moe_shared_expert_overlap=stack.runs_shared_experts_beside_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
                    fused_loss=stack.loss_gradient == "fused", adam_moment_bytes=stack.moment_bytes_in(layout),

@@ -482,3 +482,31 @@ def test_combined_1f1b_beside_multi_token_prediction_as_megatron_core_allows_it(
     two = mtp.model_copy(update={"mtp_layers": 2})
     with pytest.raises(UserInputError, match="beside one at most"):
         api.evaluate(two, layout=f"{piped},a2a_overlap=true", **common)
+
+
+def test_tp_overlap_stays_off_beside_combined_1f1b_on_hopper_as_megatron_bridges_h100_recipes_run_it(tmp_path):
+    """Megatron-LM's combined-1F1B guide: on Hopper and earlier TP overlap wants CUDA_DEVICE_MAX_CONNECTIONS=1 and
+    combined 1F1B more; Megatron-Bridge's H100 Qwen3-235B recipes with combined 1F1B set tp_comm_overlap=False
+    (its launcher: 8 connections). On H100 such a plan bills its TP collectives whole, as the same layout under a
+    stack without TP overlap does, records and exports TP overlap off and says why; on B200 (Blackwell: no such
+    conflict) and without combined 1F1B it keeps TP overlap."""
+    bridge = load_stack("megatron-bridge")
+    assert bridge.tp_comm_overlap and bridge.moe_a2a_overlap
+    layout = "tp=2,pp=2,vp=2,dp=8,cp=1,ep=8,mbs=1,zero=1,recompute=none,dispatcher=alltoall,a2a_overlap={}"
+
+    def evaluated(device, overlap, stack=bridge):
+        return api.evaluate("qwen3-30b-a3b", layout=layout.format(overlap), device=device, num_devices=32,
+                            global_batch=256, seq_len=4096, precision="bf16", stack=stack)
+    hopper = evaluated("h100-sxm", "true")
+    assert hopper.layout.moe_a2a_overlap and not hopper.layout.tp_comm_overlap
+    without = evaluated("h100-sxm", "true", bridge.model_copy(update={"tp_comm_overlap": False}))
+    assert without.breakdown["tp_comm_s"] > 0
+    assert hopper.breakdown["tp_comm_s"] == pytest.approx(without.breakdown["tp_comm_s"])
+    assert any("TP communication overlap is off beside combined 1F1B" in r for r in hopper.reasons)
+    path = tmp_path / "plan.json"
+    path.write_text(hopper.model_dump_json())
+    assert "--tp-comm-overlap" not in run(f"export {path} --to megatron").stdout
+    blackwell, alone = evaluated("b200", "true"), evaluated("h100-sxm", "false")
+    assert blackwell.layout.tp_comm_overlap and alone.layout.tp_comm_overlap
+    assert not any("TP communication overlap is off" in r for r in blackwell.reasons + alone.reasons)
+    assert alone.breakdown["tp_comm_s"] < without.breakdown["tp_comm_s"]
