@@ -152,6 +152,12 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
                                 layout.micro_batch, layout.mesh_order, layout.moe_a2a_overlap,
                                 layout.moe_dispatcher)]
                 assert all(root_bound <= b * tol for b in best)
+                # the placed node's floor of what its ZeRO stages add stays at or below each leaf's balanced bound
+                floor = bnb.zero_floor_s(child)
+                assert alone <= floor * tol and all(floor <= b * tol for b in best)
+                for leaf in bnb.tree.children(child):
+                    leaf_layout = leaf.layout(bnb.problem)
+                    assert floor <= balanced_bound(MeshCosts(graph.costs(), cluster, leaf_layout, stack), leaf_layout) * tol
                 placed += 1
         assert placed > 100
 

@@ -146,14 +146,41 @@ def balanced_bound(costs: MeshCosts, layout: Layout, fastest: Recompute = Recomp
     # the slowest stage's DP exposure, optimizer step and DualPipeV bubble term are at least the stages' mean
     # (max >= mean); dp_exposed_s is convex (a max of affine terms), so its value at the mean is below its mean
     mean = terms_sum([(terms, n) for n, terms in blocks] + [(edge, 1) for edge in edges]) * (1 / layout.pp)
-    dp = costs.dp_exposed_s(mean.dp_reduce_s, mean.compute_s)
     work = work_floor(tuple((n, terms.work_s) for n, terms in blocks), tuple(c.work_s for c in edges),
                       layout.pp, layout.vp, layout.dualpipev)
     work = WorkFloor(work.total_s + forced_recompute_s, work.busiest_rank_floor_s)
     bubble = max(0.0, mean.bubble_s) if layout.dualpipev else 0.0
     return (pipeline_bound(work.total_s, layout, work.busiest_rank_floor_s, bubble)
-            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s() + dp
-            + mean.optimizer_s)
+            + p2p_transfers_on_critical_path(layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
+            + step_terms_s(costs, mean))
+
+
+def step_terms_s(costs: MeshCosts, mean: LayerTerms) -> float:
+    """What a step adds once beside its micro-batches, at the stages' mean: the data-parallel reduction the
+    last micro-batch does not hide, and the optimizer step."""
+    return costs.dp_exposed_s(mean.dp_reduce_s, mean.compute_s) + mean.optimizer_s
+
+
+@dataclass(frozen=True)
+class ZeroExtras:
+    """What one ZeRO stage adds to a placed node's work before ZeRO, whatever its vp and combined 1F1B: its
+    ZeRO-2/3 traffic per micro-batch, summed over the model's layers, and `step_terms_s`."""
+    zero_traffic_s: float
+    step_s: float
+
+    @classmethod
+    def of(cls, costs: MeshCosts, fastest: Recompute) -> "ZeroExtras":
+        model, context = costs.model, TermContext.of(costs)
+        items = [(LayerTerms.of(costs.layer(kind), fastest, context), n) for kind, n in model.block_counts] + \
+            [(LayerTerms.of(costs.layer(edge), Recompute.none, context), 1) for edge in (model.embedding, model.head)]
+        total = terms_sum(items)
+        return cls(total.zero_s, step_terms_s(costs, total * (1 / costs.layout.pp)))
+
+    def bound_s(self, work: WorkFloor, shape: PipelineShape, hops_s: float) -> float:
+        """At or below `balanced_bound` of the leaf: its work is the node's plus this traffic (its busiest rank
+        at least the node's), and its DualPipeV bubble term at least 0."""
+        return pipeline_bound(work.total_s + self.zero_traffic_s, shape, work.busiest_rank_floor_s) + hops_s \
+            + self.step_s
 
 
 def pipeline_bound(total_work_s: float, layout: Layout | PipelineShape, busiest_floor_s: float = 0.0,

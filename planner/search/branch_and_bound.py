@@ -26,17 +26,18 @@ from hardware_profiles.stack import SoftwareStack
 
 from ..rules.pins import Pins
 from ..rules.stack import leaf_recompute_methods
-from .bounds import (Bounds, PairedWork, PipelineShape, SortedWork, balanced_bound, communication_bound,
+from .bounds import (Bounds, PairedWork, PipelineShape, SortedWork, ZeroExtras, balanced_bound, communication_bound,
                      pipeline_bound, work_before_zero)
 from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
 from .space import zero_choices
 from .tree import (TIE_TOLERANCE, Scored, SearchOutcome, SolvedModels, TreeNode, TreeProblem, TreeShape, beyond,
-                   rank_key)
+                   rank_key, six_digits)
 
 
 DIVE_SHARE = 0.3          # of the time limit, kept for a dive where best first has found no plan yet
 DIVE_LEAST_S = 0.5        # ... and at least this long (a leaf's CP-SAT model takes tenths of a second)
 PROGRESS_EVERY_S = 0.25   # between progress reports
+ZERO_FLOORED = "zero-floored"   # a placed node's heap mark: its bound already holds its ZeRO stages' floor
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class BranchAndBound:
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
         self.last_layout: tuple[TreeNode | None, Layout | None] = (None, None)   # `layout_of`
+        # (shape, micro_batch, placement, dispatcher): what each ZeRO stage adds (`zero_floor_s`)
+        self.zero_extras: dict[tuple, list[ZeroExtras]] = {}
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> SearchOutcome:
@@ -137,6 +140,11 @@ class BranchAndBound:
         self.candidates = self.open_leaves()
         while self.heap and not self.finished():
             bound, _, node, costs = heapq.heappop(self.heap)
+            if node.zero is None and node.placement is not None and not node.is_group and costs is not ZERO_FLOORED:
+                floor = self.zero_floor_s(node)
+                if six_digits(floor) > six_digits(bound):   # back in line at its ZeRO stages' floor
+                    self.push(node, floor, ZERO_FLOORED)
+                    continue
             if node.zero is None:
                 self.expand(node, bound)
             else:
@@ -287,6 +295,24 @@ class BranchAndBound:
         work, micro_batches, hops = self.placement_work[key]
         shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
         return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
+
+    def zero_floor_s(self, node: TreeNode) -> float:
+        """A placed node's bound with the least any of its ZeRO stages adds (`ZeroExtras`: the reduction, the
+        optimizer step, ZeRO-2/3 traffic), taken when the search reaches it, before its leaves are weighed: for a
+        large model those are seconds, which the work alone leaves out. Its siblings of every vp and combined
+        1F1B switch share them."""
+        key = (node.shape, node.micro_batch, node.placement, node.moe_dispatcher)
+        if key not in self.zero_extras:
+            self.zero_extras[key] = [
+                ZeroExtras.of(MeshCosts(self.model, self.cluster, leaf.layout(self.problem), self.stack,
+                                        self.ep_imbalance, self.shared), self.bounds.fastest)
+                for leaf in self.tree.children(node)]
+        self.communication_bound(node)   # (its work, cached)
+        work, micro_batches, hops = self.placement_work[self.work_key(node)]
+        shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
+        hops_s = p2p_transfers_on_critical_path(node.shape.pp, node.vp, node.dualpipev) * hops[node.vp, node.dualpipev]
+        floor = work.floor(node.vp, node.dualpipev)
+        return min((extras.bound_s(floor, shape, hops_s) for extras in self.zero_extras[key]), default=float("inf"))
 
     def work_key(self, node: TreeNode) -> tuple:
         """What a placed node's work reads: vp only where an overlap hides the all-to-alls (combined 1F1B's
