@@ -315,11 +315,16 @@ class SoftwareStack(Strict):
         return self.moe_dispatch_host_sync == "always" or (self.moe_dispatch_host_sync == "spread" and ep > 1)
 
     def tp_overlap_in(self, layout, device) -> bool:
-        """TP communication overlap runs for this layout: the stack runs it, tp > 1, and not beside combined 1F1B
-        on a device where the two want different CUDA connection counts (`Device.tp_overlap_single_connection`:
-        Megatron-Bridge's H100 recipes with combined 1F1B turn TP overlap off)."""
+        """TP communication overlap runs for this layout: the stack runs it, tp > 1, and, on a device where its
+        kernels must queue in issue order (`Device.tp_overlap_single_connection`), the layout runs with one CUDA
+        connection: not beside combined 1F1B (Megatron-Bridge's H100 recipes with it turn TP overlap off)."""
         return (self.tp_comm_overlap and layout.tp > 1
-                and not (device.tp_overlap_single_connection and self.hides_moe_a2a(layout)))
+                and not (device.tp_overlap_single_connection and self.cuda_connections_for(layout, device) != 1))
+
+    def cuda_connections_for(self, layout, device) -> int | None:
+        """`cuda_device_max_connections` of the layout as this stack runs it (combined 1F1B where it hides)."""
+        return cuda_device_max_connections(device, layout.tp, layout.cp, layout.dp, layout.pp,
+                                           layout.ep > 1 and layout.moe_dispatcher == "deepep", self.hides_moe_a2a(layout))
 
     def hides_moe_a2a(self, layout) -> bool:
         """MoE A2A overlap applies: the stack has it, the layout asks for it (the search chooses it, or
@@ -359,3 +364,20 @@ class SoftwareStack(Strict):
                   if on]
         return f"{self.name} ({', '.join(extras) or 'no fused attention or overlaps'}; {self.gradient_reduce} " \
                f"gradients, {held})"
+
+
+def cuda_device_max_connections(device, tp: int, cp: int, dp: int, pp: int, deepep: bool,
+                                a2a_overlap: bool) -> int | None:
+    """CUDA_DEVICE_MAX_CONNECTIONS for a layout on an NVIDIA device, as Megatron-Bridge's performance launcher sets
+    it (recipes/run_plugins.py PerfEnvPlugin._set_num_cuda_device_max_connections, 0.3): 8, 32 with a DeepEP-style
+    dispatcher; where tp or cp > 1, 32 on Blackwell beside dp or pp > 1, and 1 on Hopper and earlier without
+    combined 1F1B (a communication kernel then queues before the GEMM it overlaps). None off NVIDIA."""
+    if device.vendor != "nvidia":
+        return None
+    connections = 32 if deepep else 8
+    if tp > 1 or cp > 1:
+        if not device.tp_overlap_single_connection and (dp > 1 or pp > 1):
+            connections = 32
+        elif device.tp_overlap_single_connection and not a2a_overlap:
+            connections = 1
+    return connections

@@ -124,3 +124,36 @@ def test_megatron_bridge_reads_the_export_as_the_plan(read_back, name):
     bf16, fp8, recipe = got["precision"]
     assert bf16 and bool(fp8) == (lay.precision == "fp8") and recipe == (lay.fp8_recipe if fp8 else None)
     assert got["cuda_graphs"] == "none" and got["fused_loss"] == lay.fused_loss
+
+
+def test_cuda_connections_and_tp_overlap_follow_megatron_bridges_own_launcher(tmp_path):
+    """The CUDA_DEVICE_MAX_CONNECTIONS the Megatron and Bridge exports ask for is what Megatron-Bridge's performance
+    launcher sets (its PerfEnvPlugin, run on every tp, cp, pp, dp, DeepEP and combined-1F1B case of an H100 and a
+    B200 job), and TP overlap is in effect on H100 exactly where that is one connection (its kernels queue in issue
+    order there), on B200 wherever tp > 1."""
+    import itertools
+
+    from hardware_profiles.loader import load_device
+    from hardware_profiles.stack import cuda_device_max_connections
+    from cost_models.layout import Layout
+    devices = {"h100-sxm": False, "b200": True}   # Bridge's gpu_sm100_or_newer
+    grid = list(itertools.product(devices, (1, 2), (1, 2), (1, 4), (1, 8), (False, True), (False, True)))
+    cases = [{"num_gpus": tp * cp * pp * dp, "tp": tp, "cp": cp, "pp": pp, "flex": flex, "sm100": devices[device],
+              "a2a_overlap": a2a} for device, tp, cp, pp, dp, flex, a2a in grid]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, str(HERE / "bridge_connections.py"), str(tmp_path / "cases.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    theirs = json.loads(proc.stdout.splitlines()[-1])
+    ours = [cuda_device_max_connections(load_device(device), tp, cp, dp, pp, flex, a2a)
+            for device, tp, cp, pp, dp, flex, a2a in grid]
+    assert ours == theirs and {1, 8, 32} <= set(theirs)
+    stack, checked = OVERLAP.model_copy(update={"tp_comm_overlap": True}), set()
+    for (device, tp, cp, pp, dp, flex, a2a), connections in zip(grid, theirs):
+        lay = Layout(tp=tp, cp=cp, pp=pp, vp=2 if pp > 1 else 1, dp=dp, ep=2, moe_a2a_overlap=a2a,
+                     moe_dispatcher="deepep" if flex else "alltoall", global_batch=64 * dp)
+        if tp == 1 or stack.hides_moe_a2a(lay) != a2a:   # (no TP to overlap; a layout the stack cannot pair)
+            continue
+        assert stack.tp_overlap_in(lay, load_device(device)) == (devices[device] or connections == 1)
+        checked.add((device, a2a))
+    assert checked == {(device, a2a) for device in devices for a2a in (False, True)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import yaml
 
 from ..plans import Plan
-from .common import _full_recompute_layers
+from .common import _full_recompute_layers, connections_note
 from .megatron import megatron_pipeline_layout
 
 # Megatron-Bridge's mixed-precision recipes by the plan's FP8 recipe (megatron/bridge/training/mixed_precision.py)
@@ -93,6 +93,7 @@ def _notes(plan: Plan) -> list[str]:
     if lay.adam_moment_bytes == 2:
         notes.append("the plan keeps Adam's moments in bf16: set optimizer.exp_avg_dtype and exp_avg_sq_dtype to "
                      "torch.bfloat16 in the recipe (torch dtypes, which a YAML file cannot write)")
+    notes += connections_note(plan)
     if plan.segment_devices:
         per_node = plan.devices_per_node or plan.segment_devices
         notes.append(f"the plan places the job in segments of {plan.segment_devices // per_node} nodes: launch with "

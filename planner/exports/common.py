@@ -1,6 +1,9 @@
 """What every export says the same way: recomputation counts and the notes shared by the targets."""
 from __future__ import annotations
 
+from hardware_profiles.loader import load_device
+from hardware_profiles.stack import cuda_device_max_connections
+
 from ..plans import Plan
 
 
@@ -46,3 +49,19 @@ def notes_for_unexpressed(plan: Plan, *, experts: str, mtp: str, optimizer: str,
     if lay.fused_loss:
         notes.append(FUSED_LOSS_NOTE.format(target=loss))
     return notes
+
+
+def connections_note(plan: Plan) -> list[str]:
+    """The CUDA_DEVICE_MAX_CONNECTIONS a Megatron run of the plan needs in its environment: on Hopper and earlier
+    TP overlap wants 1, combined 1F1B more (`hardware_profiles.stack.cuda_device_max_connections`)."""
+    from ..job import plan_device
+    lay = plan.layout
+    device = load_device(plan_device(plan))
+    connections = cuda_device_max_connections(device, lay.tp, lay.cp, lay.dp, lay.pp,
+                                              lay.ep > 1 and lay.moe_dispatcher == "deepep", lay.moe_a2a_overlap)
+    if connections is None:
+        return []
+    return [f"launch with CUDA_DEVICE_MAX_CONNECTIONS={connections} in the environment, as Megatron-Bridge's "
+            f"performance launcher sets it for this layout on {device.name}"
+            + (" (one connection: TP communication kernels queue before the GEMMs they overlap)"
+               if connections == 1 else "")]

@@ -6,7 +6,7 @@ import shlex
 from cost_models.layout import first_blocks_of_each_chunk
 
 from ..plans import Plan
-from .common import _full_recompute_layers
+from .common import _full_recompute_layers, connections_note
 
 
 def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
@@ -57,7 +57,7 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args += ["--bf16", "--fp8-format hybrid", f"--fp8-recipe {lay.fp8_recipe}"]
     else:
         args.append("--bf16")
-    notes = []
+    notes = connections_note(plan)
     if lay.schedule == "dualpipev":
         notes.append("Megatron-Core has no DualPipeV schedule: these arguments run its chunks interleaved (chunk j "
                      f"on pipeline rank j mod {lay.pp}), not as DualPipeV's V, and the prediction does not hold; "
