@@ -108,19 +108,15 @@ class PairedWork:
                        for kind, _ in kinds]
         self.by_layers: dict[tuple[int, int], float] = {}
 
-    def at(self, vp: int) -> tuple[tuple, tuple[float, float]]:
+    def at(self, vp: int, floor: bool = False) -> tuple[tuple, tuple[float, float]]:
+        """Per block kind at this vp; with `floor`, at or below that, each pair's exposure at its floor (no
+        streams run: `PairedPasses.exposed_floor_s`)."""
         costs, layers = self.costs, self.costs.layers_per_chunk(vp)
         paired = costs.paired_share(vp)
         seconds = [rest if passes is None or not passes.per_pass_s else
-                   rest + passes.exposed_s(paired, self._paired_pass_s(i, passes, layers))
+                   rest + (passes.exposed_floor_s(paired) if floor else
+                           passes.exposed_s(paired, self._paired_pass_s(i, passes, layers)))
                    for i, (rest, passes) in enumerate(zip(self.rest_s, self.passes))]
-        return tuple(zip(self.counts, seconds)), (seconds[-2], seconds[-1])
-
-    def floor_at(self, vp: int) -> tuple[tuple, tuple[float, float]]:
-        """At or below `at(vp)` per block kind, each pair's exposure at its floor (no streams run)."""
-        paired = self.costs.paired_share(vp)
-        seconds = [rest if passes is None else rest + passes.exposed_floor_s(paired)
-                   for rest, passes in zip(self.rest_s, self.passes)]
         return tuple(zip(self.counts, seconds)), (seconds[-2], seconds[-1])
 
     def _paired_pass_s(self, index: int, passes, layers: int) -> float:

@@ -272,7 +272,7 @@ class BranchAndBound:
     def group_bound(self, node: TreeNode) -> float:
         """A placement's bound under each MoE dispatcher and combined 1F1B switch it leaves open: per block kind
         the least work of its children, those whose passes combined 1F1B pairs at their floor (no streams
-        run: `PairedWork.floor_at`); the bound rises with each kind's work, so it is at or below every child's.
+        run: `PairedWork.at`); the bound rises with each kind's work, so it is at or below every child's.
         Most groups are never reached, and their children never weighed."""
         least = None
         for child in self.tree.children(node):
@@ -337,7 +337,7 @@ class BranchAndBound:
             first = cache[key[:-1] if paired else key] = (source, layout.num_micro_batches, self.hops(node, costs))
         source, micro_batches, hops = first
         if paired:
-            source = source.floor_at(node.vp) if floor else source.at(node.vp)
+            source = source.at(node.vp, floor)
         return source, micro_batches, hops
 
     def hops(self, node: TreeNode, costs: MeshCosts) -> dict[tuple[int, bool], float]:
