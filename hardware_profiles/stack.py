@@ -315,10 +315,12 @@ class SoftwareStack(Strict):
         return self.moe_dispatch_host_sync == "always" or (self.moe_dispatch_host_sync == "spread" and ep > 1)
 
     def tp_overlap_in(self, layout, device) -> bool:
-        """TP communication overlap runs for this layout: the stack runs it, tp > 1, and, on a device where its
-        kernels must queue in issue order (`Device.tp_overlap_single_connection`), the layout runs with one CUDA
-        connection: not beside combined 1F1B (Megatron-Bridge's H100 recipes with it turn TP overlap off)."""
-        return (self.tp_comm_overlap and layout.tp > 1
+        """TP communication overlap runs for this layout: the stack runs it, tp > 1 with sequence parallelism (its
+        rings gather and scatter the sequence-sharded activations: Megatron-Bridge's CommOverlapConfig turns it off
+        otherwise), and, on a device where its kernels must queue in issue order
+        (`Device.tp_overlap_single_connection`), the layout runs with one CUDA connection: not beside combined 1F1B
+        (Megatron-Bridge's H100 recipes with it turn TP overlap off)."""
+        return (self.tp_comm_overlap and layout.tp > 1 and layout.sp
                 and not (device.tp_overlap_single_connection and self.cuda_connections_for(layout, device) != 1))
 
     def cuda_connections_for(self, layout, device) -> int | None:

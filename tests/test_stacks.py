@@ -489,7 +489,7 @@ def test_tp_overlap_stays_off_beside_combined_1f1b_on_hopper_as_megatron_bridges
     combined 1F1B more; Megatron-Bridge's H100 Qwen3-235B recipes with combined 1F1B set tp_comm_overlap=False
     (its launcher: 8 connections). On H100 such a plan bills its TP collectives whole, as the same layout under a
     stack without TP overlap does, records and exports TP overlap off and says why; on B200 (Blackwell: no such
-    conflict) and without combined 1F1B it keeps TP overlap."""
+    conflict) and without combined 1F1B it keeps TP overlap, but not without sequence parallelism."""
     bridge = load_stack("megatron-bridge")
     assert bridge.tp_comm_overlap and bridge.moe_a2a_overlap
     layout = "tp=2,pp=2,vp=2,dp=8,cp=1,ep=8,mbs=1,zero=1,recompute=none,dispatcher=alltoall,a2a_overlap={}"
@@ -510,3 +510,8 @@ def test_tp_overlap_stays_off_beside_combined_1f1b_on_hopper_as_megatron_bridges
     assert blackwell.layout.tp_comm_overlap and alone.layout.tp_comm_overlap
     assert not any("TP communication overlap is off" in r for r in blackwell.reasons + alone.reasons)
     assert alone.breakdown["tp_comm_s"] < without.breakdown["tp_comm_s"]
+    # nor without sequence parallelism, as Megatron-Bridge's CommOverlapConfig turns it off there
+    layout += ",sp=false"
+    unsharded = evaluated("b200", "false")
+    assert not unsharded.layout.tp_comm_overlap and unsharded.breakdown["tp_comm_s"] == pytest.approx(
+        evaluated("b200", "false", bridge.model_copy(update={"tp_comm_overlap": False})).breakdown["tp_comm_s"])
