@@ -131,7 +131,7 @@ class BranchAndBound:
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
         self.last_layout: tuple[TreeNode | None, Layout | None] = (None, None)   # `layout_of`
-        # (shape, micro_batch, placement, dispatcher): what each ZeRO stage adds (`zero_floor_s`)
+        # (shape, micro_batch, placement, dispatcher, DualPipeV): what each ZeRO stage adds (`zero_floor_s`)
         self.zero_extras: dict[tuple, list[ZeroExtras]] = {}
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ class BranchAndBound:
         optimizer step, ZeRO-2/3 traffic), taken when the search reaches it, before its leaves are weighed: for a
         large model those are seconds, which the work alone leaves out. Its siblings of every vp and combined
         1F1B switch share them."""
-        key = (node.shape, node.micro_batch, node.placement, node.moe_dispatcher)
+        key = (node.shape, node.micro_batch, node.placement, node.moe_dispatcher, node.dualpipev)  # (its ZeRO stages)
         if key not in self.zero_extras:
             self.zero_extras[key] = [
                 ZeroExtras.of(MeshCosts(self.model, self.cluster, leaf.layout(self.problem), self.stack,
