@@ -63,6 +63,12 @@ class Layout:
     moe_a2a_overlap: bool = declare(False, LayoutField(
         "a2a_overlap", Switch(), plan_key="moe_a2a_overlap", searched=True, plan_default=True,
         stack_default=lambda stack: stack.moe_a2a_overlap))
+    # TP communication overlap (Megatron --tp-comm-overlap, Transformer Engine userbuffers: the TP collectives
+    # as chunked rings beside the GEMMs), where the stack runs it (SoftwareStack.tp_comm_overlap) and the layout
+    # has sequence-parallel TP collectives; the search turns it on where nothing rules it out
+    # (SoftwareStack.tp_overlap_choice: combined 1F1B on a device that wants one CUDA connection for it)
+    tp_comm_overlap: bool = declare(False, LayoutField(
+        "tp_overlap", Switch(), plan_key="tp_comm_overlap", searched=True, plan_default=True))
     # the MoE token dispatcher: chosen by the search among those the stack runs on this device where experts
     # spread (ep > 1), the stack's default elsewhere; the exports write it (--moe-token-dispatcher-type)
     moe_dispatcher: MoeDispatcher = declare(MoeDispatcher.alltoall, LayoutField(

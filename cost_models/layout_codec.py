@@ -113,6 +113,8 @@ def text_of(layout: Layout) -> str:
         parts.append(f"schedule={Schedule.dualpipev}")
     if layout.moe_a2a_overlap:
         parts.append("a2a_overlap=true")
+    if layout.tp_comm_overlap:
+        parts.append("tp_overlap=true")
     if layout.moe_dispatcher != MoeDispatcher.alltoall:
         parts.append(f"dispatcher={layout.moe_dispatcher}")
     if layout.grad_reduce != GradReduce.fp32:

@@ -127,7 +127,10 @@ class SoftwareStack(Strict):
     # train without. Its masks and the attention-probability copy it keeps are billed by capture (Korthikanti
     # et al. 2022 Table 2: sbh per mask, as^2b + 2as^2b under the attention dropout)
     model_dropout: float = Field(default=0.0, ge=0, lt=1)
-    tp_comm_overlap: bool                    # TP collectives as chunked rings beside the GEMMs
+    # the stack can run TP communication overlap (TP collectives as chunked rings beside the GEMMs: Megatron
+    # --tp-comm-overlap, Transformer Engine userbuffers): whether a plan runs it is the search's choice per layout
+    # (Layout.tp_comm_overlap), and evaluate's where a layout leaves it out; the exports write it where a plan does
+    tp_comm_overlap: bool
     # the stack can run Megatron's combined 1F1B (MoE all-to-alls beside another micro-batch's compute): whether
     # a plan runs it is the search's choice per layout (Layout.moe_a2a_overlap), and evaluate's where a layout
     # leaves it out; the exports write the flags where a plan runs it
@@ -315,13 +318,31 @@ class SoftwareStack(Strict):
         return self.moe_dispatch_host_sync == "always" or (self.moe_dispatch_host_sync == "spread" and ep > 1)
 
     def tp_overlap_in(self, layout, device) -> bool:
-        """TP communication overlap runs for this layout: the stack runs it, tp > 1 with sequence parallelism (its
-        rings gather and scatter the sequence-sharded activations: Megatron-Bridge's CommOverlapConfig turns it off
-        otherwise), and, on a device where its kernels must queue in issue order
-        (`Device.tp_overlap_single_connection`), the layout runs with one CUDA connection: not beside combined 1F1B
-        (Megatron-Bridge's H100 recipes with it turn TP overlap off)."""
-        return (self.tp_comm_overlap and layout.tp > 1 and layout.sp
-                and not (device.tp_overlap_single_connection and self.cuda_connections_for(layout, device) != 1))
+        """TP communication overlap runs for this layout: the layout asks for it (`Layout.tp_comm_overlap`, the
+        search's choice or the user's), the stack runs it for the layout (`tp_overlap_applies`), and combined 1F1B
+        does not rule it out on this device (`tp_overlap_blocked_by_a2a`)."""
+        return layout.tp_comm_overlap and self.tp_overlap_choice(layout, device)
+
+    def tp_overlap_applies(self, layout) -> bool:
+        """The stack runs TP overlap and the layout has TP collectives it overlaps: tp > 1 with sequence
+        parallelism (its rings gather and scatter the sequence-sharded activations: Megatron-Bridge's
+        CommOverlapConfig turns it off otherwise)."""
+        return self.tp_comm_overlap and layout.tp > 1 and layout.sp
+
+    def tp_overlap_choice(self, layout, device) -> bool:
+        """Whether the search runs TP overlap for this layout where the user leaves it open: wherever it applies
+        and combined 1F1B does not rule it out (it only shortens the exposed TP collectives in the cost model,
+        so on is never slower)."""
+        return self.tp_overlap_applies(layout) and not (self.hides_moe_a2a(layout)
+                                                        and self.tp_overlap_blocked_by_a2a(layout.tp, device))
+
+    @staticmethod
+    def tp_overlap_blocked_by_a2a(tp: int, device) -> bool:
+        """Combined 1F1B rules TP overlap out at this tp on the device: where TE userbuffers' kernels must queue in
+        issue order (`Device.tp_overlap_single_connection`, Hopper and earlier) TP overlap wants one CUDA
+        connection and combined 1F1B several (`cuda_device_max_connections`; Megatron-Bridge's H100 recipes
+        with combined 1F1B turn TP overlap off)."""
+        return device.tp_overlap_single_connection and tp > 1
 
     def cuda_connections_for(self, layout, device) -> int | None:
         """`cuda_device_max_connections` of the layout as this stack runs it (combined 1F1B where it hides)."""

@@ -18,14 +18,15 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
 from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, host_note, reasons,
-                      state_notes, tp_overlap_note)
+                      state_notes, tp_overlap_reason)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
 from .plans import Alternative, LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import SearchCaches, search
+from .search.space import with_tp_overlap
 from .search.tree import SearchOutcome
-from .rules.device import check_device_for
+from .rules.device import check_device_for, check_overlaps_on
 from .rules.layout import layout_problems, pin_problems
 from .rules.pins import Pins
 from .rules.stack import (a2a_overlap_refusal, layout_stack_problems, module_choices, recompute_choices, stack_pins,
@@ -46,8 +47,11 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
     stats = None
     # where the stack could pair the plan's MoE passes: the plan with combined 1F1B flipped says why (not),
     # unless the stack's own rule (full recomputation) rules it out
+    # (TP overlap chosen again for the flipped plan, as the search would, unless the plan's was given otherwise)
     pairs, twin = stack.pairs_moe_a2a(best.layout), None
     flipped = replace(best.layout, moe_a2a_overlap=not best.layout.moe_a2a_overlap)
+    if best.layout.tp_comm_overlap == stack.tp_overlap_choice(best.layout, cluster.device):
+        flipped = replace(flipped, tp_comm_overlap=stack.tp_overlap_choice(flipped, cluster.device))
     if pairs and stack.hides_moe_a2a(best.layout if best.layout.moe_a2a_overlap else flipped):
         twin = estimate(graph.costs_record, cluster, flipped, stack, ep_imbalance)
     ranked = []
@@ -75,7 +79,9 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         alternatives=alternatives(best, ranked[1:]),
         reasons=reasons(best, cluster, ranked[1:], pairs, twin)
         + dispatcher_reason(best, _other_dispatchers(graph, cluster, best, stack, ep_imbalance))
-        + dispatch_sm_notes(best, stack, cluster) + tp_overlap_note(best, stack, cluster)
+        + dispatch_sm_notes(best, stack, cluster) + tp_overlap_reason(best, stack, cluster,
+                                                                      _tp_overlap_twin(graph, cluster, best, stack,
+                                                                                       ep_imbalance), twin)
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance) + list(graph.assumed),
         ep_imbalance=ep_imbalance,
@@ -98,6 +104,18 @@ def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stac
                                                           and d in A2A_OVERLAP_DISPATCHERS),
                      stack, ep_imbalance)
             for d in stack.dispatchers_on(cluster.device) if d != lay.moe_dispatcher]
+
+
+def _tp_overlap_twin(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
+                     ep_imbalance: float) -> Estimate | None:
+    """The plan with TP communication overlap flipped, with the same split and recomputation, where the stack runs
+    it for the layout and combined 1F1B does not rule it out."""
+    lay = best.layout
+    if not stack.tp_overlap_choice(replace(lay, tp_comm_overlap=True), cluster.device):
+        return None
+    full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute,
+                   tp_comm_overlap=not lay.tp_comm_overlap)
+    return estimate(graph.costs_record, cluster, full, stack, ep_imbalance)
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:
@@ -201,6 +219,8 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
         raise UserInputError("no layout can satisfy the pins: " + "; ".join(problems), field=pins_field,
                              expected=f"pins that the model, the device count, the batch and the {stack.name} "
                              "stack allow")
+    if pins.tp and pins.tp > 1:
+        check_overlaps_on(cluster, pins.tp, bool(pins.tp_overlap), bool(pins.a2a_overlap))
     pins = stack_pins(pins, stack, graph)
     if deadline - time.perf_counter() <= 0:
         raise InfeasibleError(f"capturing {graph.name} took {graph.capture_seconds:.1f} s and no time of "
@@ -320,8 +340,9 @@ def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, de
     if not set(FULL_KEYS) <= set(layout):  # search the rest with these pinned
         return plan_job(job, time_limit_s, pins_field="--layout", deadline=deadline)
     given = {key: value for key, value in layout.items() if key not in ("precision", "gbs")}
-    plans = [predict(job, layout_from(stack_defaults(choice, job.stack), global_batch=job.global_batch,
-                                      precision=job.precision)) for choice in settings_left_out(given, job)]
+    plans = [predict(job, _tp_overlap_left_out(layout_from(stack_defaults(choice, job.stack),
+                                                           global_batch=job.global_batch, precision=job.precision),
+                                               given, job)) for choice in settings_left_out(given, job)]
     # the settings the layout leaves out, as the search chooses them: the faster plan that fits
     return min(plans, key=lambda p: (not p.fits, p.step_time_s))
 
@@ -336,6 +357,11 @@ def settings_left_out(given: dict, job: Job) -> list[dict]:
         dispatched = [{**given, "dispatcher": MoeDispatcher(d)} for d in job.stack.dispatchers_on(job.cluster.device)
                       if not given.get("a2a_overlap") or d in A2A_OVERLAP_DISPATCHERS]
     return [choice for values in dispatched for choice in _overlaps_left_out(values, job)]
+
+
+def _tp_overlap_left_out(layout: Layout, given: dict, job: Job) -> Layout:
+    """TP communication overlap as given, else as the search chooses it for the layout (`with_tp_overlap`)."""
+    return layout if "tp_overlap" in given else with_tp_overlap(layout, job.stack, job.cluster.device, None)
 
 
 def _overlaps_left_out(given: dict, job: Job) -> list[dict]:
@@ -377,6 +403,7 @@ def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
     check_device_for(cluster, stack, given.precision, given.fp8_recipe, given.moe_dispatcher if given.ep > 1 else None)
+    check_overlaps_on(cluster, given.tp, given.tp_comm_overlap, stack.hides_moe_a2a(given))
     problems = layout_problems(given, graph, cluster.num_devices)
     if problems:
         raise UserInputError("the layout is invalid: " + "; ".join(problems), field="--layout",

@@ -109,14 +109,29 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
     return out
 
 
-def tp_overlap_note(best: Estimate, stack: SoftwareStack, cluster: Cluster) -> list[str]:
-    """Where the stack runs TP overlap but not beside this plan's combined 1F1B on this device, said."""
+def tp_overlap_reason(best: Estimate, stack: SoftwareStack, cluster: Cluster, twin: Estimate | None,
+                      a2a_twin: Estimate | None) -> list[str]:
+    """Why the plan runs TP communication overlap or not, where the stack runs it for the layout: against the same
+    plan with it flipped (`twin`), or, where combined 1F1B rules it out on this device, against the plan without
+    combined 1F1B (`a2a_twin`)."""
     lay = best.layout
-    if not stack.tp_comm_overlap or lay.tp == 1 or stack.tp_overlap_in(lay, cluster.device):
+    if not stack.tp_overlap_applies(lay):
         return []
-    return [f"TP communication overlap is off beside combined 1F1B on {cluster.device.name}: it wants one CUDA "
-            "connection per device and combined 1F1B several (CUDA_DEVICE_MAX_CONNECTIONS), so the TP collectives "
-            "are billed whole, as Megatron-Bridge's H100 recipes with combined 1F1B run them"]
+    if not lay.tp_comm_overlap and stack.hides_moe_a2a(lay) and stack.tp_overlap_blocked_by_a2a(lay.tp, cluster.device):
+        without = f"; with it and without combined 1F1B the plan {_loses(best, a2a_twin)}" \
+            if a2a_twin is not None and a2a_twin.layout.tp_comm_overlap else ""
+        return [f"TP communication overlap is off beside combined 1F1B on {cluster.device.name}: it wants one CUDA "
+                "connection per device and combined 1F1B several (CUDA_DEVICE_MAX_CONNECTIONS), so the TP collectives "
+                "are billed whole, as Megatron-Bridge's H100 recipes with combined 1F1B run them" + without]
+    if twin is None:
+        return []
+    on, off = (best, twin) if lay.tp_comm_overlap else (twin, best)
+    hidden = off.breakdown.parts()["tp_comm_s"] - on.breakdown.parts()["tp_comm_s"]
+    if best is on:
+        return [f"TP communication overlap (the TP collectives as chunked rings beside the GEMMs) hides {hidden:.3f} s "
+                f"of tensor-parallel communication; without it the plan {_loses(best, off)}"]
+    return [f"TP communication overlap is off as given (tp_overlap=false); on, it would hide {hidden:.3f} s of "
+            f"tensor-parallel communication ({(1 - on.step_time_s / best.step_time_s) * 100:.1f}% faster)"]
 
 
 def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:

@@ -34,7 +34,6 @@ class _Frozen(BaseModel):
 
 class StackAssumptions(_Frozen):
     """What the prediction assumed of the software stack beside the layout (a plan file's layout record)."""
-    tp_comm_overlap: bool = False   # TP collectives overlapped with GEMMs
     moe_shared_expert_overlap: bool = False   # shared experts beside the all-to-alls
     precision_aware_optimizer: bool = False   # Megatron-Core's precision-aware optimizer (memory.py)
     fused_loss: bool = False                  # Transformer Engine's fused cross-entropy (memory.py)
@@ -55,16 +54,16 @@ class _LayoutRecordRules(_Frozen):
     def of(cls, layout: Layout, layer_recompute: tuple[Recompute, ...], stack: SoftwareStack,
            device=None) -> "LayoutRecord":
         """The record of a planned layout: each declared field's value as a plan file keeps it, with what the
-        prediction took of the stack (SP in effect, combined 1F1B where it hides the all-to-alls)."""
+        prediction took of the stack (SP in effect, combined 1F1B where it hides the all-to-alls, TP overlap where it
+        runs)."""
         values = {declared.field.plan_key: declared.field.domain.to_plan(getattr(layout, declared.reads))
                   for declared in FIELDS.values() if declared.field.plan_key}
         kinds = {r.value for r in layer_recompute} or {layout.recompute.value}
         values.update(sp=layout.sp, recompute=kinds.pop() if len(kinds) == 1 else "per-layer",
-                      moe_a2a_overlap=stack.hides_moe_a2a(layout))
-        tp_overlap = stack.tp_overlap_in(layout, device) if device is not None else \
-            stack.tp_comm_overlap and layout.tp > 1
-        return cls(**values, tp_comm_overlap=tp_overlap,
-                   moe_shared_expert_overlap=stack.runs_shared_experts_beside_a2a(layout),
+                      moe_a2a_overlap=stack.hides_moe_a2a(layout),
+                      tp_comm_overlap=stack.tp_overlap_in(layout, device) if device is not None else
+                      layout.tp_comm_overlap and stack.tp_overlap_applies(layout))
+        return cls(**values, moe_shared_expert_overlap=stack.runs_shared_experts_beside_a2a(layout),
                    precision_aware_optimizer=stack.precision_aware_in(layout),
                    fused_loss=stack.loss_gradient == "fused", adam_moment_bytes=stack.moment_bytes_in(layout),
                    flex_dispatcher_backend=device.flex_dispatcher_backend if device is not None and layout.ep > 1

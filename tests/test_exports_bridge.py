@@ -6,6 +6,7 @@ batch, split, recomputation, dispatcher, overlap, ZeRO stage and precision reads
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 import json
 import subprocess
 import sys
@@ -129,8 +130,8 @@ def test_megatron_bridge_reads_the_export_as_the_plan(read_back, name):
 def test_cuda_connections_and_tp_overlap_follow_megatron_bridges_own_launcher(tmp_path):
     """The CUDA_DEVICE_MAX_CONNECTIONS the Megatron and Bridge exports ask for is what Megatron-Bridge's performance
     launcher sets (its PerfEnvPlugin, run on every tp, cp, pp, dp, DeepEP and combined-1F1B case of an H100 and a
-    B200 job), and TP overlap is in effect on H100 exactly where that is one connection (its kernels queue in issue
-    order there), on B200 wherever tp > 1."""
+    B200 job), and the search runs TP overlap on H100 exactly where that is one connection (its kernels queue in issue
+    order there), on B200 wherever tp > 1; asked for beside combined 1F1B on H100, it is not in effect."""
     import itertools
 
     from hardware_profiles.loader import load_device
@@ -154,6 +155,8 @@ def test_cuda_connections_and_tp_overlap_follow_megatron_bridges_own_launcher(tm
                      moe_dispatcher="deepep" if flex else "alltoall", global_batch=64 * dp)
         if tp == 1 or stack.hides_moe_a2a(lay) != a2a:   # (no TP to overlap; a layout the stack cannot pair)
             continue
-        assert stack.tp_overlap_in(lay, load_device(device)) == (devices[device] or connections == 1)
+        assert stack.tp_overlap_choice(lay, load_device(device)) == (devices[device] or connections == 1)
+        assert stack.tp_overlap_in(replace(lay, tp_comm_overlap=True), load_device(device)) == \
+            stack.tp_overlap_choice(lay, load_device(device)) and not stack.tp_overlap_in(lay, load_device(device))
         checked.add((device, a2a))
     assert checked == {(device, a2a) for device in devices for a2a in (False, True)}

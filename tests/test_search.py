@@ -147,10 +147,10 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
                 assert root_bound <= alone * tol
                 best = [e.step_time_s for lay, e in per_layout.items()
                         if (lay.tp, lay.cp, lay.pp, lay.vp, lay.ep, lay.etp, lay.micro_batch, lay.mesh_order,
-                            lay.moe_a2a_overlap, lay.moe_dispatcher) == (
+                            lay.moe_a2a_overlap, lay.moe_dispatcher, lay.tp_comm_overlap) == (
                                 layout.tp, layout.cp, layout.pp, layout.vp, layout.ep, layout.etp,
                                 layout.micro_batch, layout.mesh_order, layout.moe_a2a_overlap,
-                                layout.moe_dispatcher)]
+                                layout.moe_dispatcher, layout.tp_comm_overlap)]
                 assert all(root_bound <= b * tol for b in best)
                 # the placed node's floor of what its ZeRO stages add stays at or below each leaf's balanced bound
                 floor = bnb.zero_floor_s(child)
@@ -163,9 +163,10 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
 
 
 def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_stack(), vps=(1,)):
-    """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order, MoE all-to-all overlap off and on
-    (where the stack has it), MoE dispatcher (each the stack runs on the device where experts spread) and
-    partition (no recomputation): the best plan of each layout, keyed by it."""
+    """Every tp, cp, pp, vp, ep, etp, micro-batch, ZeRO stage, mesh order, MoE all-to-all overlap and TP
+    communication overlap off and on (where the stack has them and the layout runs them), MoE dispatcher (each the
+    stack runs on the device where experts spread) and partition (no recomputation): the best plan of each
+    layout, keyed by it."""
     n, best = cluster.num_devices, {}
     for tp, cp, pp, vp in itertools.product((1, 2, 4), (1, 2), (1, 2), vps):
         if n % (tp * cp * pp) or graph.attention_heads % tp or (pp == 1 and vp > 1):
@@ -173,9 +174,10 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
         dp = n // (tp * cp * pp)
         orders = (MEGATRON_ORDER, ("tp", "dp", "cp", "ep", "pp"), ("tp", "pp", "cp", "ep", "dp"))
         switches = (False, True) if overlap.moe_a2a_overlap else (False,)
+        tp_switches = (False, True) if overlap.tp_comm_overlap else (False,)
         dispatchers = ("alltoall", "allgather", "deepep")
-        for etp, ep, mbs, zero, order, paired, dispatcher in itertools.product(
-                {1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3), orders, switches, dispatchers):
+        for etp, ep, mbs, zero, order, paired, dispatcher, tp_overlap in itertools.product(
+                {1, tp}, (1, 2, 4, 8), (1, 2), (0, 1, 2, 3), orders, switches, dispatchers, tp_switches):
             if (dp * cp * tp) % (ep * etp) or graph.num_experts % ep or global_batch % (dp * mbs):
                 continue
             if vp > 1 and (global_batch // (dp * mbs)) % pp:
@@ -185,9 +187,13 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
                 continue
             base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, micro_batch=mbs,
                           global_batch=global_batch, zero=zero, mesh_order=order, moe_a2a_overlap=paired,
-                          moe_dispatcher=dispatcher)
+                          moe_dispatcher=dispatcher, tp_comm_overlap=tp_overlap)
             if paired and not overlap.pairs_moe_a2a(base):
                 continue   # the same plan as without: the stack cannot pair this layout's passes
+            if tp_overlap and not overlap.tp_overlap_applies(base):
+                continue   # the same plan as without: no sequence-parallel TP collectives
+            if tp_overlap and overlap.hides_moe_a2a(base) and overlap.tp_overlap_blocked_by_a2a(tp, cluster.device):
+                continue   # not a layout that runs: one CUDA connection for TP overlap, several for combined 1F1B
             costs = MeshCosts(model_costs, cluster, base, overlap)
             for parts in compositions(graph.num_blocks, pp * vp):
                 full = replace(base, stage_layers=parts, layer_recompute=(Recompute.none,) * graph.num_blocks)
@@ -197,11 +203,13 @@ def brute_force_degrees(model_costs, graph, cluster, global_batch, overlap=load_
     return best
 
 
-@pytest.mark.parametrize("overlap,vps", [(load_stack(), (1,)), (load_stack().model_copy(update={"moe_a2a_overlap": True}), (1, 2, 4))])
+@pytest.mark.parametrize("overlap,vps", [(load_stack(), (1,)), (load_stack().model_copy(
+    update={"moe_a2a_overlap": True, "tp_comm_overlap": True}), (1, 2, 4))])
 def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
     """The search's subtree bounds (compute, then communication, then ZeRO) never prune the optimum, also
     where MoE all-to-all overlap makes the communication depend on the virtual-stage count and the MoE
-    dispatcher (Megatron-Core's three, on H100) is chosen per placement."""
+    dispatcher (Megatron-Core's three, on H100) is chosen per placement; and its rule for TP communication
+    overlap (on wherever combined 1F1B does not rule it out on H100) finds the enumeration's optimum over both."""
     graph = capture(moe_model())
     cluster = small_cluster(8, 16)
     per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16, overlap, vps)
@@ -237,6 +245,12 @@ def test_search_tree_bounds_match_exhaustive_degrees(overlap, vps):
                    and per_layout.get(replace(lay, moe_a2a_overlap=False)) is not None
                    and per_layout[lay].step_time_s != per_layout[replace(lay, moe_a2a_overlap=False)].step_time_s]
         assert changed
+    if overlap.tp_comm_overlap:   # TP overlap is live: it shortens the step where it runs, and on H100 the search
+        # weighs it against combined 1F1B (a tp > 1 layout runs one or the other)
+        faster = [lay for lay in per_layout if lay.tp_comm_overlap
+                  and per_layout[lay].step_time_s < per_layout[replace(lay, tp_comm_overlap=False)].step_time_s]
+        assert faster and any(replace(lay, tp_comm_overlap=False, moe_a2a_overlap=True) in per_layout
+                              for lay in faster)
 
 
 def test_a_search_kept_to_shape_bounds_matches_the_enumeration_inside_them():

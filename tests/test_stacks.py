@@ -515,3 +515,53 @@ def test_tp_overlap_stays_off_beside_combined_1f1b_on_hopper_as_megatron_bridges
     unsharded = evaluated("b200", "false")
     assert not unsharded.layout.tp_comm_overlap and unsharded.breakdown["tp_comm_s"] == pytest.approx(
         evaluated("b200", "false", bridge.model_copy(update={"tp_comm_overlap": False})).breakdown["tp_comm_s"])
+
+
+def test_tp_overlap_is_a_plan_field_chosen_where_it_runs_pinned_and_refused_by_one_rulebook(tmp_path):
+    """TP communication overlap (`tp_overlap` in the layout, `tp_comm_overlap` in the plan): evaluate takes it on
+    where the stack runs it and leaves it out, a pin off is kept and the plan says what it would hide (the same
+    as the plan evaluated with it on), and a pin on is refused where it cannot run (a stack without it, tp = 1,
+    without sequence parallelism, beside a pinned combined 1F1B at tp > 1 on H100), as is a hand-edited plan file
+    that claims it there."""
+    bridge = load_stack("megatron-bridge")
+    layout = "tp=2,pp=2,vp=2,dp=8,cp=1,ep=8,mbs=1,zero=1,recompute=none,dispatcher=alltoall,a2a_overlap=false"
+    common = dict(device="h100-sxm", num_devices=32, global_batch=256, seq_len=4096, precision="bf16")
+
+    def evaluated(extra="", stack=bridge, device="h100-sxm"):
+        return api.evaluate("qwen3-30b-a3b", layout=layout + extra, **{**common, "device": device}, stack=stack)
+    chosen, off = evaluated(), evaluated(",tp_overlap=false")
+    assert chosen.layout.tp_comm_overlap and not off.layout.tp_comm_overlap
+    pinned = evaluated(",tp_overlap=true")
+    assert chosen.step_time_s < off.step_time_s and (chosen.step_time_s, chosen.layout) == (pinned.step_time_s,
+                                                                                           pinned.layout)
+    hidden = off.breakdown["tp_comm_s"] - chosen.breakdown["tp_comm_s"]
+    assert any(f"on, it would hide {hidden:.3f} s" in r for r in off.reasons)
+    assert any(f"hides {hidden:.3f} s of tensor-parallel communication" in r for r in chosen.reasons)
+    from cost_models.layout_codec import layout_from, text_of
+    assert "tp_overlap=true" in text_of(layout_from(chosen.layout.layout_values()))
+    assert any("has no TP communication overlap" in p
+               for p in stack_problems(pins_from({"tp_overlap": True}), load_stack("deepspeed"), "bf16"))
+    assert any("tp=1" in p for p in stack_problems(pins_from({"tp_overlap": True, "tp": 1}), bridge, "bf16"))
+    assert any("sequence parallelism" in p for p in stack_problems(pins_from({"tp_overlap": True, "sp": False}),
+                                                                   bridge, "bf16"))
+    with pytest.raises(UserInputError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        api.evaluate("qwen3-30b-a3b", layout=layout.replace("a2a_overlap=false", "a2a_overlap=true")
+                     + ",tp_overlap=true", **common, stack=bridge)
+    blackwell = api.evaluate("qwen3-30b-a3b", layout=layout.replace("a2a_overlap=false", "a2a_overlap=true")
+                             + ",tp_overlap=true", **{**common, "device": "b200"}, stack=bridge)
+    assert blackwell.layout.tp_comm_overlap and blackwell.layout.moe_a2a_overlap
+    with pytest.raises(UserInputError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        api.plan("qwen3-30b-a3b", **common, stack=bridge, tp=2, tp_overlap=True, a2a_overlap=True, time_limit_s=30)
+    # hand-edited plan files: TP overlap where there is no TP, and beside combined 1F1B on H100
+    record = json.loads(chosen.model_dump_json())
+    flat = dict(record, layout=dict(record["layout"], tp_comm_overlap=True, tp=1, dp=16))
+    path = tmp_path / "flat.json"
+    path.write_text(json.dumps(flat))
+    refused = run(f"export {path} --to megatron")
+    assert refused.returncode == 2 and "tp_comm_overlap with tp=1" in refused.stderr
+    paired = json.loads(evaluated().model_dump_json())
+    hopper = dict(paired, layout=dict(paired["layout"], moe_a2a_overlap=True))
+    path = tmp_path / "paired.json"
+    path.write_text(json.dumps(hopper))
+    refused = run(f"export {path} --to megatron")
+    assert refused.returncode == 2 and "CUDA_DEVICE_MAX_CONNECTIONS" in refused.stderr

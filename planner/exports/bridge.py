@@ -90,6 +90,9 @@ def _notes(plan: Plan) -> list[str]:
         notes.append("the plan overlaps TP communication with GEMMs: the recipe's comm_overlap must be a "
                      "CommOverlapConfig(tp_comm_overlap=True) (Bridge's performance recipes set one; a YAML merge "
                      "cannot create the dataclass where the recipe leaves it None)")
+    elif lay.tp > 1 and lay.sp:
+        notes.append("the plan runs without TP communication overlap: where the recipe's comm_overlap sets "
+                     "tp_comm_overlap=True (Bridge's performance recipes), set it to False")
     if lay.adam_moment_bytes == 2:
         notes.append("the plan keeps Adam's moments in bf16: set optimizer.exp_avg_dtype and exp_avg_sq_dtype to "
                      "torch.bfloat16 in the recipe (torch dtypes, which a YAML file cannot write)")

@@ -45,13 +45,28 @@ def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8
                                       "optimizer on the device (optimizer_swap_chunks: 0)")
 
 
+def check_overlaps_on(cluster: Cluster, tp: int, tp_overlap: bool, a2a_overlap: bool,
+                      field: str = "tp_overlap") -> None:
+    """TP communication overlap and combined 1F1B together where the device runs only one of them at this tp
+    (`SoftwareStack.tp_overlap_blocked_by_a2a`)."""
+    if tp_overlap and a2a_overlap and SoftwareStack.tp_overlap_blocked_by_a2a(tp, cluster.device):
+        raise UserInputError(f"tp_overlap=true with combined 1F1B (a2a_overlap=true) at tp={tp} on "
+                             f"{cluster.device.name}: TP overlap wants CUDA_DEVICE_MAX_CONNECTIONS=1 there and "
+                             "combined 1F1B more (Megatron-Bridge's H100 recipes with combined 1F1B turn TP overlap "
+                             "off)", field=field, expected="tp_overlap=false or a2a_overlap=false (or leave either "
+                             "to the search)")
+
+
 def check_plan_device(plan) -> None:
-    """A plan file's precision, FP8 recipe and dispatcher against its own device profile (a hand-edited mxfp8 or
-    deepep on a device without them)."""
-    if str(plan.layout.precision) != "fp8" and (plan.layout.ep == 1 or plan.layout.moe_dispatcher != "deepep"):
-        return
+    """A plan file's precision, FP8 recipe, dispatcher and overlaps against its own device profile (a hand-edited
+    mxfp8 or deepep on a device without them, TP overlap beside combined 1F1B where one connection is needed)."""
     from hardware_profiles.loader import load_stack
 
     from ..job import plan_cluster
+    lay = plan.layout
+    if lay.tp_comm_overlap and lay.moe_a2a_overlap:
+        check_overlaps_on(plan_cluster(plan), lay.tp, True, True, field="tp_comm_overlap")
+    if str(plan.layout.precision) != "fp8" and (plan.layout.ep == 1 or plan.layout.moe_dispatcher != "deepep"):
+        return
     check_device_for(plan_cluster(plan), load_stack(plan.stack), str(plan.layout.precision), str(plan.layout.fp8_recipe),
                      str(plan.layout.moe_dispatcher) if plan.layout.ep > 1 else None)

@@ -30,6 +30,9 @@ def record_problems(record) -> list[str]:
         problems.append(f"ep*etp = {record.ep * record.etp} does not divide dp*cp*tp = {folded}")
     if record.etp > record.tp:
         problems.append(f"etp={record.etp} exceeds tp={record.tp}")
+    if record.tp_comm_overlap and (record.tp == 1 or not record.sp):
+        problems.append(f"tp_comm_overlap with tp={record.tp}{'' if record.sp else ' without sequence parallelism'}: "
+                        "TP overlap's rings gather and scatter sequence-parallel activations (tp > 1, sp)")
     if record.moe_a2a_overlap and record.moe_dispatcher not in A2A_OVERLAP_DISPATCHERS:
         problems.append(f"moe_a2a_overlap with the {record.moe_dispatcher} dispatcher: {A2A_OVERLAP_DISPATCHER_RULE}")
     return problems

@@ -130,6 +130,7 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
                         f"{', '.join(stack.moe_dispatchers)} MoE dispatcher(s)")
     elif pins.a2a_overlap and pins.dispatcher is not None and pins.dispatcher not in A2A_OVERLAP_DISPATCHERS:
         problems.append(f"a2a_overlap=true with dispatcher={pins.dispatcher}: {A2A_OVERLAP_DISPATCHER_RULE}")
+    problems += _tp_overlap_problems(pins, stack)
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
@@ -187,10 +188,26 @@ def dualpipev_rules(stack: SoftwareStack) -> DualPipeVRules:
     return DualPipeVRules(stack.dualpipev_even_split, stack.dualpipev_beside_cp)
 
 
+def _tp_overlap_problems(pins: Pins, stack: SoftwareStack) -> list[str]:
+    """TP communication overlap pinned on where the stack has none, or where the layout has no sequence-parallel
+    TP collectives for it (Megatron-Bridge's CommOverlapConfig turns it off without sequence parallelism)."""
+    if not pins.tp_overlap:
+        return []
+    if not stack.tp_comm_overlap:
+        return [f"tp_overlap=true: the {stack.name} stack has no TP communication overlap (Megatron --tp-comm-overlap; "
+                "the CLI's --tp-comm-overlap states a stack that runs it)"]
+    if pins.tp == 1:
+        return ["tp_overlap=true with tp=1: there are no tensor-parallel collectives to overlap"]
+    if pins.sp is False or not stack.sequence_parallel:
+        return ["tp_overlap=true without sequence parallelism: TP overlap's rings gather and scatter the "
+                "sequence-parallel activations (Megatron-Bridge's CommOverlapConfig turns it off otherwise)"]
+    return []
+
+
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
-    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "dispatcher",
+    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "tp_overlap", "dispatcher",
                                                                        "fp8_recipe", "recompute_modules",
                                                                        "schedule", "recompute_layers"))), stack,
                               layout.precision, graph)

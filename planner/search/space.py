@@ -2,7 +2,7 @@
 (the rules a layout must keep are the rulebook's, `planner/rules/`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models.layout import MEGATRON_ORDER, Layout, Schedule
 from cost_models.layout_codec import layout_from
@@ -117,6 +117,13 @@ def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str,
     return layout_from({"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "vp": vp, "cp": shape.cp, "ep": ep,
                         "etp": etp, "mbs": micro_batch, "gbs": global_batch, "zero": zero, "precision": precision,
                         "order": order, **chosen})
+
+
+def with_tp_overlap(layout: Layout, stack, device, pinned: bool | None) -> Layout:
+    """The layout with TP communication overlap as pinned, where it applies; else as the search chooses it
+    (`SoftwareStack.tp_overlap_choice`: on wherever combined 1F1B does not rule it out)."""
+    on = stack.tp_overlap_applies(layout) if pinned else pinned is None and stack.tp_overlap_choice(layout, device)
+    return replace(layout, tp_comm_overlap=True) if on else layout
 
 
 def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pins,

@@ -22,7 +22,7 @@ from hardware_profiles.stack import SoftwareStack
 from ..rules.pins import Pins
 from ..rules.stack import a2a_overlap_refusal
 from .partition import PartitionResult
-from .space import MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices
+from .space import MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices, with_tp_overlap
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,11 @@ class TreeNode:
 
     def layout(self, problem: "TreeProblem") -> Layout:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
-        return make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
+        made = make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
                            micro_batch=self.micro_batch, etp=etp, ep=ep, order=order, zero=self.zero or 0,
                            moe_a2a_overlap=self.moe_a2a_overlap, dualpipev=self.dualpipev,
                            moe_dispatcher=self.moe_dispatcher)
+        return with_tp_overlap(made, problem.stack, problem.cluster.device, problem.pins.tp_overlap)
 
     def tie_key(self) -> tuple:
         etp, ep, order = self.placement or (0, 0, ())
@@ -149,7 +150,7 @@ class TreeShape:
         self._virtual_stages: dict[MeshShape, set[tuple[int, bool]]] = {}
         self._zeros: dict[tuple[int, int, int], tuple[int, ...]] = {}   # (dp x cp, tp, ep) -> ZeRO stages
         self._dispatchers: dict[int, tuple[MoeDispatcher, ...]] = {}    # ep -> dispatchers
-        self._overlaps: dict[tuple, tuple[bool, ...]] = {}   # (pp, vp, DualPipeV, ep, dispatcher) -> switches
+        self._overlaps: dict[tuple, tuple[bool, ...]] = {}   # (pp, vp, DualPipeV, ep, dispatcher, tp) -> switches
         self._leaf_counts: dict[tuple, int] = {}    # (shape, vp, DualPipeV, placement) of a root or group -> leaves
 
     def roots(self) -> list[TreeNode]:
@@ -213,12 +214,16 @@ class TreeShape:
     def overlaps(self, node: TreeNode, placement: tuple, dispatcher: MoeDispatcher) -> tuple[bool, ...]:
         """Combined 1F1B off and on where the stack can pair this layout's MoE passes (it hides all-to-alls and
         holds one more forward's activations: the search weighs both), else off; or as pinned."""
-        key = (node.shape.pp, node.vp, node.dualpipev, placement[1], dispatcher)
+        key = (node.shape.pp, node.vp, node.dualpipev, placement[1], dispatcher, node.shape.tp)
         if key not in self._overlaps:
             p = self.problem
             pairs = passes_pair_across_micro_batches(node.shape.pp, node.vp, node.dualpipev)
-            if not p.stack.pairs_moe_passes(placement[1], pairs, dispatcher) or a2a_overlap_refusal(node.shape.pp,
-                                                                                                     p.graph):
+            # TP overlap pinned on where combined 1F1B rules it out: combined 1F1B stays off
+            tp_kept = p.pins.tp_overlap and p.stack.tp_overlap_blocked_by_a2a(node.shape.tp, p.cluster.device)
+            if tp_kept and p.pins.a2a_overlap:   # both pinned on: not at this tp
+                self._overlaps[key] = ()
+            elif not p.stack.pairs_moe_passes(placement[1], pairs, dispatcher) or tp_kept \
+                    or a2a_overlap_refusal(node.shape.pp, p.graph):
                 self._overlaps[key] = (False,)
             else:
                 self._overlaps[key] = (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
