@@ -52,8 +52,11 @@ def unstated_precision_rows(path) -> list[tuple]:
 # (model, devices, layout, batch, precision, stack and its flags); never fitted. (name, source, model, device,
 # devices, global batch, sequence, layout, precision, stack flags, published figure, its unit)
 EXPERT_LAYOUTS = [
+    # Meta's own framework: the paper does not say it overlaps TP communication with the GEMMs as Transformer
+    # Engine's userbuffers do (Megatron --tp-comm-overlap, which Megatron-Core's stack would choose): pinned off
     ("Llama 3 405B, 16,384 H100", "Dubey et al. 2024 (arXiv 2407.21783), Table 4: TP8 CP1 PP16 DP128, 16M-token "
-     "batches, 400 TFLOP/s per GPU", ("llama3-405b", {}), "h100-sxm", 16384, 2048, 8192, "tp=8,pp=16,dp=128,cp=1", "bf16",
+     "batches, 400 TFLOP/s per GPU; Meta's own framework, no TP communication overlap stated", ("llama3-405b", {}),
+     "h100-sxm", 16384, 2048, 8192, "tp=8,pp=16,dp=128,cp=1,tp_overlap=false", "bf16",
      {}, 400.0, "TFLOP/s per GPU"),
     ("DeepSeek-V3, 2,048 H800", "DeepSeek-AI 2024 (arXiv 2412.19437), 3.1-3.3: PP16 EP64 ZeRO-1, FP8, DeepEP "
      "dispatch (one copy per node, FP8), node-limited routing, one MTP module (4.2: depth D = 1), 180K GPU hours "

@@ -32,8 +32,6 @@ FAMILY_STACKS = {"narayanan21": "megatron-lm-2021", "mtnlg": "megatron-deepspeed
                  "nemo2407": "nemo", "dgxc": "nemo", "dgxc-250504": "nemo-2", "torchtitan": "torchtitan",
                  "pangu": "mindspeed", "megatron24": "megatron-core"}
 FAMILY_STACK_SETTINGS = {
-    # Megatron-LM's 2024 README table: the calibration has assumed TP overlap on; the README does not say
-    "megatron24": {"tp_comm_overlap": True},
     # Megatron-Bridge runs combined 1F1B only where a recipe sets overlap_moe_expert_parallel_comm (the rows
     # whose recipes set it say so below): the settings-given prediction takes it off, where the plain path's
     # search chooses it

@@ -10,6 +10,9 @@ from rich.table import Table
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_clusters, list_devices, load_cluster, load_device, read_yaml_mapping
 
+from cost_models.layout import Layout, Recompute
+from cost_models.layout_codec import FIELDS, layout_from, parse_values, text_of
+
 from .explain import PART_NAMES
 from .graph_capture.graph import ModelGraph
 from .graph_capture.model_sources import list_builtin_models
@@ -27,12 +30,28 @@ def within_band(result, step_time_s: float) -> bool:
 
 
 def _differences(layout_text: str, best) -> str:
-    """'tp=1,pp=1,dp=16,cp=2,...' -> the fields that differ from the plan's layout, e.g. 'dp=16, cp=2'."""
-    pairs = [item.split("=", 1) for item in layout_text.split(",")]
-    plan_values = {**{key: str(value) for key, value in best.model_dump().items()},
-                   "order": best.order}
-    changed = [f"{key}={value}" for key, value in pairs if plan_values.get(key, value) != value]
+    """'tp=1,pp=1,dp=16,cp=2,...' -> the fields that differ from the plan's layout, e.g. 'dp=16, cp=2'; a field
+    the layout text leaves at its default (`text_of`: order, schedule, the overlaps, the dispatcher) compared as
+    that default."""
+    theirs = _pairs(layout_text)
+    plan_values = {**{key: str(value) for key, value in best.model_dump().items()}, "order": best.order}
+    values = best.layout_values()
+    values["recompute"] = Recompute.none if values["recompute"] == "per-layer" else values["recompute"]
+    plan_text = _pairs(text_of(layout_from(parse_values(values, "layout"))))
+    changed = [f"{key}={value}" for key, value in theirs.items()
+               if plan_values.get(key, plan_text.get(key, _default_text(key))) != value]
+    changed += [f"{key}={_default_text(key)}" for key in plan_text if key not in theirs]
     return ", ".join(changed) or layout_text
+
+
+def _pairs(layout_text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in layout_text.split(","))
+
+
+def _default_text(key: str) -> str:
+    """A layout key's default as the layout text writes it."""
+    declared = FIELDS[key]
+    return declared.field.domain.text(getattr(Layout(), declared.reads))
 
 
 def _stage_summary(result: Plan) -> Table:

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from cost_models.layout import MEGATRON_ORDER
+from cost_models.layout_codec import FIELDS
 from hardware_profiles.loader import load_device
 from planner import api, cli
 from planner.plans import Plan
-from planner.views import _differences
+from planner.views import _default_text, _differences
 
 PLANNER = str(Path(sys.executable).parent / "planner")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -110,10 +111,12 @@ def test_next_best_names_what_differs_from_the_plan():
     for alternative in result.alternatives:
         shown = dict(item.split("=") for item in _differences(alternative.layout, best).split(", "))
         full = dict(item.split("=") for item in alternative.layout.split(","))
-        assert shown and all(full[key] == value for key, value in shown.items())
+        # a key the alternative's text leaves out is at its default there (`text_of`)
+        assert shown and all(full.get(key, _default_text(key)) == value for key, value in shown.items())
         same = {key: value for key, value in full.items() if key not in shown}
         assert same.pop("order", "-".join(best.mesh_order)) == "-".join(best.mesh_order)
-        assert all(str(getattr(best, key)) == value for key, value in same.items())
+        values = best.layout_values()   # by the keys the text uses, written as the text writes them
+        assert all(FIELDS[key].field.domain.text(values[key]) == value for key, value in same.items())
         given = api.evaluate("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256,
                              layout=alternative.layout)   # what the table shows is valid --layout input
         assert "-".join(given.layout.mesh_order) == full.get("order", "-".join(MEGATRON_ORDER))
@@ -235,17 +238,21 @@ def test_moe_a2a_overlap_hides_all_but_the_unpaired_passes(tmp_path, capsys, mon
 
 def test_tp_comm_overlap_leaves_one_chunk_exposed(tmp_path, capsys, monkeypatch):
     """With TP overlap the collectives run as tp ring steps beside the GEMMs: where the layer's compute
-    is longer than the communication, one step of tp is left exposed."""
+    is longer than the communication, one step of tp is left exposed. Megatron-Core's stack runs it (the search
+    takes it, `tp_overlap=false` pins it off); `--tp-comm-overlap` adds it to a stack without it (NeMo 2's)."""
     args = ("evaluate --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --json "
             "--layout tp=8,pp=8,dp=1,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=full")
-    plain = json.loads(run_here(args, capsys, monkeypatch))
-    overlapped = json.loads(run_here(args + " --tp-comm-overlap", capsys, monkeypatch))
+    plain = json.loads(run_here(args + ",tp_overlap=false", capsys, monkeypatch))
+    overlapped = json.loads(run_here(args, capsys, monkeypatch))
     assert plain["breakdown"]["tp_comm_s"] > 0 and overlapped["layout"]["tp_comm_overlap"] is True
     assert overlapped["breakdown"]["tp_comm_s"] == pytest.approx(
         exposed_chunked_ring(plain["breakdown"]["tp_comm_s"], plain["breakdown"]["compute_s"], steps=8), rel=1e-6)
+    nemo = json.loads(run_here(args + " --stack nemo-2", capsys, monkeypatch))
+    flagged = json.loads(run_here(args + " --stack nemo-2 --tp-comm-overlap", capsys, monkeypatch))
+    assert not nemo["layout"]["tp_comm_overlap"] and flagged["layout"]["tp_comm_overlap"]
     path = tmp_path / "plan.yaml"
     run_here(f"plan --model llama3-70b --device h100-sxm --num-devices 64 --global-batch 64 --fix tp=8,pp=8 "
-             f"--tp-comm-overlap --out {path}", capsys, monkeypatch)
+             f"--out {path}", capsys, monkeypatch)
     assert "--tp-comm-overlap" in run(f"export {path} --to megatron").stdout
 
 

@@ -65,7 +65,7 @@ def compositions(total, parts):
                 yield (first, *inner, last)
 
 
-def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
+def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices, stack=load_stack()):
     n = cluster.num_devices
     best = None
     for tp in (t for t in (1, 2, 4, 8) if n % t == 0 and heads % t == 0):
@@ -78,10 +78,12 @@ def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
                     continue
                 # with cp = 1 the mesh order matters only through where pp ranks sit
                 orders = [MEGATRON_ORDER] + ([("tp", "pp", "cp", "ep", "dp")] if pp > 1 else [])
-                for order in orders:
+                # TP communication overlap off and on where there are TP collectives and the stack runs it
+                overlaps = (False, True) if tp > 1 and stack.tp_comm_overlap else (False,)
+                for order, tp_overlap in itertools.product(orders, overlaps):
                     base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=1, global_batch=global_batch, zero=1,
-                                  mesh_order=order)
-                    costs = MeshCosts(model_costs, cluster, base, load_stack())  # per-layer costs, reused
+                                  mesh_order=order, tp_comm_overlap=tp_overlap)
+                    costs = MeshCosts(model_costs, cluster, base, stack)  # per-layer costs, reused
                     for parts in compositions(num_blocks, pp * vp):
                         for rec in itertools.product(choices, repeat=num_blocks):
                             full = replace(base, stage_layers=parts, layer_recompute=rec)
@@ -95,19 +97,24 @@ def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices):
     (dense_model(6), 8, 8, 16),
     (moe_model(6), 8, 8, 16),
 ])
-def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs):
+@pytest.mark.parametrize("tp_overlap", [False, True])
+def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs, tp_overlap):
+    """The search's plan is the best of every degree, order, split, per-layer recomputation and (where the stack
+    runs it) TP overlap switch, enumerated through `estimate`."""
+    stack = load_stack().model_copy(update={"tp_comm_overlap": tp_overlap})
     graph = capture(model)
     cluster = small_cluster(devices, hbm_gb)
     choices = (Recompute.none, Recompute.full)
-    truth = brute_force(graph.costs(), graph.num_blocks, cluster, gbs, graph.attention_heads, choices)
-    outcome = search(graph.costs(), cluster, gbs, Pins(cp=1, ep=1, etp=1, mbs=1, zero=1), graph=graph,
+    truth = brute_force(graph.costs(), graph.num_blocks, cluster, gbs, graph.attention_heads, choices, stack)
+    outcome = search(graph.costs(), cluster, gbs, Pins(cp=1, ep=1, etp=1, mbs=1, zero=1), stack=stack, graph=graph,
                      top_k=1, time_limit_s=120, recompute_choices=choices)
     assert truth is not None and outcome.ranked
     found = outcome.ranked[0].estimate
     assert outcome.unexplored == 0
     assert found.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
-    # memory pressure made recomputation part of the answer
-    assert found.fits and Recompute.full in found.layer_recompute
+    # memory pressure made recomputation part of the answer (without TP overlap; with it, tp8 fits without)
+    assert found.fits and (tp_overlap or Recompute.full in found.layer_recompute)
+    assert found.layout.tp_comm_overlap == (tp_overlap and found.layout.tp > 1)
 
 
 def _placed(bnb, root):
@@ -444,21 +451,24 @@ def test_pinned_search_equals_the_best_split_by_enumeration(zero, pp, vp, dp, ep
     reserve = roomy.device.memory_reserve
     hbm = (need[0] + need[1]) / 2 / (1 - reserve.fragmentation_fraction) + reserve.runtime_context_bytes
     cluster = small_cluster(32, hbm / GB)
-    costs = MeshCosts(graph.costs(), cluster, base, load_stack())
     best = None
-    for parts in compositions(graph.num_blocks, pp * vp):
-        for rec in itertools.product(choices, repeat=graph.num_blocks):
-            result = estimate(graph.costs(), cluster, replace(base, stage_layers=parts, layer_recompute=rec),
-                              mesh_costs=costs)
-            if result.fits and (best is None or result.step_time_s < best.step_time_s):
-                best = result
+    for tp_overlap in (False, True) if tp > 1 else (False,):   # Megatron-Core's stack runs TP overlap
+        overlapped = replace(base, tp_comm_overlap=tp_overlap)
+        costs = MeshCosts(graph.costs(), cluster, overlapped, load_stack())
+        for parts in compositions(graph.num_blocks, pp * vp):
+            for rec in itertools.product(choices, repeat=graph.num_blocks):
+                result = estimate(graph.costs(), cluster, replace(overlapped, stage_layers=parts,
+                                                                  layer_recompute=rec), mesh_costs=costs)
+                if result.fits and (best is None or result.step_time_s < best.step_time_s):
+                    best = result
     pins = Pins(dp=dp, tp=tp, pp=pp, vp=vp, cp=1, ep=ep, etp=1, mbs=1, zero=zero, dispatcher=MoeDispatcher.alltoall)
     outcome = search(graph.costs(), cluster, 16, pins, graph=graph, top_k=1, recompute_choices=choices)
     assert best is not None and outcome.unexplored == 0
     found = outcome.ranked[0].estimate
     assert found.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
     own = estimate(graph.costs(), cluster, replace(base, stage_layers=found.stage_layers,
-                                                   layer_recompute=found.layer_recompute))
+                                                   layer_recompute=found.layer_recompute,
+                                                   tp_comm_overlap=found.layout.tp_comm_overlap))
     assert own.step_time_s == found.step_time_s
 
 
@@ -561,10 +571,12 @@ def test_the_search_weighs_combined_1f1b_against_its_memory():
     H100 with tp2 (one micro-batch per forward) is faster with it but holds two micro-batches' activations
     then, which do not fit: the plan goes without; with tp4 both fit and the plan takes it. Each pair is
     checked against `evaluate` of the two pinned layouts, and against `evaluate` of the whole layout leaving it
-    out, which weighs the two as the search does. Megatron-Core runs it (off by default): its stack can."""
+    out, which weighs the two as the search does. Megatron-Core runs it (off by default): its stack can. (TP
+    overlap pinned off: on H100 it runs only without combined 1F1B, which the TP overlap test weighs.)"""
     common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core", time_limit_s=60)
     for tp, chosen in ((2, False), (4, True)):
-        pins = dict(tp=tp, pp=1, cp=1, ep=8, etp=1, mbs=1, zero=3, recompute="none", dispatcher="alltoall")
+        pins = dict(tp=tp, pp=1, cp=1, ep=8, etp=1, mbs=1, zero=3, recompute="none", dispatcher="alltoall",
+                    tp_overlap=False)
         text = ",".join(f"{k}={v}" for k, v in {**pins, "dp": 16 // tp, "vp": 1}.items())
         on, off = (evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap={flag}", **common) for flag in ("true", "false"))
         assert on.step_time_s < off.step_time_s and off.fits and on.fits is chosen

@@ -106,10 +106,13 @@ def zero_choices(pins: Pins) -> tuple[int, ...]:
 
 def make_layout(shape: MeshShape, global_batch: int, pins: Pins, precision: str, *, vp: int = 1, micro_batch: int = 1,
                 etp: int = 1, ep: int = 1, order: tuple[str, ...] = MEGATRON_ORDER, zero: int = 0,
-                moe_a2a_overlap: bool = False, dualpipev: bool = False, moe_dispatcher: str | None = None) -> Layout:
+                moe_a2a_overlap: bool = False, dualpipev: bool = False, moe_dispatcher: str | None = None,
+                tp_comm_overlap: bool = False) -> Layout:
     chosen = {key: getattr(pins, key) for key in ("sp", "grad_reduce", "fp8_recipe", "recompute", "recompute_modules",
                                                   "recompute_layers") if getattr(pins, key) is not None}
     chosen["a2a_overlap"] = moe_a2a_overlap
+    if tp_comm_overlap:
+        chosen["tp_overlap"] = True
     if moe_dispatcher is not None:
         chosen["dispatcher"] = moe_dispatcher
     if dualpipev:
@@ -123,7 +126,7 @@ def with_tp_overlap(layout: Layout, stack, device, pinned: bool | None) -> Layou
     """The layout with TP communication overlap as pinned, where it applies; else as the search chooses it
     (`SoftwareStack.tp_overlap_choice`: on wherever combined 1F1B does not rule it out)."""
     on = stack.tp_overlap_applies(layout) if pinned else pinned is None and stack.tp_overlap_choice(layout, device)
-    return replace(layout, tp_comm_overlap=True) if on else layout
+    return layout if on == layout.tp_comm_overlap else replace(layout, tp_comm_overlap=on)
 
 
 def candidate_layouts(graph: ModelGraph, num_devices: int, global_batch: int, pins: Pins,

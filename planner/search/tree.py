@@ -115,11 +115,14 @@ class TreeNode:
 
     def layout(self, problem: "TreeProblem") -> Layout:
         etp, ep, order = self.placement or (1, 1, MEGATRON_ORDER)
+        # TP overlap as the stack would run it where tp > 1, then as its rule chooses (`with_tp_overlap`)
+        pinned = problem.pins.tp_overlap
+        likely = (problem.stack.tp_comm_overlap if pinned is None else pinned) and self.shape.tp > 1
         made = make_layout(self.shape, problem.global_batch, problem.pins, problem.precision, vp=self.vp,
                            micro_batch=self.micro_batch, etp=etp, ep=ep, order=order, zero=self.zero or 0,
                            moe_a2a_overlap=self.moe_a2a_overlap, dualpipev=self.dualpipev,
-                           moe_dispatcher=self.moe_dispatcher)
-        return with_tp_overlap(made, problem.stack, problem.cluster.device, problem.pins.tp_overlap)
+                           moe_dispatcher=self.moe_dispatcher, tp_comm_overlap=likely)
+        return with_tp_overlap(made, problem.stack, problem.cluster.device, pinned)
 
     def tie_key(self) -> tuple:
         etp, ep, order = self.placement or (0, 0, ())
