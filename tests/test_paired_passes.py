@@ -133,3 +133,16 @@ def test_delayed_weight_gradients_run_beside_the_dispatch_gradient():
     compute = forward.compute_s + backward.compute_s
     assert combined_1f1b_exposed_s(forward, backward, 1, 0.0, True) == pytest.approx(7.0 - compute)
     assert combined_1f1b_exposed_s(forward, backward, 1, 0.0, False) == pytest.approx(8.0 - compute)
+
+
+def test_a_published_ab_of_combined_1f1b_is_predicted_both_ways():
+    """Megatron-Bridge PR #5094's controlled A/B (Qwen3 30B-A3B on 16 H100, TP1 PP1 EP16, HybridEP, only
+    overlap_moe_expert_parallel_comm switched: 24.714 s -> 20.992 s), never fitted, through `planner.evaluate`:
+    each arm within 25% of its measured step, combined 1F1B faster, and the seconds the model says it saves within
+    a factor 1.5 of those it saved (benchmarks/setting_ab.py reports 1.20x: the model over-credits it)."""
+    from benchmarks.setting_ab import AB, predict
+    result = predict(AB[0])
+    assert result.off.fits and result.on.fits and result.on.layout.moe_a2a_overlap
+    assert result.off.step_time_s == pytest.approx(AB[0].measured_off_s, rel=0.25)
+    assert result.on.step_time_s == pytest.approx(AB[0].measured_on_s, rel=0.25)
+    assert 1 / 1.5 <= result.saved_predicted_s / result.saved_measured_s <= 1.5
