@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import time
 from dataclasses import replace
 
-from cost_models.layout import Layout, MoeDispatcher, Recompute
+from cost_models.layout import Fp8Recipe, Layout, MoeDispatcher, Recompute
 from cost_models.layout_codec import FIELDS, FULL_KEYS, layout_from, parse_text, parse_values, text_of
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
@@ -17,7 +17,8 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
-from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, host_note, reasons,
+from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, fp8_recipe_reason,
+                      host_note, reasons,
                       state_notes, tp_overlap_reason)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
@@ -79,6 +80,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         alternatives=alternatives(best, ranked[1:]),
         reasons=reasons(best, cluster, ranked[1:], pairs, twin)
         + dispatcher_reason(best, _other_dispatchers(graph, cluster, best, stack, ep_imbalance))
+        + fp8_recipe_reason(best, _other_fp8_recipes(graph, cluster, best, stack, ep_imbalance),
+                            stack.fp8_recipes[0] if stack.fp8_recipes else None)
         + dispatch_sm_notes(best, stack, cluster) + tp_overlap_reason(best, stack, cluster,
                                                                       _tp_overlap_twin(graph, cluster, best, stack,
                                                                                        ep_imbalance), twin)
@@ -104,6 +107,26 @@ def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stac
                                                           and d in A2A_OVERLAP_DISPATCHERS),
                      stack, ep_imbalance)
             for d in stack.dispatchers_on(cluster.device) if d != lay.moe_dispatcher]
+
+
+def _other_fp8_recipes(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
+                       ep_imbalance: float) -> list[Estimate]:
+    """The FP8 plan under each other recipe the stack runs for it on the device (the rulebook's: MXFP8 on
+    Blackwell, no delayed scaling beside recomputed casts), with the same split and recomputation."""
+    lay = best.layout
+    if lay.precision != "fp8":
+        return []
+    full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute)
+    out = []
+    for recipe in (r for r in stack.fp8_recipes if r != lay.fp8_recipe):
+        other = replace(full, fp8_recipe=Fp8Recipe(recipe))
+        try:
+            check_device_for(cluster, stack, "fp8", recipe)
+        except UserInputError:
+            continue
+        if not layout_stack_problems(other, stack, graph):
+            out.append(estimate(graph.costs_record, cluster, other, stack, ep_imbalance))
+    return out
 
 
 def _tp_overlap_twin(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,

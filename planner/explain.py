@@ -72,6 +72,22 @@ def dispatcher_reason(best: Estimate, others: list[Estimate]) -> list[str]:
             f"same split and recomputation {'; '.join(words)}"]
 
 
+def fp8_recipe_reason(best: Estimate, others: list[Estimate], stack_default: str | None) -> list[str]:
+    """The plan's FP8 recipe and what each other one the stack runs on the device would cost with the same split
+    and recomputation. The recipe sets the scaling numerics (per tensor, delayed or current, per block), so the
+    search keeps the stack's default or the user's pin rather than choosing it by modelled speed."""
+    lay = best.layout
+    if lay.precision != "fp8":
+        return []
+    why = "the stack's default" if lay.fp8_recipe == stack_default else "as given"
+    words = [f"{other.layout.fp8_recipe} " + (_loses(best, other) if other.step_time_s >= best.step_time_s
+                                              else f"{(1 - other.step_time_s / best.step_time_s) * 100:.1f}% faster")
+             + ("" if other.fits else " (does not fit)") for other in others]
+    return [f"FP8 recipe {lay.fp8_recipe} ({why}): the recipe sets the scaling numerics, so it is kept rather than "
+            "chosen by modelled speed (pin fp8_recipe= to change it)"
+            + (f"; with the same split and recomputation {'; '.join(words)}" if words else "")]
+
+
 def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: bool = False,
             twin: Estimate | None = None) -> list[str]:
     """`pairs`: the stack could pair this layout's MoE passes (combined 1F1B); `twin`: the plan with that

@@ -565,3 +565,24 @@ def test_tp_overlap_is_a_plan_field_chosen_where_it_runs_pinned_and_refused_by_o
     path.write_text(json.dumps(hopper))
     refused = run(f"export {path} --to megatron")
     assert refused.returncode == 2 and "CUDA_DEVICE_MAX_CONNECTIONS" in refused.stderr
+
+
+def test_the_fp8_recipe_is_kept_and_each_other_one_the_device_runs_is_costed_beside_it():
+    """The FP8 recipe sets the scaling numerics: a plan keeps the stack's default (or the pin) and says what each
+    other recipe the stack runs on the device would cost, the same figure as `evaluate` of the layout with that
+    recipe pinned; MXFP8 only where the device has its block-scaled tensor cores."""
+    layout = "tp=4,pp=2,dp=8,cp=1,ep=1,etp=1,vp=1,mbs=1,zero=1,recompute=selective"
+    common = dict(num_devices=64, global_batch=128, seq_len=4096, precision="fp8", stack="megatron-bridge")
+    for device, recipes in (("b200", {"delayed", "mxfp8", "blockwise"}), ("h100-sxm", {"delayed", "blockwise"})):
+        result = api.evaluate("llama3-70b", layout=layout, device=device, **common)
+        assert result.layout.fp8_recipe == load_stack("megatron-bridge").fp8_recipes[0]
+        line = next(r for r in result.reasons if r.startswith("FP8 recipe"))
+        named = {r for r in ("delayed", "tensorwise", "mxfp8", "blockwise") if f"; {r} " in line or f"recomputation {r} " in line}
+        assert named == recipes
+        for recipe in recipes:
+            pinned = api.evaluate("llama3-70b", layout=f"{layout},fp8_recipe={recipe}", device=device, **common)
+            change = pinned.step_time_s / result.step_time_s - 1
+            assert (f"{recipe} {change * 100:.1f}% slower" in line if change >= 0
+                    else f"{recipe} {-change * 100:.1f}% faster" in line)
+    bf16 = api.evaluate("llama3-70b", layout=layout, device="b200", **{**common, "precision": "bf16"})
+    assert not any(r.startswith("FP8 recipe") for r in bf16.reasons)
