@@ -302,6 +302,10 @@ DISPATCHER_EDITS = [
     ({"moe_dispatcher": ["deepep"]}, False),
     ({"flex_dispatcher_backend": "nvshmem"}, False),
     ({"moe_dispatcher": 3}, False),
+    # TP overlap where there are no TP collectives, as text, and beside combined 1F1B where H100 runs one of them
+    ({"tp_comm_overlap": True}, False),
+    ({"tp_comm_overlap": "true"}, False),
+    ({"tp": 2, "dp": 8, "sp": True, "tp_comm_overlap": True, "moe_a2a_overlap": True}, False),
 ]
 
 

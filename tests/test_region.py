@@ -14,11 +14,15 @@ def test_shapes_are_the_layouts_per_rank_sizes():
 
 
 def test_llama3_405b_on_16384_h100_says_it_extrapolates_in_cp_and_tp():
-    """The search's plan (cp32: 256 tokens of each sequence per rank; tp1: 16,384-wide GEMMs per rank) lies
-    outside every dense run measured; Meta's TP8 layout (2,048 per rank, cp1) does not. The plan shows the
-    best plan inside the region beside it."""
-    plan = planner.plan("llama3-405b", device="h100-sxm", num_devices=16384, global_batch=2048, seq_len=8192,
-                        time_limit_s=120)
+    """Without TP overlap the search's plan (cp32: 256 tokens of each sequence per rank; tp1: 16,384-wide GEMMs per
+    rank) lies outside every dense run measured; Meta's TP8 layout (2,048 per rank, cp1) does not. The plan shows
+    the best plan inside the region beside it. With TP overlap, which Megatron-Core runs and the search chooses,
+    the plan is TP8 and inside: it says nothing of the region."""
+    common = dict(device="h100-sxm", num_devices=16384, global_batch=2048, seq_len=8192, time_limit_s=120)
+    chosen = planner.plan("llama3-405b", **common)
+    assert chosen.layout.tp_comm_overlap and not chosen.outside_measured and chosen.inside_measured is None
+    plan = planner.plan("llama3-405b", **common, tp_overlap=False)
+    assert plan.outside_measured
     said = " ".join(plan.outside_measured)
     if plan.layout.cp > 4:
         assert f"{8192 // plan.layout.cp:,} tokens per context-parallel rank" in said
