@@ -131,6 +131,9 @@ class MeshCosts(ExpertCommunication):
         self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
         self.state_sharding = StateSharding.of(layout, stack)
+        # whether the TP collectives run as chunked rings beside the GEMMs (`SoftwareStack.tp_overlap_in`); read by
+        # every layer's work key, so set here rather than behind a cached property's lock
+        self.tp_overlap = stack.tp_overlap_in(layout, cluster.device)
         self._cache: dict[str, LayerCost] = {}
         self._work_ids: dict[bool, int] = {}
         self._shared = shared if shared is not None else SharedCosts()
@@ -146,10 +149,6 @@ class MeshCosts(ExpertCommunication):
         dense = replace(self.spec, ep=1, etp=1, sort_copies=0, expert_load=1.0)
         return self.spec if dense == self.spec else dense
 
-    @cached_property
-    def tp_overlap(self) -> bool:
-        """Whether the TP collectives run as chunked rings beside the GEMMs (`SoftwareStack.tp_overlap_in`)."""
-        return self.stack.tp_overlap_in(self.layout, self.cluster.device)
 
     def spec_of(self, kind: LayerKind) -> ShardSpec:
         """The spec a layer kind's compute reads: the whole one with experts, else `_dense_spec`, so the layouts

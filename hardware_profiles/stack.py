@@ -333,8 +333,8 @@ class SoftwareStack(Strict):
         """Whether the search runs TP overlap for this layout where the user leaves it open: wherever it applies
         and combined 1F1B does not rule it out (it only shortens the exposed TP collectives in the cost model,
         so on is never slower)."""
-        return self.tp_overlap_applies(layout) and not (self.hides_moe_a2a(layout)
-                                                        and self.tp_overlap_blocked_by_a2a(layout.tp, device))
+        return self.tp_overlap_applies(layout) and not (self.tp_overlap_blocked_by_a2a(layout.tp, device)
+                                                        and self.hides_moe_a2a(layout))
 
     @staticmethod
     def tp_overlap_blocked_by_a2a(tp: int, device) -> bool:
