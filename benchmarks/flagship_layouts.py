@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import planner  # noqa: E402
+from benchmarks.stated_job import StatedJob  # noqa: E402
 
 PARTS = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pipeline_bubble_s", "pp_comm_s",
          "dp_comm_s", "zero_comm_s", "optimizer_s", "host_s")
@@ -24,12 +25,7 @@ PARTS = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pip
 @dataclass(frozen=True)
 class Flagship:
     name: str
-    model: str
-    device: str
-    num_devices: int
-    global_batch: int
-    seq_len: int
-    precision: str
+    job: StatedJob
     published: str          # the builders' degrees, as layout text
     published_source: str
     measured_step_s: float  # derived from the source's figure, as `measured_how` says
@@ -41,7 +37,7 @@ class Flagship:
 
 
 JOBS = (
-    Flagship("Llama 3.1 405B, 16,384 H100, 2,048 x 8K", "llama3-405b", "h100-sxm", 16384, 2048, 8192, "bf16",
+    Flagship("Llama 3.1 405B, 16,384 H100, 2,048 x 8K", StatedJob("llama3-405b", "h100-sxm", 16384, 2048, 8192, "bf16"),
              "tp=8,cp=1,pp=16,dp=128",
              "Llama 3 paper (arXiv 2407.21783) Table 4: TP 8, CP 1, PP 16, DP 128, 16 sequences of 8,192 per DP "
              "rank, 400 TFLOPs/GPU (BF16)",
@@ -50,7 +46,7 @@ JOBS = (
              "Meta's own framework (not public), which the paper does not say overlaps TP communication with the "
              "GEMMs (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap); predicted with Megatron-Core's "
              "stack, TP overlap off", not_run="tp_overlap=false"),
-    Flagship("DeepSeek-V3, 2,048 H800, 15,360 x 4K, FP8", "deepseek-v3", "h800", 2048, 15360, 4096, "fp8",
+    Flagship("DeepSeek-V3, 2,048 H800, 15,360 x 4K, FP8", StatedJob("deepseek-v3", "h800", 2048, 15360, 4096, "fp8"),
              "tp=1,cp=1,pp=16,dp=128,ep=64,zero=1",
              "DeepSeek-V3 report (arXiv 2412.19437) sections 3.2 and 3.3: PP 16, EP 64 over 8 nodes, ZeRO-1 data "
              "parallelism, no TP, FP8 mixed precision, batch 15,360 x 4,096 after its ramp",
@@ -85,11 +81,10 @@ def band(result) -> str:
 
 
 def report(job: Flagship) -> list[str]:
-    common = dict(device=job.device, num_devices=job.num_devices, global_batch=job.global_batch,
-                  seq_len=job.seq_len, precision=job.precision, time_limit_s=120)
-    plan = planner.plan(job.model, **common)
-    published = planner.evaluate(job.model, layout=",".join(filter(None, (job.published, job.not_run))), **common)
-    chosen = planner.evaluate(job.model, layout=job.published, **common) if job.not_run else None
+    common, model = dict(**job.job.api_args(), time_limit_s=120), job.job.model
+    plan = planner.plan(model, **common)
+    published = planner.evaluate(model, layout=",".join(filter(None, (job.published, job.not_run))), **common)
+    chosen = planner.evaluate(model, layout=job.published, **common) if job.not_run else None
     inside = plan.inside_measured
     lines = [f"## {job.name}", "",
              f"Published: {job.published_source}. Measured: {job.measured_step_s:.2f} s a step ({job.measured_how}). "

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import planner  # noqa: E402
+from benchmarks.stated_job import StatedJob  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "setting-ab.md"
 
@@ -26,12 +27,7 @@ class SettingAB:
     measured step of each arm."""
     name: str
     source: str
-    model: str
-    device: str
-    num_devices: int
-    global_batch: int
-    seq_len: int
-    precision: str
+    job: StatedJob
     stack: str
     layout: str
     switched: str          # the layout key switched from arm A's value to arm B's
@@ -49,7 +45,7 @@ AB = (
               "SKILL.md 'HybridEP Production-Shape Benchmark' @067f987d: BF16, sequence 4,096, TP1 PP1 CP1 EP16, "
               "MBS 1, GBS 1,024, forced load balance, flex dispatcher with HybridEP, delayed wgrad off; only "
               "overlap_moe_expert_parallel_comm switched; steady windows of 16 and 10 iterations",
-              "qwen3-30b-a3b", "h100-sxm", 16, 1024, 4096, "bf16", "megatron-bridge",
+              StatedJob("qwen3-30b-a3b", "h100-sxm", 16, 1024, 4096, "bf16"), "megatron-bridge",
               "tp=1,pp=1,dp=16,cp=1,ep=16,etp=1,vp=1,mbs=1,zero=1,recompute=none,dispatcher=deepep",
               "a2a_overlap", 24.7138, 20.9920,
               "HybridEP's kernels on H100 (billed as the device profile's DeepEP: one copy per destination node, "
@@ -62,7 +58,7 @@ AB = (
               "('Qwen3 30B A3B on H100'): a 2026-05-17 smoke run with the alltoall dispatcher, 45.65 s mean step "
               "after warm-up over five steps, beside the HybridEP arm of the A/B above without the overlap, "
               "24.714 s; both BF16, 16 GPUs, EP16, the recipe's CUDA graph scopes",
-              "qwen3-30b-a3b", "h100-sxm", 16, 1024, 4096, "bf16", "megatron-bridge",
+              StatedJob("qwen3-30b-a3b", "h100-sxm", 16, 1024, 4096, "bf16"), "megatron-bridge",
               "tp=1,pp=1,dp=16,cp=1,ep=16,etp=1,vp=1,mbs=1,zero=1,recompute=none,a2a_overlap=false",
               "dispatcher", 45.65, 24.7138,
               "the alltoall arm ran with moe_permute_fusion off (a Triton JIT failure in its container), five steps "
@@ -89,9 +85,8 @@ class ABResult:
 
 def predict(ab: SettingAB) -> ABResult:
     """Both arms through `planner.evaluate`: the published layout with the switched key pinned off and on."""
-    common = dict(device=ab.device, num_devices=ab.num_devices, global_batch=ab.global_batch, seq_len=ab.seq_len,
-                  precision=ab.precision, stack=ab.stack)
-    off, on = (planner.evaluate(ab.model, layout=f"{ab.layout},{ab.switched}={value}", **common)
+    off, on = (planner.evaluate(ab.job.model, layout=f"{ab.layout},{ab.switched}={value}", stack=ab.stack,
+                                **ab.job.api_args())
                for value in ab.arms)
     return ABResult(ab, off, on)
 
@@ -101,12 +96,14 @@ def lines_of(result: ABResult) -> list[str]:
     rows = [(ab.arms[0], result.off, ab.measured_off_s), (ab.arms[1], result.on, ab.measured_on_s)]
     out = [f"## {ab.name}", "", f"Source: {ab.source}. Predicted with the {ab.stack} stack, layout `{ab.layout}`; "
            f"not modelled as the run held it: {ab.held}." + (f" Observed: {ab.observed}." if ab.observed else ""), "",
-           f"| {ab.switched} | measured s | predicted s | error | exposed all-to-all s | fits |", "|---|---|---|---|---|---|"]
+           f"| {ab.switched} | measured s | predicted s | error | exposed all-to-all s | fits |",
+           "|---|---|---|---|---|---|"]
     out += [f"| {arm} | {measured:.3f} | {plan.step_time_s:.3f} | {plan.step_time_s / measured - 1:+.1%} | "
             f"{plan.breakdown['ep_comm_s']:.3f} | {plan.fits} |" for arm, plan, measured in rows]
-    out += ["", ("" if ab.controlled else "Not a controlled A/B: the arms differ as said above, so the measured "
-                 "difference is not the setting's alone. ") + f"Switching it from {ab.arms[0]} to {ab.arms[1]} saved {result.saved_measured_s:.3f} s measured "
-            f"({result.saved_measured_s / ab.measured_off_s:.1%} of the step) and {result.saved_predicted_s:.3f} s "
+    caveat = "" if ab.controlled else ("Not a controlled A/B: the arms differ as said above, so the measured "
+                                       "difference is not the setting's alone. ")
+    out += ["", caveat + f"Switching it from {ab.arms[0]} to {ab.arms[1]} saved {result.saved_measured_s:.3f} s "
+            f"measured ({result.saved_measured_s / ab.measured_off_s:.1%} of the step) and {result.saved_predicted_s:.3f} s "
             f"predicted ({result.saved_predicted_s / result.off.step_time_s:.1%}): the model credits the setting "
             f"with {result.saved_predicted_s / result.saved_measured_s:.2f}x what it saved.", ""]
     return out
