@@ -102,10 +102,11 @@ def lines_of(result: ABResult) -> list[str]:
             f"{plan.breakdown['ep_comm_s']:.3f} | {plan.fits} |" for arm, plan, measured in rows]
     caveat = "" if ab.controlled else ("Not a controlled A/B: the arms differ as said above, so the measured "
                                        "difference is not the setting's alone. ")
-    out += ["", caveat + f"Switching it from {ab.arms[0]} to {ab.arms[1]} saved {result.saved_measured_s:.3f} s "
-            f"measured ({result.saved_measured_s / ab.measured_off_s:.1%} of the step) and "
-            f"{result.saved_predicted_s:.3f} s predicted ({result.saved_predicted_s / result.off.step_time_s:.1%}): the model credits the setting "
-            f"with {result.saved_predicted_s / result.saved_measured_s:.2f}x what it saved.", ""]
+    measured, predicted = result.saved_measured_s, result.saved_predicted_s
+    out += ["", caveat + f"Switching it from {ab.arms[0]} to {ab.arms[1]} saved {measured:.3f} s measured "
+            f"({measured / ab.measured_off_s:.1%} of the step) and {predicted:.3f} s predicted "
+            f"({predicted / result.off.step_time_s:.1%}): the model credits the setting with "
+            f"{predicted / measured:.2f}x what it saved.", ""]
     return out
 
 
