@@ -18,8 +18,7 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
 from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, fp8_recipe_reason,
-                      host_note, reasons,
-                      state_notes, tp_overlap_reason)
+                      host_note, reasons, state_notes, tp_overlap_reason)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
@@ -134,7 +133,7 @@ def _tp_overlap_twin(graph: ModelGraph, cluster: Cluster, best: Estimate, stack:
     """The plan with TP communication overlap flipped, with the same split and recomputation, where the stack runs
     it for the layout and combined 1F1B does not rule it out."""
     lay = best.layout
-    if not stack.tp_overlap_choice(replace(lay, tp_comm_overlap=True), cluster.device):
+    if not stack.tp_overlap_choice(lay, cluster.device):
         return None
     full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute,
                    tp_comm_overlap=not lay.tp_comm_overlap)

@@ -133,7 +133,7 @@ def tp_overlap_reason(best: Estimate, stack: SoftwareStack, cluster: Cluster, tw
     lay = best.layout
     if not stack.tp_overlap_applies(lay):
         return []
-    if not lay.tp_comm_overlap and stack.hides_moe_a2a(lay) and stack.tp_overlap_blocked_by_a2a(lay.tp, cluster.device):
+    if not stack.tp_overlap_choice(lay, cluster.device):   # it applies: combined 1F1B rules it out here
         without = f"; with it and without combined 1F1B the plan {_loses(best, a2a_twin)}" \
             if a2a_twin is not None and a2a_twin.layout.tp_comm_overlap else ""
         return [f"TP communication overlap is off beside combined 1F1B on {cluster.device.name}: it wants one CUDA "
