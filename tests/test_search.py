@@ -588,3 +588,22 @@ def test_the_search_weighs_combined_1f1b_against_its_memory():
         why = next(line for line in result.reasons if "combined 1F1B" in line)
         hidden = off.breakdown["ep_comm_s"] - on.breakdown["ep_comm_s"]
         assert f"{hidden:.3f} s of expert all-to-all" in why and ("do not fit" in why) is not chosen
+
+
+def test_on_h100_the_search_weighs_combined_1f1b_against_tp_overlap():
+    """On Hopper a tp > 1 layout runs TP overlap or combined 1F1B, not both (one CUDA connection against several):
+    `plan` and `evaluate` of a layout that leaves both open give the faster of the two pinned pairings (Mixtral on 16
+    H100 at tp4, where the two are within 1%), and pinning both on is refused."""
+    common = dict(device="h100-sxm", num_devices=16, global_batch=64, stack="megatron-core", time_limit_s=60)
+    pins = dict(tp=4, pp=1, cp=1, ep=8, etp=1, mbs=1, zero=3, recompute="none", dispatcher="alltoall")
+    text = ",".join(f"{k}={v}" for k, v in {**pins, "dp": 4, "vp": 1}.items())
+    paired = evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap=true,tp_overlap=false", **common)
+    overlapped = evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap=false,tp_overlap=true", **common)
+    assert paired.layout.moe_a2a_overlap and overlapped.layout.tp_comm_overlap and paired.fits and overlapped.fits
+    faster = min(paired, overlapped, key=lambda p: p.step_time_s)
+    for chosen in (evaluate("mixtral-8x7b", layout=text, **common), plan("mixtral-8x7b", **common, **pins)):
+        assert (chosen.layout.moe_a2a_overlap, chosen.layout.tp_comm_overlap) == (
+            faster.layout.moe_a2a_overlap, faster.layout.tp_comm_overlap)
+        assert chosen.step_time_s == pytest.approx(faster.step_time_s, rel=1e-9)
+    with pytest.raises(UserInputError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap=true,tp_overlap=true", **common)
