@@ -73,8 +73,9 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
     head.add_row("stack", f"{result.stack} (planner stacks show {result.stack})")
     if result.placement:
         head.add_row("placement", result.placement)
-    head.add_row("layout", f"dp={lay.dp} tp={lay.tp}{' (+SP)' if lay.sp else ''} pp={lay.pp} vp={lay.vp} cp={lay.cp} "
-                 f"ep={lay.ep} etp={lay.etp}")
+    with_tp = [name for name, on in (("SP", lay.sp), ("TP overlap", lay.tp_comm_overlap)) if on]
+    head.add_row("layout", f"dp={lay.dp} tp={lay.tp}{' (+' + ', '.join(with_tp) + ')' if with_tp else ''} pp={lay.pp} "
+                 f"vp={lay.vp} cp={lay.cp} ep={lay.ep} etp={lay.etp}")
     head.add_row("batch", f"global {lay.gbs}, micro {lay.mbs}, {lay.gbs // (lay.dp * lay.mbs)} micro-batches, "
                  f"seq {result.seq_len}")
     head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}"
