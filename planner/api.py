@@ -250,6 +250,10 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
                               expected="a time limit longer than the capture")
     caches: dict[Cluster, SearchCaches] = {}   # per placement: its searches share layer costs and leaf answers
     result, placed = _best_placement(job, cluster, pins, top_k, progress, pins_field, deadline, caches)
+    if pins.tp_overlap and pins.a2a_overlap and SoftwareStack.tp_overlap_blocked_by_a2a(2, cluster.device):
+        result = result.model_copy(update={"reasons": result.reasons + [
+            f"tp_overlap=true and a2a_overlap=true are both pinned: on {cluster.device.name} a layout runs only one of "
+            "them at tp > 1 (one CUDA connection against several), so the search kept to tp = 1"]})
     return _beside_inside(job, result, placed, pins, pins_field, deadline, caches)
 
 

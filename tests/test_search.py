@@ -607,3 +607,6 @@ def test_on_h100_the_search_weighs_combined_1f1b_against_tp_overlap():
         assert chosen.step_time_s == pytest.approx(faster.step_time_s, rel=1e-9)
     with pytest.raises(UserInputError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         evaluate("mixtral-8x7b", layout=f"{text},a2a_overlap=true,tp_overlap=true", **common)
+    # both pinned with tp left open: only tp = 1 layouts run both, and the plan says so
+    both = plan("mixtral-8x7b", **common, pp=1, ep=8, a2a_overlap=True, tp_overlap=True)
+    assert both.layout.tp == 1 and any("both pinned" in r and "tp = 1" in r for r in both.reasons)
