@@ -100,12 +100,17 @@ def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stac
     lay = best.layout
     if lay.ep == 1:
         return []
-    full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute)
-    return [estimate(graph.costs_record, cluster, replace(full, moe_dispatcher=MoeDispatcher(d),
-                                                          moe_a2a_overlap=lay.moe_a2a_overlap
-                                                          and d in A2A_OVERLAP_DISPATCHERS),
+    return [estimate(graph.costs_record, cluster, _same_split(best, moe_dispatcher=MoeDispatcher(d),
+                                                              moe_a2a_overlap=lay.moe_a2a_overlap
+                                                              and d in A2A_OVERLAP_DISPATCHERS),
                      stack, ep_imbalance)
             for d in stack.dispatchers_on(cluster.device) if d != lay.moe_dispatcher]
+
+
+def _same_split(best: Estimate, **changes) -> Layout:
+    """The plan's layout with its stage split and per-layer recomputation, and `changes`: an alternative the
+    reasons weigh against it."""
+    return replace(best.layout, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute, **changes)
 
 
 def _other_fp8_recipes(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
@@ -115,10 +120,9 @@ def _other_fp8_recipes(graph: ModelGraph, cluster: Cluster, best: Estimate, stac
     lay = best.layout
     if lay.precision != "fp8":
         return []
-    full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute)
     out = []
     for recipe in (r for r in stack.fp8_recipes if r != lay.fp8_recipe):
-        other = replace(full, fp8_recipe=Fp8Recipe(recipe))
+        other = _same_split(best, fp8_recipe=Fp8Recipe(recipe))
         try:
             check_device_for(cluster, stack, "fp8", recipe)
         except UserInputError:
@@ -135,9 +139,8 @@ def _tp_overlap_twin(graph: ModelGraph, cluster: Cluster, best: Estimate, stack:
     lay = best.layout
     if not stack.tp_overlap_choice(lay, cluster.device):
         return None
-    full = replace(lay, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute,
-                   tp_comm_overlap=not lay.tp_comm_overlap)
-    return estimate(graph.costs_record, cluster, full, stack, ep_imbalance)
+    return estimate(graph.costs_record, cluster, _same_split(best, tp_comm_overlap=not lay.tp_comm_overlap), stack,
+                    ep_imbalance)
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:

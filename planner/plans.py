@@ -69,6 +69,14 @@ class _LayoutRecordRules(_Frozen):
                    flex_dispatcher_backend=device.flex_dispatcher_backend if device is not None and layout.ep > 1
                    and layout.moe_dispatcher == "deepep" else None)
 
+    def as_layout(self, **fixed) -> Layout:
+        """The record as a `Layout` (`fixed`: attributes beside it, e.g. the stage split); a per-layer
+        recomputation reads as none, the stages saying per layer what it is."""
+        values = self.layout_values()
+        if values["recompute"] == "per-layer":
+            values["recompute"] = Recompute.none
+        return layout_from(parse_values(values, "layout"), **fixed)
+
     def layout_values(self) -> dict:
         """The record's layout fields as typed values by user key (`layout_codec`)."""
         return {key: declared.field.domain.from_plan(getattr(self, declared.field.plan_key))
@@ -194,12 +202,9 @@ class Plan(_Frozen):
 
     def to_layout(self) -> Layout:
         """The runnable layout: degrees plus the stage partition and per-layer recomputation."""
-        values = self.layout.layout_values()
-        if values["recompute"] == "per-layer":
-            values["recompute"] = Recompute.none
-        return layout_from(parse_values(values, "layout"),
-                           stage_layers=tuple(len(stage.layers) for stage in self.stages),
-                           layer_recompute=tuple(Recompute(r) for stage in self.stages for r in stage.recompute))
+        return self.layout.as_layout(stage_layers=tuple(len(stage.layers) for stage in self.stages),
+                                     layer_recompute=tuple(Recompute(r) for stage in self.stages
+                                                           for r in stage.recompute))
 
     def report(self, goodput: dict | None = None) -> dict:
         """What `--json` prints: the plan file's object plus derived keys (REPORT_KEYS) and the timings,

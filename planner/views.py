@@ -10,8 +10,8 @@ from rich.table import Table
 from hardware_profiles.errors import UserInputError
 from hardware_profiles.loader import list_clusters, list_devices, load_cluster, load_device, read_yaml_mapping
 
-from cost_models.layout import Layout, Recompute
-from cost_models.layout_codec import FIELDS, layout_from, parse_values, text_of
+from cost_models.layout import Layout
+from cost_models.layout_codec import FIELDS, text_of
 
 from .explain import PART_NAMES
 from .graph_capture.graph import ModelGraph
@@ -35,9 +35,7 @@ def _differences(layout_text: str, best) -> str:
     that default."""
     theirs = _pairs(layout_text)
     plan_values = {**{key: str(value) for key, value in best.model_dump().items()}, "order": best.order}
-    values = best.layout_values()
-    values["recompute"] = Recompute.none if values["recompute"] == "per-layer" else values["recompute"]
-    plan_text = _pairs(text_of(layout_from(parse_values(values, "layout"))))
+    plan_text = _pairs(text_of(best.as_layout()))
     changed = [f"{key}={value}" for key, value in theirs.items()
                if plan_values.get(key, plan_text.get(key, _default_text(key))) != value]
     changed += [f"{key}={_default_text(key)}" for key in plan_text if key not in theirs]
