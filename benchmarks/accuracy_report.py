@@ -16,7 +16,9 @@ def _layout_cell(lay) -> str:
     modules selective recomputation repeats where they are not the attention core alone)."""
     modules = f" ({lay.recompute_modules.replace('+', ', ')})" \
         if lay.recompute in ("selective", "per-layer") and lay.recompute_modules != "core_attn" else ""
-    return f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, {lay.recompute}{modules}"
+    offload = f", {lay.offload_layers} layers offloaded" if lay.offload_layers else ""
+    return (f"{lay.tp}/{lay.pp}/{lay.dp}/{lay.cp}/{lay.ep}, vp {lay.vp}, mbs {lay.mbs}, z{lay.zero}, {lay.recompute}"
+            f"{modules}{offload}")
 
 
 def write_report(path: Path, rows, skipped, wall_s: float, args, checks=(), others=(), held_ids=frozenset(),

@@ -89,6 +89,13 @@ class Layout:
     # --recompute-method block --recompute-num-layers N, TransformerBlock._checkpointed_forward: per chunk);
     # a plan file's stages say per layer what this meant
     recompute_layers: int | None = declare(None, LayoutField("recompute_layers", Count()))
+    # activation offloading (Megatron-Core --cpu-offloading-num-layers N, Transformer Engine's
+    # get_cpu_offload_context): the saved activations of the first N blocks go to host memory in forward, each copy
+    # beside the next block's forward, and come back beside the next block's backward; where the stack runs it
+    # (SoftwareStack.activation_offload) at pp = 1 without recomputation (TransformerConfig's rules). The search
+    # takes the fewest blocks that fit where that beats recomputing (cost_models/offload.py)
+    offload_layers: int = declare(0, LayoutField("offload_layers", Count(least=0), plan_key="offload_layers",
+                                                 searched=True, plan_default=True))
     # blocks per virtual stage (pp * vp entries), chosen by the search; a plan file keeps them as stage records
     stage_layers: tuple[int, ...] | None = declare(None, LayoutField("stages", StageCounts(), pin=False,
                                                                      searched=True))

@@ -125,6 +125,8 @@ def text_of(layout: Layout) -> str:
         parts.append(f"recompute_modules={modules_text(layout.recompute_modules)}")
     if layout.recompute_layers is not None:
         parts.append(f"recompute_layers={layout.recompute_layers}")
+    if layout.offload_layers:
+        parts.append(f"offload_layers={layout.offload_layers}")
     return ",".join(parts)
 
 

@@ -68,7 +68,8 @@ class Count(Domain):
 
     def from_value(self, key: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise DomainError(f"{key}={value!r} is not an integer", f"{key}=<positive integer>")
+            raise DomainError(f"{key}={value!r} is not an integer",
+                              f"{key}=<positive integer>" if self.least == 1 else f"{key}=<integer >= {self.least}>")
         return self.from_text(key, str(value))
 
     def plan_annotation(self) -> Any:

@@ -234,20 +234,27 @@ class StageMemory:
     comm_buffers: float
     capacity: float
     gradients_held: bool = True     # `gradients_held_at_peak`
+    # activation offloading (cost_models/offload.py): `activations` leaves the offloaded blocks out; the largest
+    # of them is on the device while its copy runs
+    offload_in_flight: float = 0.0
+    host_bytes: float = 0.0                 # the offloaded activations, in host memory
+    host_capacity: float = float("inf")     # `Device.host_memory_bytes`
 
     @property
     def total(self) -> float:
         """States, and the larger of the two peaks: the start of backward (activations, logits and their
         gradient, plus the gradients where they are held) and the end of backward (all gradients)."""
-        activation_peak = self.activations + self.logits + self.loss_gradient + self.recompute_working
+        activation_peak = (self.activations + self.logits + self.loss_gradient + self.recompute_working
+                           + self.offload_in_flight)
         held = self.gradients if self.gradients_held else 0.0
         return self.weights + self.optimizer + self.comm_buffers + max(activation_peak + held, self.gradients)
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.total <= self.capacity and self.host_bytes <= self.host_capacity
 
     def parts(self) -> dict[str, float]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "logits": self.logits, "loss_gradient": self.loss_gradient,
-                "recompute_working": self.recompute_working, "comm_buffers": self.comm_buffers}
+                "recompute_working": self.recompute_working, "comm_buffers": self.comm_buffers,
+                **({"offload_in_flight": self.offload_in_flight} if self.offload_in_flight else {})}

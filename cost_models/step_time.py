@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hardware_profiles.schema import Cluster
 
@@ -15,6 +15,7 @@ from .memory import (ModelStateBytes, StageMemory, gradients_held_at_peak, logit
                      usable_bytes)
 from .pipeline import (RankPasses, dualpipev_seconds, even_partition, in_flight_micro_batches,
                        p2p_transfers_on_critical_path, pipeline_seconds)
+from .offload import offload_cost
 from .records import ModelCosts
 from .stage_terms import LayerTerms, TermContext, terms_sum
 
@@ -33,6 +34,7 @@ class StepBreakdown:
     dp_comm_s: float
     optimizer_s: float
     host_s: float = 0.0   # the host issuing kernels slower than the device runs them (cost_models/host_time.py)
+    offload_s: float = 0.0   # activation copies to and from host memory beyond the passes beside them (offload.py)
 
     @property
     def total_s(self) -> float:
@@ -145,6 +147,14 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
     stage_layers = layout.stage_layers or even_partition(num_blocks, layout.pp * layout.vp)
     recompute = layout.block_recompute(stage_layers)
     stages = physical_stages(costs, stage_layers, recompute)
+    offload = offload_cost(costs, layout.offload_layers)
+    if offload.layers:   # at pp = 1 (the rulebook's): one stage, one micro-batch's activations in flight
+        if layout.pp != 1:
+            raise ValueError(f"offload_layers={layout.offload_layers} with pp={layout.pp}: offloading runs at pp=1")
+        held = stages[0].memory
+        stages[0] = replace(stages[0], memory=replace(
+            held, activations=held.activations - offload.host_bytes, offload_in_flight=offload.in_flight_bytes,
+            host_bytes=offload.host_bytes, host_capacity=cluster.device.host_memory_bytes or 0.0))
     m = layout.num_micro_batches
     if layout.dualpipev:
         pipeline = dualpipev_seconds([s.passes for s in stages], m)
@@ -158,7 +168,7 @@ def estimate(model: ModelCosts, cluster: Cluster, layout: Layout, stack: Softwar
         compute_s=m * slowest.compute_s, recompute_s=m * slowest.recompute_s, tp_comm_s=m * slowest.tp_s,
         cp_comm_s=m * slowest.cp_s, ep_comm_s=m * slowest.ep_s, zero_comm_s=m * slowest.zero_s,
         pipeline_bubble_s=pipeline - m * slowest.work_s, pp_comm_s=pp_comm, dp_comm_s=dp_exposed,
-        optimizer_s=optimizer, host_s=m * slowest.host_s)
+        optimizer_s=optimizer, host_s=m * slowest.host_s, offload_s=m * offload.exposed_s)
     step = breakdown.total_s
     tokens = layout.global_batch * model.seq_len
     model_flops = model.model_flops_per_sample * layout.global_batch

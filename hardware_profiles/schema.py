@@ -142,6 +142,9 @@ class Device(Strict):
     # device <-> host memory, per direction per device (PCIe or chip-to-chip link): what swapping optimizer
     # states to host costs; None where no profile source gives it (a stack that swaps is then refused)
     host_link_gbytes_per_s: float | None = Field(default=None, gt=0)
+    # host memory per device (the node's, shared by its devices): what offloaded activations may fill
+    # (Layout.offload_layers); None where no profile source gives it (offloading is then refused)
+    host_memory_bytes: int | None = Field(default=None, gt=0)
     # streaming multiprocessors (NVIDIA): what a communication kernel that occupies SMs (DeepEP) takes from
     # the GEMMs running beside it; None where no profile source gives the count
     sm_count: int | None = Field(default=None, gt=0)

@@ -221,6 +221,10 @@ class SoftwareStack(Strict):
     # N chunks at a time for the update, each chunk copied in and back out (MindSpeed --swap-optimizer,
     # torchtitan-npu optimizer.swap_optimizer with swap_optimizer_times = N); needs the device's host link
     optimizer_swap_chunks: int = Field(default=0, ge=0)
+    # can offload the saved activations of the first N layers to host memory (Megatron-Core
+    # --cpu-offloading-num-layers, Transformer Engine's CPU offload context): a searched plan field
+    # (Layout.offload_layers) at pp = 1 without recomputation, over the device's host link
+    activation_offload: bool = False
 
     @model_validator(mode="after")
     def _valid_sets(self):

@@ -18,12 +18,13 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
 from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, fp8_recipe_reason,
-                      host_note, reasons, state_notes, tp_overlap_reason)
+                      host_note, offload_reason, reasons, state_notes, tp_overlap_reason)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
 from .plans import Alternative, LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import SearchCaches, search
+from .search.offload_leaf import offload_alternative, offload_where_needed
 from .search.space import with_tp_overlap
 from .search.tree import SearchOutcome
 from .rules.device import check_device_for, check_overlaps_on
@@ -84,6 +85,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         + dispatch_sm_notes(best, stack, cluster) + tp_overlap_reason(best, stack, cluster,
                                                                       _tp_overlap_twin(graph, cluster, best, stack,
                                                                                        ep_imbalance), twin)
+        + offload_reason(best, cluster, *offload_alternative(graph.costs_record, cluster, best, stack, ep_imbalance))
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance) + list(graph.assumed),
         ep_imbalance=ep_imbalance,
@@ -369,9 +371,9 @@ def evaluate_job(job: Job, layout: dict | Layout, time_limit_s: float = 60.0, de
     if not set(FULL_KEYS) <= set(layout):  # search the rest with these pinned
         return plan_job(job, time_limit_s, pins_field="--layout", deadline=deadline)
     given = {key: value for key, value in layout.items() if key not in ("precision", "gbs")}
-    plans = [predict(job, _tp_overlap_left_out(layout_from(stack_defaults(choice, job.stack),
-                                                           global_batch=job.global_batch, precision=job.precision),
-                                               given, job)) for choice in settings_left_out(given, job)]
+    plans = [predict(job, _offload_left_out(_tp_overlap_left_out(
+        layout_from(stack_defaults(choice, job.stack), global_batch=job.global_batch, precision=job.precision),
+        given, job), given, job)) for choice in settings_left_out(given, job)]
     # the settings the layout leaves out, as the search chooses them: the faster plan that fits
     return min(plans, key=lambda p: (not p.fits, p.step_time_s))
 
@@ -391,6 +393,12 @@ def settings_left_out(given: dict, job: Job) -> list[dict]:
 def _tp_overlap_left_out(layout: Layout, given: dict, job: Job) -> Layout:
     """TP communication overlap as given, else as the search chooses it for the layout (`with_tp_overlap`)."""
     return layout if "tp_overlap" in given else with_tp_overlap(layout, job.stack, job.cluster.device, None)
+
+
+def _offload_left_out(layout: Layout, given: dict, job: Job) -> Layout:
+    """Activation offloading as given, else as the search takes it (`offload_where_needed`)."""
+    return layout if "offload_layers" in given else offload_where_needed(job.graph.costs_record, job.cluster, layout,
+                                                                          job.stack, job.ep_imbalance)
 
 
 def _overlaps_left_out(given: dict, job: Job) -> list[dict]:
@@ -431,7 +439,8 @@ def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
     if refused:
         raise UserInputError("the layout is not one the stack runs: " + "; ".join(refused), field="--layout",
                              expected=f"a layout the {stack.name} stack runs, or another --stack")
-    check_device_for(cluster, stack, given.precision, given.fp8_recipe, given.moe_dispatcher if given.ep > 1 else None)
+    check_device_for(cluster, stack, given.precision, given.fp8_recipe, given.moe_dispatcher if given.ep > 1 else None,
+                     given.offload_layers)
     check_overlaps_on(cluster, given.tp, given.tp_comm_overlap, stack.hides_moe_a2a(given))
     problems = layout_problems(given, graph, cluster.num_devices)
     if problems:

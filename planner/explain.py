@@ -20,6 +20,7 @@ PART_NAMES = {
     "zero_comm_s": "ZeRO-2/3 per-micro-batch communication", "pipeline_bubble_s": "pipeline bubble",
     "pp_comm_s": "pipeline sends", "dp_comm_s": "data-parallel gradient reduction",
     "optimizer_s": "optimizer step", "host_s": "host-bound kernel launches",
+    "offload_s": "activation copies to host memory",
 }
 
 
@@ -148,6 +149,33 @@ def tp_overlap_reason(best: Estimate, stack: SoftwareStack, cluster: Cluster, tw
                 f"of tensor-parallel communication; without it the plan {_loses(best, off)}"]
     return [f"TP communication overlap is off as given (tp_overlap=false); on, it would hide {hidden:.3f} s of "
             f"tensor-parallel communication ({(1 - on.step_time_s / best.step_time_s) * 100:.1f}% faster)"]
+
+
+def offload_reason(best: Estimate, cluster: Cluster, applies: bool, twin: Estimate | None,
+                   host_bytes: float) -> list[str]:
+    """Why the plan offloads activations to host memory or recomputes instead, where the stack could do either for
+    the layout (`applies`): against the other way of fitting the same layout (`twin`: recomputation chosen by the
+    partition solver, or the fewest offloaded layers that fit; None where that way does not fit)."""
+    lay, link = best.layout, cluster.device.host_link_gbytes_per_s
+    if not applies:
+        return []
+    if lay.offload_layers:
+        copies = best.breakdown.offload_s
+        other = f"; recomputing instead, the plan {_loses(best, twin)}" if twin is not None else \
+            "; recomputation alone does not fit it"
+        return [f"activation offloading: the first {lay.offload_layers} of {len(best.layer_recompute)} layers' saved "
+                f"activations go to host memory ({host_bytes / 1e9:.1f} GB per device, over the {link:g} GB/s host "
+                f"link), the fewest that fit; {copies:.3f} s of copies outlast the passes beside them" + other]
+    if set(best.layer_recompute) == {Recompute.none}:
+        return []
+    if twin is None:
+        return [f"recomputation rather than activation offloading, which cannot fit the layout: offloading all but "
+                f"the last layer, or no more than the {cluster.device.host_memory_bytes / 1e9:.0f} GB of host memory "
+                "per device holds, frees too little"]
+    return [f"recomputation rather than activation offloading: offloading the fewest layers that fit "
+            f"({twin.layout.offload_layers}) over the {link:g} GB/s host link would be "
+            f"{(twin.step_time_s / best.step_time_s - 1) * 100:.1f}% slower ({twin.breakdown.offload_s:.3f} s of "
+            "copies exposed)"]
 
 
 def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:

@@ -47,7 +47,8 @@ class Job:
         graph = self.graph if seq_len in (None, self.seq_len) else \
             capture_for(self.source, seq_len, self.leaf_modules, self.stack, self.strict_capture)
         if cluster is not None:
-            check_device_for(cluster, self.stack, self.precision, self.pins.fp8_recipe, self.pins.dispatcher)
+            check_device_for(cluster, self.stack, self.precision, self.pins.fp8_recipe, self.pins.dispatcher,
+                             self.pins.offload_layers)
         if global_batch is not None:
             check_batch(global_batch)
         return replace(self, graph=graph, cluster=cluster or self.cluster,
@@ -69,7 +70,8 @@ def job_of(model, cluster=None, *, global_batch: int, seq_len: int | None = None
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     chosen = resolve_precision(precision, values)
     check_model_on_stack(graph, resolved_stack)
-    check_device_for(resolved, resolved_stack, chosen, values.get("fp8_recipe"), values.get("dispatcher"))
+    check_device_for(resolved, resolved_stack, chosen, values.get("fp8_recipe"), values.get("dispatcher"),
+                     values.get("offload_layers"))
     given_once("--global-batch", global_batch, values.pop("gbs", None))
     return Job(model, graph, resolved, global_batch, chosen, resolved_stack, pins_from(values), ep_imbalance,
                tuple(leaf_modules), strict_capture)

@@ -117,7 +117,8 @@ def read_back(case: dict, common, merge, update) -> dict:
             "distributed_optimizer": [cfg.ddp.use_distributed_optimizer, cfg.optimizer.use_distributed_optimizer],
             "fsdp": [cfg.ddp.use_megatron_fsdp, cfg.ddp.data_parallel_sharding_strategy],
             "precision": [mp.bf16, mp.fp8, mp.fp8_recipe if mp.fp8 else None],
-            "cuda_graphs": m.cuda_graph_impl, "fused_loss": m.cross_entropy_loss_fusion}
+            "cuda_graphs": m.cuda_graph_impl, "fused_loss": m.cross_entropy_loss_fusion,
+            "offload": [m.cpu_offloading, m.cpu_offloading_num_layers, m.cpu_offloading_weights]}
 
 
 def layers_per_chunk(layout) -> list[int] | None:

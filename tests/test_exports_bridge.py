@@ -64,6 +64,10 @@ PLANS = [
     ("dsv3-pp-ep", "deepseek-v3", "h100-sxm", 256, 512, layout(pp=8, dp=32, ep=8, rc="full"), "bf16", BRIDGE),
     ("dsv3-deepep-fp8", "deepseek-v3", "h100-sxm", 256, 512, layout(pp=8, dp=32, ep=8, rc="full")
      + ",fp8_recipe=tensorwise,dispatcher=deepep", "fp8", BRIDGE),
+    # Megatron FSDP on GB200 with activations offloaded to the Grace CPU (the Llama 3 70B GB200 recipe's way):
+    # the whole layout without recomputation does not fit, so evaluate offloads the fewest layers that do
+    ("70b-fsdp-offload-gb200", "llama3-70b", "gb200", 64, 256, layout(dp=64, mbs=2, zero=3)
+     + ",fp8_recipe=tensorwise", "fp8", BRIDGE),
     ("dsv3-uneven", "deepseek-v3", "h100-sxm", 256, 512, layout(pp=4, dp=64, ep=16, rc="full",
                                                                  extra=",stages=15-16-16-14"), "bf16", BRIDGE),
 ]
@@ -125,6 +129,8 @@ def test_megatron_bridge_reads_the_export_as_the_plan(read_back, name):
     bf16, fp8, recipe = got["precision"]
     assert bf16 and bool(fp8) == (lay.precision == "fp8") and recipe == (lay.fp8_recipe if fp8 else None)
     assert got["cuda_graphs"] == "none" and got["fused_loss"] == lay.fused_loss
+    assert got["offload"] == [lay.offload_layers > 0, lay.offload_layers, False]
+    assert name != "70b-fsdp-offload-gb200" or lay.offload_layers > 0
 
 
 def test_cuda_connections_and_tp_overlap_follow_megatron_bridges_own_launcher(tmp_path):

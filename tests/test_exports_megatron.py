@@ -83,6 +83,10 @@ PLANS = [
      FULL.format(tp=1, pp=2, vp=2, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
     ("mtp-one-stage", MTP_MOE, "h100-sxm", 8, 64,
      FULL.format(tp=1, pp=1, vp=1, dp=8, cp=1, ep=8, etp=1, mbs=1, zero=1, rc="none"), "bf16", None),
+    # Megatron FSDP on GB200 without recomputation: activations offloaded (--cpu-offloading-num-layers)
+    ("offload-gb200", "llama3-70b", "gb200", 64, 256,
+     FULL.format(tp=1, pp=1, vp=1, dp=64, cp=1, ep=1, etp=1, mbs=2, zero=3, rc="none") + ",fp8_recipe=tensorwise",
+     "fp8", "megatron-bridge"),
     # selective recomputation of chosen modules (--recompute-modules)
     ("recompute-modules", "llama3-8b", "h100-sxm", 8, 64,
      FULL.format(tp=2, pp=1, vp=1, dp=4, cp=1, ep=1, etp=1, mbs=1, zero=1, rc="selective")
@@ -139,6 +143,9 @@ def megatron_configs(exported: dict, graph, add_bias: bool):
         delay_wgrad_compute=bool(exported.get("--delay-wgrad-compute")),
         cross_entropy_loss_fusion=bool(exported.get("--cross-entropy-loss-fusion")),
         cross_entropy_fusion_impl=exported.get("--cross-entropy-fusion-impl", "native"),
+        # Megatron-LM's arguments.py turns cpu_offloading on where the count is positive
+        cpu_offloading=int(exported.get("--cpu-offloading-num-layers", 0)) > 0,
+        cpu_offloading_num_layers=int(exported.get("--cpu-offloading-num-layers", 0)),
         add_bias_linear=add_bias, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **moe, **recompute, **fp8)
     sharding = exported.get("--data-parallel-sharding-strategy", "no_shard")
     ddp = DistributedDataParallelConfig(
@@ -180,6 +187,9 @@ def test_megatron_core_configs_accept_the_export_and_mean_the_plan(case, monkeyp
         assert (transformer.virtual_pipeline_model_parallel_size or 1) == lay.vp
     assert transformer.sequence_parallel == (lay.sp and lay.tp > 1)
     assert transformer.tp_comm_overlap == lay.tp_comm_overlap
+    assert (transformer.cpu_offloading, transformer.cpu_offloading_num_layers) == (lay.offload_layers > 0,
+                                                                                   lay.offload_layers)
+    assert name != "offload-gb200" or lay.offload_layers > 0
     assert transformer.overlap_moe_expert_parallel_comm == lay.moe_a2a_overlap
     assert (transformer.cross_entropy_loss_fusion and transformer.cross_entropy_fusion_impl == "te") == lay.fused_loss
     methods = {r for stage in plan.stages for r in stage.recompute}

@@ -306,6 +306,12 @@ DISPATCHER_EDITS = [
     ({"tp_comm_overlap": True}, False),
     ({"tp_comm_overlap": "true"}, False),
     ({"tp": 2, "dp": 8, "sp": True, "tp_comm_overlap": True, "moe_a2a_overlap": True}, False),
+    # activation offloading beside the plan's selective recomputation (TransformerConfig refuses it), of every
+    # layer, negative, as text
+    ({"offload_layers": 4}, False),
+    ({"offload_layers": 48}, False),
+    ({"offload_layers": -1}, False),
+    ({"offload_layers": "4"}, False),
 ]
 
 

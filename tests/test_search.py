@@ -65,12 +65,13 @@ def compositions(total, parts):
                 yield (first, *inner, last)
 
 
-def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices, stack=load_stack()):
+def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices, stack=load_stack(), pps=(1, 2, 4, 8),
+                tps=(1, 2, 4, 8)):
     n = cluster.num_devices
     best = None
-    for tp in (t for t in (1, 2, 4, 8) if n % t == 0 and heads % t == 0):
+    for tp in (t for t in tps if n % t == 0 and heads % t == 0):
         # a chunk may hold only the embedding or only the loss: pp * vp up to the layers + 2
-        for pp in (p for p in (1, 2, 4, 8) if n % (tp * p) == 0 and p <= num_blocks + 2):
+        for pp in (p for p in pps if n % (tp * p) == 0 and p <= num_blocks + 2):
             dp = n // (tp * pp)
             for vp in (v for v in range(1, 9) if (pp > 1 or v == 1) and pp * v <= num_blocks + 2):
                 m = global_batch // dp
@@ -84,13 +85,26 @@ def brute_force(model_costs, num_blocks, cluster, global_batch, heads, choices, 
                     base = Layout(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=1, global_batch=global_batch, zero=1,
                                   mesh_order=order, tp_comm_overlap=tp_overlap)
                     costs = MeshCosts(model_costs, cluster, base, stack)  # per-layer costs, reused
-                    for parts in compositions(num_blocks, pp * vp):
-                        for rec in itertools.product(choices, repeat=num_blocks):
-                            full = replace(base, stage_layers=parts, layer_recompute=rec)
-                            result = estimate(model_costs, cluster, full, mesh_costs=costs)
-                            if result.fits and (best is None or result.step_time_s < best.step_time_s):
-                                best = result
+                    candidates = [replace(base, stage_layers=parts, layer_recompute=rec)
+                                  for parts in compositions(num_blocks, pp * vp)
+                                  for rec in itertools.product(choices, repeat=num_blocks)]
+                    candidates += offloading(base, num_blocks, cluster, choices, stack)
+                    for full in candidates:
+                        result = estimate(model_costs, cluster, full, mesh_costs=costs)
+                        if result.fits and (best is None or result.step_time_s < best.step_time_s):
+                            best = result
     return best
+
+
+def offloading(base, num_blocks, cluster, choices, stack):
+    """Every activation offload count at pp = 1 without recomputation, where the stack and the device have it
+    (Megatron-Core's TransformerConfig: fewer layers than the model's)."""
+    device = cluster.device
+    if base.pp > 1 or Recompute.none not in choices or not stack.activation_offload \
+            or device.host_link_gbytes_per_s is None or device.host_memory_bytes is None:
+        return []
+    return [replace(base, stage_layers=(num_blocks,), layer_recompute=(Recompute.none,) * num_blocks, offload_layers=n)
+            for n in range(1, num_blocks)]
 
 
 @pytest.mark.parametrize("model,hbm_gb,devices,gbs", [
@@ -115,6 +129,27 @@ def test_solver_matches_exhaustive_enumeration(model, hbm_gb, devices, gbs, tp_o
     # memory pressure made recomputation part of the answer (without TP overlap; with it, tp8 fits without)
     assert found.fits and (tp_overlap or Recompute.full in found.layer_recompute)
     assert found.layout.tp_comm_overlap == (tp_overlap and found.layout.tp > 1)
+
+
+@pytest.mark.parametrize("link_gbytes_per_s,offloads", [(900.0, True), (2.0, False)])
+def test_the_search_weighs_activation_offloading_against_recomputation_as_the_enumeration(link_gbytes_per_s, offloads):
+    """With a fast host link the enumeration's best pp = 1 plan offloads activations, with a slow one it recomputes;
+    the search finds the enumeration's optimum either way (offload counts enumerated through `estimate`)."""
+    stack = load_stack().model_copy(update={"tp_comm_overlap": False})
+    graph = capture(dense_model(6))
+    cluster = small_cluster(8, 12)   # at tp = 2 the layers' activations fit only offloaded or recomputed
+    cluster = cluster.model_copy(update={"device": cluster.device.model_copy(
+        update={"host_link_gbytes_per_s": link_gbytes_per_s})})
+    choices = (Recompute.none, Recompute.full)
+    pins = Pins(tp=2, pp=1, cp=1, ep=1, etp=1, mbs=1, zero=1)   # offloading runs without a pipeline
+    truth = brute_force(graph.costs(), graph.num_blocks, cluster, 16, graph.attention_heads, choices, stack, pps=(1,),
+                        tps=(2,))
+    outcome = search(graph.costs(), cluster, 16, pins, stack=stack, graph=graph, top_k=1, time_limit_s=120,
+                     recompute_choices=choices)
+    found = outcome.ranked[0].estimate
+    assert outcome.unexplored == 0 and found.fits
+    assert found.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
+    assert (truth.layout.offload_layers > 0) == offloads == (found.layout.offload_layers > 0)
 
 
 def _placed(bnb, root):

@@ -30,7 +30,11 @@ def bridge_overrides(plan: Plan) -> tuple[dict, list[str]]:
              "context_parallel_size": lay.cp, "expert_model_parallel_size": lay.ep,
              "expert_tensor_parallel_size": lay.etp, "sequence_parallel": lay.sp and lay.tp > 1,
              "seq_length": plan.seq_len, "cuda_graph_impl": "none",   # the prediction bills no CUDA graphs
-             **_pipeline_split(plan), **_recompute(plan)}
+             **_pipeline_split(plan), **_recompute(plan),
+             # activation offloading as the GB200 recipes write it (perf_recipes/llama/gb200/llama3.py), always set
+             # so that a recipe's own count is overridden by the plan's
+             "cpu_offloading": lay.offload_layers > 0, "cpu_offloading_weights": False,
+             "cpu_offloading_num_layers": lay.offload_layers}
     if lay.ep > 1:
         if lay.moe_dispatcher == "deepep":   # plans written before the backend was recorded: DeepEP
             model["moe_flex_dispatcher_backend"] = lay.flex_dispatcher_backend or "deepep"

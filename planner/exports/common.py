@@ -35,10 +35,17 @@ PRECISION_AWARE_NOTE = ("the plan's memory assumed Megatron-Core's precision-awa
                         "(plan with that framework's stack to predict them)")
 
 
-def notes_for_unexpressed(plan: Plan, *, experts: str, mtp: str, optimizer: str, loss: str) -> list[str]:
-    """What a target without Megatron-Core's dispatchers, MTP, precision-aware optimizer and fused loss cannot say;
-    each word names the target's own piece (its expert all-to-all, why it has no MTP, its optimizer, its loss)."""
+def notes_for_unexpressed(plan: Plan, *, framework: str, experts: str, mtp: str, optimizer: str,
+                          loss: str) -> list[str]:
+    """What a target without Megatron-Core's dispatchers, MTP, activation offloading, precision-aware optimizer and
+    fused loss cannot say; each word names the target's own piece (the framework, its expert all-to-all, why it has
+    no MTP, its optimizer, its loss)."""
     lay, notes = plan.layout, []
+    if lay.offload_layers:
+        notes.append(f"the plan offloads the first {lay.offload_layers} layers' activations to host memory (Megatron "
+                     f"--cpu-offloading-num-layers); {framework} has no such setting in this export, so those "
+                     "activations stay on the device and the plan's memory does not hold (plan with that "
+                     "framework's stack, which recomputes instead)")
     if lay.moe_dispatcher != "alltoall":
         notes.append(f"the prediction dispatched MoE tokens {lay.moe_dispatcher.words}; {experts} "
                      "sends one per expert, which this export cannot change")

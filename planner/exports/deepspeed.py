@@ -42,7 +42,7 @@ def deepspeed_json(plan: Plan) -> tuple[str, list[str]]:
     if lay.tp_comm_overlap or lay.moe_a2a_overlap or lay.moe_shared_expert_overlap:
         notes.append("the prediction hid TP or MoE all-to-all communication behind compute; DeepSpeed's config "
                      "has no such overlap (plan with --stack deepspeed to predict without it)")
-    notes += notes_for_unexpressed(plan, experts="DeepSpeed's MoE all-to-all",
+    notes += notes_for_unexpressed(plan, framework="DeepSpeed's config", experts="DeepSpeed's MoE all-to-all",
                                    mtp="DeepSpeed's config has no such field (the model code must build them)",
                                    optimizer="DeepSpeed's Adam", loss="the model's own loss under DeepSpeed")
     return json.dumps(config, indent=2) + "\n", notes

@@ -27,6 +27,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--sequence-parallel")
     if lay.tp_comm_overlap:
         args.append("--tp-comm-overlap")
+    if lay.offload_layers:   # arguments.py sets cpu_offloading where the count is positive
+        args.append(f"--cpu-offloading-num-layers {lay.offload_layers}")
     if lay.moe_a2a_overlap:  # Megatron-Core's MoE docs pair it with delayed weight-gradient GEMMs
         args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if lay.moe_shared_expert_overlap:

@@ -126,7 +126,7 @@ def _torchtitan_notes(plan: Plan, mode: str) -> list[str]:
     if lay.moe_shared_expert_overlap:
         notes.append("the plan runs the shared experts beside the all-to-alls (Megatron --moe-shared-expert-overlap)"
                      "; torchtitan 0.3 runs them in line, which this export cannot change")
-    notes += notes_for_unexpressed(plan, experts="torchtitan 0.3's expert parallelism",
+    notes += notes_for_unexpressed(plan, framework="torchtitan 0.3", experts="torchtitan 0.3's expert parallelism",
                                    mtp="torchtitan's models do not have them (plan with --stack torchtitan, "
                                        "which refuses them)",
                                    optimizer="torchtitan's AdamW", loss="torchtitan")

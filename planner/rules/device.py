@@ -18,10 +18,16 @@ def check_model_on_stack(graph, stack: SoftwareStack) -> None:
 
 
 def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8_recipe: str | None = None,
-                     dispatcher: str | None = None) -> None:
-    """The device profile has what the precision, the FP8 recipe, the MoE dispatcher and the stack's settings
-    need to be costed."""
+                     dispatcher: str | None = None, offload_layers: int | None = None) -> None:
+    """The device profile has what the precision, the FP8 recipe, the MoE dispatcher, activation offloading and the
+    stack's settings need to be costed."""
     device = cluster.device
+    for name, what in (("host_link_gbytes_per_s", "host link bandwidth to cost the copies"),
+                       ("host_memory_bytes", "host memory to hold the activations")):
+        if offload_layers and getattr(device, name) is None:
+            raise UserInputError(f"offload_layers={offload_layers} on {device.name}: the profile gives no {what}",
+                                 source=device.profile, field=name,
+                                 expected=f"{name} in the device profile, or offload_layers=0")
     if precision == "fp8" and not device.peak_tflops.fp8:
         raise UserInputError(f"{device.name} has no FP8 matrix units (its profile gives no fp8 peak)",
                              field="--precision", expected="bf16 on this device, or a device with FP8")
@@ -66,7 +72,8 @@ def check_plan_device(plan) -> None:
     lay = plan.layout
     if lay.tp_comm_overlap and lay.moe_a2a_overlap:
         check_overlaps_on(plan_cluster(plan), lay.tp, True, True, field="tp_comm_overlap")
-    if str(plan.layout.precision) != "fp8" and (plan.layout.ep == 1 or plan.layout.moe_dispatcher != "deepep"):
+    if str(plan.layout.precision) != "fp8" and (plan.layout.ep == 1 or plan.layout.moe_dispatcher != "deepep") \
+            and not plan.layout.offload_layers:
         return
     check_device_for(plan_cluster(plan), load_stack(plan.stack), str(plan.layout.precision), str(plan.layout.fp8_recipe),
-                     str(plan.layout.moe_dispatcher) if plan.layout.ep > 1 else None)
+                     str(plan.layout.moe_dispatcher) if plan.layout.ep > 1 else None, plan.layout.offload_layers)

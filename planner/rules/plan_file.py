@@ -33,6 +33,12 @@ def record_problems(record) -> list[str]:
     if record.tp_comm_overlap and (record.tp == 1 or not record.sp):
         problems.append(f"tp_comm_overlap with tp={record.tp}{'' if record.sp else ' without sequence parallelism'}: "
                         "TP overlap's rings gather and scatter sequence-parallel activations (tp > 1, sp)")
+    if record.offload_layers and (record.pp > 1 or record.recompute != "none" or record.moe_a2a_overlap):
+        beside = [f"pp={record.pp}"] if record.pp > 1 else []
+        beside += [f"recompute={record.recompute}"] if record.recompute != "none" else []
+        beside += ["moe_a2a_overlap"] if record.moe_a2a_overlap else []
+        problems.append(f"offload_layers={record.offload_layers} with {', '.join(beside)}: activation offloading runs "
+                        "at pp=1 without recomputation or combined 1F1B (Megatron-Core's TransformerConfig)")
     if record.moe_a2a_overlap and record.moe_dispatcher not in A2A_OVERLAP_DISPATCHERS:
         problems.append(f"moe_a2a_overlap with the {record.moe_dispatcher} dispatcher: {A2A_OVERLAP_DISPATCHER_RULE}")
     return problems
@@ -72,6 +78,9 @@ def stage_problems(plan) -> list[str]:
         if bad:
             problems.append(f"stage {j} names module {bad[0]!r}, which is not a dotted module name (layers.3)")
     layers = [b for stage in stages for b in stage.layers]
+    if lay.offload_layers >= len(layers) > 0:
+        problems.append(f"offload_layers={lay.offload_layers}: fewer than the plan's {len(layers)} layers are offloaded "
+                        "(Megatron-Core's TransformerConfig)")
     if layers != list(range(len(layers))):
         problems.append("the stages' layers are not 0, 1, 2, ... in order, each once")
     else:

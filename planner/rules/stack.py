@@ -130,7 +130,7 @@ def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None)
                         f"{', '.join(stack.moe_dispatchers)} MoE dispatcher(s)")
     elif pins.a2a_overlap and pins.dispatcher is not None and pins.dispatcher not in A2A_OVERLAP_DISPATCHERS:
         problems.append(f"a2a_overlap=true with dispatcher={pins.dispatcher}: {A2A_OVERLAP_DISPATCHER_RULE}")
-    problems += _tp_overlap_problems(pins, stack)
+    problems += _tp_overlap_problems(pins, stack) + _offload_problems(pins, stack, graph)
     if pins.a2a_overlap and not stack.moe_a2a_overlap:
         problems.append(f"a2a_overlap=true: the {name} stack has no combined 1F1B (MoE all-to-all overlap; "
                         "Megatron's --overlap-moe-expert-parallel-comm, the CLI's --moe-a2a-overlap)")
@@ -204,12 +204,34 @@ def _tp_overlap_problems(pins: Pins, stack: SoftwareStack) -> list[str]:
     return []
 
 
+def _offload_problems(pins: Pins, stack: SoftwareStack, graph=None) -> list[str]:
+    """Activation offloading pinned where the stack has none or beside what Megatron-Core's TransformerConfig
+    refuses with it (a pipeline, recomputation, as many layers as the model has); beside combined 1F1B, a whole
+    layout's rule (`layout_stack_problems`)."""
+    count = pins.offload_layers
+    if not count:
+        return []
+    head = f"offload_layers={count}"
+    if not stack.activation_offload:
+        return [f"{head}: the {stack.name} stack has no activation offloading (Megatron --cpu-offloading-num-layers)"]
+    problems = []
+    if pins.pp and pins.pp > 1:
+        problems.append(f"{head} with pp={pins.pp}: Megatron-Core offloads activations only without pipeline "
+                        "parallelism (TransformerConfig)")
+    if pins.recompute not in (None, Recompute.none) or pins.recompute_layers is not None:
+        problems.append(f"{head} with recompute={pins.recompute or Recompute.full}: Megatron-Core's CPU offloading "
+                        "does not run beside activation recomputation (TransformerConfig)")
+    if graph is not None and count >= graph.num_blocks:
+        problems.append(f"{head}: Megatron-Core offloads fewer layers than the model's {graph.num_blocks}")
+    return problems
+
+
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
     problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "tp_overlap", "dispatcher",
                                                                        "fp8_recipe", "recompute_modules",
-                                                                       "schedule", "recompute_layers"))), stack,
+                                                                       "schedule", "recompute_layers", "offload_layers"))), stack,
                               layout.precision, graph)
     stages = layout.stage_layers
     if layout.dualpipev and stack.dualpipev_even_split and stages and len(set(stages)) > 1:
@@ -218,6 +240,9 @@ def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> l
     elif stack.even_pipeline_split and stages and len(set(stages)) > 1:
         problems.append(f"stages {'-'.join(map(str, stages))}: the {stack.name} stack splits the layers evenly "
                         "over the pipeline chunks")
+    if layout.offload_layers and stack.hides_moe_a2a(layout):
+        problems.append(f"offload_layers={layout.offload_layers} with combined 1F1B: it interleaves two micro-batches' "
+                        "layers, and the planner costs offloading as one layer's copies beside the next layer's passes")
     methods = set(layout.layer_recompute or ())
     if len(methods) > 1 and not stack.per_layer_recompute:
         problems.append(f"per-layer recomputation ({', '.join(sorted(map(str, methods)))}): the {stack.name} "
@@ -243,6 +268,9 @@ def stack_pins(pins: Pins, stack: SoftwareStack, graph=None) -> Pins:
         fixed["etp"] = 1
     if not stack.interleaved_schedule and not stack.dualpipev_schedule and pins.vp is None:
         fixed["vp"] = 1
+    if pins.offload_layers:   # offloading runs at pp = 1, without recomputation or combined 1F1B
+        fixed.update({key: value for key, value in (("pp", 1), ("recompute", Recompute.none), ("a2a_overlap", False))
+                      if getattr(pins, key) is None})
     fixed.update(stack_filled(pins, stack))
     dualpipev = dualpipev_rules(stack) if stack.dualpipev_schedule else None
     return replace(pins, zero_stages=stack.zero_stages, dualpipev=dualpipev,

@@ -282,6 +282,20 @@ class Bounds:
                       {"model_states": states, "activations": activations, "logits": logits},
                       max(w * f for w, f in zip(weights, flights)))
 
+    def offload_floor(self, layout: Layout, count: int | None = None) -> tuple[float, dict]:
+        """At pp = 1 without recomputation: the memory floor less what offloading the first `count` blocks' activations
+        frees (the largest of them in flight: `cost_models.offload`; None: every block but the last), with its parts."""
+        floor = self._floor(layout, Recompute.none)
+        per_kind = {kind.name: act for (kind, _), act in zip(self.model.block_counts,
+                                                              self._activations(layout, Recompute.none))}
+        sizes = [per_kind[name] for name in self.model.blocks[:-1][:count]]
+        freed = sum(sizes) - max(sizes, default=0.0)
+        return floor.bytes - freed, dict(floor.parts, activations=floor.parts["activations"] - freed)
+
+    def no_recompute_floor(self, layout: Layout) -> float:
+        """The memory floor with no block recomputing."""
+        return self._floor(layout, Recompute.none).bytes
+
     def _activations(self, layout: Layout, recompute: Recompute) -> tuple[float, ...]:
         key = (recompute, layout.tp, layout.sp, layout.cp, layout.micro_batch,
                self.stack.saved_input_precision(layout.precision),

@@ -28,7 +28,8 @@ from ..rules.pins import Pins
 from ..rules.stack import leaf_recompute_methods
 from .bounds import (Bounds, PairedWork, PipelineShape, SortedWork, ZeroExtras, balanced_bound, communication_bound,
                      pipeline_bound, work_before_zero)
-from .partition import LEAF_WORK_LIMIT, model_key, solve_partition
+from .offload_leaf import OffloadRoute, offload_estimate, route_extra_floor_s
+from .partition import LEAF_WORK_LIMIT, PartitionResult, model_key, solve_partition
 from .space import zero_choices
 from .tree import (TIE_TOLERANCE, Scored, SearchOutcome, SolvedModels, TreeNode, TreeProblem, TreeShape, beyond,
                    rank_key, six_digits)
@@ -109,6 +110,7 @@ class BranchAndBound:
         self.tree = TreeShape(self.problem)
         self.capacity = usable_bytes(cluster.device)
         self.bounds = Bounds(model, cluster, stack, self.allowed, module_choices)
+        self.offload = OffloadRoute.of(stack, cluster, pins, self.allowed)
         caches = caches or SearchCaches()
         self.shared, self.solved_models = caches.shared, caches.solved_models
         self.heap: list = []
@@ -260,14 +262,26 @@ class BranchAndBound:
         """A leaf's balanced-pipeline bound with the recomputation its memory forces; None where its memory
         floor exceeds the device or no allowed recomputation brings it down."""
         floor, parts = self.bounds.memory_floor(layout)
-        self.floor_need.offer(floor, parts)
-        if floor > self.capacity:
+        if self.offload.applies(layout, self.stack):   # the other way to fit: offloading activations
+            offload_floor, offload_parts = self.bounds.offload_floor(layout, self.offload.pinned)
+            least = offload_floor < floor or self.offload.only(layout, self.stack)
+            self.floor_need.offer(*((offload_floor, offload_parts) if least else (floor, parts)))
+            offloads = offload_floor <= self.capacity
+        else:
+            self.floor_need.offer(floor, parts)
+            offloads = False
+        if floor > self.capacity and not offloads:
             return None, None
         costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
-        forced = self.bounds.forced_recompute_s(layout, costs)
-        if forced == float("inf"):
-            return None, None
-        return balanced_bound(costs, layout, self.bounds.fastest, forced), costs
+        # the least of the two routes to fitting: recomputation (unless offloading is pinned) and offloading
+        recomputing = float("inf") if self.offload.only(layout, self.stack) or floor > self.capacity else \
+            self.bounds.forced_recompute_s(layout, costs)
+        bound = float("inf") if recomputing == float("inf") else \
+            balanced_bound(costs, layout, self.bounds.fastest, recomputing)
+        if offloads:
+            extra = route_extra_floor_s(self.bounds, layout, costs, self.capacity, self.offload.pinned)
+            bound = min(bound, balanced_bound(costs, layout, Recompute.none) + extra)
+        return (None, None) if bound == float("inf") else (bound, costs)
 
     def group_bound(self, node: TreeNode) -> float:
         """A placement's bound under each MoE dispatcher and combined 1F1B switch it leaves open: per block kind
@@ -373,22 +387,36 @@ class BranchAndBound:
         # a partition that ties the K-th plan at 6 significant digits is still of use (simpler layout)
         cutoff = self.kth_s() * (1 + TIE_TOLERANCE) - p2p_transfers_on_critical_path(
             layout.pp, layout.vp, layout.dualpipev) * costs.p2p_s()
+        offloaded = None
+        if self.offload.applies(layout, self.stack):
+            offloaded = offload_estimate(self.model, self.cluster, layout, self.stack, self.ep_imbalance, costs,
+                                         self.offload.pinned)
+        recomputes = not self.offload.only(layout, self.stack) and (
+            offloaded is None or self.bounds.memory_floor(layout)[0] <= self.capacity)
+        scored = self.recomputed(layout, costs, cutoff) if recomputes else None
+        if offloaded is not None and (scored is None or offloaded.step_time_s < scored.estimate.step_time_s):
+            blocks = len(self.model.blocks)
+            scored = Scored(offloaded, PartitionResult((blocks,), offloaded.layer_recompute, offloaded.step_time_s,
+                                                       "OPTIMAL", 0.0, 0.0))
+        if scored is not None and scored.estimate.fits:
+            self.ranked = sorted(self.ranked + [scored], key=rank_key)[: max(self.top_k, 1)]
+
+    def recomputed(self, layout: Layout, costs: MeshCosts, cutoff: float) -> Scored | None:
+        """The leaf's best split and recomputation below `cutoff` (the partition solver's), or None."""
         methods = leaf_recompute_methods(self.stack, layout, self.allowed)
         if not methods:
-            return
+            return None
         result = self.partition(costs, methods, cutoff)
         if not result.stage_layers:
             if not self.ranked:  # what this layout needs at its least, for the error when nothing fits
                 self.whole_need.offer(*self.bounds.least_need(layout, costs, methods))
-            return
+            return None
         full = replace(layout, stage_layers=result.stage_layers, layer_recompute=result.layer_recompute,
                        recompute_modules=result.recompute_modules or layout.recompute_modules)
         if full.recompute_modules != layout.recompute_modules:   # the solver chose them: their costs
             costs = MeshCosts(self.model, self.cluster, full, self.stack, self.ep_imbalance, self.shared)
-        scored = Scored(estimate(self.model, self.cluster, full, self.stack, self.ep_imbalance, mesh_costs=costs),
-                        result)
-        if scored.estimate.fits:
-            self.ranked = sorted(self.ranked + [scored], key=rank_key)[: max(self.top_k, 1)]
+        return Scored(estimate(self.model, self.cluster, full, self.stack, self.ep_imbalance, mesh_costs=costs),
+                      result)
 
     def partition(self, costs: MeshCosts, methods: tuple[Recompute, ...], cutoff: float):
         key = model_key(costs, methods, self.module_choices)
