@@ -92,7 +92,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers,
         **_band_fields(best.step_time_s, graph.num_experts > 0),
         outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,
-                                       best.layout.cp, best.layout.ep, best.layout.moe_dispatcher))
+                                       best.layout.cp, best.layout.ep, best.layout.moe_dispatcher,
+                                       best.layout.offload_layers))
 
 
 def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
@@ -296,7 +297,8 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
         return result
     graph = job.graph
     inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts),
-                          measured_dispatchers=measured_dispatchers(graph.num_experts))
+                          measured_dispatchers=measured_dispatchers(graph.num_experts),
+                          offload_layers=0 if pins.offload_layers is None else pins.offload_layers)
     try:
         inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline, caches)
     except UserInputError as exc:   # none fits there, or no time is left to look

@@ -82,9 +82,9 @@ def measured_dispatchers(num_experts: int) -> tuple[str, ...]:
 
 
 def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int,
-                  dispatcher: str = "alltoall") -> list[str]:
-    """One line per shape outside what the published runs of the model's class measured, and the MoE
-    dispatcher where none of them dispatched so."""
+                  dispatcher: str = "alltoall", offload_layers: int = 0) -> list[str]:
+    """One line per shape outside what the published runs of the model's class measured, the MoE dispatcher
+    where none of them dispatched so, and activation offloading, which none of them states."""
     kind = "MoE" if num_experts else "dense"
     runs = _region().get(kind, {}).get("runs")
     notes = [f"outside the measured region: {shape.words}, where the {runs} published {kind} runs measured "
@@ -94,4 +94,8 @@ def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp:
     if ep > 1 and measured and str(dispatcher) not in measured:
         notes.append(f"outside the measured region: the {dispatcher} MoE dispatcher, where the {runs} published "
                      f"MoE runs dispatched with {', '.join(measured)}; the prediction extrapolates there")
+    if offload_layers:
+        notes.append(f"outside the measured region: activation offloading ({offload_layers} layers), which none of "
+                     "the published runs the model was fitted on states (Megatron-Bridge's GB200 Megatron-FSDP "
+                     "sweeps ran it, never fitted: docs/ranking.md); the prediction extrapolates there")
     return notes

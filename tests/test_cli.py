@@ -33,7 +33,7 @@ MEGATRON_ARGS = {
     "--moe-token-dispatcher-type", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--overlap-grad-reduce",
     "--overlap-param-gather",
     # TransformerConfig fields, which Megatron-LM's arguments.py turns into flags (ArgumentGroupFactory)
-    "--recompute-modules", "--moe-grouped-gemm",
+    "--recompute-modules", "--moe-grouped-gemm", "--cpu-offloading-num-layers",
 }
 # DeepSpeed config keys it reads (deepspeed/runtime/config.py, constants.py)
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",

@@ -47,6 +47,8 @@ def test_the_plan_offloads_the_fewest_layers_that_fit_and_says_what_recomputing_
     # the device holds every layer's activations but the offloaded ones, and one of those in flight
     parts = gb200_plan.memory[0].parts
     assert parts["offload_in_flight"] > 0 and gb200_plan.breakdown["offload_s"] >= 0
+    # no run the model was fitted on states offloading: the plan says it extrapolates
+    assert any("activation offloading" in note for note in gb200_plan.outside_measured)
 
 
 def test_host_memory_bounds_offloading():
