@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import time
 from dataclasses import replace
 
-from cost_models.layout import Fp8Recipe, Layout, MoeDispatcher, Recompute
+from cost_models.layout import Layout, MoeDispatcher, Recompute
 from cost_models.layout_codec import FIELDS, FULL_KEYS, layout_from, parse_text, parse_values, text_of
 from cost_models.memory import usable_bytes
 from cost_models.step_time import Estimate, estimate
@@ -24,6 +24,7 @@ from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
 from .plans import Alternative, LayoutRecord, Plan, SearchStats, memory_records, stage_records
 from .search.branch_and_bound import SearchCaches, search
+from .alternatives import other_dispatchers, other_fp8_recipes, tp_overlap_twin
 from .search.offload_leaf import offload_alternative, offload_where_needed
 from .search.space import with_tp_overlap
 from .search.tree import SearchOutcome
@@ -79,11 +80,11 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
         alternatives=alternatives(best, ranked[1:]),
         reasons=reasons(best, cluster, ranked[1:], pairs, twin)
-        + dispatcher_reason(best, _other_dispatchers(graph, cluster, best, stack, ep_imbalance))
-        + fp8_recipe_reason(best, _other_fp8_recipes(graph, cluster, best, stack, ep_imbalance),
+        + dispatcher_reason(best, other_dispatchers(graph, cluster, best, stack, ep_imbalance))
+        + fp8_recipe_reason(best, other_fp8_recipes(graph, cluster, best, stack, ep_imbalance),
                             stack.fp8_recipes[0] if stack.fp8_recipes else None)
         + dispatch_sm_notes(best, stack, cluster) + tp_overlap_reason(best, stack, cluster,
-                                                                      _tp_overlap_twin(graph, cluster, best, stack,
+                                                                      tp_overlap_twin(graph, cluster, best, stack,
                                                                                        ep_imbalance), twin)
         + offload_reason(best, cluster, *offload_alternative(graph.costs_record, cluster, best, stack, ep_imbalance))
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
@@ -94,56 +95,6 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,
                                        best.layout.cp, best.layout.ep, best.layout.moe_dispatcher,
                                        best.layout.offload_layers))
-
-
-def _other_dispatchers(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
-                       ep_imbalance: float) -> list[Estimate]:
-    """The plan under each other MoE dispatcher the stack runs on the device (experts spread), with the same
-    split and recomputation; combined 1F1B kept where that dispatcher runs it."""
-    lay = best.layout
-    if lay.ep == 1:
-        return []
-    return [estimate(graph.costs_record, cluster, _same_split(best, moe_dispatcher=MoeDispatcher(d),
-                                                              moe_a2a_overlap=lay.moe_a2a_overlap
-                                                              and d in A2A_OVERLAP_DISPATCHERS),
-                     stack, ep_imbalance)
-            for d in stack.dispatchers_on(cluster.device) if d != lay.moe_dispatcher]
-
-
-def _same_split(best: Estimate, **changes) -> Layout:
-    """The plan's layout with its stage split and per-layer recomputation, and `changes`: an alternative the
-    reasons weigh against it."""
-    return replace(best.layout, stage_layers=best.stage_layers, layer_recompute=best.layer_recompute, **changes)
-
-
-def _other_fp8_recipes(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
-                       ep_imbalance: float) -> list[Estimate]:
-    """The FP8 plan under each other recipe the stack runs for it on the device (the rulebook's: MXFP8 on
-    Blackwell, no delayed scaling beside recomputed casts), with the same split and recomputation."""
-    lay = best.layout
-    if lay.precision != "fp8":
-        return []
-    out = []
-    for recipe in (r for r in stack.fp8_recipes if r != lay.fp8_recipe):
-        other = _same_split(best, fp8_recipe=Fp8Recipe(recipe))
-        try:
-            check_device_for(cluster, stack, "fp8", recipe)
-        except UserInputError:
-            continue
-        if not layout_stack_problems(other, stack, graph):
-            out.append(estimate(graph.costs_record, cluster, other, stack, ep_imbalance))
-    return out
-
-
-def _tp_overlap_twin(graph: ModelGraph, cluster: Cluster, best: Estimate, stack: SoftwareStack,
-                     ep_imbalance: float) -> Estimate | None:
-    """The plan with TP communication overlap flipped, with the same split and recomputation, where the stack runs
-    it for the layout and combined 1F1B does not rule it out."""
-    lay = best.layout
-    if not stack.tp_overlap_choice(lay, cluster.device):
-        return None
-    return estimate(graph.costs_record, cluster, _same_split(best, tp_comm_overlap=not lay.tp_comm_overlap), stack,
-                    ep_imbalance)
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:
