@@ -406,7 +406,13 @@ def _predict_on(job: Job, cluster: Cluster, given: Layout) -> Plan:
         plan_ = plan_.model_copy(update={"reasons": plan_.reasons + [
             "layers split evenly over the stages and recomputation as given (Megatron's defaults); plan with "
             "these degrees pinned also balances the split and recomputes per layer, as its alternatives do"]})
-    if not result.fits:
+    held = result.stage_memory[0]
+    if held.host_bytes > held.host_capacity:   # offloaded activations beyond the host memory (offload_layers)
+        plan_ = plan_.model_copy(update={"reasons": [
+            f"does not fit host memory: the {given.offload_layers} offloaded layers' activations need "
+            f"{held.host_bytes / 1e9:.1f} GB per device, beyond the {held.host_capacity / 1e9:.0f} GB the device "
+            "profile gives (host_memory_bytes)"] + plan_.reasons})
+    elif not result.fits:
         worst = max(result.stage_memory, key=lambda s: s.total)
         part = max(worst.parts(), key=worst.parts().get)
         plan_ = plan_.model_copy(update={"reasons": [

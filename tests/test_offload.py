@@ -64,6 +64,10 @@ def test_host_memory_bounds_offloading():
     offloading = api.evaluate("llama3-70b", roomy, layout=layout, **{k: v for k, v in job.items()
                                                                       if k != "num_devices"})
     assert offloading.layout.offload_layers > 0
+    # a whole layout that offloads more than the host holds is predicted, does not fit, and says why
+    overfull = api.evaluate("llama3-70b", layout="tp=1,pp=1,vp=1,dp=64,cp=1,ep=1,etp=1,mbs=2,zero=3,recompute=none,"
+                            "offload_layers=79", device="h100-sxm", **job)
+    assert not overfull.fits and overfull.reasons[0].startswith("does not fit host memory")
 
 
 def test_the_rulebook_refuses_offloading_where_megatron_core_does():

@@ -33,7 +33,7 @@ def can_offload(stack: SoftwareStack, cluster: Cluster) -> bool:
 @dataclass(frozen=True)
 class OffloadRoute:
     """Whether and how the search's leaves may offload activations."""
-    allowed: bool          # the stack runs it, the device has a host link, no pin rules it out
+    allowed: bool          # the stack runs it, the device profile costs it (`can_offload`), no pin rules it out
     pinned: int | None     # offload_layers as pinned (None: chosen per leaf)
 
     @classmethod
@@ -50,8 +50,6 @@ class OffloadRoute:
     def only(self, layout: Layout, stack: SoftwareStack) -> bool:
         """Offloading is pinned on: the leaf does not recompute."""
         return bool(self.pinned) and self.applies(layout, stack)
-
-
 
 
 def route_extra_floor_s(bounds: Bounds, layout: Layout, costs: MeshCosts, capacity: float,
