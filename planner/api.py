@@ -255,6 +255,9 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
     except UserInputError as exc:   # none fits there, or no time is left to look
         return result.model_copy(update={"reasons": result.reasons + [
             f"no plan inside the measured region was found: {exc.args[0] if exc.args else exc}"]})
+    if inside.outside_measured:   # the pins keep every plan outside (e.g. a pinned offload_layers)
+        return result.model_copy(update={"reasons": result.reasons + [
+            f"no plan inside the measured region with these pins: {inside.outside_measured[0]}"]})
     slower = inside.step_time_s / result.step_time_s - 1
     return result.model_copy(update={"inside_measured": Alternative(
         layout=text_of(inside.to_layout()), step_time_s=inside.step_time_s, mfu=inside.mfu,

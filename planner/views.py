@@ -76,6 +76,8 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
                  f"vp={lay.vp} cp={lay.cp} ep={lay.ep} etp={lay.etp}")
     head.add_row("batch", f"global {lay.gbs}, micro {lay.mbs}, {lay.gbs // (lay.dp * lay.mbs)} micro-batches, "
                  f"seq {result.seq_len}")
+    if lay.offload_layers:
+        head.add_row("offloading", f"the first {lay.offload_layers} layers' activations to host memory")
     head.add_row("optimizer", f"ZeRO-{lay.zero}, {lay.precision}, schedule {lay.schedule}"
                  f"{' (combined 1F1B: MoE all-to-alls overlapped)' if lay.moe_a2a_overlap else ''}, mesh {lay.order}")
     head.add_row("step time", f"{result.step_time_s:.3f} s   {result.tokens_per_s:,.0f} tokens/s")
