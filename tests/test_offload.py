@@ -38,6 +38,9 @@ def test_the_plan_offloads_the_fewest_layers_that_fit_and_says_what_recomputing_
     more = api.evaluate("llama3-70b", layout=FSDP + f",recompute=none,offload_layers={chosen + 1}", device="gb200",
                         **JOB)
     assert more.fits and more.step_time_s >= gb200_plan.step_time_s
+    # a whole layout without recomputation that leaves the count out takes it as the search does
+    whole = api.evaluate("llama3-70b", layout=FSDP + ",vp=1,etp=1,recompute=none", device="gb200", **JOB)
+    assert (whole.layout.offload_layers, whole.step_time_s) == (chosen, pytest.approx(gb200_plan.step_time_s))
     # the reason's alternative is the plan the search makes with offloading ruled out
     recomputed = api.evaluate("llama3-70b", layout=FSDP + ",offload_layers=0", device="gb200", **JOB)
     assert recomputed.layout.offload_layers == 0 and "full" in recomputed.stages[0].recompute
