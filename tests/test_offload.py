@@ -80,6 +80,8 @@ def test_the_rulebook_refuses_offloading_where_megatron_core_does():
     assert any("pipeline" in p for p in stack_problems(pins_from({"offload_layers": 4, "pp": 2}), bridge, "bf16"))
     assert any("recomputation" in p
                for p in stack_problems(pins_from({"offload_layers": 4, "recompute": "full"}), bridge, "bf16"))
+    assert any("CUDA graphs" in p for p in stack_problems(pins_from({"offload_layers": 4}),
+                                                          bridge.model_copy(update={"cuda_graphs": True}), "bf16"))
     graph = capture("llama3-8b")
     assert any("fewer layers than the model's 32" in p
                for p in stack_problems(pins_from({"offload_layers": 32}), bridge, "bf16", graph))

@@ -215,6 +215,9 @@ def _offload_problems(pins: Pins, stack: SoftwareStack, graph=None) -> list[str]
     if not stack.activation_offload:
         return [f"{head}: the {stack.name} stack has no activation offloading (Megatron --cpu-offloading-num-layers)"]
     problems = []
+    if stack.cuda_graphs:
+        problems.append(f"{head}: the {stack.name} stack replays layers as CUDA graphs, which Megatron-Core's "
+                        "TransformerConfig refuses beside CPU offloading")
     if pins.pp and pins.pp > 1:
         problems.append(f"{head} with pp={pins.pp}: Megatron-Core offloads activations only without pipeline "
                         "parallelism (TransformerConfig)")

@@ -24,9 +24,10 @@ from .partition import solve_partition
 
 
 def can_offload(stack: SoftwareStack, cluster: Cluster) -> bool:
-    """The stack offloads activations and the device profile gives the host link and memory to cost it."""
+    """The stack offloads activations and replays no CUDA graphs (Megatron-Core refuses the two together), and the
+    device profile gives the host link and memory to cost it."""
     device = cluster.device
-    return stack.activation_offload and device.host_link_gbytes_per_s is not None \
+    return stack.activation_offload and not stack.cuda_graphs and device.host_link_gbytes_per_s is not None \
         and device.host_memory_bytes is not None
 
 
