@@ -173,7 +173,8 @@ def offload_reason(best: Estimate, cluster: Cluster, applies: bool, twin: Estima
                 f"the last layer, or no more than the {cluster.device.host_memory_bytes / 1e9:.0f} GB of host memory "
                 "per device holds, frees too little"]
     return [f"recomputation rather than activation offloading: offloading the fewest layers that fit "
-            f"({twin.layout.offload_layers}) over the {link:g} GB/s host link instead, the plan {_loses(best, twin)}"]
+            f"({twin.layout.offload_layers}) over the {link:g} GB/s host link instead, the plan "
+            + _loses(best, twin)]
 
 
 def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:

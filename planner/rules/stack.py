@@ -232,10 +232,9 @@ def _offload_problems(pins: Pins, stack: SoftwareStack, graph=None) -> list[str]
 def layout_stack_problems(layout: Layout, stack: SoftwareStack, graph=None) -> list[str]:
     """What in a whole layout (its degrees, SP, FP8 recipe, per-layer methods) the stack cannot run, for
     this model where `graph` is given."""
-    problems = stack_problems(pins_from(values_of(layout, FULL_KEYS + ("sp", "a2a_overlap", "tp_overlap", "dispatcher",
-                                                                       "fp8_recipe", "recompute_modules",
-                                                                       "schedule", "recompute_layers", "offload_layers"))), stack,
-                              layout.precision, graph)
+    keys = FULL_KEYS + ("sp", "a2a_overlap", "tp_overlap", "dispatcher", "fp8_recipe", "recompute_modules", "schedule",
+                        "recompute_layers", "offload_layers")
+    problems = stack_problems(pins_from(values_of(layout, keys)), stack, layout.precision, graph)
     stages = layout.stage_layers
     if layout.dualpipev and stack.dualpipev_even_split and stages and len(set(stages)) > 1:
         problems.append(f"stages {'-'.join(map(str, stages))} with schedule=dualpipev: the {stack.name} stack splits "
