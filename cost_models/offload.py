@@ -27,10 +27,6 @@ class OffloadCost:
     in_flight_bytes: float     # the largest offloaded block's, still on the device while its copy runs
     exposed_s: float           # per micro-batch: copies beyond the passes they run beside
 
-    @property
-    def device_saving_bytes(self) -> float:
-        return self.host_bytes - self.in_flight_bytes
-
 
 NO_OFFLOAD = OffloadCost(0, 0.0, 0.0, 0.0)
 
@@ -60,10 +56,10 @@ def offload_cost(costs: MeshCosts, layers: int) -> OffloadCost:
     return OffloadCost(layers, sum(sizes), max(sizes), exposed)
 
 
-def most_saving_bytes(costs: MeshCosts) -> float:
-    """What offloading every block it may (all but the last) frees at most."""
-    sizes = [saved_bytes(b) for b in _blocks(costs)[:-1]]
-    return sum(sizes) - max(sizes) if sizes else 0.0
+def freed_bytes(sizes: list[float]) -> float:
+    """What offloading blocks of these saved sizes frees on the device at the peak: all of them but one in flight,
+    the largest at most."""
+    return sum(sizes) - max(sizes, default=0.0)
 
 
 def least_offload(costs: MeshCosts, deficit_bytes: float) -> OffloadCost | None:
@@ -76,7 +72,7 @@ def least_offload(costs: MeshCosts, deficit_bytes: float) -> OffloadCost | None:
     host = costs.cluster.device.host_memory_bytes or 0.0
     total, largest = 0.0, 0.0
     for count, size in enumerate(sizes, start=1):
-        total, largest = total + size, max(largest, size)
+        total, largest = total + size, max(largest, size)   # `freed_bytes` of the first `count`, kept running
         if total > host:
             return None
         if total - largest >= deficit_bytes:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from cost_models.compute import ShardSpec, layer_compute
 from cost_models.layer_costs import RECOMPUTE_INDEX, MeshCosts
 from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule, nested_modules
+from cost_models.offload import freed_bytes
 from hardware_profiles.stack import SoftwareStack
 from cost_models.memory import (StateSharding, activation_bytes, gradients_held_at_peak, logits_bytes,
                                  loss_gradient_bytes, model_state_bytes, usable_bytes)
@@ -288,8 +289,7 @@ class Bounds:
         floor = self._floor(layout, Recompute.none)
         per_kind = {kind.name: act for (kind, _), act in zip(self.model.block_counts,
                                                               self._activations(layout, Recompute.none))}
-        sizes = [per_kind[name] for name in self.model.blocks[:-1][:count]]
-        freed = sum(sizes) - max(sizes, default=0.0)
+        freed = freed_bytes([per_kind[name] for name in self.model.blocks[:-1][:count]])
         return floor.bytes - freed, dict(floor.parts, activations=floor.parts["activations"] - freed)
 
     def no_recompute_floor(self, layout: Layout) -> float:

@@ -31,6 +31,11 @@ def can_offload(stack: SoftwareStack, cluster: Cluster) -> bool:
         and device.host_memory_bytes is not None
 
 
+def layout_offloads(layout: Layout, stack: SoftwareStack) -> bool:
+    """The layout's shape allows offloading: pp = 1 and its MoE all-to-alls not paired by combined 1F1B."""
+    return layout.pp == 1 and not stack.hides_moe_a2a(layout)
+
+
 @dataclass(frozen=True)
 class OffloadRoute:
     """Whether and how the search's leaves may offload activations."""
@@ -45,8 +50,8 @@ class OffloadRoute:
         return cls(allowed, pinned)
 
     def applies(self, layout: Layout, stack: SoftwareStack) -> bool:
-        """The layout may offload: pp = 1 and its MoE all-to-alls not paired by combined 1F1B."""
-        return self.allowed and layout.pp == 1 and not stack.hides_moe_a2a(layout)
+        """The layout may offload (`layout_offloads`) and the search may weigh it."""
+        return self.allowed and layout_offloads(layout, stack)
 
     def only(self, layout: Layout, stack: SoftwareStack) -> bool:
         """Offloading is pinned on: the leaf does not recompute."""
@@ -91,7 +96,7 @@ def offload_alternative(model, cluster: Cluster, best: Estimate, stack: Software
     at pp = 1 against the fewest offloaded layers that fit; None where that way does not fit), and the host bytes
     the plan offloads."""
     lay = best.layout
-    if not (can_offload(stack, cluster) and lay.pp == 1 and not stack.hides_moe_a2a(lay)):
+    if not (can_offload(stack, cluster) and layout_offloads(lay, stack)):
         return False, None, 0.0
     plain = replace(lay, offload_layers=0, stage_layers=None, layer_recompute=None)
     costs = MeshCosts(model, cluster, plain, stack, ep_imbalance)
@@ -112,7 +117,7 @@ def offload_alternative(model, cluster: Cluster, best: Estimate, stack: Software
 def offload_where_needed(model, cluster: Cluster, layout: Layout, stack: SoftwareStack, ep_imbalance: float) -> Layout:
     """A whole layout given without `offload_layers`, as the search would take it: without recomputation at pp = 1,
     where it does not fit on the device, offloading the fewest layers that fit (as given elsewhere)."""
-    if not (can_offload(stack, cluster) and layout.pp == 1 and not stack.hides_moe_a2a(layout)) \
+    if not (can_offload(stack, cluster) and layout_offloads(layout, stack)) \
             or layout.recompute is not Recompute.none or layout.recompute_layers is not None \
             or any(r is not Recompute.none for r in layout.layer_recompute or ()):
         return layout
