@@ -61,7 +61,7 @@ EXPERT_LAYOUTS = [
     ("DeepSeek-V3, 2,048 H800", "DeepSeek-AI 2024 (arXiv 2412.19437), 3.1-3.3: PP16 EP64 ZeRO-1, FP8, DeepEP "
      "dispatch (one copy per node, FP8), node-limited routing, one MTP module (4.2: depth D = 1), 180K GPU hours "
      "per trillion tokens", ("deepseek-v3", {"mtp_layers": 1}), "h800", 2048, 15360, 4096, "tp=1,pp=16,ep=64,zero=1,fp8_recipe=tensorwise", "fp8",
-     {"moe_dispatcher": "deepep"}, 1e12 / (180e3 * 3600), "tokens/s per GPU"),
+     {"moe_dispatcher": "deepep", "moe_fp8_dispatch": True}, 1e12 / (180e3 * 3600), "tokens/s per GPU"),
 ]
 
 
@@ -96,7 +96,8 @@ EXPERT_LAYOUT_VARIANTS = [
      "micro-batch's backward and hides the all-to-alls (3.2.1), here in DualPipeV's form (one copy of the weights "
      "where DualPipe holds two)", ("deepseek-v3", {"mtp_layers": 1}), "h800", 2048, 15360, 4096,
      "tp=1,pp=16,ep=64,zero=1,fp8_recipe=tensorwise,schedule=dualpipev", "fp8",
-     {"moe_dispatcher": "deepep", "dualpipev_schedule": True, "dualpipev_hides_moe_a2a": True},
+     {"moe_dispatcher": "deepep", "moe_fp8_dispatch": True, "dualpipev_schedule": True,
+      "dualpipev_hides_moe_a2a": True},
      1e12 / (180e3 * 3600), "tokens/s per GPU"),
 ]
 

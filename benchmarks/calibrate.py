@@ -1,5 +1,5 @@
 """Fit the two calibrated compute figures of each device profile on published runs, and report the
-error on the runs left out of the fit.
+error on the runs left out of the fit; first, the clusters' all-to-all figure (calibrate_all_to_all.py).
 
 For each device with published runs: `gemm.sustained_fraction` (share of the measured MAMF kept inside a
 training step) and `gemm.half_work_gflop` (how fast GEMM efficiency saturates with size), the latter
@@ -31,6 +31,7 @@ from hardware_profiles.errors import UserInputError  # noqa: E402
 from hardware_profiles.loader import DEVICE_DIR  # noqa: E402
 from planner.job import capture_for  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, load_runs, predict, run_stack  # noqa: E402
+from benchmarks import calibrate_all_to_all as all_to_all  # noqa: E402
 from benchmarks.gpu_compare import DEFAULT_RESULTS, HALF_WORK_GRID_GFLOP, measured_half_work  # noqa: E402
 
 # profiles without published runs of their own that share the fitted GPU's silicon and software
@@ -134,13 +135,17 @@ def write_profile(device: str, sustained: float, scales: Scales) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", default=str(DEFAULT_RUNS))
-    parser.add_argument("--write", action="store_true", help="update the device YAML files")
+    parser.add_argument("--write", action="store_true", help="update the device and cluster YAML files")
     parser.add_argument("--time-limit", type=float, default=10.0)
     args = parser.parse_args(argv)
     runs, _ = load_runs(args.runs)
     halves = split_runs(runs)
     fitted = {device: (fixed_layouts(fitting_runs, args.time_limit), fixed_layouts(held_runs, args.time_limit))
               for device, (fitting_runs, held_runs) in halves.items()}
+    # the clusters' all-to-all figure first (benchmarks/calibrate_all_to_all.py): the GEMM figures are fitted
+    # on the MoE runs' predictions with it
+    fractions = all_to_all.calibrate([item for pair in fitted.values() for half in pair for item in half], args.write)
+    fitted = {device: tuple(all_to_all.with_fitted(half, fractions) for half in pair) for device, pair in fitted.items()}
     silicon_scales = {}
     for device, others in SAME_SILICON.items():   # devices of one silicon that all have runs share the scales
         members = [d for d in (device, *others) if d in fitted and d not in MEASURED_GEMMS]

@@ -48,6 +48,7 @@ class Links:
     intra_in_network_bps: float | None
     intra_all_to_all_bps: float
     inter_bps: float
+    inter_all_to_all_bps: float   # NCCL's pairwise all-to-all's share of `inter_bps`'s line rate
     base_latency_s: float
     intra_hop_s: float
     inter_hop_s: float
@@ -59,12 +60,15 @@ def links_for(group: GroupPlacement, cluster: Cluster) -> Links:
     fabric = cluster.device.intra_node
     intra = fabric.bandwidth_per_direction_gbytes_per_s * GB * group.intra_bandwidth_share
     network = cluster.inter_node
-    inter = network.nic_bandwidth_gbit_per_s / 8 * GB * network.busbw_fraction * group.nic_share_per_rank
+    line = network.nic_bandwidth_gbit_per_s / 8 * GB * group.nic_share_per_rank
     if group.spans_pods:
-        inter /= network.oversubscription_above_pod
+        line /= network.oversubscription_above_pod
+    inter = line * network.busbw_fraction
+    inter_all_to_all = line * (network.all_to_all_fraction or network.busbw_fraction)
     in_network = intra * fabric.in_network_fraction if fabric.in_network_reduction else None
     return Links(intra_ring_bps=intra * fabric.ring_busbw_fraction, intra_in_network_bps=in_network,
                  intra_all_to_all_bps=intra * fabric.all_to_all_fraction_for(group.size), inter_bps=inter,
+                 inter_all_to_all_bps=inter_all_to_all,
                  base_latency_s=fabric.base_latency_us * US, intra_hop_s=fabric.hop_latency_us * US,
                  inter_hop_s=network.latency_us * US, in_network_min_ranks=fabric.in_network_min_ranks,
                  full_mesh=fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh))
@@ -137,7 +141,7 @@ def _all_to_all(size: float, group: GroupPlacement, links: Links, imbalance: flo
     """Pairwise exchange: S/n to every peer; on-domain and off-domain parts run concurrently."""
     n, k = group.size, group.ranks_per_domain
     intra_bw = (k - 1) / n * size / links.intra_all_to_all_bps
-    inter_bw = (n - k) / n * size / links.inter_bps
+    inter_bw = (n - k) / n * size / links.inter_all_to_all_bps
     latency = links.base_latency_s + (k - 1) * links.intra_hop_s + (n - k) * links.inter_hop_s / max(1, k)
     return _cost(max(intra_bw, inter_bw) * imbalance, latency, "pairwise")
 

@@ -160,10 +160,11 @@ class ExpertCommunication:
 
     def _deduplicated_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the
-        layout trains in FP8, BF16 combine."""
+        layout trains in FP8 and the stack sends FP8 tokens (`SoftwareStack.moe_fp8_dispatch`), BF16 combine."""
         group = self.placement.experts.of("ep")
         bf16 = kind.hidden_size * ACTIVATION_BYTES
-        dispatch = fp8_token_bytes(kind.hidden_size) if self.layout.precision == Precision.fp8 else bf16
+        fp8 = self.layout.precision == Precision.fp8 and self.stack.moe_fp8_dispatch
+        dispatch = fp8_token_bytes(kind.hidden_size) if fp8 else bf16
         seconds = []
         for token_bytes in (dispatch, bf16):
             key = ("dedup", token_bytes, tokens, kind.name, group)

@@ -90,7 +90,8 @@ class MoeDispatcher(TextEnum):
     """How a MoE layer's tokens reach their experts' ranks (Megatron-Core --moe-token-dispatcher-type)."""
     alltoall = "alltoall"     # one copy per chosen expert, sent by NCCL's all-to-all
     # one copy per destination scale-up domain, forwarded inside it (DeepEP, HybridEP: Megatron-Core
-    # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep|hybridep); FP8 dispatch in FP8
+    # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep|hybridep); FP8 tokens
+    # only where the stack sends them (`SoftwareStack.moe_fp8_dispatch`)
     deepep = "deepep"
     allgather = "allgather"   # every token to the expert tp x ep group, outputs reduce-scattered back
 

@@ -194,6 +194,10 @@ class InterNodeNetwork(Strict):
     nic_bandwidth_gbit_per_s: float = Field(gt=0)
     nics_per_node: int = Field(gt=0)
     busbw_fraction: float = Field(gt=0, le=1)
+    # NCCL's pairwise all-to-all across nodes: each GPU sends to every remote peer at once through its own NIC
+    # (it cannot aggregate a node's NICs, NVIDIA/nccl-tests issue 267), short of the rings' `busbw_fraction`;
+    # None where no figure is known: the rings' fraction is assumed and the plan says so
+    all_to_all_fraction: float | None = Field(default=None, gt=0, le=1)
     latency_us: float = Field(ge=0)
     pod_size_devices: int | None = Field(default=None, gt=0)
     oversubscription_above_pod: float = Field(default=1.0, ge=1)

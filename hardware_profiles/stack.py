@@ -136,9 +136,14 @@ class SoftwareStack(Strict):
     # leaves it out; the exports write the flags where a plan runs it
     moe_a2a_overlap: bool
     # MoE token dispatcher: a plain all-to-all (one copy per chosen expert), or DeepEP's deduplicated one
-    # (one copy per destination scale-up domain, forwarded inside it; FP8 dispatch when training in FP8:
-    # Megatron-Core --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
+    # (one copy per destination scale-up domain, forwarded inside it: Megatron-Core
+    # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
     moe_dispatcher: MoeDispatcher = "alltoall"
+    # whether the deduplicated dispatch sends FP8 tokens (one byte per channel, an fp32 scale per 128) when
+    # training in FP8, as DeepSeek-V3's does (3.3.2); Megatron-Core's DeepEP and HybridEP dispatch the BF16
+    # hidden states (transformer/moe/fused_a2a.py: FusedDispatch passes them as they are; HybridEP sets
+    # fp8_dispatch False, "we do not support fp8 dispatch"), the combine is BF16 in both
+    moe_fp8_dispatch: bool = False
     # the dispatchers it can run (the search chooses among them per layout where experts spread, DeepEP's only
     # on a device whose profile runs its kernels); `moe_dispatcher` is its default, where ep = 1 or none is chosen
     moe_dispatchers: tuple[MoeDispatcher, ...] = Field(default=("alltoall",), min_length=1, strict=False)

@@ -17,8 +17,9 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes
-from .explain import (alternatives, dispatch_sm_notes, dispatcher_reason, expert_load_note, fp8_recipe_reason,
-                      host_note, offload_reason, reasons, state_notes, tp_overlap_reason)
+from .explain import (all_to_all_fraction_note, alternatives, dispatch_sm_notes, dispatcher_reason,
+                      expert_load_note, fp8_recipe_reason, host_note, offload_reason, reasons, state_notes,
+                      tp_overlap_reason)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
@@ -88,6 +89,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
                                                                                        ep_imbalance), twin)
         + offload_reason(best, cluster, *offload_alternative(graph.costs_record, cluster, best, stack, ep_imbalance))
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
+        + all_to_all_fraction_note(graph.costs_record, cluster, best.layout, stack)
         + host_note(graph.costs_record, cluster, best.layout, stack, ep_imbalance) + list(graph.assumed),
         ep_imbalance=ep_imbalance,
         capture_front_end=graph.front_end, capture_notes=list(graph.capture_notes), mtp_layers=graph.mtp_layers,

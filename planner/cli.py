@@ -82,7 +82,7 @@ DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="the only MoE token 
                              "the search weighs each one the stack runs on the device; dispatcher=NAME in the layout "
                              "pins one): alltoall "
                              "(one copy per chosen expert), deepep (one per destination node, forwarded over "
-                             "NVLink; FP8 dispatch under --precision fp8: Megatron-Core --moe-token-dispatcher-type "
+                             "NVLink, BF16 tokens as Megatron-Core sends them: --moe-token-dispatcher-type "
                              "flex --moe-flex-dispatcher-backend deepep) or allgather (every token gathered to the "
                              "expert tp x ep group and the outputs reduce-scattered back: Megatron-Core's default)")
 MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="the stack runs Megatron's combined 1F1B "

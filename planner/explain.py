@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from cost_models.compute import ShardSpec, layer_compute, rank_load
 from cost_models.host_time import host_billed, layer_host_seconds
+from cost_models.layer_costs import MeshCosts
 from cost_models.layout import Layout, Recompute
 from cost_models.memory import StateSharding, casts_by_fsdp_policy
 from cost_models.records import ModelCosts
@@ -221,6 +222,21 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
         f"one per p2p channel ({channels.within_node} within a node, {channels.across_nodes} across nodes)"
     return [f"{kernels} {held} of {device.sm_count} SMs while {schedule}: that "
             "compute runs on the rest while they last"]
+
+
+def all_to_all_fraction_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack) -> list[str]:
+    """Said where NCCL's expert all-to-all crosses nodes on a cluster whose profile has no all-to-all figure of
+    its own: the rings' is assumed (`InterNodeNetwork.all_to_all_fraction`)."""
+    network = cluster.inter_node
+    if (layout.ep == 1 or layout.moe_dispatcher != "alltoall" or network.all_to_all_fraction is not None
+            or not any(kind.num_experts for kind, _ in model.block_counts)):
+        return []
+    group = MeshCosts(model, cluster, layout, stack).placement.experts.of("ep")
+    if group.ranks_per_node >= group.size:
+        return []
+    return [f"the expert all-to-all crosses nodes and the cluster profile gives no inter_node.all_to_all_fraction: "
+            f"it is billed at the rings' busbw_fraction ({network.busbw_fraction:g}), which NCCL's all-to-all "
+            "falls short of where it is fitted (the DGX clusters' figure, docs/profiles.md)"]
 
 
 def expert_load_note(model: ModelCosts, layout: Layout, ep_imbalance: float) -> list[str]:

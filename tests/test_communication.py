@@ -189,7 +189,33 @@ def test_deduplicated_dispatch_inside_one_domain_is_the_plain_all_to_all():
     # unless all 8 fall in the other 3 chosen groups: 7 * 0.5 * (1 - C(96, 8)/C(128, 8)) = 3.17 copies
     # over the scale-out links instead of the plain all-to-all's 7 (8 x 56/64)
     copies = 7 * 0.5 * (1 - math.comb(96, 8) / math.comb(128, 8))
-    assert dedup.bandwidth_seconds == pytest.approx(plain.bandwidth_seconds * copies / 7, rel=0.01)
+    # and at the rings' share of the line rate (DeepEP's RDMA kernels: 43-51 GB/s of CX7's 50, hardware-facts.md),
+    # where NCCL's pairwise all-to-all keeps the cluster's all-to-all share
+    network = cluster.inter_node
+    rings_over_pairwise = network.busbw_fraction / network.all_to_all_fraction
+    assert dedup.bandwidth_seconds == pytest.approx(plain.bandwidth_seconds * copies / 7 / rings_over_pairwise,
+                                                    rel=0.01)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5, 0.61])
+def test_pairwise_all_to_all_across_nodes_runs_at_the_clusters_all_to_all_share(fraction):
+    """NCCL's all-to-all across n ranks, k per node: each rank's (n - k)/n remote share leaves through its own
+    NIC (nccl-tests issue 130: "the portion that's going through the network will determine the global time")
+    at the profile's all-to-all share of the line rate, or the rings' where the profile gives none."""
+    from planner.job import resolve_cluster
+    cluster = resolve_cluster(device="h100-sxm", num_devices=64)
+    network = cluster.inter_node.model_copy(update={"all_to_all_fraction": fraction})
+    cluster = cluster.model_copy(update={"inter_node": network})
+    size = 256 * MIB
+    line = network.nic_bandwidth_gbit_per_s / 8 * 1e9
+    share = network.busbw_fraction if fraction is None else fraction
+    got = collective_time(Collective.all_to_all, size, _group(cluster, 64), cluster)
+    assert got.bandwidth_seconds == pytest.approx(56 / 64 * size / (line * share), rel=1e-9)
+    # an all-reduce's rings keep their own share whatever the all-to-all's
+    ring = collective_time(Collective.all_reduce, size, _group(cluster, 64), cluster)
+    assert ring.seconds == pytest.approx(collective_time(Collective.all_reduce, size, _group(
+        resolve_cluster(device="h100-sxm", num_devices=64), 64), resolve_cluster(device="h100-sxm", num_devices=64))
+        .seconds, rel=1e-12)
 
 
 def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
@@ -230,3 +256,44 @@ def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
     gathered = sum(size for op, size in made if op == "all_gather")
     assert billed == [["all_gather", gathered, "etpep"], ["reduce_scatter", made[-1][1], "etpep"]]
     assert [op for op, _ in made] == ["all_gather"] * 3 + ["reduce_scatter"]
+
+
+def test_megatron_cores_deduplicated_dispatch_sends_bf16_tokens_when_training_in_fp8():
+    """Megatron-Core 0.16.1's DeepEP dispatch takes the hidden states as they are (FusedDispatch has no FP8
+    argument) and HybridEP's sets fp8_dispatch False: its stacks' DeepEP-style dispatch is billed in BF16 bytes
+    in FP8 training, as the combine is; a stack that sends FP8 tokens (DeepSeek-V3 3.3.2: one byte a channel,
+    an fp32 scale per 128) halves the dispatch's scale-out bytes, and only the dispatch's."""
+    import inspect
+    import warnings
+
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import load_stack
+    from planner.graph_capture.model_config import ModelConfig, MoEConfig
+    from planner.graph_capture.model_capture import capture
+    from planner.job import resolve_cluster
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe import fused_a2a
+    assert not [name for name in inspect.signature(fused_a2a.FusedDispatch.forward).parameters if "fp8" in name]
+    assert "fp8_dispatch = False  # Currently, we do not support fp8 dispatch" in inspect.getsource(fused_a2a)
+
+    cfg = ModelConfig(name="moe", num_layers=1, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096,
+                      vocab_size=512, seq_length=4096, moe=MoEConfig(num_experts=64, router_topk=8,
+                                                                     moe_ffn_hidden_size=512))
+    model = capture(cfg).costs()
+    kind = next(k for k in model.kinds if k.num_experts)
+    cluster = resolve_cluster(device="h100-sxm", num_devices=32)
+    stack = load_stack("megatron-core")
+
+    def exchanges(precision: str, fp8_dispatch: bool) -> tuple[float, float]:
+        layout = Layout(dp=32, ep=32, global_batch=32, moe_dispatcher="deepep", precision=precision)
+        return MeshCosts(model, cluster, layout, stack.model_copy(update={"moe_fp8_dispatch": fp8_dispatch})
+                         ).ep_exchanges_s(kind)
+
+    assert not stack.moe_fp8_dispatch and not load_stack("megatron-bridge").moe_fp8_dispatch
+    assert exchanges("fp8", False) == pytest.approx(exchanges("bf16", False), rel=1e-12)
+    dispatch, combine = exchanges("fp8", True)
+    assert combine == pytest.approx(exchanges("bf16", False)[1], rel=1e-12)
+    assert dispatch < 0.6 * combine   # (1 + 4/128) / 2 of the bytes, plus the same latency

@@ -586,3 +586,25 @@ def test_the_fp8_recipe_is_kept_and_each_other_one_the_device_runs_is_costed_bes
                     else f"{recipe} {-change * 100:.1f}% faster" in line)
     bf16 = api.evaluate("llama3-70b", layout=layout, device="b200", **{**common, "precision": "bf16"})
     assert not any(r.startswith("FP8 recipe") for r in bf16.reasons)
+
+
+def test_a_cluster_without_an_all_to_all_share_is_said_where_the_expert_all_to_all_crosses_nodes():
+    """A cluster profile with no `inter_node.all_to_all_fraction` bills NCCL's all-to-all at the rings' share
+    of the line rate: the plan says so where its expert all-to-all leaves a node, and not inside one node or
+    where the profile gives the figure; with the figure the all-to-all is slower, as fitted."""
+    from planner.job import resolve_cluster
+    given = resolve_cluster(device="h100-sxm", num_devices=16)
+    unknown = given.model_copy(update={"inter_node": given.inter_node.model_copy(
+        update={"all_to_all_fraction": None})})
+    layout = "tp=1,pp=1,vp=1,dp=16,cp=1,ep={},etp=1,mbs=1,zero=1,recompute=none,dispatcher=alltoall,a2a_overlap=false"
+    def reasons(cluster, ep):
+        plan = api.evaluate(_shared_expert_moe(), cluster, layout.format(ep), global_batch=16,
+                            stack="megatron-core")
+        return plan, [r for r in plan.reasons if "all_to_all_fraction" in r]
+    across, said = reasons(unknown, 16)
+    assert len(said) == 1 and f"busbw_fraction ({given.inter_node.busbw_fraction:g})" in said[0]
+    assert not reasons(unknown, 8)[1]     # eight ranks of one node
+    fitted, quiet = reasons(given, 16)
+    assert not quiet
+    assert given.inter_node.all_to_all_fraction < given.inter_node.busbw_fraction
+    assert fitted.breakdown["ep_comm_s"] > across.breakdown["ep_comm_s"]
