@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     # the clusters' all-to-all figure first (benchmarks/calibrate_all_to_all.py): the GEMM figures are fitted
     # on the MoE runs' predictions with it
     fractions = all_to_all.calibrate([item for pair in fitted.values() for half in pair for item in half], args.write)
-    fitted = {device: tuple(all_to_all.with_fitted(half, fractions) for half in pair) for device, pair in fitted.items()}
+    fitted = {device: tuple(all_to_all.with_fitted(half, fractions) for half in pair)
+              for device, pair in fitted.items()}
     silicon_scales = {}
     for device, others in SAME_SILICON.items():   # devices of one silicon that all have runs share the scales
         members = [d for d in (device, *others) if d in fitted and d not in MEASURED_GEMMS]
