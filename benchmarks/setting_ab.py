@@ -53,6 +53,19 @@ AB = (
               "the run's Nsight trace: overlap took the communication concurrent with GEMMs and attention from "
               "0.11% to 36.55% of the communication's time, and the GPU-active interval union from 22.821 s to "
               "21.221 s"),
+    SettingAB("Qwen3 30B-A3B, 16 H100, combined 1F1B beside the alltoall dispatcher",
+              "NVIDIA-NeMo/Megatron-Bridge skills/nemo-mbridge-perf-moe-comm-overlap/SKILL.md 'Correctness-first "
+              "alltoall smoke' @067f987d (also skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md): a "
+              "2026-05-18 smoke on 16 H100, Qwen3 30B-A3B mock pretraining, EP16, the alltoall dispatcher, GBS "
+              "1,024, CUDA graphs off, moe_permute_fusion off; steady means over iterations 3-8: no overlap 41.25 s, "
+              "overlap 31.31 s, overlap with delay_wgrad_compute 31.20 s (the arm predicted: the model bills combined "
+              "1F1B with the weight gradients delayed, as the plan's export runs it)",
+              StatedJob("qwen3-30b-a3b", "h100-sxm", 16, 1024, 4096, "bf16"), "megatron-bridge",
+              "tp=1,pp=1,dp=16,cp=1,ep=16,etp=1,vp=1,mbs=1,zero=1,recompute=none,dispatcher=alltoall",
+              "a2a_overlap", 41.25, 31.20,
+              "moe_permute_fusion off (its container's Triton failure) and no CUDA graphs; a directional smoke of six "
+              "iterations; sequence, micro-batch and precision taken as the recipe's (4,096, 1, BF16: the source "
+              "states neither)"),
     SettingAB("Qwen3 30B-A3B, 16 H100, the MoE dispatcher",
               "NVIDIA-NeMo/Megatron-Bridge skills/nemo-mbridge-perf-moe-dispatcher-selection/SKILL.md @067f987d "
               "('Qwen3 30B A3B on H100'): a 2026-05-17 smoke run with the alltoall dispatcher, 45.65 s mean step "

@@ -146,3 +146,18 @@ def test_a_published_ab_of_combined_1f1b_is_predicted_both_ways():
     assert result.off.step_time_s == pytest.approx(AB[0].measured_off_s, rel=0.25)
     assert result.on.step_time_s == pytest.approx(AB[0].measured_on_s, rel=0.25)
     assert 1 / 1.5 <= result.saved_predicted_s / result.saved_measured_s <= 1.5
+
+
+def test_the_alltoall_ab_of_combined_1f1b_is_predicted_both_ways():
+    """Megatron-Bridge's alltoall-dispatcher smoke (Qwen3 30B-A3B on 16 H100, EP16, no CUDA graphs; no overlap
+    41.25 s, combined 1F1B with delayed weight gradients 31.20 s), never fitted, through `planner.evaluate`: each
+    arm within 25% of its measured step and combined 1F1B faster. What the model says it saves is reported, not
+    bounded here (docs/setting-ab.md: 1.60x of what it saved, the over-credit the HybridEP A/B shows at 1.20x)."""
+    from benchmarks.setting_ab import AB, predict
+    ab = next(ab for ab in AB if "alltoall dispatcher" in ab.name)
+    result = predict(ab)
+    assert result.off.fits and result.on.fits and result.on.layout.moe_a2a_overlap
+    assert result.off.layout.moe_dispatcher == result.on.layout.moe_dispatcher == "alltoall"
+    assert result.off.step_time_s == pytest.approx(ab.measured_off_s, rel=0.25)
+    assert result.on.step_time_s == pytest.approx(ab.measured_on_s, rel=0.25)
+    assert result.on.step_time_s < result.off.step_time_s
