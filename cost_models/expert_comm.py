@@ -51,12 +51,11 @@ class ExpertCommunication:
         """One pass's dispatch and combine all-to-alls of the tokens times top-k (0 without experts spread)."""
         if not kind.num_experts or self.layout.ep == 1:
             return 0.0, 0.0
-        lay = self.layout
-        tokens = lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
+        tokens = self.tokens_per_rank()
         if self.layout.moe_dispatcher == "deepep":
             return self._deduplicated_exchanges_s(kind, tokens)
         if self.layout.moe_dispatcher == "allgather":
-            return self._gathered_exchanges_s(kind, tokens)
+            return self._gathered_exchanges_s(kind)
         size = tokens * kind.router_topk * kind.hidden_size * ACTIVATION_BYTES
         one = self.collective(Collective.all_to_all, size, "ep", imbalance=self.spec.expert_load).seconds
         return one, one
@@ -146,17 +145,37 @@ class ExpertCommunication:
             device.nccl_p2p_sms.within_node
         return held / device.sm_count
 
-    def _gathered_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
+    def _gathered_exchanges_s(self, kind: LayerKind) -> tuple[float, float]:
         """Megatron-Core's all-gather dispatcher (MoEAllGatherTokenDispatcher): the expert tp x ep ranks gather
         all their tokens with each token's routing map (bool) and probabilities over the experts, then
         reduce-scatter the experts' outputs back, in the probabilities' dtype: the router's, bf16 unless
         --moe-router-dtype says otherwise."""
-        gathered = tokens * self.layout.etp * self.layout.ep
-        per_token = kind.hidden_size * ACTIVATION_BYTES + kind.num_experts * (1 + ACTIVATION_BYTES)
-        dispatch = self.collective(Collective.all_gather, gathered * per_token, "etpep").seconds
-        combine = self.collective(Collective.reduce_scatter, gathered * kind.hidden_size * ACTIVATION_BYTES,
-                                  "etpep").seconds
+        hidden, routing = self.gathered_dispatch_bytes(kind)
+        dispatch = self.collective(Collective.all_gather, hidden + routing, "etpep").seconds
+        combine = self.collective(Collective.reduce_scatter, hidden, "etpep").seconds
         return dispatch, combine
+
+    def gathered_dispatch_bytes(self, kind: LayerKind) -> tuple[float, float]:
+        """The all-gather dispatcher's gathered buffers of one MoE layer's micro-batch on a rank: the hidden states
+        of the expert tp x ep group's tokens, and their routing map (bool) and probabilities over the experts."""
+        gathered = self.tokens_per_rank() * self.layout.etp * self.layout.ep
+        return gathered * kind.hidden_size * ACTIVATION_BYTES, gathered * kind.num_experts * (1 + ACTIVATION_BYTES)
+
+    def tokens_per_rank(self) -> float:
+        """One micro-batch's tokens on a rank as the MoE layers take them (split by cp, and by tp under SP)."""
+        lay = self.layout
+        return lay.micro_batch * self.model.seq_len / (lay.cp * (lay.tp if lay.sp else 1))
+
+    def dispatch_buffer_bytes(self) -> float:
+        """Memory the all-gather dispatcher holds at a MoE layer's peak beyond the saved activations (Megatron-Core
+        token_dispatcher.py, MoEAllGatherTokenDispatcher): the gathered hidden states until its local experts'
+        tokens are picked out of them, then in the combine the outputs unpermuted into a buffer of that shape for
+        the reduce-scatter (and backward, the gradients' all-gather into one), with the gathered routing map and
+        probabilities beside them; the other dispatchers' buffers are the routed tokens the activations count."""
+        if self.layout.moe_dispatcher != "allgather" or self.layout.ep == 1:
+            return 0.0
+        return max((sum(self.gathered_dispatch_bytes(kind)) for kind in self.model.kinds if kind.num_experts),
+                   default=0.0)
 
     def _deduplicated_exchanges_s(self, kind: LayerKind, tokens: float) -> tuple[float, float]:
         """One dispatch and one combine, DeepEP-style (cost_models/expert_dispatch.py): FP8 dispatch where the

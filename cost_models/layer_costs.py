@@ -368,8 +368,9 @@ class MeshCosts(ExpertCommunication):
 
     @cached_property
     def comm_buffer_bytes(self) -> float:
-        """Two activation messages in flight, plus two layers of gathered weights with ZeRO-3 prefetch."""
-        buffers = 2 * self.activation_message_bytes
+        """Two activation messages in flight, plus two layers of gathered weights with ZeRO-3 prefetch, plus the
+        all-gather dispatcher's gathered tokens (`dispatch_buffer_bytes`)."""
+        buffers = 2 * self.activation_message_bytes + self.dispatch_buffer_bytes()
         if self.layout.zero >= 3:
             buffers += 2 * max(self.layer(kind).weight_bytes_unsharded for kind in self.model.kinds)
         return buffers

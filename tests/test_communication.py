@@ -222,7 +222,8 @@ def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
     """Megatron-Core 0.16.1's MoEAllGatherTokenDispatcher on two gloo ranks (tests/megatron_allgather_dispatch.py,
     a process of its own): it all-gathers each token's routing map, probabilities and hidden state over the
     expert tp x ep group and reduce-scatters the outputs back. The allgather stack bills one all-gather of
-    those three buffers together and one reduce-scatter of the outputs, on the same group."""
+    those three buffers together and one reduce-scatter of the outputs, on the same group, and holds the gathered
+    buffers in memory at the layer's peak."""
     import json
     import subprocess
     import sys
@@ -255,6 +256,9 @@ def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
     costs.ep_exchanges_s(next(kind for kind in capture(cfg).costs().kinds if kind.num_experts))
     gathered = sum(size for op, size in made if op == "all_gather")
     assert billed == [["all_gather", gathered, "etpep"], ["reduce_scatter", made[-1][1], "etpep"]]
+    # and the memory the gathered buffers hold at the layer's peak is those bytes, beside the rest of the stage's
+    assert costs.dispatch_buffer_bytes() == pytest.approx(gathered)
+    assert costs.comm_buffer_bytes == pytest.approx(2 * costs.activation_message_bytes + gathered)
     assert [op for op, _ in made] == ["all_gather"] * 3 + ["reduce_scatter"]
 
 

@@ -42,10 +42,11 @@ def test_gb200_inside_one_nvlink_domain(n):
 
 
 def test_144_gb200_span_two_racks():
-    """Two full racks: the all-to-all's off-rack half goes over the node's NICs, one per GPU."""
+    """Two full racks: the all-to-all's off-rack half goes over the node's NICs, one per GPU, at NCCL's all-to-all
+    share of their line rate."""
     cluster = nvl72(144)
     network = cluster.inter_node
-    nic = network.nic_bandwidth_gbit_per_s / 8 * 1e9 * network.busbw_fraction * network.nics_per_node \
+    nic = network.nic_bandwidth_gbit_per_s / 8 * 1e9 * network.all_to_all_fraction * network.nics_per_node \
         / cluster.devices_per_node
     fabric = cluster.device.intra_node
     intra = fabric.bandwidth_per_direction_gbytes_per_s * 1e9 * fabric.all_to_all_fraction
