@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+from cost_models.memory import usable_bytes
 from cost_models.layout import Recompute, RecomputeModule, first_blocks_of_each_chunk, nested_modules
 from cost_models.pipeline import least_blocks, p2p_transfers_on_critical_path
 
-from .bounds import balanced_bound
+from .bounds import Bounds, balanced_bound
 from .partition_model import TIME_UNIT_S, PartitionModel, selective_is_one_switch
 
 
@@ -107,6 +108,8 @@ def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float
     for bound, set_costs in sets:
         if bound > bar * (1 + BOUND_TOLERANCE):   # nor can any set after it
             break
+        if _beyond_memory(set_costs):   # no partition recomputing it fits: the memory floor proves it
+            continue
         if work_left <= 0:
             proven = False   # the leaf's work is spent with sets left that might beat the best
             break
@@ -123,6 +126,16 @@ def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float
                                work=work_limit - work_left)
     return replace(best, status="OPTIMAL" if proven else "FEASIBLE", gap=0.0 if proven else best.gap, wall_s=wall,
                    work=work_limit - work_left)
+
+
+def _beyond_memory(set_costs: MeshCosts) -> bool:
+    """Whether the memory floor of every block recomputing the set (`Bounds.memory_floor`: at or below the
+    fullest stage of any partition, the least memory selective recomputation of it leaves) exceeds the device:
+    then no partition of the set's model fits, and CP-SAT need not prove it (on DeepSeek-V3's leaves two
+    in three sets' solves ended so)."""
+    floor, _ = Bounds(set_costs.model, set_costs.cluster, set_costs.stack,
+                      (Recompute.selective,)).memory_floor(set_costs.layout)
+    return floor > usable_bytes(set_costs.cluster.device)
 
 
 # the balanced bound is in exact seconds, the model's objective in 0.1 us units: a set whose bound lies within
