@@ -70,6 +70,11 @@ def split(items) -> dict[str, tuple[list, list]]:
     return {name: (group[0::2], group[1::2]) for name, group in by_cluster.items()}
 
 
+def leave_one_out(items):
+    """Each (run, layout) with the others, where there are others to fit on."""
+    return [(item, items[:i] + items[i + 1:]) for i, item in enumerate(items)] if len(items) > 1 else []
+
+
 def write_cluster(name: str, fraction: float, source: str) -> None:
     """Set (or add after `busbw_fraction`) the profile's `all_to_all_fraction` line."""
     path = CLUSTER_DIR / f"{name}.yaml"
@@ -93,6 +98,9 @@ def calibrate(items, write: bool) -> dict[str, float]:
               f"({', '.join(run.id for run, _ in fitting)}); held-out MAPE "
               f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
               f"({', '.join(run.id for run, _ in held_out)})")
+        left_out = [(item[0].id, fit(others)[1], item) for item, others in leave_one_out(fitting + held_out)]
+        print(f"{name}: each run left out of a fit on the others (reported, not written): " + "; ".join(
+            f"{run_id} {errors_with([item], f)[0]:.1%} at {f}" for run_id, f, item in left_out))
         fitted.update({cluster: fraction for cluster in (name, *SAME_FABRIC.get(name, ()))})
         if write:
             source = (f"fitted by benchmarks/calibrate.py on {len(fitting)} MoE run(s) whose all-to-alls cross "
