@@ -226,3 +226,18 @@ def test_the_shipped_band_covers_most_held_out_measurements(runs):
         inside += low <= run.measured_step_s <= high
     assert inside >= 0.8 * len(held), f"{inside} of {len(held)}"
 
+
+
+@pytest.mark.heavy
+def test_the_clusters_all_to_all_share_is_what_the_committed_fit_gives(runs):
+    """`inter_node.all_to_all_fraction` in the built-in clusters is benchmarks/calibrate_all_to_all.py's fit on
+    shared/validation as committed (the runs whose prediction moves with it: MoE runs), not a figure left behind
+    by an older model; the clusters on the same fabric carry it."""
+    from benchmarks import calibrate_all_to_all as all_to_all
+    from hardware_profiles.loader import load_cluster
+    from benchmarks.calibrate import fixed_layouts
+    fitted = all_to_all.calibrate(fixed_layouts([run for run in runs.values() if run.model.moe is not None], 10.0),
+                                  write=False)
+    assert fitted, "no run depends on the figure"
+    for cluster, fraction in fitted.items():
+        assert load_cluster(cluster).inter_node.all_to_all_fraction == fraction, cluster
