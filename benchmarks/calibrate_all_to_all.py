@@ -38,8 +38,9 @@ def _with_fraction(cluster, fraction: float):
 
 
 def predicted_s(run, layout, fraction: float) -> float:
-    record = capture_for(run.model, run.seq_len, (), run_stack(run.id)).costs_record
-    return estimate(record, _with_fraction(run.cluster, fraction), layout, run_stack(run.id)).step_time_s
+    stack = run_stack(run.id)
+    record = capture_for(run.model, run.seq_len, (), stack).costs_record
+    return estimate(record, _with_fraction(run.cluster, fraction), layout, stack).step_time_s
 
 
 def depends(run, layout) -> bool:

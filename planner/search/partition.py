@@ -105,10 +105,11 @@ def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float
         return _solve(costs, selective, time_limit_s, cutoff_s, work_limit, ())
     start = time.perf_counter()
     best, bar, proven, work_left = None, cutoff_s, True, work_limit
+    floors = Bounds(costs.model, costs.cluster, costs.stack, selective)   # each set's floor, one cache
     for bound, set_costs in sets:
         if bound > bar * (1 + BOUND_TOLERANCE):   # nor can any set after it
             break
-        if _beyond_memory(set_costs):   # no partition recomputing it fits: the memory floor proves it
+        if _beyond_memory(floors, set_costs):   # no partition recomputing it fits: the memory floor proves it
             continue
         if work_left <= 0:
             proven = False   # the leaf's work is spent with sets left that might beat the best
@@ -128,14 +129,12 @@ def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float
                    work=work_limit - work_left)
 
 
-def _beyond_memory(set_costs: MeshCosts) -> bool:
-    """Whether the memory floor of every block recomputing the set (`Bounds.memory_floor`: at or below the
-    fullest stage of any partition, the least memory selective recomputation of it leaves) exceeds the device:
-    then no partition of the set's model fits, and CP-SAT need not prove it (on DeepSeek-V3's leaves two
-    in three sets' solves ended so)."""
-    floor, _ = Bounds(set_costs.model, set_costs.cluster, set_costs.stack,
-                      (Recompute.selective,)).memory_floor(set_costs.layout)
-    return floor > usable_bytes(set_costs.cluster.device)
+def _beyond_memory(floors: Bounds, set_costs: MeshCosts) -> bool:
+    """Whether the memory floor of every block recomputing the set (`Bounds.memory_floor` with selective
+    recomputation only, the set read from the layout: at or below the fullest stage of any partition) exceeds
+    the device: then no partition of the set's model fits, and CP-SAT need not prove it (on DeepSeek-V3's
+    leaves two in three sets' solves ended so)."""
+    return floors.memory_floor(set_costs.layout)[0] > usable_bytes(set_costs.cluster.device)
 
 
 # the balanced bound is in exact seconds, the model's objective in 0.1 us units: a set whose bound lies within
