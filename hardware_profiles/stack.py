@@ -162,7 +162,8 @@ class SoftwareStack(Strict):
     # the routing probabilities multiply the experts' activation (a weighted SwiGLU on the intermediate
     # tensor) rather than their output: the h-wide expert output is then not kept for the probabilities'
     # gradient (Megatron-Core 0.13 CHANGELOG: "moving the probs multiplication from unpermutation to activation
-    # function of GroupedMLP"; experts.py weighted_bias_swiglu_impl). False: the output is multiplied and kept
+    # function of GroupedMLP"; experts.py weighted_bias_swiglu_impl, already in core_v0.12.1's). False: the
+    # output is multiplied and kept
     moe_probs_in_expert_activation: bool = False
     # trains a model's multi-token prediction modules (Megatron-Core --mtp-num-layers, since 0.12)
     multi_token_prediction: bool = False

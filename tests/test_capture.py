@@ -109,7 +109,7 @@ def test_each_routed_copy_of_a_token_keeps_its_expert_activations():
 
     one, two = (activation_bytes(moe_layer(k), Recompute.none, 1, False, 1, 1) for k in (1, 2))
     assert two - one == pytest.approx(s * (2 * h + 4 * f) * 2, rel=0.03)
-    # where the stack multiplies the routing probabilities into the experts' activation (Megatron-Core 0.13+,
+    # where the stack multiplies the routing probabilities into the experts' activation (Megatron-Core 0.12.1+,
     # weighted SwiGLU), the experts' h-wide output is not kept for their gradient: h bf16 values fewer per
     # routed token, the rest unchanged
     for k in (1, 2):
@@ -118,8 +118,14 @@ def test_each_routed_copy_of_a_token_keeps_its_expert_activations():
         weighted = activation_bytes(kind, Recompute.none, 1, False, 1, 1, probs_in_expert_activation=True)
         assert kept - weighted == pytest.approx(s * k * h * 2, rel=1e-9)
         assert sum(t.routed_output_for_probs for t in kind.saved) == 1
-    assert load_stack("megatron-core").moe_probs_in_expert_activation
-    assert not load_stack("nemo-2").moe_probs_in_expert_activation   # on Megatron-Core 0.12
+    # the installed Megatron-Core multiplies them in its experts' activation and unpermutes without them; the
+    # nemo-2 stack's runs (Megatron-LM 7094270c, 64cb6bd7: after core_v0.12.1) already did
+    import inspect
+    from megatron.core.transformer.moe import experts, token_dispatcher
+    assert "activation_func_with_probs" in inspect.getsource(experts)
+    unpermute = inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher).split("unpermute(")[1].split(")")[0]
+    assert "probs" not in unpermute
+    assert all(load_stack(name).moe_probs_in_expert_activation for name in ("megatron-core", "nemo-2"))
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
