@@ -5,7 +5,9 @@ shared/validation, read from its published degrees and its model (no prediction 
 - tokens_per_cp_rank: the sequence over cp (context parallelism's chunk; its per-chunk overheads grow as it shrinks)
 - hidden_per_tp_rank: the hidden size over tp (the width of each rank's GEMMs)
 - experts_per_ep_rank: routed experts over ep (MoE)
-- dispatchers: the MoE dispatchers the runs' stacks and launchers ran (MoE; benchmarks/published.py run_stack)
+- dispatchers: by device, the MoE dispatchers the runs' stacks and launchers ran (MoE; benchmarks/published.py
+  run_stack)
+- a2a_overlap_devices: the devices whose MoE runs ran combined 1F1B (as their stacks and launchers set it)
 
 A plan outside a range says so (planner/region.py).
 
@@ -44,8 +46,12 @@ def main(argv=None) -> int:
             region[kind][name] = [min(low, value), max(high, value)]
         region[kind]["runs"] = region[kind].get("runs", 0) + 1
         if moe:
-            dispatchers = set(region[kind].get("dispatchers", [])) | {run_stack(run.id).moe_dispatcher}
-            region[kind]["dispatchers"] = sorted(dispatchers)
+            stack, device = run_stack(run.id), run.cluster.device.name
+            by_device = region[kind].setdefault("dispatchers", {})
+            by_device[device] = sorted(set(by_device.get(device, [])) | {stack.moe_dispatcher})
+            overlap = run.known.get("a2a_overlap", stack.moe_a2a_overlap)
+            devices = set(region[kind].get("a2a_overlap_devices", [])) | ({device} if overlap else set())
+            region[kind]["a2a_overlap_devices"] = sorted(devices)
     header = ("# Written by benchmarks/measured_region.py (do not edit): per class, the range of each per-rank shape\n"
               "# over the published degrees of shared/validation's usable runs.\n")
     REGION_PATH.write_text(header + yaml.safe_dump(region, sort_keys=True))

@@ -16,7 +16,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .error_bands import band_for
-from .region import measured_bounds, measured_dispatchers, outside_notes
+from .region import measured_bounds, measured_dispatchers, outside_notes, overlap_measured
 from .explain import (all_to_all_fraction_note, alternatives, dispatch_sm_notes, dispatcher_reason,
                       expert_load_note, fp8_recipe_reason, host_note, offload_reason, reasons, state_notes,
                       tp_overlap_reason)
@@ -96,7 +96,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         **_band_fields(best.step_time_s, graph.num_experts > 0),
         outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,
                                        best.layout.cp, best.layout.ep, best.layout.moe_dispatcher,
-                                       best.layout.offload_layers))
+                                       best.layout.offload_layers, cluster.device.name,
+                                       stack.hides_moe_a2a(best.layout)))
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:
@@ -249,8 +250,12 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
     if not result.outside_measured:
         return result
     graph = job.graph
+    device = cluster.device.name
+    overlap_inside = pins.a2a_overlap if pins.a2a_overlap is not None or overlap_measured(graph.num_experts, device) \
+        else False
     inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts),
-                          measured_dispatchers=measured_dispatchers(graph.num_experts),
+                          measured_dispatchers=measured_dispatchers(graph.num_experts, device),
+                          a2a_overlap=overlap_inside,
                           offload_layers=0 if pins.offload_layers is None else pins.offload_layers)
     try:
         inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline, caches)

@@ -75,25 +75,47 @@ def outside_shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp
             if name in ranges and not ranges[name][0] <= value <= ranges[name][1]]
 
 
-def measured_dispatchers(num_experts: int) -> tuple[str, ...]:
-    """The MoE dispatchers the published MoE runs measured (their stacks' and launchers'); () for a dense model
-    or a table without them."""
-    return tuple(_region().get("MoE", {}).get("dispatchers", ())) if num_experts else ()
+def measured_dispatchers(num_experts: int, device: str) -> tuple[str, ...]:
+    """The MoE dispatchers the published MoE runs on `device` measured (their stacks' and launchers'), or, where
+    none ran on it, those the runs on every device measured (a dispatcher's links and kernels differ by device:
+    HybridEP inside an NVL72 rack is not DeepEP across InfiniBand nodes); () for a dense model or a table without
+    them."""
+    by_device = _region().get("MoE", {}).get("dispatchers", {}) if num_experts else {}
+    if device in by_device:
+        return tuple(by_device[device])
+    return tuple(sorted(set.intersection(*map(set, by_device.values())))) if by_device else ()
+
+
+def overlap_measured(num_experts: int, device: str) -> bool:
+    """Whether a published MoE run on `device` ran combined 1F1B (or, where none ran on it, one on every device): its
+    gain depends on the device's links and host (NVIDIA's DeepSeek-V3 GB200 guide found it a net loss while the host
+    bound the step, Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, 'Why didn't we use 1F1B AlltoAll
+    overlap'; Megatron-Bridge's 26.08 GB200 recipes run it beside full-iteration CUDA graphs)."""
+    moe = _region().get("MoE", {}) if num_experts else {}
+    measured = moe.get("a2a_overlap_devices", [])
+    devices = moe.get("dispatchers", {})
+    return device in measured or (device not in devices and bool(devices) and set(devices) <= set(measured))
 
 
 def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int,
-                  dispatcher: str = "alltoall", offload_layers: int = 0) -> list[str]:
+                  dispatcher: str = "alltoall", offload_layers: int = 0, device: str = "",
+                  a2a_overlap: bool = False) -> list[str]:
     """One line per shape outside what the published runs of the model's class measured, the MoE dispatcher
-    where none of them dispatched so, and activation offloading, which none of them states."""
+    and combined 1F1B where none of them on the device ran so, and activation offloading, which none states."""
     kind = "MoE" if num_experts else "dense"
     runs = _region().get(kind, {}).get("runs")
     notes = [f"outside the measured region: {shape.words}, where the {runs} published {kind} runs measured "
              f"{shape.low:,} to {shape.high:,}; the prediction extrapolates there"
              for shape in outside_shapes(seq_len, hidden_size, num_experts, tp, cp, ep)]
-    measured = measured_dispatchers(num_experts)
+    measured = measured_dispatchers(num_experts, device)
     if ep > 1 and measured and str(dispatcher) not in measured:
-        notes.append(f"outside the measured region: the {dispatcher} MoE dispatcher, where the {runs} published "
-                     f"MoE runs dispatched with {', '.join(measured)}; the prediction extrapolates there")
+        notes.append(f"outside the measured region: the {dispatcher} MoE dispatcher on {device}, where the published "
+                     f"MoE runs there dispatched with {', '.join(measured)}; the prediction extrapolates there")
+    if a2a_overlap and not overlap_measured(num_experts, device):
+        devices = ", ".join(_region().get("MoE", {}).get("a2a_overlap_devices", [])) or "no device"
+        notes.append(f"outside the measured region: combined 1F1B (MoE all-to-all overlap) on {device}, where the "
+                     f"published MoE runs ran it on {devices} only (runs never fitted that did: "
+                     "docs/accuracy-plain.md); the prediction extrapolates there")
     if offload_layers:
         notes.append(f"outside the measured region: activation offloading ({offload_layers} layers), which none of "
                      "the published runs the model was fitted on states (Megatron-Bridge's GB200 Megatron-FSDP "

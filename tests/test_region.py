@@ -48,12 +48,15 @@ def test_a_whatif_point_says_where_its_plan_extrapolates_and_the_best_plan_insid
 
 
 def test_a_dispatcher_no_published_moe_run_used_is_said_and_the_best_plan_inside_keeps_theirs():
-    """The published MoE runs all dispatched with NCCL's all-to-all (measured_region.yaml's dispatchers, from their
-    stacks and launchers). Qwen3-30B-A3B's 128 experts over 16 H100 in two nodes: the search prefers DeepEP-style
-    dispatch (one copy per remote node), which is outside what was measured; the plan says so, and the best plan
-    inside the region dispatches as the runs did, slower by what the deduplication saved."""
+    """The published MoE runs on H100 all dispatched with NCCL's all-to-all (measured_region.yaml's dispatchers by
+    device, from their stacks and launchers; a GB200 row's HybridEP inside its rack measures nothing of DeepEP across
+    InfiniBand). Qwen3-30B-A3B's 128 experts over 16 H100 in two nodes: the search prefers DeepEP-style dispatch
+    (one copy per remote node), which is outside what was measured; the plan says so, and the best plan inside the
+    region dispatches as the runs did, slower by what the deduplication saved."""
     from planner.region import measured_dispatchers
-    assert measured_dispatchers(128) == ("alltoall",) and measured_dispatchers(0) == ()
+    assert measured_dispatchers(128, "h100-sxm") == ("alltoall",) and measured_dispatchers(0, "h100-sxm") == ()
+    assert measured_dispatchers(128, "gb200") == ("alltoall", "deepep")
+    assert measured_dispatchers(128, "h200") == ("alltoall",)   # no MoE run on it: what every device's measured
     plan = planner.plan("qwen3-30b-a3b", device="h100-sxm", num_devices=16, global_batch=64, tp=1, pp=1, cp=1, ep=16)
     assert plan.layout.moe_dispatcher == "deepep"
     assert any("the deepep MoE dispatcher" in note for note in plan.outside_measured)
@@ -64,3 +67,21 @@ def test_a_dispatcher_no_published_moe_run_used_is_said_and_the_best_plan_inside
                           ep=16, dispatcher="alltoall")
     assert not pinned.outside_measured and pinned.step_time_s == pytest.approx(inside.step_time_s, rel=1e-9)
     assert plan.outside_measured == [note for note in plan.outside_measured if "dispatcher" in note]
+
+
+def test_combined_1f1b_where_no_published_run_on_the_device_ran_it_is_said_and_the_best_plan_inside_runs_without():
+    """Only H100 MoE runs ran combined 1F1B (Megatron-Bridge's Qwen3-235B); NVIDIA found it a net loss on GB200 at
+    the host-bound baseline of its DeepSeek-V3 guide. A GB200 plan that chooses it says so, and its best plan
+    inside the measured region runs without it; an H100 plan that chooses it says nothing of it."""
+    from planner.region import overlap_measured
+    assert overlap_measured(128, "h100-sxm") and not overlap_measured(128, "gb200") and not overlap_measured(0, "h100-sxm")
+    assert not overlap_measured(128, "h200")   # no MoE run on it, and not run on every device that has them
+    common = dict(num_devices=64, global_batch=512, tp=1, pp=4, cp=1, ep=16, vp=2, time_limit_s=60)
+    gb200 = planner.plan("qwen3-30b-a3b", device="gb200", dispatcher="alltoall", **common)
+    assert gb200.layout.moe_a2a_overlap   # the search chooses it here: it hides the all-to-alls
+    assert any("combined 1F1B" in note for note in gb200.outside_measured)
+    inside = gb200.inside_measured
+    assert inside is not None and "a2a_overlap=true" not in inside.layout
+    assert inside.step_time_s > gb200.step_time_s
+    h100 = planner.plan("qwen3-30b-a3b", device="h100-sxm", dispatcher="alltoall", a2a_overlap=True, **common)
+    assert not any("combined 1F1B" in note for note in h100.outside_measured)
