@@ -37,6 +37,7 @@ PER_TENSOR_RECIPES = (Fp8Recipe.delayed, Fp8Recipe.tensorwise)
 # a fused flash backward recomputes q k^T: 5 matmuls where an unfused backward has 4 (Dao 2023: backward =
 # 2.5 x forward FLOPs); measured on an H200 it takes 3.0-3.6 x the forward (docs/gpu-validation.md)
 FLASH_BACKWARD_RECOMPUTE = 1.25
+HIDDEN_BYTES = 2   # bf16 hidden states between the layers' GEMMs
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ShardSpec:
     ep: int = 1     # a rank runs 1/ep of the experts on tokens from ep ranks: its expert GEMMs are ep x larger
     etp: int = 1    # ranks splitting each expert's weights
     sort_copies: int = 0   # copies of the routed tokens the dispatcher adds (SoftwareStack.moe_sort_copies)
+    gathered_ranks: int = 1   # the all-gather dispatcher's expert tp x ep group, whose tokens its buffers hold
     # the routed tokens the most loaded expert-parallel rank takes over the mean (`rank_load`): the all-to-all
     # waits for it, so its expert GEMMs and sorts set the layer's time
     expert_load: float = 1.0
@@ -66,6 +68,8 @@ class ShardSpec:
                    causal_attention_work=stack.causal_attention_work,
                    ep=ep, etp=layout.etp if etp is None else etp,
                    sort_copies=stack.moe_sort_copies if layout.moe_dispatcher == "alltoall" else 0,
+                   gathered_ranks=ep * (layout.etp if etp is None else etp)
+                   if layout.moe_dispatcher == "allgather" and ep > 1 else 1,
                    expert_load=rank_load(ep_imbalance, ep))
 
 
@@ -206,6 +210,15 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
     return forward, 2 * forward, 0.0
 
 
+def gathered_buffer_seconds(kind: LayerKind, device: Device, spec: ShardSpec) -> float:
+    """One pass's writes of the all-gather dispatcher's gathered shape beyond the rank's own tokens: forward its
+    combine unpermutes the experts' outputs into all the group's token rows for the reduce-scatter, backward the
+    permutation's gradient scatters into as many (Megatron-Core token_dispatcher.py, MoEAllGatherTokenDispatcher
+    combine_preprocess: unpermute(..., restore_shape=hidden_shape_before_permute))."""
+    tokens = kind.tokens * spec.micro_batch / work_divisor(Sharding.sequence, spec)
+    return memory_seconds(device, (spec.gathered_ranks - 1) * tokens * kind.hidden_size * HIDDEN_BYTES)
+
+
 def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerCompute:
     if kind.role != "block":  # Megatron keeps the embedding and output layers in bf16 under FP8 (as memory.py)
         spec = replace(spec, precision=Precision.bf16)
@@ -233,6 +246,10 @@ def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerComp
             by_module[MODULE_INDEX[op.module]] += f
         if op.inner_module is not None:   # repeated by its own recomputation too (moe_act inside moe)
             by_module[MODULE_INDEX[op.inner_module]] += f
+    if kind.num_experts and spec.gathered_ranks > 1:
+        gathered = gathered_buffer_seconds(kind, device, spec)
+        forward, backward_input = forward + gathered, backward_input + gathered
+        experts = [experts[0] + gathered, experts[1] + gathered, experts[2]]
     return LayerCompute(forward, backward_input, backward_weight, attention, tuple(by_module), tuple(experts),
                         SharedExpertSeconds(up_forward_s=shared_up[0], up_backward_s=shared_up[1],
                                             down_forward_s=shared_down[0], down_backward_s=shared_down[1]),

@@ -146,7 +146,7 @@ class MeshCosts(ExpertCommunication):
     @cached_property
     def _dense_spec(self) -> ShardSpec:
         """The shard spec as a layer without experts reads it: no expert degrees, dispatcher sorts or load."""
-        dense = replace(self.spec, ep=1, etp=1, sort_copies=0, expert_load=1.0)
+        dense = replace(self.spec, ep=1, etp=1, sort_copies=0, gathered_ranks=1, expert_load=1.0)
         return self.spec if dense == self.spec else dense
 
 

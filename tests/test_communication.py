@@ -260,6 +260,20 @@ def test_the_allgather_dispatcher_bills_the_buffers_megatron_cores_moves():
     assert costs.dispatch_buffer_bytes() == pytest.approx(gathered)
     assert costs.comm_buffer_bytes == pytest.approx(2 * costs.activation_message_bytes + gathered)
     assert [op for op, _ in made] == ["all_gather"] * 3 + ["reduce_scatter"]
+    # and its combine writes that reduce-scattered buffer, all the group's token rows where another dispatcher
+    # writes the rank's own: each pass's compute carries those writes beyond the rank's rows, at HBM speed
+    from dataclasses import replace
+
+    from cost_models.compute import layer_compute, memory_seconds
+    kind = next(kind for kind in capture(cfg).costs().kinds if kind.num_experts)
+    device = costs.cluster.device
+    assert costs.spec.gathered_ranks == 2
+    alone = layer_compute(kind, device, replace(costs.spec, gathered_ranks=1))
+    gathered = layer_compute(kind, device, costs.spec)
+    beyond = memory_seconds(device, made[-1][1] - tokens * hidden * 2)
+    assert gathered.forward_s - alone.forward_s == pytest.approx(beyond, rel=1e-9)
+    assert gathered.backward_input_s - alone.backward_input_s == pytest.approx(beyond, rel=1e-9)
+    assert gathered.backward_weight_s == alone.backward_weight_s
 
 
 def test_megatron_cores_deduplicated_dispatch_sends_bf16_tokens_when_training_in_fp8():
