@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hardware_profiles.schema import Device
 
+from .communication import ACTIVATION_BYTES
 from .layout import MODULE_INDEX, Fp8Recipe, Precision, RecomputeModule
 from .records import ATTENTION_CORE, ATTENTION_MATMUL_KINDS, LayerKind, OpCost, OpKind, Sharding
 
@@ -37,7 +38,6 @@ PER_TENSOR_RECIPES = (Fp8Recipe.delayed, Fp8Recipe.tensorwise)
 # a fused flash backward recomputes q k^T: 5 matmuls where an unfused backward has 4 (Dao 2023: backward =
 # 2.5 x forward FLOPs); measured on an H200 it takes 3.0-3.6 x the forward (docs/gpu-validation.md)
 FLASH_BACKWARD_RECOMPUTE = 1.25
-HIDDEN_BYTES = 2   # bf16 hidden states between the layers' GEMMs
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def gathered_buffer_seconds(kind: LayerKind, device: Device, spec: ShardSpec) ->
     permutation's gradient scatters into as many (Megatron-Core token_dispatcher.py, MoEAllGatherTokenDispatcher
     combine_preprocess: unpermute(..., restore_shape=hidden_shape_before_permute))."""
     tokens = kind.tokens * spec.micro_batch / work_divisor(Sharding.sequence, spec)
-    return memory_seconds(device, (spec.gathered_ranks - 1) * tokens * kind.hidden_size * HIDDEN_BYTES)
+    return memory_seconds(device, (spec.gathered_ranks - 1) * tokens * kind.hidden_size * ACTIVATION_BYTES)
 
 
 def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerCompute:
