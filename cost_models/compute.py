@@ -210,13 +210,19 @@ def op_seconds(op: OpCost, device: Device, spec: ShardSpec) -> tuple[float, floa
     return forward, 2 * forward, 0.0
 
 
+def gathered_tokens(kind: LayerKind, spec: ShardSpec) -> float:
+    """Tokens of one micro-batch of a MoE layer in the all-gather dispatcher's buffers on a rank: the rank's own
+    (split by cp, and by tp under SP) from each rank of its expert tp x ep group."""
+    return spec.gathered_ranks * kind.tokens * spec.micro_batch / work_divisor(Sharding.sequence, spec)
+
+
 def gathered_buffer_seconds(kind: LayerKind, device: Device, spec: ShardSpec) -> float:
     """One pass's writes of the all-gather dispatcher's gathered shape beyond the rank's own tokens: forward its
     combine unpermutes the experts' outputs into all the group's token rows for the reduce-scatter, backward the
     permutation's gradient scatters into as many (Megatron-Core token_dispatcher.py, MoEAllGatherTokenDispatcher
     combine_preprocess: unpermute(..., restore_shape=hidden_shape_before_permute))."""
-    tokens = kind.tokens * spec.micro_batch / work_divisor(Sharding.sequence, spec)
-    return memory_seconds(device, (spec.gathered_ranks - 1) * tokens * kind.hidden_size * ACTIVATION_BYTES)
+    beyond = gathered_tokens(kind, spec) * (1 - 1 / spec.gathered_ranks)
+    return memory_seconds(device, beyond * kind.hidden_size * ACTIVATION_BYTES)
 
 
 def layer_compute(kind: LayerKind, device: Device, spec: ShardSpec) -> LayerCompute:

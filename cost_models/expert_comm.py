@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .communication import ACTIVATION_BYTES, Collective
-from .compute import LayerCompute, SharedExpertSeconds
+from .compute import LayerCompute, SharedExpertSeconds, gathered_tokens
 from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
 from .layout import Precision
 from .paired_passes import LayerPassParts, combined_1f1b_exposed_floor_s, combined_1f1b_exposed_s
@@ -158,7 +158,7 @@ class ExpertCommunication:
     def gathered_dispatch_bytes(self, kind: LayerKind) -> tuple[float, float]:
         """The all-gather dispatcher's gathered buffers of one MoE layer's micro-batch on a rank: the hidden states
         of the expert tp x ep group's tokens, and their routing map (bool) and probabilities over the experts."""
-        gathered = self.tokens_per_rank() * self.layout.etp * self.layout.ep
+        gathered = gathered_tokens(kind, self.spec)
         return gathered * kind.hidden_size * ACTIVATION_BYTES, gathered * kind.num_experts * (1 + ACTIVATION_BYTES)
 
     def tokens_per_rank(self) -> float:

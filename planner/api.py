@@ -251,11 +251,11 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
         return result
     graph = job.graph
     device = cluster.device.name
-    overlap_inside = pins.a2a_overlap if pins.a2a_overlap is not None or overlap_measured(graph.num_experts, device) \
-        else False
+    # combined 1F1B kept off inside where no published run on the device ran it (and the user left it open)
+    overlap_off = pins.a2a_overlap is None and not overlap_measured(graph.num_experts, device)
     inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts),
                           measured_dispatchers=measured_dispatchers(graph.num_experts, device),
-                          a2a_overlap=overlap_inside,
+                          a2a_overlap=False if overlap_off else pins.a2a_overlap,
                           offload_layers=0 if pins.offload_layers is None else pins.offload_layers)
     try:
         inside = _plan_on(job, cluster, inside_pins, 1, None, pins_field, deadline, caches)
