@@ -22,6 +22,7 @@ from .memory import (WEIGHT_BYTES, ModelStateBytes, StateSharding, activation_by
                      model_state_bytes, optimizer_state_bytes_per_param, params_on_rank)
 from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
+EXPERT_DIMS = frozenset({"ep", "etpep", "edp"})   # the groups the experts' folding places (`_collective`)
 RECOMPUTE_ORDER = (Recompute.none, Recompute.selective, Recompute.full)
 RECOMPUTE_INDEX = {method: i for i, method in enumerate(RECOMPUTE_ORDER)}   # none, selective, full: least memory last
 
@@ -120,6 +121,7 @@ class SharedCosts:
     activations: dict = field(default_factory=dict)     # a layer's activation bytes by (kind, shape, modules, load)
     work_ids: dict = field(default_factory=dict)        # (shard spec, placement, modules) -> id (`_work_key`)
     work: dict = field(default_factory=dict)            # a layer's work but its all-to-alls by (kind, work id)
+    dense_specs: dict = field(default_factory=dict)     # a shard spec -> as a layer without experts reads it
 
 
 class MeshCosts(ExpertCommunication):
@@ -136,6 +138,9 @@ class MeshCosts(ExpertCommunication):
         self.tp_overlap = stack.tp_overlap_in(layout, cluster.device)
         self._cache: dict[str, LayerCost] = {}
         self._work_ids: dict[bool, int] = {}
+        # the placement as ints and names (what its groups' placements follow from): the attention mesh's dims,
+        # then the experts' folding (set here: a search builds one per layout it weighs, and reads it per layer)
+        self._placement_key = (layout.mesh_dims(), layout.etp, layout.ep)
         self._shared = shared if shared is not None else SharedCosts()
 
     def with_recompute_modules(self, modules: tuple[RecomputeModule, ...]) -> "MeshCosts":
@@ -145,10 +150,13 @@ class MeshCosts(ExpertCommunication):
 
     @cached_property
     def _dense_spec(self) -> ShardSpec:
-        """The shard spec as a layer without experts reads it: no expert degrees, dispatcher sorts or load."""
-        dense = replace(self.spec, ep=1, etp=1, sort_copies=0, gathered_ranks=1, expert_load=1.0)
-        return self.spec if dense == self.spec else dense
-
+        """The shard spec as a layer without experts reads it: no expert degrees, dispatcher sorts or load (one
+        per spec of a search: its layouts share it)."""
+        dense = self._shared.dense_specs.get(self.spec)
+        if dense is None:
+            dense = replace(self.spec, ep=1, etp=1, sort_copies=0, gathered_ranks=1, expert_load=1.0)
+            dense = self._shared.dense_specs[self.spec] = self.spec if dense == self.spec else dense
+        return dense
 
     def spec_of(self, kind: LayerKind) -> ShardSpec:
         """The spec a layer kind's compute reads: the whole one with experts, else `_dense_spec`, so the layouts
@@ -166,10 +174,6 @@ class MeshCosts(ExpertCommunication):
             self._work_ids[experts] = self._shared.work_ids.setdefault(key, len(self._shared.work_ids))
         return self._work_ids[experts]
 
-    @cached_property
-    def _placement_key(self) -> tuple:
-        lay = self.layout
-        return lay.mesh_dims(), lay.etp, lay.ep
 
     @cached_property
     def placement(self):
@@ -205,8 +209,10 @@ class MeshCosts(ExpertCommunication):
 
     def collective(self, op: Collective, size: float, dim: str, **kwargs) -> CollectiveCost:
         # looked up first by the placement's own key (ints and names): hashing the group placements themselves
-        # is most of a search's time in this call
-        fast = (op, size, dim, self._placement_key, *kwargs.items())
+        # is most of a search's time in this call; a group of the attention mesh (tp, cp, dp, pp, dp x cp) is
+        # placed by its dims alone, so the layouts that differ only in their experts' folding share it
+        placement = self._placement_key if dim in EXPERT_DIMS else self._placement_key[0]
+        fast = (op, size, dim, placement, *kwargs.items())
         cost = self._shared.by_placement.get(fast)
         if cost is None:
             cost = self._shared.by_placement[fast] = self._collective(op, size, dim, **kwargs)

@@ -154,12 +154,16 @@ def test_the_search_weighs_activation_offloading_against_recomputation_as_the_en
 
 def _placed(bnb, root):
     """A root's placed nodes, through the groups that leave a placement's dispatcher and combined 1F1B open:
-    each group's bound at or below each of its children's (`BranchAndBound.group_bound`)."""
+    each group's floor (its bound before its children are weighed: `BranchAndBound.group_floor_s`) at or above
+    its root's and at or below its bound, and that at or below each of its children's
+    (`BranchAndBound.group_bound`)."""
     for child in bnb.tree.children(root):
         if not child.is_group:
             yield child
             continue
         group_bound, kids = bnb.group_bound(child), bnb.tree.children(child)
+        floor = bnb.group_floor_s(child)
+        assert bnb.root_bound(root) <= floor * (1 + 1e-9) and floor <= group_bound * (1 + 1e-9)
         assert len(kids) > 1 and all(not kid.is_group for kid in kids)
         assert bnb.tree.leaf_count(child) == sum(bnb.tree.leaf_count(kid) for kid in kids)
         for kid in kids:

@@ -85,12 +85,18 @@ def work_floor(block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[f
     return SortedWork.of(block_work_s, edge_work_s, pp).floor(vp, v_shape)
 
 
-def work_before_zero(costs: MeshCosts, fastest: Recompute) -> tuple[tuple, tuple[float, float]]:
+def work_before_zero(costs: MeshCosts, fastest: Recompute, all_to_alls: bool = True
+                     ) -> tuple[tuple, tuple[float, float]]:
     """Each block kind's and the embedding's and head's work before ZeRO-2/3 traffic, which every ZeRO
-    stage pays at least."""
+    stage pays at least; without `all_to_alls`, less the MoE all-to-alls, which every schedule and overlap
+    pays at least."""
     model = costs.model
-    blocks = tuple((n, costs.work_before_zero_s(kind, fastest)) for kind, n in model.block_counts)
-    return blocks, tuple(costs.work_before_zero_s(edge, Recompute.none) for edge in (model.embedding, model.head))
+
+    def seconds(kind, method: Recompute) -> float:
+        return costs.work_before_zero_s(kind, method) if all_to_alls else \
+            costs.work(kind, all_to_alls=False).work_before_zero_s(method)
+    blocks = tuple((n, seconds(kind, fastest)) for kind, n in model.block_counts)
+    return blocks, tuple(seconds(edge, Recompute.none) for edge in (model.embedding, model.head))
 
 
 class PairedWork:

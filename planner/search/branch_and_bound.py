@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, replace
 
 from cost_models.layer_costs import MeshCosts, SharedCosts
-from cost_models.layout import Layout, Recompute, RecomputeModule
+from cost_models.layout import Layout, MoeDispatcher, Recompute, RecomputeModule
 from cost_models.memory import usable_bytes
 from cost_models.pipeline import p2p_transfers_on_critical_path
 from cost_models.records import ModelCosts
@@ -39,6 +39,7 @@ DIVE_SHARE = 0.3          # of the time limit, kept for a dive where best first 
 DIVE_LEAST_S = 0.5        # ... and at least this long (a leaf's CP-SAT model takes tenths of a second)
 PROGRESS_EVERY_S = 0.25   # between progress reports
 ZERO_FLOORED = "zero-floored"   # a placed node's heap mark: its bound already holds its ZeRO stages' floor
+GROUP_FLOORED = "group-floored"   # a group's heap mark: bounded by `group_floor_s`, its children not yet weighed
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ class BranchAndBound:
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
         self.last_layout: tuple[TreeNode | None, Layout | None] = (None, None)   # `layout_of`
+        # (shape, micro_batch, placement): a group's work but its all-to-alls, micro-batches, hops (`group_floor_s`)
+        self.group_floors: dict[tuple, tuple[SortedWork, int, dict]] = {}
         # (shape, micro_batch, placement, dispatcher, DualPipeV): what each ZeRO stage adds (`zero_floor_s`)
         self.zero_extras: dict[tuple, list[ZeroExtras]] = {}
 
@@ -142,6 +145,11 @@ class BranchAndBound:
         self.candidates = self.open_leaves()
         while self.heap and not self.finished():
             bound, _, node, costs = heapq.heappop(self.heap)
+            if costs is GROUP_FLOORED:   # reached: its children weighed, back in line at the least of them
+                exact = self.group_bound(node)
+                if six_digits(exact) > six_digits(bound):
+                    self.push(node, exact)
+                    continue
             if node.zero is None and node.placement is not None and not node.is_group and costs is not ZERO_FLOORED:
                 floor = self.zero_floor_s(node)
                 if six_digits(floor) > six_digits(bound):   # back in line at its ZeRO stages' floor
@@ -227,7 +235,7 @@ class BranchAndBound:
         kth, kept = self.kth_s(), []
         for child in self.tree.children(node):
             if child.is_group:
-                child_bound, child_costs = self.group_bound(child), None
+                child_bound, child_costs = self.group_floor_s(child), GROUP_FLOORED
             elif child.zero is None:
                 child_bound, child_costs = self.communication_bound(child), None
             else:
@@ -282,6 +290,23 @@ class BranchAndBound:
             extra = route_extra_floor_s(self.bounds, layout, costs, self.capacity, self.offload.pinned)
             bound = min(bound, balanced_bound(costs, layout, Recompute.none) + extra)
         return (None, None) if bound == float("inf") else (bound, costs)
+
+    def group_floor_s(self, node: TreeNode) -> float:
+        """A group's bound before its children are weighed: its placement's work but the MoE all-to-alls, at the
+        least shard spec of any dispatcher (no sorts, no gathered buffers: each only adds work), which its vp
+        children share. Most groups are bounded away by it (the all-to-alls are what set them apart), their
+        children never weighed."""
+        key = (node.shape, node.micro_batch, node.placement)
+        if key not in self.group_floors:
+            least = TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, node.placement, False, None,
+                             MoeDispatcher.deepep)
+            layout = least.layout(self.problem)
+            costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
+            work = SortedWork.of(*work_before_zero(costs, self.bounds.fastest, all_to_alls=False), node.shape.pp)
+            self.group_floors[key] = (work, layout.num_micro_batches, self.hops(least, costs))
+        work, micro_batches, hops = self.group_floors[key]
+        shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
+        return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
 
     def group_bound(self, node: TreeNode) -> float:
         """A placement's bound under each MoE dispatcher and combined 1F1B switch it leaves open: per block kind
