@@ -161,13 +161,13 @@ def _placed(bnb, root):
         if not child.is_group:
             yield child
             continue
-        group_bound, kids = bnb.group_bound(child), bnb.tree.children(child)
-        floor = bnb.group_floor_s(child)
-        assert bnb.root_bound(root) <= floor * (1 + 1e-9) and floor <= group_bound * (1 + 1e-9)
+        group_bound, kids = bnb.nodes.group_bound(child), bnb.tree.children(child)
+        floor = bnb.nodes.group_floor_s(child)
+        assert bnb.nodes.root_bound(root) <= floor * (1 + 1e-9) and floor <= group_bound * (1 + 1e-9)
         assert len(kids) > 1 and all(not kid.is_group for kid in kids)
         assert bnb.tree.leaf_count(child) == sum(bnb.tree.leaf_count(kid) for kid in kids)
         for kid in kids:
-            assert group_bound <= bnb.communication_bound(kid) * (1 + 1e-9)
+            assert group_bound <= bnb.nodes.communication_bound(kid) * (1 + 1e-9)
             yield kid
 
 
@@ -183,13 +183,13 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
         roots = sorted(bnb.tree.roots(), key=lambda r: r.vp, reverse=reverse)
         placed = 0
         for root in roots:
-            root_bound = bnb.root_bound(root)
+            root_bound = bnb.nodes.root_bound(root)
             for child in _placed(bnb, root):
                 layout = child.layout(bnb.problem)
                 costs = MeshCosts(graph.costs(), cluster, layout, stack)
                 alone = communication_bound(work_floor(*work_before_zero(costs, Recompute.none), layout.pp, layout.vp),
                                             costs.p2p_s(), layout)
-                assert bnb.communication_bound(child) == pytest.approx(alone, rel=1e-12)
+                assert bnb.nodes.communication_bound(child) == pytest.approx(alone, rel=1e-12)
                 assert root_bound <= alone * tol
                 best = [e.step_time_s for lay, e in per_layout.items()
                         if (lay.tp, lay.cp, lay.pp, lay.vp, lay.ep, lay.etp, lay.micro_batch, lay.mesh_order,
@@ -199,7 +199,7 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
                                 layout.moe_dispatcher, layout.tp_comm_overlap)]
                 assert all(root_bound <= b * tol for b in best)
                 # the placed node's floor of what its ZeRO stages add stays at or below each leaf's balanced bound
-                floor = bnb.zero_floor_s(child)
+                floor = bnb.nodes.zero_floor_s(child)
                 assert alone <= floor * tol and all(floor <= b * tol for b in best)
                 for leaf in bnb.tree.children(child):
                     leaf_layout = leaf.layout(bnb.problem)
