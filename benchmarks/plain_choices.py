@@ -28,9 +28,28 @@ class ChoiceMeasurement:
     global_batch: int | None = None       # None: the shared row's
     measured_step_s: float | None = None  # None: the shared row's
     mtp_layers: int | None = None   # where its model trains MTP modules the shared row's does not
+    num_devices: int | None = None  # where it ran on another count of the shared row's devices
+    # the settings it states, as layout keys: pinned beside its degrees, they separate what the plain path chose
+    # differently from how far the model's prediction of what it ran is off
+    ran_settings: str = ""
 
     def measured_s(self, run) -> float:
         return run.measured_step_s if self.measured_step_s is None else self.measured_step_s
+
+
+CARD = ("skills/nemo-mbridge-perf-moe-hardware-configs/card.yaml, NVIDIA-NeMo/Megatron-Bridge 067f987d (validated "
+        "2026-07-31)")
+# Megatron-Bridge's model FLOPs per token at sequence 4096 (its TFLOP/s over its tokens/s, the same model's rows):
+# DeepSeek-V3 with MTP 260.4e9 (the 25.11 B200 row: 557 / 2,139), without 249.4e9 (the 25.11 GB200 rows: 782 / 3,139,
+# 1,003 / 4,018), Qwen3-235B-A22B 148.0e9 (the 25.11 rows: 233 / 1,575, 728 / 4,916, 484 / 3,269), Qwen3-30B-A3B
+# 23.11e9 (the 26.08 GB200 row: 923 / 39,936)
+GFLOP_PER_TOKEN = {"dsv3-mtp": 260.4, "dsv3": 249.4, "qwen3-235b": 148.0, "qwen3-30b": 23.11}
+
+
+def step_from_tflops(tflops: float, model: str, global_batch: int, devices: int, seq_len: int = 4096) -> float:
+    """A step's seconds from a row's model TFLOP/s per GPU: its tokens over the tokens per second that rate gives."""
+    tokens_per_s = tflops * 1e12 / (GFLOP_PER_TOKEN[model] * 1e9) * devices
+    return global_batch * seq_len / tokens_per_s
 
 
 CHOICES_MEASURED = [
@@ -42,7 +61,8 @@ CHOICES_MEASURED = [
     ChoiceMeasurement("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
                       f"Megatron-Bridge's 26.08 table ({SUMMARY}) and its recipe", "tp=1,pp=4,vp=4,cp=1,ep=64,mbs=1",
                       "fp8", "HybridEP, combined 1F1B; not billed: full-iteration CUDA graphs, paged stash, fused "
-                      "grouped MLP", 4096, 4096 * 4096 / (4912 * 256), mtp_layers=1),
+                      "grouped MLP", 4096, 4096 * 4096 / (4912 * 256), mtp_layers=1,
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8"),
     # 26.08 table, DGX-GB200, 256 GPUs, MXFP8, GBS 8192, MBS 1, TP1 PP8 VP3 EP32: 7,280 tokens/s per GPU,
     # 8192 x 4096 / (7280 x 256) = 18.004 s. Its recipe (perf_recipes/qwen/gb200/qwen3_moe.py
     # qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config, _enable_hybridep_full_iteration_mxfp8 in qwen/common.py):
@@ -50,19 +70,57 @@ CHOICES_MEASURED = [
     ChoiceMeasurement("mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu",
                       f"Megatron-Bridge's 26.08 table ({SUMMARY}) and its recipe", "tp=1,pp=8,vp=3,cp=1,ep=32,mbs=1",
                       "fp8", "HybridEP, combined 1F1B; not billed: full-iteration CUDA graphs, paged stash, fused "
-                      "grouped MLP", 8192, 8192 * 4096 / (7280 * 256)),
+                      "grouped MLP", 8192, 8192 * 4096 / (7280 * 256),
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8"),
     # skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md 'HybridEP Production-Shape Benchmark' @067f987d: BF16,
     # seq 4096, TP1 PP1 CP1 EP16, MBS 1, GBS 1024, HybridEP, overlap on (its independent validation run)
     ChoiceMeasurement("mbridge-25p11-h100-qwen3-30b-a3b-fp8-16gpu",
                       "Megatron-Bridge's HybridEP overlap benchmark (skills/nemo-mbridge-perf-expert-parallel-overlap, "
                       "067f987d)", "tp=1,pp=1,cp=1,ep=16,mbs=1", "bf16",
                       "HybridEP, combined 1F1B without delayed weight gradients; not billed: TE CUDA graphs of the "
-                      "router and the dispatcher's preprocessing", 1024, 20.992),
+                      "router and the dispatcher's preprocessing", 1024, 20.992,
+                      ran_settings="dispatcher=deepep,a2a_overlap=true"),
+    # Megatron-Bridge's MoE hardware card: its point-in-time best configurations, TFLOP/s rounded ("~"; 2-3 digits,
+    # so within about 1%), routing force-balanced. Its BF16 DeepSeek-V3 row on 256 B200 is left out: its TP1 PP8
+    # EP32 EDP2 needs 512 GPUs
+    ChoiceMeasurement("mbridge-25p11-b200-deepseekv3-mxfp8-256gpu-w-mtp", f"{CARD}: dsv3_685b_b200_256_fp8mx, ~800 "
+                      "TFLOP/s", "tp=1,pp=8,vp=2,cp=1,ep=32,mbs=1", "fp8", "DeepEP (24 SMs), combined 1F1B", 8192,
+                      step_from_tflops(800, "dsv3-mtp", 8192, 256),
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8"),
+    ChoiceMeasurement("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp", f"{CARD}: dsv3_685b_gb200_256, ~1100 "
+                      "TFLOP/s", "tp=1,pp=4,vp=4,cp=1,ep=64,mbs=1", "fp8", "HybridEP, combined 1F1B; not billed: TE "
+                      "CUDA graphs of attention, router and the dispatcher's preprocessing", 8192,
+                      step_from_tflops(1100, "dsv3-mtp", 8192, 256), mtp_layers=1,
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8"),
+    ChoiceMeasurement("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp", f"{CARD}: dsv3_671b_gb200_256 (no MTP), "
+                      "~1000 TFLOP/s", "tp=1,pp=8,vp=4,cp=1,ep=32,mbs=1", "fp8", "HybridEP, combined 1F1B not "
+                      "listed; not billed: TE CUDA graphs of attention, router and the dispatcher's preprocessing",
+                      2048, step_from_tflops(1000, "dsv3", 2048, 256),
+                      ran_settings="dispatcher=deepep,a2a_overlap=false,fp8_recipe=mxfp8"),
+    ChoiceMeasurement("mbridge-25p11-b200-qwen3-235b-a22b-mxfp8-64gpu", f"{CARD}: qwen3_235b_b200_128, ~590 TFLOP/s",
+                      "tp=2,pp=4,vp=12,cp=1,ep=16,mbs=2", "bf16", "DeepEP, combined 1F1B", 2048,
+                      step_from_tflops(590, "qwen3-235b", 2048, 128), num_devices=128,
+                      ran_settings="dispatcher=deepep,a2a_overlap=true"),
+    ChoiceMeasurement("mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu", f"{CARD}: qwen3_235b_gb200_128, ~700 TFLOP/s",
+                      "tp=1,pp=4,vp=12,cp=1,ep=32,mbs=1", "bf16", "HybridEP, combined 1F1B not listed; not billed: TE "
+                      "CUDA graphs of attention, router and the dispatcher's preprocessing", 1024,
+                      step_from_tflops(700, "qwen3-235b", 1024, 128), num_devices=128,
+                      ran_settings="dispatcher=deepep,a2a_overlap=false"),
+    ChoiceMeasurement("mbridge-25p11-h100-qwen3-30b-a3b-fp8-16gpu", f"{CARD}: qwen3_30b_h100_32, ~210 TFLOP/s",
+                      "tp=1,pp=1,cp=1,ep=8,mbs=4", "bf16", "DeepEP, full recomputation, combined 1F1B not listed", 256,
+                      step_from_tflops(210, "qwen3-30b", 256, 32), num_devices=32,
+                      ran_settings="dispatcher=deepep,a2a_overlap=false,recompute=full"),
+    ChoiceMeasurement("mbridge-25p09-h100-deepseekv3-prec-na-1024gpu", f"{CARD}: dsv3_685b_h100_1024, FP8 blockwise, "
+                      "~370 TFLOP/s", "tp=2,pp=8,vp=4,cp=1,ep=64,mbs=1", "fp8", "DeepEP, combined 1F1B, selective "
+                      "recomputation of up_proj and mlp", 8192, step_from_tflops(370, "dsv3-mtp", 8192, 1024),
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=blockwise,recompute=selective,"
+                      "recompute_modules=mla_up_proj+mlp"),
     # the runs file's row, 25.09 table: DeepSeek-V3 on 1,024 H100, precision not stated (so in no figure),
     # launched with DeepEP and combined 1F1B (benchmarks/published.py RUN_STACK_SETTINGS)
     *(ChoiceMeasurement("mbridge-25p09-h100-deepseekv3-prec-na-1024gpu",
                         f"the runs file's 25.09 row, precision not stated (predicted in {precision})",
-                        "tp=2,pp=8,vp=4,cp=1,ep=64,mbs=1", precision, "DeepEP, combined 1F1B")
+                        "tp=2,pp=8,vp=4,cp=1,ep=64,mbs=1", precision, "DeepEP, combined 1F1B",
+                        ran_settings="dispatcher=deepep,a2a_overlap=true")
       for precision in ("bf16", "fp8")),
 ]
 
@@ -74,14 +132,17 @@ def shared_runs() -> dict:
     return {run.id: run for run in [*found, *unstated]}
 
 
-def plain_choice(entry: ChoiceMeasurement, runs: dict, time_limit_s: float):
-    """The plain path's plan for the run at its published degrees: (plan, the shared row it takes model and devices
-    from)."""
+def plain_choice(entry: ChoiceMeasurement, runs: dict, time_limit_s: float, as_ran: bool = False):
+    """The plain path's plan for the run at its published degrees (`as_ran`: with the settings it states pinned
+    beside them): (plan, the shared row it takes model and devices from)."""
     from planner.api import evaluate
     run = runs[entry.model_of]
     model = run.model if entry.mtp_layers is None else run.model.model_copy(update={"mtp_layers": entry.mtp_layers})
     stack = FAMILY_STACKS.get(run_family(run.id), DEFAULT_FAMILY_STACK)
     cluster = run.cluster.model_copy(update={"segment_devices": None})
+    if entry.num_devices is not None:
+        cluster = cluster.model_copy(update={"num_nodes": entry.num_devices // cluster.devices_per_node})
     batch = run.global_batch if entry.global_batch is None else entry.global_batch
-    return evaluate(model, cluster, entry.degrees, global_batch=batch, seq_len=run.seq_len,
+    degrees = f"{entry.degrees},{entry.ran_settings}" if as_ran and entry.ran_settings else entry.degrees
+    return evaluate(model, cluster, degrees, global_batch=batch, seq_len=run.seq_len,
                     precision=entry.precision, stack=stack, time_limit_s=time_limit_s), run
