@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.published import DEFAULT_FAMILY_STACK, FAMILY_STACKS, load_runs, run_family
+from hardware_profiles.loader import load_stack
 
 SUMMARY = "docs/performance-summary.md, NVIDIA-NeMo/Megatron-Bridge 067f987d"
 
@@ -32,6 +33,7 @@ class ChoiceMeasurement:
     # the settings it states, as layout keys: pinned beside its degrees, they separate what the plain path chose
     # differently from how far the model's prediction of what it ran is off
     ran_settings: str = ""
+    stack_settings: dict | None = None   # as ran: where its recipe set the stack's own settings (CUDA graphs)
 
     def measured_s(self, run) -> float:
         return run.measured_step_s if self.measured_step_s is None else self.measured_step_s
@@ -52,6 +54,9 @@ def step_from_tflops(tflops: float, model: str, global_batch: int, devices: int,
     return global_batch * seq_len / tokens_per_s
 
 
+# the 26.08 GB200 recipes' full-iteration CUDA graphs, as the stack profile says it: whole layers replayed
+WHOLE_GRAPHS = {"cuda_graphs": True, "cuda_graph_scope": "layers"}
+
 CHOICES_MEASURED = [
     # 26.08 table, DGX-GB200, 256 GPUs, MXFP8, GBS 4096, MBS 1, seq 4096, TP1 PP4 VP4 EP64: 4,912 tokens/s per GPU,
     # 4096 x 4096 / (4912 x 256) = 13.343 s. Its recipe (perf_recipes/deepseek/gb200/deepseek_v3.py
@@ -60,18 +65,19 @@ CHOICES_MEASURED = [
     # recipe's MTP module (recipes/deepseek/h100/deepseek_v3.py set_deepseek_v3_pipeline_model_parallel_layout)
     ChoiceMeasurement("mbridge-25p11-gb200-deepseekv3-mxfp8-256gpu-wo-mtp",
                       f"Megatron-Bridge's 26.08 table ({SUMMARY}) and its recipe", "tp=1,pp=4,vp=4,cp=1,ep=64,mbs=1",
-                      "fp8", "HybridEP, combined 1F1B; not billed: full-iteration CUDA graphs, paged stash, fused "
-                      "grouped MLP", 4096, 4096 * 4096 / (4912 * 256), mtp_layers=1,
-                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8"),
+                      "fp8", "HybridEP, combined 1F1B, full-iteration CUDA graphs (as ran: whole layers graphed, no "
+                      "host time); not billed: paged stash, fused grouped MLP", 4096, 4096 * 4096 / (4912 * 256),
+                      mtp_layers=1,
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8", stack_settings=WHOLE_GRAPHS),
     # 26.08 table, DGX-GB200, 256 GPUs, MXFP8, GBS 8192, MBS 1, TP1 PP8 VP3 EP32: 7,280 tokens/s per GPU,
     # 8192 x 4096 / (7280 x 256) = 18.004 s. Its recipe (perf_recipes/qwen/gb200/qwen3_moe.py
     # qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config, _enable_hybridep_full_iteration_mxfp8 in qwen/common.py):
     # HybridEP, overlap_moe_expert_parallel_comm and delay_wgrad_compute on, full-iteration CUDA graphs
     ChoiceMeasurement("mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu",
                       f"Megatron-Bridge's 26.08 table ({SUMMARY}) and its recipe", "tp=1,pp=8,vp=3,cp=1,ep=32,mbs=1",
-                      "fp8", "HybridEP, combined 1F1B; not billed: full-iteration CUDA graphs, paged stash, fused "
-                      "grouped MLP", 8192, 8192 * 4096 / (7280 * 256),
-                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8"),
+                      "fp8", "HybridEP, combined 1F1B, full-iteration CUDA graphs (as ran: whole layers graphed, no "
+                      "host time); not billed: paged stash, fused grouped MLP", 8192, 8192 * 4096 / (7280 * 256),
+                      ran_settings="dispatcher=deepep,a2a_overlap=true,fp8_recipe=mxfp8", stack_settings=WHOLE_GRAPHS),
     # skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md 'HybridEP Production-Shape Benchmark' @067f987d: BF16,
     # seq 4096, TP1 PP1 CP1 EP16, MBS 1, GBS 1024, HybridEP, overlap on (its independent validation run)
     ChoiceMeasurement("mbridge-25p11-h100-qwen3-30b-a3b-fp8-16gpu",
@@ -144,5 +150,7 @@ def plain_choice(entry: ChoiceMeasurement, runs: dict, time_limit_s: float, as_r
         cluster = cluster.model_copy(update={"num_nodes": entry.num_devices // cluster.devices_per_node})
     batch = run.global_batch if entry.global_batch is None else entry.global_batch
     degrees = f"{entry.degrees},{entry.ran_settings}" if as_ran and entry.ran_settings else entry.degrees
+    if as_ran and entry.stack_settings:
+        stack = load_stack(stack).model_copy(update=entry.stack_settings)
     return evaluate(model, cluster, degrees, global_batch=batch, seq_len=run.seq_len,
                     precision=entry.precision, stack=stack, time_limit_s=time_limit_s), run

@@ -156,6 +156,9 @@ class Device(Strict):
     # several (Hopper and earlier): a job runs one or the other (Megatron-LM docs moe_a2a_overlap.md; Megatron-
     # Bridge's H100 Qwen3-235B recipes turn TP overlap off beside it, with CUDA_DEVICE_MAX_CONNECTIONS 8)
     tp_overlap_single_connection: bool = False
+    # combined 1F1B pays here only beside whole layers replayed as CUDA graphs: its stages' synchronisation adds
+    # more CPU overhead than the all-to-alls it hides over the scale-up domain save (`a2a_overlap_left_off`)
+    a2a_overlap_needs_graphs: bool = False
     # what NCCL's all-to-all holds of them (the compute it hides behind runs on the rest); None where no
     # NCCL log for the node is known
     nccl_p2p_sms: NcclP2pSms | None = None

@@ -32,8 +32,8 @@ from .search.tree import SearchOutcome
 from .rules.device import check_device_for, check_overlaps_on
 from .rules.layout import layout_problems, pin_problems
 from .rules.pins import Pins
-from .rules.stack import (a2a_overlap_refusal, layout_stack_problems, module_choices, recompute_choices, stack_pins,
-                          stack_problems, uniform_recompute)
+from .rules.stack import (a2a_overlap_left_off, a2a_overlap_refusal, layout_stack_problems, module_choices,
+                          recompute_choices, stack_pins, stack_problems, uniform_recompute)
 
 
 class InfeasibleError(UserInputError):
@@ -80,7 +80,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         mfu=best.mfu, hfu=best.hfu, fits=best.fits, peak_memory_bytes=best.peak_memory_bytes,
         memory=memory_records(best), breakdown=best.breakdown.parts(), search=stats,
         alternatives=alternatives(best, ranked[1:]),
-        reasons=reasons(best, cluster, ranked[1:], pairs, twin)
+        reasons=reasons(best, cluster, ranked[1:], pairs, twin, a2a_overlap_left_off(stack, cluster.device))
         + dispatcher_reason(best, other_dispatchers(graph, cluster, best, stack, ep_imbalance))
         + fp8_recipe_reason(best, other_fp8_recipes(graph, cluster, best, stack, ep_imbalance),
                             stack.fp8_recipes[0] if stack.fp8_recipes else None)
@@ -369,6 +369,7 @@ def _overlaps_left_out(given: dict, job: Job) -> list[dict]:
     if "a2a_overlap" in given:
         return [given]
     if not job.stack.moe_a2a_overlap or a2a_overlap_refusal(given["pp"], job.graph) \
+            or a2a_overlap_left_off(job.stack, job.cluster.device) \
             or given.get("dispatcher") not in (None, *A2A_OVERLAP_DISPATCHERS):
         return [{**given, "a2a_overlap": False}]
     return [{**given, "a2a_overlap": on} for on in (False, True)]

@@ -42,9 +42,12 @@ def alternatives(best: Estimate, others: list[Estimate]) -> list[Alternative]:
                         loses=_loses(best, other)) for other in others]
 
 
-def combined_1f1b_reason(best: Estimate, twin: Estimate | None) -> str:
+def combined_1f1b_reason(best: Estimate, twin: Estimate | None, left_off: str | None = None) -> str:
     """Why the plan runs combined 1F1B or not: against the same plan with the switch flipped, or (no twin)
-    because the stack does not pair passes beside the plan's full recomputation."""
+    because the stack does not pair passes beside the plan's full recomputation; `left_off`: the rule that keeps
+    it off on this device under this stack (`planner.rules.stack.a2a_overlap_left_off`)."""
+    if twin is None and left_off:   # (the search never weighed it here, whatever the plan recomputes)
+        return f"combined 1F1B left off: {left_off}"
     if twin is None:
         return "combined 1F1B is not used: Megatron-Core refuses it beside full recomputation, which this plan uses"
 
@@ -54,6 +57,12 @@ def combined_1f1b_reason(best: Estimate, twin: Estimate | None) -> str:
     on, off = (best, twin) if best.layout.moe_a2a_overlap else (twin, best)
     hidden = off.breakdown.parts()["ep_comm_s"] - on.breakdown.parts()["ep_comm_s"]
     extra_gb = (fullest(on) - fullest(off)) / 1e9
+    if left_off and best is on:
+        return (f"combined 1F1B as pinned hides {hidden:.3f} s of expert all-to-all in this prediction, which does "
+                f"not bill its stages' CPU overhead: {left_off}")
+    if left_off:
+        return (f"combined 1F1B left off: {left_off} (the model, which does not bill that overhead, would hide "
+                f"{hidden:.3f} s of expert all-to-all with it)")
     if best is on:
         return (f"combined 1F1B (MoE all-to-alls beside another micro-batch's compute) hides {hidden:.3f} s of "
                 f"expert all-to-all for {extra_gb:.1f} GB more on the fullest stage")
@@ -91,9 +100,10 @@ def fp8_recipe_reason(best: Estimate, others: list[Estimate], stack_default: str
 
 
 def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: bool = False,
-            twin: Estimate | None = None) -> list[str]:
+            twin: Estimate | None = None, a2a_left_off: str | None = None) -> list[str]:
     """`pairs`: the stack could pair this layout's MoE passes (combined 1F1B); `twin`: the plan with that
-    switch flipped, None where full recomputation rules it out."""
+    switch flipped, None where full recomputation rules it out; `a2a_left_off`: why the search leaves it off on
+    this device (`combined_1f1b_reason`)."""
     lay = best.layout
     out = []
     if lay.tp > 1:
@@ -121,7 +131,7 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
         out.append(f"{lay.pp} pipeline stages x {lay.vp} virtual{schedule}, {lay.num_micro_batches} micro-batches"
                    + ("; layers split unevenly to balance the embedding and head" if uneven else ""))
     if pairs:
-        out.append(combined_1f1b_reason(best, twin))
+        out.append(combined_1f1b_reason(best, twin, a2a_left_off))
     if others:
         out.append(f"the next best ({text_of(others[0].layout)}) {_loses(best, others[0])}")
     return out

@@ -196,33 +196,38 @@ GB200_MOE_PLAIN = ["mbridge-25p11-gb200-deepseekv3-bf16-256gpu-wo-mtp", "mbridge
 @pytest.mark.parametrize("run_id", GB200_MOE_PLAIN)
 def test_gb200_moe_through_the_plain_path_is_placed_by_the_search_within_15_percent(runs, run_id):
     """No segments given (the plain path): the search places the experts in rack segments as NVIDIA's launcher did.
-    The plan also runs combined 1F1B, which Megatron-Bridge can run and these recipes left off, and says what it
-    hides; the run as its recipe configured it (combined 1F1B off and NCCL's all-to-all dispatcher, where the
-    plain path chooses HybridEP; the rest as the plain path chooses) is predicted within 15%."""
+    It leaves combined 1F1B off, as these recipes did (on GB200 it pays only beside CUDA graphs of whole layers,
+    which Megatron-Bridge's stack does not run by default) and says why; the plan (HybridEP, where the recipes ran
+    NCCL's all-to-all) and the run as its recipe configured it are each predicted within 15%."""
     from benchmarks.plain_path import plain
     run = runs[run_id]
     result = plain(run, 60, whole_row=True)
     assert result.segment_devices and any(r.startswith("placement chosen by the search") for r in result.reasons)
-    assert result.layout.moe_a2a_overlap and any("combined 1F1B" in r and "hides" in r for r in result.reasons)
+    assert not result.layout.moe_a2a_overlap and any(r.startswith("combined 1F1B left off") for r in result.reasons)
+    assert abs(result.step_time_s / run.measured_step_s - 1) < 0.15
     as_run = plain(run, 60, whole_row=True, settings={"a2a_overlap": False, "dispatcher": "alltoall"})
     assert abs(as_run.step_time_s / run.measured_step_s - 1) < 0.15
     assert as_run.segment_devices and any(r.startswith("placement chosen by the search") for r in as_run.reasons)
 
 
 @pytest.mark.heavy
-def test_the_plain_paths_choices_are_predicted_within_20_percent_where_runs_measured_them():
-    """Published runs that ran what the plain path chooses for MoE (HybridEP and combined 1F1B on GB200, with
-    full-iteration CUDA graphs the model does not bill; Megatron-Bridge's HybridEP overlap benchmark on 16 H100),
-    never fitted: through the plain path, each within 20% (docs/accuracy-plain.md reports them with the
-    unstated-precision row and the MoE hardware card's rows, which this leaves out)."""
+def test_where_a_run_ran_the_plain_plans_dispatcher_and_combined_1f1b_the_plain_path_is_within_25_percent():
+    """Published MoE runs never fitted (benchmarks/plain_choices.py: Megatron-Bridge's HybridEP overlap benchmark
+    and MoE hardware card, DeepEP and HybridEP on H100, B200 and GB200): where the run ran the dispatcher family
+    and the combined 1F1B switch the plain path chose for it, the plain path predicts it within issue 43's per-row
+    bar of 25%; at least four rows do (the GB200 rows among them, combined 1F1B left off as they ran)."""
     from benchmarks.plain_choices import CHOICES_MEASURED, plain_choice, shared_runs
     runs_by_id = shared_runs()
-    chosen = [entry for entry in CHOICES_MEASURED if "26.08 table" in entry.source or "overlap benchmark" in entry.source]
-    assert len(chosen) == 3
-    for entry in chosen:
+    matched = 0
+    for entry in (entry for entry in CHOICES_MEASURED if "not stated" not in entry.source):
         plan, run = plain_choice(entry, runs_by_id, 30)
-        assert plan.layout.moe_a2a_overlap, entry.source   # the search chose what the run ran
-        assert abs(plan.step_time_s / entry.measured_s(run) - 1) < 0.20, entry.source
+        ran = dict(item.split("=") for item in entry.ran_settings.split(","))
+        ran_overlap = ran["a2a_overlap"] == "true"
+        if plan.layout.moe_dispatcher != ran["dispatcher"] or plan.layout.moe_a2a_overlap != ran_overlap:
+            continue
+        matched += 1
+        assert abs(plan.step_time_s / entry.measured_s(run) - 1) < 0.25, entry.source
+    assert matched >= 4
 
 
 @pytest.mark.heavy

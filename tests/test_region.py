@@ -70,18 +70,21 @@ def test_a_dispatcher_no_published_moe_run_used_is_said_and_the_best_plan_inside
 
 
 def test_combined_1f1b_where_no_published_run_on_the_device_ran_it_is_said_and_the_best_plan_inside_runs_without():
-    """Only H100 MoE runs ran combined 1F1B (Megatron-Bridge's Qwen3-235B); NVIDIA found it a net loss on GB200 at
-    the host-bound baseline of its DeepSeek-V3 guide. A GB200 plan that chooses it says so, and its best plan
-    inside the measured region runs without it; an H100 plan that chooses it says nothing of it."""
+    """Only H100 MoE runs ran combined 1F1B (Megatron-Bridge's Qwen3-235B). An H200 plan (no published MoE run
+    there) that chooses it says so, and its best plan inside the measured region runs without it; a GB200 plan
+    with it pinned says so too (the search leaves it off there: tests/test_combined_1f1b_graphs.py); an H100 plan
+    that chooses it says nothing of it."""
     from planner.region import overlap_measured
     assert overlap_measured(128, "h100-sxm") and not overlap_measured(128, "gb200") and not overlap_measured(0, "h100-sxm")
     assert not overlap_measured(128, "h200")   # no MoE run on it, and not run on every device that has them
     common = dict(num_devices=64, global_batch=512, tp=1, pp=4, cp=1, ep=16, vp=2, time_limit_s=60)
-    gb200 = planner.plan("qwen3-30b-a3b", device="gb200", dispatcher="alltoall", **common)
-    assert gb200.layout.moe_a2a_overlap   # the search chooses it here: it hides the all-to-alls
-    assert any("combined 1F1B" in note for note in gb200.outside_measured)
-    inside = gb200.inside_measured
+    h200 = planner.plan("qwen3-30b-a3b", device="h200", dispatcher="alltoall", **common)
+    assert h200.layout.moe_a2a_overlap   # the search chooses it here: it hides the all-to-alls
+    assert any("combined 1F1B" in note for note in h200.outside_measured)
+    inside = h200.inside_measured
     assert inside is not None and "a2a_overlap=true" not in inside.layout
-    assert inside.step_time_s > gb200.step_time_s
+    assert inside.step_time_s > h200.step_time_s
+    gb200 = planner.plan("qwen3-30b-a3b", device="gb200", dispatcher="alltoall", a2a_overlap=True, **common)
+    assert any("combined 1F1B" in note and "gb200" in note for note in gb200.outside_measured)
     h100 = planner.plan("qwen3-30b-a3b", device="h100-sxm", dispatcher="alltoall", a2a_overlap=True, **common)
     assert not any("combined 1F1B" in note for note in h100.outside_measured)

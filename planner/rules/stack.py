@@ -88,6 +88,18 @@ def a2a_overlap_refusal(pp: int | None, graph=None) -> str | None:
     return None
 
 
+def a2a_overlap_left_off(stack: SoftwareStack, device) -> str | None:
+    """Why the search and `evaluate` leave combined 1F1B off on this device under this stack (a pin keeps it), or
+    None: where the device needs whole layers replayed as CUDA graphs for it to pay (`Device.a2a_overlap_needs_graphs`)
+    and the stack does not replay them."""
+    if not device.a2a_overlap_needs_graphs or (stack.cuda_graphs and stack.cuda_graph_scope == "layers"):
+        return None
+    return (f"on {device.name} combined 1F1B pays only beside whole layers replayed as CUDA graphs, which the "
+            f"{stack.name} stack does not run: its stages' synchronisation adds more CPU overhead than the all-to-alls "
+            "it hides over the NVLink domain save (Megatron-LM's DeepSeek-V3 GB200 guide: 'the overall benefit is "
+            "negative on the GB200'; NVIDIA's 26.08 GB200 recipes run it beside full-iteration CUDA graphs)")
+
+
 def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None) -> list[str]:
     """The pins (or a given layout's values) the stack cannot run, each with the rule it breaks."""
     name, problems = stack.name, model_problems(pins, stack, graph)

@@ -20,7 +20,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from ..rules.pins import Pins
-from ..rules.stack import a2a_overlap_refusal
+from ..rules.stack import a2a_overlap_left_off, a2a_overlap_refusal
 from .partition import PartitionResult
 from .space import MeshShape, make_layout, mesh_shapes, placement_choices, schedule_choices, with_tp_overlap
 
@@ -226,7 +226,8 @@ class TreeShape:
             if tp_kept and p.pins.a2a_overlap:   # both pinned on: not at this tp
                 self._overlaps[key] = ()
             elif not p.stack.pairs_moe_passes(placement[1], pairs, dispatcher) or tp_kept \
-                    or a2a_overlap_refusal(node.shape.pp, p.graph):
+                    or a2a_overlap_refusal(node.shape.pp, p.graph) \
+                    or (p.pins.a2a_overlap is None and a2a_overlap_left_off(p.stack, p.cluster.device)):
                 self._overlaps[key] = (False,)
             else:
                 self._overlaps[key] = (p.pins.a2a_overlap,) if p.pins.a2a_overlap is not None else (False, True)
