@@ -142,7 +142,8 @@ def choices_section(choices) -> list[str]:
              "the settings the run states (dispatcher, combined 1F1B, FP8 recipe, recomputation where stated) pinned "
              "beside its degrees, the rest searched: what separates the plain path's own choices from the model's "
              "prediction of what ran.", "",
-             "| run | source | degrees | precision | measured s | plain s | error | as ran | plain chose | the run ran |",
+             "| run | source | degrees | precision | measured s | plain s | error | as ran | plain chose "
+             "| the run ran |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     errors, as_ran_errors = [], []
     for entry, plan, run, as_ran in choices:

@@ -174,7 +174,6 @@ class MeshCosts(ExpertCommunication):
             self._work_ids[experts] = self._shared.work_ids.setdefault(key, len(self._shared.work_ids))
         return self._work_ids[experts]
 
-
     @cached_property
     def placement(self):
         key = self._placement_key
