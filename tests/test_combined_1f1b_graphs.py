@@ -43,6 +43,8 @@ def test_a_gb200_plan_leaves_it_off_says_why_and_keeps_a_pin():
     assert any(r.startswith("combined 1F1B as pinned") and "does not bill" in r for r in pinned.reasons)
     h100 = planner.plan("qwen3-30b-a3b", device="h100-sxm", dispatcher="alltoall", **COMMON)
     assert h100.layout.moe_a2a_overlap and not any("left off" in r for r in h100.reasons)
+    graphed = planner.plan("qwen3-30b-a3b", device="gb200", dispatcher="alltoall", stack=GRAPHED, **COMMON)
+    assert graphed.layout.moe_a2a_overlap and not any("left off" in r for r in graphed.reasons)
 
 
 @pytest.mark.heavy

@@ -97,7 +97,8 @@ def a2a_overlap_left_off(stack: SoftwareStack, device) -> str | None:
     return (f"on {device.name} combined 1F1B pays only beside whole layers replayed as CUDA graphs, which the "
             f"{stack.name} stack does not run: its stages' synchronisation adds more CPU overhead than the all-to-alls "
             "it hides over the NVLink domain save (Megatron-LM's DeepSeek-V3 GB200 guide: 'the overall benefit is "
-            "negative on the GB200'; NVIDIA's 26.08 GB200 recipes run it beside full-iteration CUDA graphs)")
+            "negative on the GB200'; NVIDIA's 26.08 GB200 recipes run it beside full-iteration CUDA graphs; a stack "
+            "profile with cuda_graphs: true and cuda_graph_scope: layers weighs it)")
 
 
 def stack_problems(pins: Pins, stack: SoftwareStack, precision: str, graph=None) -> list[str]:
