@@ -73,6 +73,11 @@ def step_s(figure: float, unit: str, tokens_per_step: float, devices: int) -> fl
     raise ValueError(f"unit {unit!r}: expected 'tokens/s per GPU' or 's'")
 
 
+def variant_layout(variant: dict) -> str:
+    """A variant's layout: its degrees and, where it states them apart, the framework settings it ran."""
+    return ",".join(filter(None, (variant["layout"], variant.get("settings", ""))))
+
+
 def published_sweeps(path: Path = SWEEPS, time_limit_s: float = 20.0) -> list[Sweep]:
     out = []
     for entry in yaml.safe_load(path.read_text()):
@@ -80,7 +85,7 @@ def published_sweeps(path: Path = SWEEPS, time_limit_s: float = 20.0) -> list[Sw
         variants = []
         for v in entry["variants"]:
             stack = load_stack(entry["stack"]).model_copy(update={**entry["stack_flags"], **v.get("stack_flags", {})})
-            plan = evaluate(resolve_model(entry["model"]), layout=v["layout"], device=entry["device"],
+            plan = evaluate(resolve_model(entry["model"]), layout=variant_layout(v), device=entry["device"],
                             num_devices=entry["num_devices"], global_batch=entry["global_batch"],
                             seq_len=entry["seq_len"], precision=v.get("precision", entry["precision"]), stack=stack,
                             time_limit_s=time_limit_s)
