@@ -156,9 +156,11 @@ def choices_section(choices) -> list[str]:
         chose = f"{lay.moe_dispatcher}" + (", combined 1F1B" if lay.moe_a2a_overlap else "") + f", {lay.recompute}"
         if lay.precision == "fp8":
             chose += f", {lay.fp8_recipe}"
-        lines.append(f"| {run.id} | {entry.source} | {entry.degrees}, gbs {plan.layout.gbs} | "
+        ran = entry.ran + (f"; known gap: {entry.known_gap}" if entry.known_gap else "")
+        name = run.id + (f" (model and devices; the {entry.stack} stack)" if entry.stack else "")
+        lines.append(f"| {name} | {entry.source} | {entry.degrees}, gbs {plan.layout.gbs} | "
                      f"{entry.precision} | {entry.measured_s(run):.3f} | {plan.step_time_s:.3f} | {error:+.1%} | "
-                     f"{as_ran_errors[-1]:+.1%} | {chose} | {entry.ran} |")
+                     f"{as_ran_errors[-1]:+.1%} | {chose} | {ran} |")
     worst = (lambda found: f"{max(found, key=abs):+.1%}" if found else "-")
     return lines + ["", f"MAPE {mape(errors)} over {len(errors)} (the unstated-precision row counted once per "
                     f"precision), worst {worst(errors)}; as ran {mape(as_ran_errors)}, worst {worst(as_ran_errors)}."]

