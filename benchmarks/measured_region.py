@@ -8,8 +8,12 @@ shared/validation, read from its published degrees and its model (no prediction 
 - dispatchers: by device, the MoE dispatchers the runs' stacks and launchers ran (MoE; benchmarks/published.py
   run_stack)
 - a2a_overlap_devices: the devices whose MoE runs ran combined 1F1B (as their stacks and launchers set it)
+- a2a_overlap_ab: by device, the published A/Bs of combined 1F1B in benchmarks/sweeps.yaml (never fitted: two
+  variants whose layouts differ in `a2a_overlap` alone): the share of the step each measured it saving, and the
+  share the model credits it at that layout (predicted now, as benchmarks/ranking.py predicts the sweeps)
 
-A plan outside a range says so (planner/region.py).
+A plan outside a range says so (planner/region.py), and a plan running combined 1F1B on a device with an A/B
+says what the A/B measured against what the model credited there.
 
     .venv/bin/python benchmarks/measured_region.py [--runs ../shared/validation/published_runs.yaml]
 """
@@ -25,7 +29,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.accuracy_sources import NOT_USABLE  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, load_runs, run_stack  # noqa: E402
+from benchmarks.ranking import SWEEPS, published_sweeps, variant_layout  # noqa: E402
 from planner.region import REGION_PATH, shapes  # noqa: E402
+
+
+def overlap_abs(sweeps_path: Path = SWEEPS) -> dict[str, list[dict]]:
+    """Device -> the published A/Bs of combined 1F1B on it: each job, its source, the step share it measured
+    combined 1F1B saving and the share the model credits it (1 - on / off, both)."""
+    entries = yaml.safe_load(Path(sweeps_path).read_text())
+    predicted = {sweep.name: sweep for sweep in published_sweeps(sweeps_path)}
+    found: dict[str, list[dict]] = {}
+    for entry in entries:
+        variants = entry["variants"]
+        if len(variants) != 2 or any(set(v) - {"label", "layout", "settings", "measured"} for v in variants):
+            continue
+        layouts = [dict(item.split("=") for item in variant_layout(v).split(",")) for v in variants]
+        differ = {key for key in layouts[0].keys() | layouts[1].keys() if layouts[0].get(key) != layouts[1].get(key)}
+        if differ != {"a2a_overlap"}:
+            continue
+        sweep = predicted[entry["name"]]
+        off, on = sorted(sweep.variants, key=lambda v: layouts[sweep.variants.index(v)]["a2a_overlap"] == "true")
+        found.setdefault(entry["device"], []).append({
+            "job": entry["name"], "source": " ".join(entry["source"].split()[:2]),
+            "measured_saving": round(1 - on.measured_s / off.measured_s, 4),
+            "model_saving": round(1 - on.predicted_s / off.predicted_s, 4)})
+    return found
 
 
 def main(argv=None) -> int:
@@ -52,8 +80,10 @@ def main(argv=None) -> int:
             overlap = run.known.get("a2a_overlap", stack.moe_a2a_overlap)
             devices = set(region[kind].get("a2a_overlap_devices", [])) | ({device} if overlap else set())
             region[kind]["a2a_overlap_devices"] = sorted(devices)
+    region.setdefault("MoE", {})["a2a_overlap_ab"] = overlap_abs()
     header = ("# Written by benchmarks/measured_region.py (do not edit): per class, the range of each per-rank shape\n"
-              "# over the published degrees of shared/validation's usable runs.\n")
+              "# over the published degrees of shared/validation's usable runs; a2a_overlap_ab from the never-fitted\n"
+              "# A/Bs of benchmarks/sweeps.yaml.\n")
     REGION_PATH.write_text(header + yaml.safe_dump(region, sort_keys=True))
     print(yaml.safe_dump(region, sort_keys=True))
     return 0

@@ -13,6 +13,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import SoftwareStack
 
 from .plans import Alternative
+from .region import overlap_ab_note
 from .search.tree import six_digits
 
 PART_NAMES = {
@@ -132,6 +133,8 @@ def reasons(best: Estimate, cluster: Cluster, others: list[Estimate], pairs: boo
                    + ("; layers split unevenly to balance the embedding and head" if uneven else ""))
     if pairs:
         out.append(combined_1f1b_reason(best, twin, a2a_left_off))
+        if twin is not None and best.layout.moe_a2a_overlap:
+            out.extend(overlap_ab_note(cluster.device.name, 1 - best.step_time_s / twin.step_time_s))
     if others:
         out.append(f"the next best ({text_of(others[0].layout)}) {_loses(best, others[0])}")
     return out

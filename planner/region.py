@@ -97,6 +97,21 @@ def overlap_measured(num_experts: int, device: str) -> bool:
     return device in measured or (device not in devices and bool(devices) and set(devices) <= set(measured))
 
 
+def overlap_ab_note(device: str, credited_saving: float) -> list[str]:
+    """What the published A/Bs of combined 1F1B on `device` measured it saving (never fitted; measured_region.yaml
+    `a2a_overlap_ab`) beside what the model credited at their layouts, and what it credits this plan: the model's
+    credit rests on the two-stream schedule alone, and these runs realised less of it."""
+    found = _region().get("MoE", {}).get("a2a_overlap_ab", {}).get(device, [])
+    if not found:
+        return []
+    each = "; ".join(f"{ab['job']} ({ab['source']}): {ab['measured_saving']:.1%} of the step measured, "
+                     f"{ab['model_saving']:.1%} credited" for ab in found)
+    less = all(ab["measured_saving"] < ab["model_saving"] for ab in found)
+    return [f"combined 1F1B saves {credited_saving:.1%} of this plan's step without it; published A/Bs on {device}, "
+            f"never fitted: {each}" + ("; runs realised less than the model credits, so this plan's credit may be "
+                                       "too large" if less else "")]
+
+
 def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int,
                   dispatcher: str = "alltoall", offload_layers: int = 0, device: str = "",
                   a2a_overlap: bool = False) -> list[str]:

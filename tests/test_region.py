@@ -88,3 +88,31 @@ def test_combined_1f1b_where_no_published_run_on_the_device_ran_it_is_said_and_t
     assert any("combined 1F1B" in note and "gb200" in note for note in gb200.outside_measured)
     h100 = planner.plan("qwen3-30b-a3b", device="h100-sxm", dispatcher="alltoall", a2a_overlap=True, **common)
     assert not any("combined 1F1B" in note for note in h100.outside_measured)
+
+
+def test_a_plan_running_combined_1f1b_on_h100_says_what_published_ab_runs_measured():
+    """The never-fitted A/Bs of combined 1F1B on H100 (benchmarks/sweeps.yaml: Megatron-Bridge's HybridEP benchmark on
+    Qwen3-30B, the Megatron-Core MoE model zoo's DeepEP pair on Qwen3-235B) are in measured_region.yaml with the
+    saving each measured, read from the sources' step times, and the saving the model credits there as it predicts
+    now; a plan running combined 1F1B on H100 says both and that runs realised less."""
+    import yaml
+    from benchmarks.measured_region import overlap_abs
+    from benchmarks.ranking import SWEEPS
+    from planner.region import _region
+    shipped = _region()["MoE"]["a2a_overlap_ab"]
+    assert shipped == overlap_abs()   # the committed table is the committed script's
+    measured = {entry["name"]: [variant["measured"] for variant in entry["variants"]]
+                for entry in yaml.safe_load(SWEEPS.read_text())}
+    assert {ab["job"]: ab["measured_saving"] for ab in shipped["h100-sxm"]} == {
+        "Qwen3-30B-A3B, 16 H100, Megatron-Bridge HybridEP, combined 1F1B": round(1 - 20.992 / 24.714, 4),
+        "Qwen3-235B-A22B, 256 H100, Megatron-Core moe_dev f3e6c5, combined 1F1B": round(1 - 17.6 / 19.7, 4)}
+    assert all(measured[ab["job"]] in ([24.714, 20.992], [19.7, 17.6]) for ab in shipped["h100-sxm"])
+    plan = planner.plan("qwen3-30b-a3b", device="h100-sxm", num_devices=16, global_batch=1024, seq_len=4096,
+                        precision="bf16", stack="megatron-bridge", time_limit_s=60)
+    assert plan.layout.moe_a2a_overlap
+    said = next(r for r in plan.reasons if "published A/Bs on h100-sxm" in r)
+    assert "15.1% of the step measured" in said and "10.7% of the step measured" in said
+    assert said.endswith("so this plan's credit may be too large")
+    assert not any("published A/Bs" in r for r in planner.evaluate(
+        "qwen3-30b-a3b", layout="tp=1,pp=1,cp=1,ep=8,mbs=1,a2a_overlap=false", device="h100-sxm", num_devices=16,
+        global_batch=1024, seq_len=4096, precision="bf16", stack="megatron-bridge").reasons)
