@@ -137,9 +137,9 @@ def inside_error(run, result) -> float:
 def choices_section(choices) -> list[str]:
     """The plain path's own choices where published runs measured them (benchmarks/plain_choices.py)."""
     lines = ["## The plain path's choices, measured", "",
-             "Published runs that ran what the plain path chooses for MoE models (a DeepEP-style dispatcher, combined "
-             "1F1B), predicted as the plain path predicts a row (degrees, batch, sequence, precision, the stack by "
-             "name); never fitted. The plain path's MoE errors above set its choices against rows that ran others; "
+             "Published MoE runs, most of them running what the plain path chooses (a DeepEP-style dispatcher, "
+             "combined 1F1B), predicted as the plain path predicts a row (degrees, batch, sequence, precision, the "
+             "stack by name); never fitted. The plain path's MoE errors above set its choices against rows that ran others; "
              "these set them against runs that ran them (benchmarks/plain_choices.py gives each source). As ran: "
              "the settings the run states (dispatcher, combined 1F1B, FP8 recipe, recomputation where stated) pinned "
              "beside its degrees, the rest searched: what separates the plain path's own choices from the model's "
