@@ -99,8 +99,9 @@ def overlap_measured(num_experts: int, device: str) -> bool:
 
 def overlap_ab_note(device: str, credited_saving: float) -> list[str]:
     """What the published A/Bs of combined 1F1B on `device` measured it saving (never fitted; measured_region.yaml
-    `a2a_overlap_ab`) beside what the model credited at their layouts, and what it credits this plan: the model's
-    credit rests on the two-stream schedule alone, and these runs realised less of it."""
+    `a2a_overlap_ab`) beside what the model credited at their layouts, and what it credits this plan (the model's
+    credit rests on the two-stream schedule alone); where every A/B realised less, it says this credit may be too
+    large."""
     found = _region().get("MoE", {}).get("a2a_overlap_ab", {}).get(device, [])
     if not found:
         return []
