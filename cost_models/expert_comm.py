@@ -130,14 +130,15 @@ class ExpertCommunication:
         return forward, backward
 
     def sm_share_held_by_dispatch(self) -> float | None:
-        """The share of the device's SMs the dispatch kernels hold while they run: DeepEP's `deepep_sms`, or
-        NCCL's p2p channels (within a node, or across nodes where the expert group leaves its node); None
-        where the profile gives no SM count or no NCCL channel count (the plan says so)."""
+        """The share of the device's SMs the dispatch kernels hold while they run: DeepEP's or HybridEP's
+        (`SoftwareStack.flex_dispatcher_sms`), or NCCL's p2p channels (within a node, or across nodes where the
+        expert group leaves its node); None where the profile gives no SM count or no NCCL channel count (the plan
+        says so)."""
         device = self.cluster.device
         if device.sm_count is None:
             return None
         if self.layout.moe_dispatcher == "deepep":
-            return self.stack.deepep_sms / device.sm_count
+            return self.stack.flex_dispatcher_sms(device) / device.sm_count
         if device.nccl_p2p_sms is None:
             return None
         group = self.placement.experts.of("ep")

@@ -154,6 +154,9 @@ class SoftwareStack(Strict):
     # SMs DeepEP's kernels occupy while they run (DeepSeek-V3 3.2.2: 20 SMs saturate IB and NVLink; Megatron-Core
     # moe_flex_dispatcher_num_sms, historical default 20): compute overlapped with them runs on the rest
     deepep_sms: int = Field(default=20, gt=0)
+    # SMs HybridEP's kernels occupy, where the device runs the flex dispatcher as HybridEP (Megatron-Core
+    # moe_hybridep_num_sms; None there: DeepEP's default, so `deepep_sms` unless a stack sets it)
+    hybridep_sms: int | None = Field(default=None, gt=0)
     # copies of the routed tokens the all-to-all dispatcher makes beyond the permutation and combine every
     # dispatcher has, where a rank holds more than one expert: Megatron-Core sorts the received tokens by
     # local expert before the experts and back after them (token_dispatcher.py, MoEAlltoAllTokenDispatcher
@@ -381,11 +384,19 @@ class SoftwareStack(Strict):
         or not."""
         return self.moe_a2a_overlap and dispatcher in A2A_OVERLAP_DISPATCHERS and ep > 1 and passes_pair
 
+    def flex_dispatcher_sms(self, device) -> int | None:
+        """SMs the flex (DeepEP-style) dispatcher's kernels hold on `device`: its backend's, HybridEP's or DeepEP's;
+        None where the device runs neither."""
+        backend = device.flex_dispatcher_backend
+        if backend is None:
+            return None
+        return self.hybridep_sms or self.deepep_sms if backend == "hybridep" else self.deepep_sms
+
     def dispatchers_on(self, device) -> tuple[str, ...]:
-        """The dispatchers it runs on `device`: DeepEP's only where the device profile runs its kernels and
-        `deepep_sms` leaves SMs to compute."""
-        deepep = device.flex_dispatcher_backend is not None and (device.sm_count is None
-                                                                 or self.deepep_sms < device.sm_count)
+        """The dispatchers it runs on `device`: DeepEP's only where the device profile runs its kernels (DeepEP's
+        or HybridEP's) and they leave SMs to compute."""
+        held = self.flex_dispatcher_sms(device)
+        deepep = held is not None and (device.sm_count is None or held < device.sm_count)
         return tuple(d for d in self.moe_dispatchers if d != "deepep" or deepep)
 
     def summary(self) -> str:

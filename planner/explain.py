@@ -225,13 +225,14 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
         return []
     device = cluster.device
     deepep = best.layout.moe_dispatcher == "deepep"
-    kernels = "DeepEP's kernels hold" if deepep else "NCCL's all-to-all holds"
+    backend = "HybridEP" if device.flex_dispatcher_backend == "hybridep" else "DeepEP"
+    kernels = f"{backend}'s kernels hold" if deepep else "NCCL's all-to-all holds"
     if device.sm_count is None or not (deepep or device.nccl_p2p_sms):
         missing = "no SM count" if device.sm_count is None else "no NCCL p2p channel count"
         return [f"{kernels} SMs while {schedule}; the {device.name} profile gives "
                 f"{missing}, so the compute they slow is not billed"]
     channels = device.nccl_p2p_sms
-    held = f"{stack.deepep_sms}" if deepep else \
+    held = f"{stack.flex_dispatcher_sms(device)}" if deepep else \
         f"one per p2p channel ({channels.within_node} within a node, {channels.across_nodes} across nodes)"
     return [f"{kernels} {held} of {device.sm_count} SMs while {schedule}: that "
             "compute runs on the rest while they last"]

@@ -608,3 +608,28 @@ def test_a_cluster_without_an_all_to_all_share_is_said_where_the_expert_all_to_a
     assert not quiet
     assert given.inter_node.all_to_all_fraction < given.inter_node.busbw_fraction
     assert fitted.breakdown["ep_comm_s"] > across.breakdown["ep_comm_s"]
+
+
+def test_the_flex_dispatchers_sms_are_those_of_the_backend_the_device_runs():
+    """The flex dispatcher's kernels hold DeepEP's `deepep_sms`, or, on a device that runs them as HybridEP (GB200),
+    `hybridep_sms`: unset, DeepEP's count, as Megatron-Core's moe_hybridep_num_sms None leaves it; Megatron-Bridge's
+    performance setup sets 32. The share the compute beside them loses follows, and so does what the plan says; a
+    count leaving no SM to compute is refused, naming its field."""
+    from cost_models.layer_costs import MeshCosts
+    from hardware_profiles.loader import cluster_from_device, load_device
+
+    bridge, core = load_stack("megatron-bridge"), load_stack("megatron-core")
+    h100, gb200 = load_device("h100-sxm"), load_device("gb200")
+    assert (bridge.flex_dispatcher_sms(h100), bridge.flex_dispatcher_sms(gb200)) == (20, 32)
+    assert (core.flex_dispatcher_sms(h100), core.flex_dispatcher_sms(gb200)) == (20, 20)
+    model = capture(resolve_model("tiny-moe")).costs()
+    layout = Layout(dp=8, ep=4, global_batch=8, moe_dispatcher="deepep", moe_a2a_overlap=True)
+    held = MeshCosts(model, cluster_from_device("gb200", 8), layout, bridge).sm_share_held_by_dispatch()
+    assert held == pytest.approx(32 / 148)
+    pinned = dict(device="gb200", num_devices=8, global_batch=8, stack=bridge,
+                  layout="tp=1,pp=1,vp=1,dp=8,cp=1,ep=4,etp=1,mbs=1,zero=1,recompute=none,dispatcher=deepep,"
+                         "a2a_overlap=true")
+    plan = api.evaluate("tiny-moe", **pinned)
+    assert any(r.startswith("HybridEP's kernels hold 32 of 148 SMs") for r in plan.reasons)
+    with pytest.raises(UserInputError, match="hybridep_sms 148 leaves none"):
+        api.evaluate("tiny-moe", **{**pinned, "stack": bridge.model_copy(update={"hybridep_sms": 148})})

@@ -39,9 +39,11 @@ def check_device_for(cluster: Cluster, stack: SoftwareStack, precision: str, fp8
         raise UserInputError(f"dispatcher=deepep on {device.name}: Megatron-Core's flex dispatcher runs DeepEP or "
                              "HybridEP kernels, and the device profile names neither (its flex_dispatcher_backend)",
                              field="dispatcher", expected="alltoall or allgather on this device")
-    if dispatcher == "deepep" and device.sm_count is not None and stack.deepep_sms >= device.sm_count:
-        raise UserInputError(f"deepep_sms {stack.deepep_sms} leaves none of the {device.name}'s {device.sm_count} "
-                             "SMs to compute", field="deepep_sms", expected=f"fewer than {device.sm_count} SMs")
+    held = stack.flex_dispatcher_sms(device)
+    if dispatcher == "deepep" and device.sm_count is not None and held >= device.sm_count:
+        name = "hybridep_sms" if device.flex_dispatcher_backend == "hybridep" and stack.hybridep_sms else "deepep_sms"
+        raise UserInputError(f"{name} {held} leaves none of the {device.name}'s {device.sm_count} SMs to compute",
+                             field=name, expected=f"fewer than {device.sm_count} SMs")
     if stack.optimizer_swap_chunks and device.host_link_gbytes_per_s is None:
         raise UserInputError(f"the {stack.name} stack swaps optimizer states to host memory "
                              f"(optimizer_swap_chunks {stack.optimizer_swap_chunks}), and the {device.name} "
