@@ -16,10 +16,11 @@ def test_agreement_and_regret_count_as_defined():
 
 
 # sweeps the model orders wrong (docs/ranking.md), strict, so that a model that gets them right says so. The GB200
-# Megatron-FSDP ones are ordered since the search chooses activation offloading. Misordered: the model zoo's DeepEP at
-# TP4 EP8 PP8 VP4 ran 29.0 s, slower than its all-to-all at TP2 EP8 PP32 VP3 (24.2 s), which the model predicts
-# 17.5 s against 19.4 s: nothing it bills makes the TP4 layout 40% slower than it predicts (memory 60 of 78 GB,
-# host 46% of the device's time)
+# Megatron-FSDP ones are ordered since the search chooses activation offloading. Misordered: the model zoo's three
+# layouts with expert groups inside a node, reversed: DeepEP with Megatron FSDP ran 17.6 s, NCCL's all-to-all at
+# TP2 EP8 PP32 VP3 24.2 s and DeepEP at TP4 EP8 PP8 VP4 29.0 s, which the model predicts 25.9, 19.4 and 17.5 s: the
+# FSDP layout's expert traffic (EDP 32 across nodes) is billed beyond what its step allows, and nothing it bills
+# makes the TP4 layout 40% slower than it predicts (memory 60 of 78 GB, host 46% of the device's time)
 MISORDERED: set[str] = {"Qwen3-235B-A22B, 256 H100, Megatron-Core main 1e057005, expert groups inside a node"}
 SWEEP_NAMES = [entry["name"] for entry in yaml.safe_load(SWEEPS.read_text())]
 
