@@ -390,7 +390,7 @@ class SoftwareStack(Strict):
         backend = device.flex_dispatcher_backend
         if backend is None:
             return None
-        return self.hybridep_sms or self.deepep_sms if backend == "hybridep" else self.deepep_sms
+        return (self.hybridep_sms or self.deepep_sms) if backend == "hybridep" else self.deepep_sms
 
     def dispatchers_on(self, device) -> tuple[str, ...]:
         """The dispatchers it runs on `device`: DeepEP's only where the device profile runs its kernels (DeepEP's
