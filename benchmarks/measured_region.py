@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.accuracy_sources import NOT_USABLE  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, load_runs, run_stack  # noqa: E402
 from benchmarks.ranking import SWEEPS, published_sweeps, variant_layout  # noqa: E402
+from cost_models.layout_codec import parse_text  # noqa: E402
 from planner.region import REGION_PATH, shapes  # noqa: E402
 
 
@@ -43,12 +44,12 @@ def overlap_abs(sweeps_path: Path = SWEEPS) -> dict[str, list[dict]]:
         variants = entry["variants"]
         if len(variants) != 2 or any(set(v) - {"label", "layout", "settings", "measured"} for v in variants):
             continue
-        layouts = [dict(item.split("=") for item in variant_layout(v).split(",")) for v in variants]
+        layouts = [parse_text(variant_layout(v)) for v in variants]
         differ = {key for key in layouts[0].keys() | layouts[1].keys() if layouts[0].get(key) != layouts[1].get(key)}
         if differ != {"a2a_overlap"}:
             continue
-        sweep = predicted[entry["name"]]
-        off, on = sorted(sweep.variants, key=lambda v: layouts[sweep.variants.index(v)]["a2a_overlap"] == "true")
+        by_switch = dict(zip((values["a2a_overlap"] for values in layouts), predicted[entry["name"]].variants))
+        off, on = by_switch[False], by_switch[True]
         found.setdefault(entry["device"], []).append({
             "job": entry["name"], "source": " ".join(entry["source"].split()[:2]),
             "measured_saving": round(1 - on.measured_s / off.measured_s, 4),

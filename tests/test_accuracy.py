@@ -5,6 +5,7 @@ import pytest
 
 from benchmarks.calibrate import split_runs
 from benchmarks.published import DEFAULT_RUNS, check_published, load_runs, predict, run_stack
+from cost_models.layout_codec import parse_text
 from planner.api import plan
 from planner.job import capture_for
 from planner.rules.layout import layout_problems
@@ -252,7 +253,7 @@ def test_what_the_moe_runs_of_the_plain_paths_choices_ran_is_predicted_within_25
     assert len(stated) >= 10 and all(entry.ran_settings for entry in stated)
     for entry in stated:
         plan, run = plain_choice(entry, runs_by_id, 30, as_ran=True)
-        assert plan.layout.moe_dispatcher == entry.ran_settings.split("dispatcher=")[1].split(",")[0], entry.source
+        assert plan.layout.moe_dispatcher == parse_text(entry.ran_settings)["dispatcher"], entry.source
         error = plan.step_time_s / entry.measured_s(run) - 1
         if entry.known_gap and abs(error) < 0.25:
             continue   # a gap through the plain path's choices (asserted above), not in what ran
