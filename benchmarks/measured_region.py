@@ -10,7 +10,8 @@ shared/validation, read from its published degrees and its model (no prediction 
 - a2a_overlap_devices: the devices whose MoE runs ran combined 1F1B (as their stacks and launchers set it)
 - a2a_overlap_ab: by device, the published A/Bs of combined 1F1B in benchmarks/sweeps.yaml (never fitted: two
   variants whose layouts differ in `a2a_overlap` alone): the share of the step each measured it saving, and the
-  share the model credits it at that layout (predicted now, as benchmarks/ranking.py predicts the sweeps)
+  share the model credits it at that layout (predicted now, as benchmarks/ranking.py predicts the sweeps), and
+  which profile value its source also gave (`informs`), so that the plan does not count it as independent
 
 A plan outside a range says so (planner/region.py), and a plan running combined 1F1B on a device with an A/B
 says what the A/B measured against what the model credited there.
@@ -53,7 +54,8 @@ def overlap_abs(sweeps_path: Path = SWEEPS) -> dict[str, list[dict]]:
         found.setdefault(entry["device"], []).append({
             "job": entry["name"], "source": " ".join(entry["source"].split()[:2]),
             "measured_saving": round(1 - on.measured_s / off.measured_s, 4),
-            "model_saving": round(1 - on.predicted_s / off.predicted_s, 4)})
+            "model_saving": round(1 - on.predicted_s / off.predicted_s, 4),
+            **({"informs": entry["informs"]} if "informs" in entry else {})})
     return found
 
 

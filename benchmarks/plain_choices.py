@@ -131,14 +131,11 @@ CHOICES_MEASURED = [
     # DeepEP at the 25.11 H100 row's degrees without and with combined 1F1B
     *(ChoiceMeasurement("mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu", f"{ZOO}, moe_dev f3e6c5{label}",
                         "tp=2,pp=8,vp=4,cp=1,ep=32,mbs=1", "bf16", f"DeepEP{ran}, recomputing the norms and the "
-                        "experts' activation", 2048, seconds, stack="megatron-core", known_gap=gap,
+                        "experts' activation", 2048, seconds, stack="megatron-core",
                         ran_settings=f"dispatcher=deepep,a2a_overlap={overlap},recompute=selective,"
                         "recompute_modules=layernorm+moe_act")
-      for label, ran, seconds, overlap, gap in (
-          ("", "", 19.7, "false", ""),
-          (", combined 1F1B", ", combined 1F1B", 17.6, "true", "combined 1F1B's credit on H100: the model hides 4.9 s "
-           "of DeepEP's all-to-alls, the same commit's A/B measured 2.1 s (19.7 -> 17.6 s); what keeps the rest "
-           "exposed (the comm kernels' SMs are billed) has no sourced quantity"))),
+      for label, ran, seconds, overlap in (("", "", 19.7, "false"),
+                                           (", combined 1F1B", ", combined 1F1B", 17.6, "true"))),
     ChoiceMeasurement("mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu", f"{ZOO}, main 1e057005",
                       "tp=2,pp=1,cp=1,ep=8,etp=1,mbs=4", "bf16", "DeepEP, Megatron FSDP (parameters sharded: whole, the "
                       "model states alone do not fit), full recomputation", 2048, 17.6, stack="megatron-core",

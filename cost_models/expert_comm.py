@@ -26,6 +26,7 @@ class PairedPasses:
     forward: LayerPassParts
     backward: LayerPassParts
     held_share: float          # of the SMs, by the dispatch kernels
+    comm_rate: float = 1.0     # of full speed, at which the all-to-alls progress beside compute
 
     def exposed_s(self, paired_share: float, paired_pass_s: float) -> float:
         """A forward and a backward: the unpaired share alone, the paired share as the pair exposes them."""
@@ -89,7 +90,8 @@ class ExpertCommunication:
         return self._paired(dispatch, combine, compute, share)
 
     def _paired(self, dispatch: float, combine: float, compute: LayerCompute, share: float) -> "PairedPasses":
-        return PairedPasses(dispatch + combine, *self._pass_parts(dispatch, combine, compute), share)
+        rate = self.comm_rate_beside_compute() or 1.0   # unmeasured: full speed (the plan says so)
+        return PairedPasses(dispatch + combine, *self._pass_parts(dispatch, combine, compute), share, rate)
 
     def paired_share(self, vp: int) -> float:
         # combined 1F1B pairs the forward of micro-batch i+1 with the backward of i, layer by layer, in
@@ -102,10 +104,11 @@ class ExpertCommunication:
     def paired_pass_s(self, passes: "PairedPasses", layers: int) -> float:
         """The all-to-alls a paired forward and backward expose, with the weight gradients delayed (the plan's
         Megatron export adds --delay-wgrad-compute to it)."""
-        key = (passes.forward, passes.backward, layers, passes.held_share)
+        key = (passes.forward, passes.backward, layers, passes.held_share, passes.comm_rate)
         if key not in self._shared.paired_layers:
             self._shared.paired_layers[key] = combined_1f1b_exposed_s(passes.forward, passes.backward, layers,
-                                                                      passes.held_share, delay_wgrad=True)
+                                                                      passes.held_share, delay_wgrad=True,
+                                                                      comm_rate=passes.comm_rate)
         return self._shared.paired_layers[key]
 
     @staticmethod
@@ -145,6 +148,16 @@ class ExpertCommunication:
         held = device.nccl_p2p_sms.across_nodes if group.ranks_per_node < group.size else \
             device.nccl_p2p_sms.within_node
         return held / device.sm_count
+
+    def comm_rate_beside_compute(self) -> float | None:
+        """The share of full speed at which the dispatch kernels progress beside combined 1F1B's compute: the
+        device's measured rate for DeepEP-style kernels (`Device.flex_dispatch_rate_beside_compute`); None where
+        it has none, or for NCCL's all-to-all, which no profile measured beside compute."""
+        return self.comm_rate_beside_compute_of(self.layout, self.cluster.device)
+
+    @staticmethod
+    def comm_rate_beside_compute_of(layout, device) -> float | None:
+        return device.flex_dispatch_rate_beside_compute if layout.moe_dispatcher == "deepep" else None
 
     def _gathered_exchanges_s(self, kind: LayerKind) -> tuple[float, float]:
         """Megatron-Core's all-gather dispatcher (MoEAllGatherTokenDispatcher): the expert tp x ep ranks gather

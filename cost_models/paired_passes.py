@@ -45,10 +45,11 @@ class LayerPassParts:
         return self.pre_dispatch_s + self.pre_dispatch_weight_s + self.experts_s + self.experts_weight_s
 
 
-def two_stream_seconds(tasks: list[StreamTask], held_share: float) -> float:
+def two_stream_seconds(tasks: list[StreamTask], held_share: float, comm_rate: float = 1.0) -> float:
     """When the last task ends. Each stream runs its tasks in list order, each once those it waits on have
-    ended; a compute task runs at (1 - held_share) of full speed while a comm task runs, the SMs the comm
-    kernels hold (DeepSeek-V3 3.2.2), and the comm at full speed."""
+    ended; while both streams run, a compute task runs at (1 - held_share) of full speed, the SMs the comm
+    kernels hold (DeepSeek-V3 3.2.2), and a comm task at `comm_rate` (what a profile of the two streams measured:
+    `Device.flex_dispatch_rate_beside_compute`); each alone at full speed."""
     queues = {s: [t for t in tasks if t.stream == s] for s in (COMPUTE, COMM)}
     done: set[str] = set()
     running: dict[str, tuple[StreamTask, float]] = {}   # stream -> (task, seconds of work left)
@@ -68,7 +69,8 @@ def two_stream_seconds(tasks: list[StreamTask], held_share: float) -> float:
             if any(queues.values()):
                 raise ValueError(f"stream tasks wait on each other: {[q[0].name for q in queues.values() if q]}")
             return now
-        rates = {s: (1 - held_share) if s == COMPUTE and COMM in running else 1.0 for s in running}
+        both = len(running) == 2
+        rates = {COMPUTE: 1 - held_share if both else 1.0, COMM: comm_rate if both else 1.0}
         step = min(left / rates[s] for s, (_, left) in running.items())
         now += step
         for stream, (task, left) in list(running.items()):
@@ -115,11 +117,12 @@ STEADY_FROM = 3
 
 
 def combined_1f1b_exposed_s(forward: LayerPassParts, backward: LayerPassParts, layers: int, held_share: float,
-                            delay_wgrad: bool) -> float:
+                            delay_wgrad: bool, comm_rate: float = 1.0) -> float:
     """Seconds per layer pair beyond the two passes' compute when combined 1F1B pairs them: the all-to-alls
-    that outlast what runs beside them, the waits the order makes, and the compute slowed by the held SMs."""
+    that outlast what runs beside them, the waits the order makes, the compute slowed by the held SMs and the
+    all-to-alls by what runs beside them."""
     def run(pairs: int) -> float:
-        return two_stream_seconds(combined_1f1b_tasks(forward, backward, pairs, delay_wgrad), held_share)
+        return two_stream_seconds(combined_1f1b_tasks(forward, backward, pairs, delay_wgrad), held_share, comm_rate)
     if layers <= STEADY_FROM + 1:
         total = run(layers)
     else:
@@ -129,9 +132,10 @@ def combined_1f1b_exposed_s(forward: LayerPassParts, backward: LayerPassParts, l
 
 
 def combined_1f1b_exposed_floor_s(forward: LayerPassParts, backward: LayerPassParts, held_share: float) -> float:
-    """At or below `combined_1f1b_exposed_s` for any number of layers, without running the streams: a pair's
-    all-to-alls A = both passes' dispatch and combine, its compute W. The comm stream alone takes A; and with
-    O the time both streams run and C the comm alone, W = compute alone + (1 - held) O, so the pair takes at
-    least W + held O + C >= W + held A. Its exposure (beyond W) is at least max(A - W, held A)."""
+    """At or below `combined_1f1b_exposed_s` for any number of layers and any comm rate, without running the
+    streams: a pair's all-to-alls A = both passes' dispatch and combine, its compute W. The comm stream takes at
+    least A (it runs at most at full speed); and with O the time both streams run and C the comm alone,
+    W = compute alone + (1 - held) O and A <= O + C, so the pair takes at least W + held O + C >= W + held A.
+    Its exposure (beyond W) is at least max(A - W, held A)."""
     comm = forward.dispatch_s + forward.combine_s + backward.dispatch_s + backward.combine_s
     return max(comm - forward.compute_s - backward.compute_s, held_share * comm, 0.0)

@@ -152,6 +152,10 @@ class Device(Strict):
     # with this backend), as Megatron-Bridge's validate_flex_dispatcher_backend allows them: DeepEP on compute
     # capability 8.x and 9.x and on B200/B300, HybridEP on 8.x-10.x (GB200/GB300 NVL72 included); None: neither
     flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = None
+    # the share of full speed at which those dispatch kernels progress while compute runs beside them (combined
+    # 1F1B's two streams): what an Nsight comparison of the same run with and without the overlap measured; None
+    # where none was measured on this device (they are then billed at full speed, and the plan says so)
+    flex_dispatch_rate_beside_compute: float | None = Field(default=None, gt=0, le=1)
     # TP communication overlap (TE userbuffers) needs one CUDA connection per device here, and combined 1F1B
     # several (Hopper and earlier): a job runs one or the other (Megatron-LM docs moe_a2a_overlap.md; Megatron-
     # Bridge's H100 Qwen3-235B recipes turn TP overlap off beside it, with CUDA_DEVICE_MAX_CONNECTIONS 8)

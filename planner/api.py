@@ -17,9 +17,9 @@ from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .error_bands import band_for
 from .region import measured_bounds, measured_dispatchers, outside_notes, overlap_measured
-from .explain import (all_to_all_fraction_note, alternatives, dispatch_sm_notes, dispatcher_reason,
-                      expert_load_note, fp8_recipe_reason, host_note, offload_reason, reasons, state_notes,
-                      tp_overlap_reason)
+from .explain import (all_to_all_fraction_note, alternatives, dispatch_rate_note, dispatch_sm_notes,
+                      dispatcher_reason, expert_load_note, fp8_recipe_reason, host_note, offload_reason, reasons,
+                      state_notes, tp_overlap_reason)
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
@@ -84,9 +84,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         + dispatcher_reason(best, other_dispatchers(graph, cluster, best, stack, ep_imbalance))
         + fp8_recipe_reason(best, other_fp8_recipes(graph, cluster, best, stack, ep_imbalance),
                             stack.fp8_recipes[0] if stack.fp8_recipes else None)
-        + dispatch_sm_notes(best, stack, cluster) + tp_overlap_reason(best, stack, cluster,
-                                                                      tp_overlap_twin(graph, cluster, best, stack,
-                                                                                       ep_imbalance), twin)
+        + dispatch_sm_notes(best, stack, cluster) + dispatch_rate_note(best, stack, cluster)
+        + tp_overlap_reason(best, stack, cluster, tp_overlap_twin(graph, cluster, best, stack, ep_imbalance), twin)
         + offload_reason(best, cluster, *offload_alternative(graph.costs_record, cluster, best, stack, ep_imbalance))
         + state_notes(best, stack) + expert_load_note(graph.costs_record, best.layout, ep_imbalance)
         + all_to_all_fraction_note(graph.costs_record, cluster, best.layout, stack)

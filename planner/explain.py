@@ -238,6 +238,24 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
             "compute runs on the rest while they last"]
 
 
+def dispatch_rate_note(best: Estimate, stack, cluster: Cluster) -> list[str]:
+    """At what speed combined 1F1B's all-to-alls are billed beside the compute they hide behind: the device's
+    measured rate for DeepEP-style kernels, or full speed where no profile measured one (`Device.
+    flex_dispatch_rate_beside_compute`; MeshCosts.comm_rate_beside_compute)."""
+    if not stack.hides_moe_a2a(best.layout) or stack.dualpipev_hides(best.layout):
+        return []
+    device = cluster.device
+    rate = MeshCosts.comm_rate_beside_compute_of(best.layout, device)
+    if rate is not None:
+        return [f"combined 1F1B's all-to-alls progress at {rate:.0%} of full speed while compute runs beside them "
+                f"(the {device.name} profile's flex_dispatch_rate_beside_compute, from a published Nsight comparison): "
+                "they hide less than their length"]
+    kernels = "NCCL's all-to-all" if best.layout.moe_dispatcher != "deepep" else "the DeepEP-style kernels"
+    return [f"combined 1F1B's all-to-alls are billed at full speed beside compute: no profile measured the rate of "
+            f"{kernels} beside compute on {device.name}, and where one was measured (DeepEP-style kernels on H100) it "
+            "was about a third, so this plan's credit for combined 1F1B may be too large"]
+
+
 def all_to_all_fraction_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack) -> list[str]:
     """Said where NCCL's expert all-to-all crosses nodes on a cluster whose profile has no all-to-all figure of
     its own: the rings' is assumed (`InterNodeNetwork.all_to_all_fraction`)."""

@@ -100,17 +100,18 @@ def overlap_measured(num_experts: int, device: str) -> bool:
 def overlap_ab_note(device: str, credited_saving: float) -> list[str]:
     """What the published A/Bs of combined 1F1B on `device` measured it saving (never fitted; measured_region.yaml
     `a2a_overlap_ab`) beside what the model credited at their layouts, and what it credits this plan (the model's
-    credit rests on the two-stream schedule alone); where every A/B realised less, it says this credit may be too
-    large."""
+    credit rests on the two-stream schedule and the device's measured dispatch rate beside compute); where every A/B
+    realised less, it says this credit may be too large."""
     found = _region().get("MoE", {}).get("a2a_overlap_ab", {}).get(device, [])
     if not found:
         return []
     each = "; ".join(f"{ab['job']} ({ab['source']}): {ab['measured_saving']:.1%} of the step measured, "
-                     f"{ab['model_saving']:.1%} credited" for ab in found)
+                     f"{ab['model_saving']:.1%} credited" + (f" (its source's Nsight comparison gives {ab['informs']})"
+                                                              if ab.get("informs") else "") for ab in found)
     less = all(ab["measured_saving"] < ab["model_saving"] for ab in found)
     return [f"combined 1F1B saves {credited_saving:.1%} of this plan's step without it; published A/Bs on {device}, "
-            f"never fitted: {each}" + ("; runs realised less than the model credits, so this plan's credit may be "
-                                       "too large" if less else "")]
+            f"their step times never fitted: {each}" + ("; runs realised less than the model credits, so this plan's "
+                                                       "credit may be too large" if less else "")]
 
 
 def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int,

@@ -55,7 +55,9 @@ def test_the_search_equals_the_enumeration_with_it_off_or_weighed(graphed):
     (search = enumeration; experts on every rank)."""
     graph = capture(moe_model())
     cluster = small_cluster(8, 16)
-    needs = cluster.device.model_copy(update={"a2a_overlap_needs_graphs": True})
+    # the all-to-alls at full speed beside compute, so that combined 1F1B pays where it may run and the switch is live
+    needs = cluster.device.model_copy(update={"a2a_overlap_needs_graphs": True,
+                                              "flex_dispatch_rate_beside_compute": None})
     cluster = cluster.model_copy(update={"device": needs})
     stack = load_stack().model_copy(update={"moe_a2a_overlap": True, **(
         {"cuda_graphs": True, "cuda_graph_scope": "layers"} if graphed else {})})

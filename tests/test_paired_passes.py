@@ -35,16 +35,17 @@ def longest_path_seconds(tasks: list[StreamTask]) -> float:
     return max(ends.values())
 
 
-def stepped_seconds(tasks: list[StreamTask], held_share: float, step: float) -> float:
+def stepped_seconds(tasks: list[StreamTask], held_share: float, step: float, comm_rate: float = 1.0) -> float:
     """The two streams run in small time steps: a stream's head task advances once what it waits on is done,
-    compute at (1 - held_share) while a comm task advances in the same step."""
+    compute at (1 - held_share) and comm at comm_rate while both advance in the same step."""
     left = {t.name: t.seconds for t in tasks}
     queues = {s: [t for t in tasks if t.stream == s] for s in (COMPUTE, COMM)}
     done, now = set(), 0.0
     while any(queues.values()):
         ready = {s: q[0] for s, q in queues.items() if q and all(a in done for a in q[0].after)}
+        both = sum(left[task.name] > 0 for task in ready.values()) == 2
         for stream, task in ready.items():
-            rate = (1 - held_share) if stream == COMPUTE and COMM in ready and left[ready[COMM].name] > 0 else 1.0
+            rate = ((1 - held_share) if stream == COMPUTE else comm_rate) if both else 1.0
             left[task.name] -= step * rate
         for stream, task in ready.items():
             if left[task.name] <= 0:
@@ -62,39 +63,44 @@ def test_with_no_sms_held_the_pair_takes_the_longest_path_of_its_tasks(forward, 
 
 
 @settings(max_examples=25, deadline=None)
-@given(pass_parts(False), pass_parts(True), st.integers(1, 2), st.floats(0.05, 0.5))
-def test_held_sms_slow_the_compute_as_a_step_by_step_run_of_the_streams_does(forward, backward, layers, share):
+@given(pass_parts(False), pass_parts(True), st.integers(1, 2), st.floats(0.05, 0.5), st.floats(0.25, 1.0))
+def test_held_sms_and_the_comm_rate_slow_the_streams_as_a_step_by_step_run_does(forward, backward, layers, share,
+                                                                                 rate):
     tasks = combined_1f1b_tasks(forward, backward, layers, True)
     step = max(1.0, sum(t.seconds for t in tasks)) / 20000
-    assert two_stream_seconds(tasks, share) == pytest.approx(stepped_seconds(tasks, share, step),
-                                                             abs=len(tasks) * 2 * step)
+    assert two_stream_seconds(tasks, share, rate) == pytest.approx(stepped_seconds(tasks, share, step, rate),
+                                                                   abs=len(tasks) * 2 * step / rate)
 
 
 
 @settings(max_examples=80, deadline=None)
-@given(pass_parts(False), pass_parts(True), st.integers(1, 40), st.sampled_from([0.0, 0.1, 0.3, 0.8]), st.booleans())
+@given(pass_parts(False), pass_parts(True), st.integers(1, 40), st.sampled_from([0.0, 0.1, 0.3, 0.8]), st.booleans(),
+       st.sampled_from([1.0, 0.6, 0.349]))
 def test_a_chunk_of_many_layers_is_its_first_pairs_and_their_steady_increment(forward, backward, layers, share,
-                                                                              delay):
+                                                                              delay, rate):
     """The exposure of a chunk of identical layers, taken from its first pairs and the steady increment, is the
     whole two-stream run of every pair."""
-    whole = two_stream_seconds(combined_1f1b_tasks(forward, backward, layers, delay), share) / layers \
+    whole = two_stream_seconds(combined_1f1b_tasks(forward, backward, layers, delay), share, rate) / layers \
         - forward.compute_s - backward.compute_s
     scale = forward.compute_s + backward.compute_s + sum(
         (forward.dispatch_s, forward.combine_s, backward.dispatch_s, backward.combine_s))
-    assert combined_1f1b_exposed_s(forward, backward, layers, share, delay) == pytest.approx(
-        whole, rel=1e-9, abs=1e-12 * max(scale, 1.0))
+    assert combined_1f1b_exposed_s(forward, backward, layers, share, delay, rate) == pytest.approx(
+        whole, rel=1e-9, abs=1e-12 * max(scale, 1.0) / rate)
 
 @settings(max_examples=120, deadline=None)
-@given(pass_parts(False), pass_parts(True), st.integers(1, 12), st.sampled_from([0.0, 0.1, 0.3, 0.8]))
-def test_the_pairs_floor_is_at_or_below_a_step_by_step_run_of_every_chunk(forward, backward, layers, share):
+@given(pass_parts(False), pass_parts(True), st.integers(1, 12), st.sampled_from([0.0, 0.1, 0.3, 0.8]),
+       st.sampled_from([1.0, 0.349]))
+def test_the_pairs_floor_is_at_or_below_a_step_by_step_run_of_every_chunk(forward, backward, layers, share, rate):
     """The search bounds combined 1F1B's exposure by its floor (max(A - W, held A) per pair) before running the
-    streams: at or below a step-by-step run of the streams (an independent integration) for any chunk."""
+    streams: at or below a step-by-step run of the streams (an independent integration) for any chunk and any
+    rate of the comm beside compute."""
     tasks = combined_1f1b_tasks(forward, backward, layers, True)
     scale = max(1.0, sum(t.seconds for t in tasks))
-    stepped = stepped_seconds(tasks, share, 1e-3 * scale / len(tasks)) / layers - forward.compute_s - backward.compute_s
+    stepped = stepped_seconds(tasks, share, 1e-3 * scale / len(tasks), rate) / layers \
+        - forward.compute_s - backward.compute_s
     floor = combined_1f1b_exposed_floor_s(forward, backward, share)
-    assert floor <= stepped + 2e-3 * scale
-    assert floor <= combined_1f1b_exposed_s(forward, backward, layers, share, True) + 1e-12 * scale
+    assert floor <= stepped + 2e-3 * scale / rate
+    assert floor <= combined_1f1b_exposed_s(forward, backward, layers, share, True, rate) + 1e-12 * scale
 
 
 def test_the_pairs_floor_is_the_all_to_alls_without_compute_beside_them():
@@ -108,6 +114,19 @@ def test_one_all_to_all_beside_one_compute_is_the_closed_form(a2a, compute, shar
     tasks = [StreamTask("compute", COMPUTE, compute), StreamTask("a2a", COMM, a2a)]
     assert two_stream_seconds(tasks, share) - compute == pytest.approx(
         max(0.0, exposed_beside_compute(a2a, compute, share)), abs=1e-9)
+
+
+@given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.floats(0.0, 0.9), st.floats(0.2, 1.0))
+def test_one_all_to_all_beside_one_compute_at_a_comm_rate_is_the_closed_form(a2a, compute, share, rate):
+    """Worked by hand: both start together, compute at (1 - h), comm at r. Where the comm ends first (a / r <=
+    c / (1 - h)) the compute has c - (1 - h) a / r left, alone: the pair takes c + h a / r. Otherwise the compute
+    ends at c / (1 - h) with r c / (1 - h) of the comm done, the rest alone: a + (1 - r) c / (1 - h)."""
+    tasks = [StreamTask("compute", COMPUTE, compute), StreamTask("a2a", COMM, a2a)]
+    if a2a / rate <= compute / (1 - share):
+        expected = compute + share * a2a / rate
+    else:
+        expected = a2a + (1 - rate) * compute / (1 - share)
+    assert two_stream_seconds(tasks, share, rate) == pytest.approx(expected, rel=1e-9, abs=1e-9)
 
 
 def test_a_short_attention_forward_exposes_the_combine_gradient_beside_it():
@@ -139,7 +158,8 @@ def test_a_published_ab_of_combined_1f1b_is_predicted_both_ways():
     """Megatron-Bridge PR #5094's controlled A/B (Qwen3 30B-A3B on 16 H100, TP1 PP1 EP16, HybridEP, only
     overlap_moe_expert_parallel_comm switched: 24.714 s -> 20.992 s), never fitted, through `planner.evaluate`:
     each arm within 25% of its measured step, combined 1F1B faster, and the seconds the model says it saves within
-    a factor 1.5 of those it saved (benchmarks/setting_ab.py reports 1.20x: the model over-credits it)."""
+    a factor 1.5 of those it saved (benchmarks/setting_ab.py reports 0.80x). Its Nsight comparison gives the H100
+    profile's dispatch rate beside compute, so the size of the saving is not independent here; the next test's is."""
     from benchmarks.setting_ab import AB, predict
     result = predict(AB[0])
     assert result.off.fits and result.on.fits and result.on.layout.moe_a2a_overlap
@@ -148,11 +168,31 @@ def test_a_published_ab_of_combined_1f1b_is_predicted_both_ways():
     assert 1 / 1.5 <= result.saved_predicted_s / result.saved_measured_s <= 1.5
 
 
+def test_the_model_zoo_ab_of_combined_1f1b_saves_what_it_measured():
+    """Megatron-Core's MoE model zoo (yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @e865051):
+    Qwen3-235B-A22B on 256 H100, DeepEP at TP2 EP32 PP8 VP4, 19.7 s without combined 1F1B and 17.6 s with it at
+    the same commit; never fitted, and independent of the H100 dispatch rate's source. The model's saving is
+    within a factor 1.5 of the measured 2.1 s (with the kernels at full speed beside compute it credited 4.9 s)."""
+    import yaml
+    from benchmarks.ranking import SWEEPS, variant_layout
+    from planner import evaluate
+    entry = next(e for e in yaml.safe_load(SWEEPS.read_text()) if "moe_dev f3e6c5" in e["name"])
+    steps = {}
+    for variant in entry["variants"]:
+        plan = evaluate(entry["model"], layout=variant_layout(variant), device=entry["device"],
+                        num_devices=entry["num_devices"], global_batch=entry["global_batch"], seq_len=entry["seq_len"],
+                        precision=entry["precision"], stack=entry["stack"], time_limit_s=20)
+        steps["a2a_overlap=true" in variant["settings"]] = (plan.step_time_s, variant["measured"])
+    (off_s, off_measured), (on_s, on_measured) = steps[False], steps[True]
+    assert 1 / 1.5 <= (off_s - on_s) / (off_measured - on_measured) <= 1.5
+
+
 def test_the_alltoall_ab_of_combined_1f1b_is_predicted_both_ways():
     """Megatron-Bridge's alltoall-dispatcher smoke (Qwen3 30B-A3B on 16 H100, EP16, no CUDA graphs; no overlap
     41.25 s, combined 1F1B with delayed weight gradients 31.20 s), never fitted, through `planner.evaluate`: each
     arm within 25% of its measured step and combined 1F1B faster. What the model says it saves is reported, not
-    bounded here (docs/setting-ab.md: 1.60x of what it saved, the over-credit the HybridEP A/B shows at 1.20x)."""
+    bounded here (docs/setting-ab.md: 1.60x of what it saved; no profile measured NCCL's all-to-all beside compute,
+    so it is billed at full speed there)."""
     from benchmarks.setting_ab import AB, predict
     ab = next(ab for ab in AB if "alltoall dispatcher" in ab.name)
     result = predict(ab)

@@ -311,8 +311,9 @@ def test_a_swapping_stack_on_a_device_without_a_host_link_is_refused():
 
 def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
     """Combined 1F1B hides DeepEP's dispatch behind another micro-batch's compute, which then runs on the SMs
-    DeepEP leaves (DeepSeek-V3 3.2.2: 20 of the H800's 132): for every second hidden, 20/132 s more (the
-    compute beside it runs at 112/132 of its speed while it lasts).
+    DeepEP leaves (DeepSeek-V3 3.2.2: 20 of the H800's 132): for every second of all-to-all hidden, which beside
+    compute lasts 1/r s at the device's measured rate r, 20/132 / r s more (the compute beside it runs at 112/132
+    of its speed while it lasts).
     Checked against the same plan without an SM count (nothing billed, and the plan says so) and without the
     overlap (nothing hidden)."""
     from hardware_profiles.loader import cluster_from_device
@@ -325,7 +326,9 @@ def test_deepep_hidden_behind_compute_slows_that_compute_by_the_sms_it_holds():
         for cluster, on in ((h100, "true"), (unknown, "true"), (h100, "false")))
     hidden = alone.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"]
     assert hidden > 0
-    assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == pytest.approx(hidden * 20 / 132, rel=1e-6)
+    rate = h100.device.flex_dispatch_rate_beside_compute
+    assert billed.breakdown["ep_comm_s"] - unbilled.breakdown["ep_comm_s"] == pytest.approx(hidden * 20 / 132 / rate,
+                                                                                            rel=1e-6)
     assert any("20 of 132 SMs" in r for r in billed.reasons)
     assert any("no SM count" in r for r in unbilled.reasons)
 
@@ -633,3 +636,32 @@ def test_the_flex_dispatchers_sms_are_those_of_the_backend_the_device_runs():
     assert any(r.startswith("HybridEP's kernels hold 32 of 148 SMs") for r in plan.reasons)
     with pytest.raises(UserInputError, match="hybridep_sms 148 leaves none"):
         api.evaluate("tiny-moe", **{**pinned, "stack": bridge.model_copy(update={"hybridep_sms": 148})})
+
+
+def test_the_dispatch_rate_beside_compute_is_the_nsight_comparisons_and_slows_deepep_only():
+    """`Device.flex_dispatch_rate_beside_compute` on H100 is what Megatron-Bridge's Nsight comparison gives
+    (skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md @067f987d: communication concurrent with compute
+    9.079 ms = 0.11% of it without combined 1F1B, 3,958.997 ms = 36.55% with it; the same kernels' work, the part
+    run alone at full speed): combined 1F1B then hides less of DeepEP's all-to-alls than at full speed, and the plan
+    says at what rate; NCCL's all-to-all, which no profile measured beside compute, and a device without the figure
+    are billed at full speed, and the plan says that instead."""
+    from hardware_profiles.loader import load_device
+    from planner.job import resolve_cluster
+    off_s, on_s, beside_s = 9.079e-3 / 0.0011, 3958.997e-3 / 0.3655, 3958.997e-3
+    assert load_device("h100-sxm").flex_dispatch_rate_beside_compute == pytest.approx(
+        (off_s - (on_s - beside_s)) / beside_s, abs=5e-4)
+    assert load_device("b200").flex_dispatch_rate_beside_compute is None
+    layout = "tp=1,pp=1,vp=1,dp=16,cp=1,ep=4,etp=1,mbs=1,zero=1,recompute=none,dispatcher={},a2a_overlap=true"
+    def plan(device, dispatcher, rate="keep"):
+        cluster = resolve_cluster(device=device, num_devices=16)
+        if rate != "keep":
+            cluster = cluster.model_copy(update={"device": cluster.device.model_copy(
+                update={"flex_dispatch_rate_beside_compute": rate})})
+        return api.evaluate("tiny-moe", cluster, layout.format(dispatcher), global_batch=128, stack="megatron-core")
+    measured, full = plan("h100-sxm", "deepep"), plan("h100-sxm", "deepep", None)
+    assert measured.breakdown["ep_comm_s"] > full.breakdown["ep_comm_s"]
+    assert any("progress at 35% of full speed" in r for r in measured.reasons)
+    assert any("billed at full speed" in r and "DeepEP-style kernels" in r for r in full.reasons)
+    nccl = plan("h100-sxm", "alltoall")
+    assert nccl.breakdown["ep_comm_s"] == plan("h100-sxm", "alltoall", None).breakdown["ep_comm_s"]
+    assert any("billed at full speed" in r and "NCCL's all-to-all" in r for r in nccl.reasons)
