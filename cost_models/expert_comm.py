@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hardware_profiles.schema import Device
+
 from .communication import ACTIVATION_BYTES, Collective
 from .compute import LayerCompute, SharedExpertSeconds, gathered_tokens
 from .expert_dispatch import deduplicated_exchange, fp8_token_bytes
-from .layout import Precision
+from .layout import Layout, Precision
 from .paired_passes import LayerPassParts, combined_1f1b_exposed_floor_s, combined_1f1b_exposed_s
 from .pipeline import combined_1f1b_paired_share
 from .records import LayerKind
@@ -43,6 +45,13 @@ def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) ->
     holding `held_share` of the device's SMs: the compute runs on the rest while it lasts, so the pair takes
     max(a, c + a f) and exposes max(a - c, a f) (DeepSeek-V3 3.2.2 dedicates SMs to communication for this)."""
     return max(a2a_s - compute_s, a2a_s * held_share)
+
+
+def dispatch_rate_beside_compute(layout: Layout, device: Device) -> float | None:
+    """The share of full speed at which the dispatch kernels progress beside combined 1F1B's compute: the device's
+    measured rate for DeepEP-style kernels (`Device.flex_dispatch_rate_beside_compute`); None where it has none, or
+    for NCCL's all-to-all, which no profile measured beside compute (billed at full speed; the plan says so)."""
+    return device.flex_dispatch_rate_beside_compute if layout.moe_dispatcher == "deepep" else None
 
 
 class ExpertCommunication:
@@ -90,7 +99,7 @@ class ExpertCommunication:
         return self._paired(dispatch, combine, compute, share)
 
     def _paired(self, dispatch: float, combine: float, compute: LayerCompute, share: float) -> "PairedPasses":
-        rate = self.comm_rate_beside_compute() or 1.0   # unmeasured: full speed (the plan says so)
+        rate = dispatch_rate_beside_compute(self.layout, self.cluster.device) or 1.0   # unmeasured: full speed
         return PairedPasses(dispatch + combine, *self._pass_parts(dispatch, combine, compute), share, rate)
 
     def paired_share(self, vp: int) -> float:
@@ -148,16 +157,6 @@ class ExpertCommunication:
         held = device.nccl_p2p_sms.across_nodes if group.ranks_per_node < group.size else \
             device.nccl_p2p_sms.within_node
         return held / device.sm_count
-
-    def comm_rate_beside_compute(self) -> float | None:
-        """The share of full speed at which the dispatch kernels progress beside combined 1F1B's compute: the
-        device's measured rate for DeepEP-style kernels (`Device.flex_dispatch_rate_beside_compute`); None where
-        it has none, or for NCCL's all-to-all, which no profile measured beside compute."""
-        return self.comm_rate_beside_compute_of(self.layout, self.cluster.device)
-
-    @staticmethod
-    def comm_rate_beside_compute_of(layout, device) -> float | None:
-        return device.flex_dispatch_rate_beside_compute if layout.moe_dispatcher == "deepep" else None
 
     def _gathered_exchanges_s(self, kind: LayerKind) -> tuple[float, float]:
         """Megatron-Core's all-gather dispatcher (MoEAllGatherTokenDispatcher): the expert tp x ep ranks gather

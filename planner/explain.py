@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from cost_models.compute import ShardSpec, layer_compute, rank_load
 from cost_models.host_time import host_billed, layer_host_seconds
+from cost_models.expert_comm import dispatch_rate_beside_compute
 from cost_models.layer_costs import MeshCosts
 from cost_models.layout import Layout, Recompute
 from cost_models.memory import StateSharding, casts_by_fsdp_policy
@@ -241,19 +242,20 @@ def dispatch_sm_notes(best: Estimate, stack, cluster: Cluster) -> list[str]:
 def dispatch_rate_note(best: Estimate, stack, cluster: Cluster) -> list[str]:
     """At what speed combined 1F1B's all-to-alls are billed beside the compute they hide behind: the device's
     measured rate for DeepEP-style kernels, or full speed where no profile measured one (`Device.
-    flex_dispatch_rate_beside_compute`; MeshCosts.comm_rate_beside_compute)."""
+    flex_dispatch_rate_beside_compute`; cost_models.expert_comm.dispatch_rate_beside_compute)."""
     if not stack.hides_moe_a2a(best.layout) or stack.dualpipev_hides(best.layout):
         return []
     device = cluster.device
-    rate = MeshCosts.comm_rate_beside_compute_of(best.layout, device)
+    rate = dispatch_rate_beside_compute(best.layout, device)
     if rate is not None:
         return [f"combined 1F1B's all-to-alls progress at {rate:.0%} of full speed while compute runs beside them "
                 f"(the {device.name} profile's flex_dispatch_rate_beside_compute, from a published Nsight comparison): "
                 "they hide less than their length"]
     kernels = "NCCL's all-to-all" if best.layout.moe_dispatcher != "deepep" else "the DeepEP-style kernels"
     return [f"combined 1F1B's all-to-alls are billed at full speed beside compute: no profile measured the rate of "
-            f"{kernels} beside compute on {device.name}, and where one was measured (DeepEP-style kernels on H100) it "
-            "was about a third, so this plan's credit for combined 1F1B may be too large"]
+            f"{kernels} beside compute on {device.name}, and where one was measured (a device profile's "
+            "flex_dispatch_rate_beside_compute) it was well below full speed, so this plan's credit for combined 1F1B "
+            "may be too large"]
 
 
 def all_to_all_fraction_note(model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack) -> list[str]:
