@@ -37,7 +37,7 @@ class PairedPasses:
     def exposed_floor_s(self, paired_share: float) -> float:
         """At or below `exposed_s` for any layers per chunk, without running the two streams."""
         return self.exposed_s(paired_share, combined_1f1b_exposed_floor_s(self.forward, self.backward,
-                                                                           self.held_share))
+                                                                           self.held_share, self.comm_rate))
 
 
 def exposed_beside_compute(a2a_s: float, compute_s: float, held_share: float) -> float:

@@ -131,11 +131,17 @@ def combined_1f1b_exposed_s(forward: LayerPassParts, backward: LayerPassParts, l
     return total / layers - forward.compute_s - backward.compute_s
 
 
-def combined_1f1b_exposed_floor_s(forward: LayerPassParts, backward: LayerPassParts, held_share: float) -> float:
-    """At or below `combined_1f1b_exposed_s` for any number of layers and any comm rate, without running the
-    streams: a pair's all-to-alls A = both passes' dispatch and combine, its compute W. The comm stream takes at
-    least A (it runs at most at full speed); and with O the time both streams run and C the comm alone,
-    W = compute alone + (1 - held) O and A <= O + C, so the pair takes at least W + held O + C >= W + held A.
-    Its exposure (beyond W) is at least max(A - W, held A)."""
+def combined_1f1b_exposed_floor_s(forward: LayerPassParts, backward: LayerPassParts, held_share: float,
+                                  comm_rate: float = 1.0) -> float:
+    """At or below `combined_1f1b_exposed_s` for any number of layers, without running the streams: a pair's
+    all-to-alls A = both passes' dispatch and combine, its compute W, the comm at rate r beside compute that holds
+    share h. With O the time both streams run and C the comm alone, A = r O + C and W = compute alone + (1 - h) O,
+    so the pair takes at least compute alone + O + C = W + A - (r - h) O; O is at most W / (1 - h) (the compute
+    lasts no longer) and A / r (nor the comm). Its exposure (beyond W) is at least A - (r - h) min(W / (1 - h), A / r)
+    where r > h, else A (at r = 1: max(A - W, h A))."""
     comm = forward.dispatch_s + forward.combine_s + backward.dispatch_s + backward.combine_s
-    return max(comm - forward.compute_s - backward.compute_s, held_share * comm, 0.0)
+    if comm_rate <= held_share:
+        return comm
+    compute = forward.compute_s + backward.compute_s
+    both_run_s = min(compute / (1 - held_share), comm / comm_rate)
+    return max(comm - (comm_rate - held_share) * both_run_s, 0.0)

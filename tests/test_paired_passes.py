@@ -89,18 +89,32 @@ def test_a_chunk_of_many_layers_is_its_first_pairs_and_their_steady_increment(fo
 
 @settings(max_examples=120, deadline=None)
 @given(pass_parts(False), pass_parts(True), st.integers(1, 12), st.sampled_from([0.0, 0.1, 0.3, 0.8]),
-       st.sampled_from([1.0, 0.349]))
+       st.sampled_from([1.0, 0.349, 0.1]))
 def test_the_pairs_floor_is_at_or_below_a_step_by_step_run_of_every_chunk(forward, backward, layers, share, rate):
-    """The search bounds combined 1F1B's exposure by its floor (max(A - W, held A) per pair) before running the
-    streams: at or below a step-by-step run of the streams (an independent integration) for any chunk and any
-    rate of the comm beside compute."""
+    """The search bounds combined 1F1B's exposure by its floor (at full speed max(A - W, held A) per pair) before
+    running the streams: at or below a step-by-step run of the streams (an independent integration) for any chunk
+    and any rate of the comm beside compute, above or below the held share."""
     tasks = combined_1f1b_tasks(forward, backward, layers, True)
     scale = max(1.0, sum(t.seconds for t in tasks))
     stepped = stepped_seconds(tasks, share, 1e-3 * scale / len(tasks), rate) / layers \
         - forward.compute_s - backward.compute_s
-    floor = combined_1f1b_exposed_floor_s(forward, backward, share)
+    floor = combined_1f1b_exposed_floor_s(forward, backward, share, rate)
     assert floor <= stepped + 2e-3 * scale / rate
     assert floor <= combined_1f1b_exposed_s(forward, backward, layers, share, True, rate) + 1e-12 * scale
+
+
+@given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.floats(0.0, 0.9), st.floats(0.05, 1.0))
+def test_the_pairs_floor_is_exact_for_one_all_to_all_beside_one_compute(a2a, compute, share, rate):
+    """With the comm all in the forward's dispatch and the compute all in the backward's experts, nothing orders
+    them (the dispatch waits only for an empty attention): the pair is the closed form of one all-to-all beside one
+    compute, which the floor meets exactly where the comm outruns the held share and is below otherwise."""
+    forward = LayerPassParts(0.0, 0.0, 0.0, 0.0, a2a, 0.0)
+    backward = LayerPassParts(0.0, 0.0, compute, 0.0, 0.0, 0.0)
+    exposed = combined_1f1b_exposed_s(forward, backward, 1, share, True, rate)
+    floor = combined_1f1b_exposed_floor_s(forward, backward, share, rate)
+    assert floor <= exposed + 1e-9
+    if rate > share:
+        assert floor == pytest.approx(exposed, abs=1e-9)
 
 
 def test_the_pairs_floor_is_the_all_to_alls_without_compute_beside_them():
