@@ -15,13 +15,13 @@ from ortools.sat.python import cp_model
 
 from cost_models.layer_costs import RECOMPUTE_ORDER, LayerCost, MeshCosts
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule, nested_modules
-from cost_models.memory import gradients_held_at_peak, logits_bytes, loss_gradient_bytes, usable_bytes
-from cost_models.pipeline import (dualpipev_scaled, even_partition, in_flight_micro_batches, least_blocks,
-                                  pipeline_scaled, schedule_scale)
+from cost_models.memory import gradients_held_at_peak, usable_bytes
+from cost_models.pipeline import dualpipev_scaled, even_partition, least_blocks, pipeline_scaled, schedule_scale
 from cost_models.stage_terms import LayerTerms, TermContext
 
+from .memory_fit import m, rank_fixed_bytes, rank_flight
+
 TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
-MEMORY_UNIT_BYTES = 1024    # and memory multiples of 1 KiB
 FINE_PER_UNIT = 1000        # per-step dp and optimizer terms in 1 ns steps: a layer's share can be < 1 us
 HORIZON_S = 1e4             # no step is slower
 
@@ -44,10 +44,6 @@ def t_extra(seconds: float) -> int:
 
 def fine(seconds: float) -> int:
     return int(round(_within_horizon(seconds) / TIME_UNIT_S * FINE_PER_UNIT))
-
-
-def m(nbytes: float) -> int:
-    return int(round(nbytes / MEMORY_UNIT_BYTES))
 
 
 def selective_is_one_switch(stack, allowed: tuple[Recompute, ...]) -> bool:
@@ -225,8 +221,7 @@ class PartitionModel:
     def add_rank(self, i: int) -> RankSums:
         """Rank i's stage terms over its blocks, the embedding and the head, and its memory within the usable
         HBM at both peaks of `memory.StageMemory.total`."""
-        lay, flight = self.lay, in_flight_micro_batches(i, self.pp, self.lay.num_micro_batches, self.lay.vp,
-                                                        self.costs.stack.hides_moe_a2a(self.lay), self.lay.dualpipev)
+        lay, flight = self.lay, rank_flight(self.costs, i)
         work, compute, alone, bubble, reduce, steps, memory, grads = ([] for _ in range(8))
         for j in self.owned_by[i]:
             for r, (kind, _, _) in enumerate(self.runs):
@@ -249,8 +244,7 @@ class PartitionModel:
         fixed = [self.terms(c) for c, on in ((self.costs.layer(self.model.embedding), i == 0),
                                              (self.costs.layer(self.model.head), i == lay.chunk_rank(self.chunks - 1)))
                  if on]
-        is_last = i == lay.chunk_rank(self.chunks - 1)
-        self.add_memory(i, memory, grads, fixed, flight, is_last)
+        self.add_memory(i, memory, grads, fixed, flight)
         return RankSums(work=sum(work) + sum(t(c.work_s) for c in fixed),
                         compute=sum(compute) + sum(t(c.compute_s) for c in fixed),
                         alone=sum(alone) + sum(t(c.alone_s) for c in fixed),
@@ -275,18 +269,13 @@ class PartitionModel:
         return _Extra([t_extra(more.work_s - base.work_s) * redo], [t_extra(more.bubble_s - base.bubble_s) * redo],
                       [m(flight * (more.activation_bytes - base.activation_bytes)) * redo])
 
-    def add_memory(self, i: int, memory: list, grads: list, fixed: list[LayerTerms], flight: float,
-                   is_last: bool) -> None:
+    def add_memory(self, i: int, memory: list, grads: list, fixed: list[LayerTerms], flight: float) -> None:
         """Rank i within the usable HBM at the activation peak (states there, activations in flight, logits,
         buffers, the largest recomputed layer's working set) and, where backward allocates the gradients, at its
         end (every state)."""
-        cp, costs, lay = self.cp, self.costs, self.lay
+        cp, costs = self.cp, self.costs
         capacity = m(usable_bytes(costs.cluster.device))
-        fixed_bytes = sum(c.peak_state_bytes(self.held) + flight * c.activation_bytes for c in fixed)
-        loss = costs.stack.loss_gradient
-        fixed_bytes += logits_bytes(self.model.head, lay.tp, lay.cp, lay.micro_batch, loss) + loss_gradient_bytes(
-            self.model.head, lay.tp, lay.cp, lay.micro_batch, loss) if is_last else 0.0
-        fixed_bytes += costs.comm_buffer_bytes
+        fixed_bytes = rank_fixed_bytes(costs, i, flight, self.held)
         # a recomputed layer's full activations while its backward runs
         working = cp.NewIntVar(0, m(max(c.working_bytes for c in self.layer.values())), f"working{i}")
         for r, (kind, r0, r1) in enumerate(self.runs):
