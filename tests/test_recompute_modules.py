@@ -240,7 +240,7 @@ def test_a_leaf_with_kinds_in_runs_chooses_the_module_set_the_enumeration_finds(
 
     from cost_models.layer_costs import MeshCosts
     from cost_models.layout import nested_modules
-    from planner.search.partition import _module_sets_by_bound, solve_partition
+    from planner.search.partition import ModuleSets, solve_partition
 
     stack, model, choices, base, squeezed = _mixed_moe_leaf(pp, vp, dp, ep)
     assert len({kind for kind in model.blocks}) >= 2
@@ -262,13 +262,34 @@ def test_a_leaf_with_kinds_in_runs_chooses_the_module_set_the_enumeration_finds(
         # the sets the leaf leaves unsolved are those whose bound reaches the best: each set's bound is at or
         # below its own optimum, every block recomputing it
         costs = MeshCosts(model, cluster, base, stack)
-        for bound, set_costs in _module_sets_by_bound(costs, choices):
+        for bound, set_costs in ModuleSets(costs, choices):
             alone = solve_partition(set_costs, (Recompute.selective,))
             assert alone.status in ("OPTIMAL", "INFEASIBLE")
             if alone.stage_layers:
                 assert bound <= alone.objective_s * (1 + 1e-9)
                 bounded += 1
     assert compared and bounded >= 4
+
+
+@pytest.mark.parametrize("pp,vp,dp,ep", [(2, 2, 8, 4), (4, 1, 8, 8)])
+def test_the_module_sets_come_in_the_order_of_every_sets_bound_sorted(pp, vp, dp, ep):
+    """The leaf walks its module sets lazily, best first over the lattice of subsets: in the order that computing
+    every valid set's balanced bound and sorting them gives (ties: fewer modules first), every set once."""
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import nested_modules
+    from planner.search.bounds import balanced_bound
+    from planner.search.partition import ModuleSets, _hops_s
+
+    stack, model, choices, base, squeezed = _mixed_moe_leaf(pp, vp, dp, ep)
+    costs = MeshCosts(model, squeezed(0.9), base, stack)
+    subsets = [subset for size in range(1, len(choices) + 1) for subset in itertools.combinations(choices, size)
+               if not nested_modules(subset)]
+    every = sorted(((balanced_bound(c, c.layout, Recompute.selective) - _hops_s(costs), index, subset)
+                    for index, subset in enumerate(subsets) for c in [costs.with_recompute_modules(subset)]))
+    walked = ModuleSets(costs, choices)
+    assert walked.least_s == every[0][0]
+    assert [(bound, c.layout.recompute_modules) for bound, c in walked] == [(b, s) for b, _, s in every]
+    assert len({s for _, _, s in every}) == len(subsets) >= 5
 
 
 # (model, hidden, the experts' down-projection input width f, top-k): a reference model whose expert container

@@ -8,7 +8,7 @@ fully. The model (`partition_model.PartitionModel`) sums the stage terms the ste
 """
 from __future__ import annotations
 
-import itertools
+import heapq
 import time
 from dataclasses import dataclass, replace
 
@@ -71,8 +71,8 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
         return _solve(costs, allowed, time_limit_s, cutoff_s, work_limit, module_choices)
     start = time.perf_counter()
     others = tuple(r for r in allowed if r is not Recompute.selective)
-    sets = _module_sets_by_bound(costs, module_choices)
-    if cutoff_s < float("inf") and _without_bound_s(costs, others) <= sets[0][0]:
+    sets = ModuleSets(costs, module_choices)
+    if cutoff_s < float("inf") and _without_bound_s(costs, others) <= sets.least_s:
         # no recomputation may be the cheaper model (its bound is the least): solved first, its answer bars the
         # module sets, most of which then need no solve. Not without a cutoff: its per-layer choice then has no
         # bar to prove against, while a module set's model, which has none, solves in milliseconds and gives one
@@ -95,15 +95,15 @@ def solve_partition(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit
 
 
 def _selective_everywhere(costs: MeshCosts, time_limit_s: float, cutoff_s: float, work_limit: float,
-                          module_choices: tuple[RecomputeModule, ...], sets: list) -> PartitionResult:
+                          module_choices: tuple[RecomputeModule, ...], sets: "ModuleSets") -> PartitionResult:
     """Every block recomputing selectively one module set. Where the solver chooses the set, each valid set is
     solved in turn as a model of its own, least balanced bound first and below the best so far, until the
     next set's bound reaches that best: a model that chooses the set multiplies a choice by a count, which
     CP-SAT's relaxation ties loosely (DeepSeek-V3's leaves took 0.8 s each that way, 0.1-0.3 s so). `sets`:
-    `_module_sets_by_bound`."""
+    `ModuleSets`."""
     selective = (Recompute.selective,)
     if not module_choices:
-        if sets[0][0] > cutoff_s * (1 + BOUND_TOLERANCE):
+        if sets.least_s > cutoff_s * (1 + BOUND_TOLERANCE):
             return PartitionResult((), (), float("inf"), "INFEASIBLE", float("inf"), 0.0)
         return _solve(costs, selective, time_limit_s, cutoff_s, work_limit, ())
     start = time.perf_counter()
@@ -160,20 +160,47 @@ def _without_bound_s(costs: MeshCosts, methods: tuple[Recompute, ...]) -> float:
     return balanced_bound(costs, costs.layout, fastest) - _hops_s(costs)
 
 
-def _module_sets_by_bound(costs: MeshCosts, module_choices: tuple[RecomputeModule, ...]):
-    """(bound, costs) of each valid module set (none nested in another of it), least bound first: the
-    balanced-pipeline bound of the layout recomputing it in every block, less the pipeline's hops, which the
-    leaf model's objective leaves to the search. Without a choice of modules, the layout's own set."""
-    if not module_choices:
-        return [(balanced_bound(costs, costs.layout, Recompute.selective) - _hops_s(costs), costs)]
-    hops_s = _hops_s(costs)
-    sets = [subset for size in range(1, len(module_choices) + 1)
-            for subset in itertools.combinations(module_choices, size) if not nested_modules(subset)]
-    bounded = []
-    for index, subset in enumerate(sets):
-        set_costs = costs.with_recompute_modules(subset)
-        bounded.append((balanced_bound(set_costs, set_costs.layout, Recompute.selective) - hops_s, index, set_costs))
-    return [(bound, set_costs) for bound, _, set_costs in sorted(bounded, key=lambda item: item[:2])]
+class ModuleSets:
+    """(bound, costs) of each valid module set (none nested in another of it), least bound first (ties: fewer
+    modules, then in the choices' order): the balanced-pipeline bound of the layout recomputing it in every
+    block, less the pipeline's hops, which the leaf model's objective leaves to the search. Without a choice of
+    modules, the layout's own set.
+
+    Taken lazily, best first over the lattice of subsets: a set's bound is at or above each of its subsets'
+    (selective recomputation repeats the forward of each module it names, `LayerCompute.selective_forward_s`,
+    and the bound rises with the work), so a set is weighed only once the subset without its last module is
+    reached. A leaf whose first sets already reach the best so far weighs a handful of its sets, not all of
+    them (DeepSeek-V3's 7 modules: 79 sets)."""
+
+    def __init__(self, costs: MeshCosts, module_choices: tuple[RecomputeModule, ...]):
+        self.costs, self.choices, self.hops_s = costs, module_choices, _hops_s(costs)
+        if not module_choices:
+            self.heap = [(balanced_bound(costs, costs.layout, Recompute.selective) - self.hops_s, (), (), costs)]
+        else:
+            self.heap = [self._entry((module,)) for module in module_choices]
+            heapq.heapify(self.heap)
+        self.taken: list[tuple[float, MeshCosts]] = []
+
+    @property
+    def least_s(self) -> float:
+        return self.taken[0][0] if self.taken else self.heap[0][0]
+
+    def __iter__(self):
+        yield from list(self.taken)
+        while self.heap:
+            bound, _, subset, set_costs = heapq.heappop(self.heap)
+            self.taken.append((bound, set_costs))
+            yield bound, set_costs
+            if not subset:
+                continue
+            for module in self.choices[self.choices.index(subset[-1]) + 1:]:
+                if not nested_modules(subset + (module,)):
+                    heapq.heappush(self.heap, self._entry(subset + (module,)))
+
+    def _entry(self, subset: tuple[RecomputeModule, ...]) -> tuple:
+        set_costs = self.costs.with_recompute_modules(subset)
+        bound = balanced_bound(set_costs, set_costs.layout, Recompute.selective) - self.hops_s
+        return bound, (len(subset), tuple(self.choices.index(module) for module in subset)), subset, set_costs
 
 
 def _solve(costs: MeshCosts, allowed: tuple[Recompute, ...], time_limit_s: float, cutoff_s: float,
