@@ -45,6 +45,17 @@ def test_the_programme_answers_what_every_assignment_of_blocks_answers(ranks):
     assert split_fits(ranks) == _every_assignment_fits(ranks)
 
 
+def test_a_question_it_cannot_settle_is_left_to_the_solver():
+    """Past MOST_STATES states, or with a block that takes no room, the check answers "may fit" (True), never a
+    refusal it has not proven; a rank whose fixed part alone overflows refuses even an empty split."""
+    from planner.search.memory_fit import MOST_STATES
+    many = tuple(KindMemory(MOST_STATES, 1, 0) for _ in range(2))
+    assert split_fits([RankRoom(many, 0)])                       # 65 states past 64: not settled here
+    assert split_fits([RankRoom((KindMemory(3, 0, 0),), 0)])     # a block of no bytes
+    assert not split_fits([RankRoom((KindMemory(0, 5, 0),), -1)])
+    assert split_fits([RankRoom((KindMemory(0, 5, 0),), 0)])
+
+
 def _splits(blocks: int, chunks: int):
     """Every split of the blocks into contiguous chunks that `cost_models.pipeline` allows."""
     from cost_models.pipeline import least_blocks
