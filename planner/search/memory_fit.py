@@ -32,6 +32,17 @@ def m(nbytes: float) -> int:
     return int(round(nbytes / MEMORY_UNIT_BYTES))
 
 
+def block_units(base: LayerTerms, held: bool, flight: float) -> int:
+    """A block's memory units at its rank's activation peak without recomputation: its states there and the
+    activations of its micro-batches in flight."""
+    return m(base.peak_state_bytes(held) + flight * base.activation_bytes)
+
+
+def recompute_units(base: LayerTerms, more: LayerTerms, flight: float) -> int:
+    """What recomputing a block (`more`, its terms under the method) changes of its units at the peak."""
+    return m(flight * (more.activation_bytes - base.activation_bytes))
+
+
 def rank_flight(costs: MeshCosts, rank: int) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak."""
     lay = costs.layout
@@ -110,11 +121,10 @@ def _kind_memory(layer, count: int, method: Recompute, context: TermContext, hel
     """As the partition model sums it: the block without recomputation, plus the method's change to its
     activations, each rounded; the working set only where the method recomputes."""
     base = LayerTerms.of(layer, Recompute.none, context)
-    block = m(base.peak_state_bytes(held) + flight * base.activation_bytes)
+    block = block_units(base, held, flight)
     working = 0
     if method is not Recompute.none:
-        more = LayerTerms.of(layer, method, context)
-        block += m(flight * (more.activation_bytes - base.activation_bytes))
+        block += recompute_units(base, LayerTerms.of(layer, method, context), flight)
         working = m(layer.working_bytes)
     return KindMemory(count, block, working)
 

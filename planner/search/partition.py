@@ -164,7 +164,7 @@ class ModuleSets:
     """(bound, costs) of each valid module set (none nested in another of it), least bound first (ties: fewer
     modules, then in the choices' order): the balanced-pipeline bound of the layout recomputing it in every
     block, less the pipeline's hops, which the leaf model's objective leaves to the search. Without a choice of
-    modules, the layout's own set.
+    modules, the layout's own set. Walked once.
 
     Taken lazily, best first over the lattice of subsets: a set's bound is at or above each of its subsets'
     (selective recomputation repeats the forward of each module it names, `LayerCompute.selective_forward_s`,
@@ -179,17 +179,11 @@ class ModuleSets:
         else:
             self.heap = [self._entry((module,)) for module in module_choices]
             heapq.heapify(self.heap)
-        self.taken: list[tuple[float, MeshCosts]] = []
-
-    @property
-    def least_s(self) -> float:
-        return self.taken[0][0] if self.taken else self.heap[0][0]
+        self.least_s = self.heap[0][0]   # every set's bound is at or above its single modules'
 
     def __iter__(self):
-        yield from list(self.taken)
         while self.heap:
             bound, _, subset, set_costs = heapq.heappop(self.heap)
-            self.taken.append((bound, set_costs))
             yield bound, set_costs
             if not subset:
                 continue

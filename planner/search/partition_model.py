@@ -19,7 +19,7 @@ from cost_models.memory import gradients_held_at_peak, usable_bytes
 from cost_models.pipeline import dualpipev_scaled, even_partition, least_blocks, pipeline_scaled, schedule_scale
 from cost_models.stage_terms import LayerTerms, TermContext
 
-from .memory_fit import m, rank_fixed_bytes, rank_flight
+from .memory_fit import block_units, m, rank_fixed_bytes, rank_flight, recompute_units
 
 TIME_UNIT_S = 1e-7          # integer scaling: solver times are multiples of 0.1 us
 FINE_PER_UNIT = 1000        # per-step dp and optimizer terms in 1 ns steps: a layer's share can be < 1 us
@@ -230,7 +230,7 @@ class PartitionModel:
                 alone.append(t(base.alone_s) * n)
                 bubble.append(t(base.bubble_s) * n)
                 compute.append(t(base.compute_s) * n)
-                memory.append(m(base.peak_state_bytes(self.held) + flight * base.activation_bytes) * n)
+                memory.append(block_units(base, self.held, flight) * n)
                 grads.append(m(base.state_bytes) * n)
                 reduce.append(fine(base.dp_reduce_s) * n)
                 steps.append(fine(base.optimizer_s) * n)
@@ -267,7 +267,7 @@ class PartitionModel:
             return out
         base, more, redo = self.terms(c), self.terms(c, method), self.redo[i, r, method]
         return _Extra([t_extra(more.work_s - base.work_s) * redo], [t_extra(more.bubble_s - base.bubble_s) * redo],
-                      [m(flight * (more.activation_bytes - base.activation_bytes)) * redo])
+                      [recompute_units(base, more, flight) * redo])
 
     def add_memory(self, i: int, memory: list, grads: list, fixed: list[LayerTerms], flight: float) -> None:
         """Rank i within the usable HBM at the activation peak (states there, activations in flight, logits,
