@@ -54,6 +54,7 @@ def test_a_question_it_cannot_settle_is_left_to_the_solver():
     assert split_fits([RankRoom((KindMemory(3, 0, 0),), 0)])     # a block of no bytes
     assert not split_fits([RankRoom((KindMemory(0, 5, 0),), -1)])
     assert split_fits([RankRoom((KindMemory(0, 5, 0),), 0)])
+    assert split_fits([RankRoom((), 0)]) and not split_fits([RankRoom((), 0), RankRoom((), -1)])   # no blocks
 
 
 def _splits(blocks: int, chunks: int):

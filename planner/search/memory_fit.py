@@ -106,6 +106,8 @@ def split_fits(ranks: list[RankRoom]) -> bool:
     """Whether whole blocks of every kind can be spread over the ranks, each within its room; True where the
     programme would have more than MOST_STATES states, or a block takes no room (not this question)."""
     counts = [kind.count for kind in ranks[0].kinds]
+    if not counts:   # no blocks: each rank holds its fixed part alone
+        return all(rank.room >= 0 for rank in ranks)
     if math.prod(n + 1 for n in counts[:-1]) > MOST_STATES or any(
             kind.block <= 0 for rank in ranks for kind in rank.kinds):
         return True
