@@ -64,6 +64,14 @@ class LayerWork:
 
 
 @dataclass(frozen=True)
+class StepParts:
+    """What a layer's ZeRO stage sets of its cost (`MeshCosts.step_parts`)."""
+    dp_reduce_s: float          # its share of the per-step dp reduction (its slope)
+    optimizer_step_s: float     # its optimizer step on this rank
+    zero_exposed_s: float       # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
+
+
+@dataclass(frozen=True)
 class LayerCost(LayerWork):
     """One layer, one micro-batch, one rank: time and memory."""
     activation_bytes: tuple[float, float, float]   # by RECOMPUTE_ORDER
@@ -329,31 +337,41 @@ class MeshCosts(ExpertCommunication):
         if kind.name in self._cache:
             return self._cache[kind.name]
         lay = self.layout
-        compute = self.compute_of(kind)
         activations, freed = self._activations(kind)
         states = model_state_bytes(kind, self.state_sharding)
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
-        optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
-            if lay.zero >= 1 else dense_params + expert_params
         selective_flops = sum(op.forward_flops for op in kind.ops
                               if op.kind in MATMUL_KINDS and op.recomputed_by(lay.recompute_modules))
-        grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
-        (_, dense_slope), (_, expert_slope) = self.dp_lines
+        step = self.step_parts(kind)
         cost = LayerCost(
             **vars(self.work(kind)), activation_bytes=activations, module_freed_bytes=freed,
             working_bytes=activations[0],
-            states=states, grad_reduce_bytes=grad_bytes,
-            dp_reduce_s=dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
-            optimizer_step_s=self.optimizer_s(optimizer_params),
+            states=states, grad_reduce_bytes=dense_params * lay.gradient_bytes,
+            dp_reduce_s=step.dp_reduce_s, optimizer_step_s=step.optimizer_step_s,
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
             weight_pass_recomputes=kind.weight_pass_groups if self.stack.dualpipev_weight_pass_recompute else 0,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
-            selective_forward_flops=selective_flops)
-        if lay.zero >= 2:
-            traffic = self.sharded_dp_comm_s(dense_params, expert_params)
-            cost = replace(cost, zero_exposed_s=max(0.0, traffic - compute.forward_s - compute.backward_s))
+            selective_forward_flops=selective_flops, zero_exposed_s=step.zero_exposed_s)
         self._cache[kind.name] = cost
         return cost
+
+    def step_parts(self, kind: LayerKind) -> "StepParts":
+        """The parts of a layer's cost that its ZeRO stage sets: its share of the per-step reduction, its optimizer
+        step, and the ZeRO-2/3 traffic per micro-batch its compute does not hide. The search bounds a placement's
+        ZeRO stages by them without the layer's memory (`planner.search.bounds.ZeroExtras`)."""
+        lay = self.layout
+        dense_params, expert_params = params_on_rank(kind, self.state_sharding)
+        optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
+            if lay.zero >= 1 else dense_params + expert_params
+        grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
+        (_, dense_slope), (_, expert_slope) = self.dp_lines
+        zero_exposed = 0.0
+        if lay.zero >= 2:
+            compute = self.compute_of(kind)
+            traffic = self.sharded_dp_comm_s(dense_params, expert_params)
+            zero_exposed = max(0.0, traffic - compute.forward_s - compute.backward_s)
+        return StepParts(dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
+                         self.optimizer_s(optimizer_params), zero_exposed)
 
     def _activations(self, kind: LayerKind) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """A layer's activation bytes by RECOMPUTE_ORDER, and what recomputing each module alone frees (the many

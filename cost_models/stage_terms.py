@@ -9,10 +9,10 @@ recomputed layer's working set, the logits) are the memory model's (`memory.Stag
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 
-from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts
+from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts, StepParts
 from .layout import Recompute
 from .pipeline import dualpipev_split_recompute_factor, dualpipev_weight_factor
 
@@ -73,6 +73,13 @@ class LayerTerms:
                    dp_reduce_s=c.dp_reduce_s, optimizer_s=c.optimizer_step_s,
                    activation_bytes=c.activation_bytes[index], state_bytes=c.states.total,
                    gradient_bytes=c.states.gradients)
+
+    @classmethod
+    def of_step(cls, step: StepParts, compute_s: float) -> "LayerTerms":
+        """The terms a layer's ZeRO stage sets, and its compute (which hides the reduction), the rest 0: what the
+        search's bound on a placement's ZeRO stages reads without the layer's memory (`ZeroExtras`)."""
+        return replace(ZERO_TERMS, compute_s=compute_s, zero_s=step.zero_exposed_s, dp_reduce_s=step.dp_reduce_s,
+                       optimizer_s=step.optimizer_step_s)
 
     def __add__(self, other: "LayerTerms") -> "LayerTerms":
         # positional, in field order (vars keeps it): the search's bounds sum these for every leaf

@@ -114,10 +114,16 @@ class PairedWork:
         self.passes = [costs.paired_passes(kind, costs.compute_of(kind)) if kind.num_experts else None
                        for kind, _ in kinds]
         self.by_layers: dict[tuple[int, int], float] = {}
+        self.by_vp: dict[tuple[int, bool], tuple[tuple, tuple[float, float]]] = {}   # `at`'s answers
 
     def at(self, vp: int, floor: bool = False) -> tuple[tuple, tuple[float, float]]:
         """Per block kind at this vp; with `floor`, at or below that, each pair's exposure at its floor (no
-        streams run: `PairedPasses.exposed_floor_s`)."""
+        streams run: `PairedPasses.exposed_floor_s`). A group's bound asks it again at each visit."""
+        if (vp, floor) not in self.by_vp:
+            self.by_vp[vp, floor] = self._at(vp, floor)
+        return self.by_vp[vp, floor]
+
+    def _at(self, vp: int, floor: bool) -> tuple[tuple, tuple[float, float]]:
         costs, layers = self.costs, self.costs.layers_per_chunk(vp)
         paired = costs.paired_share(vp)
         seconds = [rest if passes is None or not passes.per_pass_s else
@@ -172,11 +178,13 @@ class ZeroExtras:
     step_s: float
 
     @classmethod
-    def of(cls, costs: MeshCosts, fastest: Recompute) -> "ZeroExtras":
-        model, context = costs.model, TermContext.of(costs)
-        items = [(LayerTerms.of(costs.layer(kind), fastest, context), n) for kind, n in model.block_counts] + \
-            [(LayerTerms.of(costs.layer(edge), Recompute.none, context), 1) for edge in (model.embedding, model.head)]
-        total = terms_sum(items)
+    def of(cls, costs: MeshCosts) -> "ZeroExtras":
+        """From each layer's `MeshCosts.step_parts` and compute: the same terms `balanced_bound` sums, none of
+        them read by recomputation."""
+        model = costs.model
+        counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
+        total = terms_sum((LayerTerms.of_step(costs.step_parts(kind), compute.forward_s + compute.backward_s), n)
+                          for kind, n in counted for compute in [costs.compute_of(kind)])
         return cls(total.zero_s, step_terms_s(costs, total * (1 / costs.layout.pp)))
 
     def bound_s(self, work: WorkFloor, shape: PipelineShape, hops_s: float) -> float:

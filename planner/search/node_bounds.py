@@ -125,7 +125,7 @@ class NodeBounds:
         if key not in self.zero_extras:
             self.zero_extras[key] = [
                 ZeroExtras.of(MeshCosts(self.model, self.cluster, leaf.layout(self.problem), self.stack,
-                                        self.ep_imbalance, self.shared), self.bounds.fastest)
+                                        self.ep_imbalance, self.shared))
                 for leaf in self.tree.children(node)]
         self.communication_bound(node)   # (its work, cached)
         work, micro_batches, hops = self.placement_work[self.work_key(node)]
