@@ -140,7 +140,7 @@ class MeshCosts(ExpertCommunication):
         self.model, self.cluster, self.layout, self.stack = model, cluster, layout, stack
         self.ep_imbalance = ep_imbalance
         self.spec = ShardSpec.of(layout, stack, ep_imbalance=ep_imbalance)
-        self.state_sharding = StateSharding.of(layout, stack)
+        self._state_sharding: StateSharding | None = None   # (`state_sharding`: the search's bounds mostly read none)
         # whether the TP collectives run as chunked rings beside the GEMMs (`SoftwareStack.tp_overlap_in`); read by
         # every layer's work key, so set here rather than behind a cached property's lock
         self.tp_overlap = stack.tp_overlap_in(layout, cluster.device)
@@ -150,6 +150,14 @@ class MeshCosts(ExpertCommunication):
         # then the experts' folding (set here: a search builds one per layout it weighs, and reads it per layer)
         self._placement_key = (layout.mesh_dims(), layout.etp, layout.ep)
         self._shared = shared if shared is not None else SharedCosts()
+
+    @property
+    def state_sharding(self) -> StateSharding:
+        """How the layout shards weights, gradients and optimizer states (built when first read: most of the
+        costs a search builds are for bounds that read no states)."""
+        if self._state_sharding is None:
+            self._state_sharding = StateSharding.of(self.layout, self.stack)
+        return self._state_sharding
 
     def with_recompute_modules(self, modules: tuple[RecomputeModule, ...]) -> "MeshCosts":
         """The same layout's costs with selective recomputation repeating `modules` (what it shares kept)."""

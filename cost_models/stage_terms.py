@@ -9,7 +9,7 @@ recomputed layer's working set, the logits) are the memory model's (`memory.Stag
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts, StepParts
@@ -78,8 +78,9 @@ class LayerTerms:
     def of_step(cls, step: StepParts, compute_s: float) -> "LayerTerms":
         """The terms a layer's ZeRO stage sets, and its compute (which hides the reduction), the rest 0: what the
         search's bound on a placement's ZeRO stages reads without the layer's memory (`ZeroExtras`)."""
-        return replace(ZERO_TERMS, compute_s=compute_s, zero_s=step.zero_exposed_s, dp_reduce_s=step.dp_reduce_s,
-                       optimizer_s=step.optimizer_step_s)
+        return cls(work_s=0.0, compute_s=compute_s, recompute_s=0.0, tp_s=0.0, cp_s=0.0, ep_s=0.0,
+                   zero_s=step.zero_exposed_s, host_s=0.0, alone_s=0.0, bubble_s=0.0, dp_reduce_s=step.dp_reduce_s,
+                   optimizer_s=step.optimizer_step_s, activation_bytes=0.0, state_bytes=0.0, gradient_bytes=0.0)
 
     def __add__(self, other: "LayerTerms") -> "LayerTerms":
         # positional, in field order (vars keeps it): the search's bounds sum these for every leaf

@@ -61,10 +61,13 @@ class SortedWork:
     def of(cls, block_work_s: tuple[tuple[int, float], ...], edge_work_s: tuple[float, float], pp: int
            ) -> "SortedWork":
         """`block_work_s`: (blocks, seconds each) per block kind."""
-        items = sorted([w for n, w in block_work_s for _ in range(n)] + list(edge_work_s), reverse=True)
+        items = list(edge_work_s)
+        for n, w in block_work_s:
+            items += [w] * n
+        items.sort(reverse=True)
         # scheduling bound (P||Cmax): of the k pp + 1 largest items some rank holds k + 1, so its work is at
         # least the k + 1 smallest of them; contiguity and fixed edges only constrain further
-        packing = max(sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)) \
+        packing = max([sum(items[k * pp - k: k * pp + 1]) for k in range(1, (len(items) - 1) // pp + 1)]) \
             if pp > 1 and len(items) > pp else 0.0
         return cls(sum(items), packing, tuple(edge_work_s), min(w for _, w in block_work_s), pp)
 

@@ -1,9 +1,9 @@
 """The bounds of the search tree's inner nodes (`tree.py`), with what they share: a root's (a mesh shape and
 schedule: its compute and the least communication of any of its mesh orders), a group's (a placement whose MoE
-dispatcher and combined 1F1B are still open: first its work but the all-to-alls, then the least of its children),
-a placed node's (its per-layer work, exposed communication and pipeline hops, as balanced as integers allow) and
-the least its ZeRO stages add. Each is at or below every plan beneath the node; `branch_and_bound.py` walks the
-tree by them.
+dispatcher and combined 1F1B are still open: first its work but the all-to-alls, then that plus the least
+all-to-alls of its children), a placed node's (its per-layer work, exposed communication and pipeline hops, as
+balanced as integers allow) and the least its ZeRO stages add. Each is at or below every plan beneath the node;
+`branch_and_bound.py` walks the tree by them.
 
 A large MoE search bounds tens of thousands of placements, so what their layouts share is computed once: the work
 by placement (across vp where nothing pairs the passes), the pipeline hops by mesh order, whether an overlap
@@ -40,13 +40,17 @@ class NodeBounds:
         # (shape, micro_batch, mesh order): a pipeline hop's seconds at each (vp, DualPipeV) (which hops leave a
         # domain depends on them)
         self.pipeline_hops: dict[tuple, dict[tuple[int, bool], float]] = {}
-        # (placement, a2a overlap asked, pp, vp, DualPipeV) -> whether the MoE all-to-alls are hidden
+        # (ep, dispatcher, a2a overlap asked, pp, vp, DualPipeV) -> whether the MoE all-to-alls are hidden
         self.overlap_flags: dict[tuple, tuple[bool, bool]] = {}
         # (shape, micro_batch): the least tp and cp communication of any of its mesh orders, and each order's hops
         self.root_communication: dict[tuple, tuple[float, list[dict]]] = {}
         self.last_layout: tuple[TreeNode | None, Layout | None] = (None, None)   # `layout_of`
-        # (shape, micro_batch, placement): a group's work but its all-to-alls, micro-batches, hops (`group_floor_s`)
-        self.group_floors: dict[tuple, tuple[SortedWork, int, dict]] = {}
+        # (shape, micro_batch, placement): a group's work but its all-to-alls, micro-batches, hops (`group_rest`)
+        self.group_floors: dict[tuple, tuple[SortedWork, int, dict, tuple, tuple[float, float]]] = {}
+        # a placed node's `first_key`: its all-to-alls per block kind, or the passes combined 1F1B pairs
+        # (`all_to_alls_floor_s`); and the costs of its first layout (`first_costs`)
+        self.group_all_to_alls: dict[tuple, tuple] = {}
+        self.key_costs: dict[tuple, MeshCosts] = {}
         # (shape, micro_batch, placement, dispatcher, DualPipeV): what each ZeRO stage adds (`zero_floor_s`)
         self.zero_extras: dict[tuple, list[ZeroExtras]] = {}
 
@@ -77,32 +81,57 @@ class NodeBounds:
         least shard spec of any dispatcher (no sorts, no gathered buffers: each only adds work), which its vp
         children share. Over half of a large MoE search's groups are bounded away by it (Kimi-K2 on 8,192 H800:
         17,547 of 31,892), their children never weighed."""
+        work, micro_batches, hops, _, _ = self.group_rest(node)
+        shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
+        return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
+
+    def group_rest(self, node: TreeNode) -> tuple[SortedWork, int, dict, tuple, tuple[float, float]]:
+        """A group's work but its all-to-alls at the least shard spec (sorted, and per block kind with the
+        embedding's and head's), micro-batches and hops: what `group_floor_s` and `group_bound` read."""
         key = (node.shape, node.micro_batch, node.placement)
         if key not in self.group_floors:
             least = TreeNode(node.shape, node.vp, node.micro_batch, node.dualpipev, node.placement, False, None,
                              MoeDispatcher.deepep)
-            layout = least.layout(self.problem)
-            costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
-            work = SortedWork.of(*work_before_zero(costs, self.bounds.fastest, all_to_alls=False), node.shape.pp)
-            self.group_floors[key] = (work, layout.num_micro_batches, self.hops(least, costs))
-        work, micro_batches, hops = self.group_floors[key]
-        shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
-        return communication_bound(work.floor(node.vp, node.dualpipev), hops[node.vp, node.dualpipev], shape)
+            costs = self.first_costs(least, self.first_key(least)[0])   # (its group's child of the same choices)
+            blocks, edges = work_before_zero(costs, self.bounds.fastest, all_to_alls=False)
+            self.group_floors[key] = (SortedWork.of(blocks, edges, node.shape.pp), costs.layout.num_micro_batches,
+                                      self.hops(least, costs), blocks, edges)
+        return self.group_floors[key]
 
     def group_bound(self, node: TreeNode) -> float:
         """A placement's bound under each MoE dispatcher and combined 1F1B switch it leaves open: per block kind
-        the least work of its children, those whose passes combined 1F1B pairs at their floor (no streams
-        run: `PairedWork.at`); the bound rises with each kind's work, so it is at or below every child's.
-        Taken only where the heap reaches the group at its floor (`group_floor_s`)."""
+        its floor's work but the all-to-alls (`group_rest`: each child's is at or above it) plus the least
+        all-to-alls of its children, those whose passes combined 1F1B pairs at their floor (no streams run:
+        `PairedPasses.exposed_floor_s`); the bound rises with each kind's work, so it is at or below every
+        child's. Taken only where the heap reaches the group at its floor (`group_floor_s`); a child's whole work
+        is weighed only where its group is expanded."""
+        _, micro_batches, hops, blocks, edges = self.group_rest(node)
         least = None
         for child in self.tree.children(node):
-            (blocks, edges), micro_batches, hops = self.placed_blocks(child, floor=True)
-            least = (blocks, edges) if least is None else (
-                tuple((n, min(a, b)) for (n, a), (_, b) in zip(least[0], blocks)),
-                tuple(min(a, b) for a, b in zip(least[1], edges)))
+            all_to_alls = self.all_to_alls_floor_s(child)
+            least = all_to_alls if least is None else tuple(map(min, least, all_to_alls))
         shape = PipelineShape(node.shape.pp, node.vp, micro_batches, node.dualpipev)
-        work = SortedWork.of(*least, node.shape.pp).floor(node.vp, node.dualpipev)
+        work = SortedWork.of(tuple((n, rest + extra) for (n, rest), extra in zip(blocks, least)), edges,
+                             node.shape.pp).floor(node.vp, node.dualpipev)
         return communication_bound(work, hops[node.vp, node.dualpipev], shape)
+
+    def all_to_alls_floor_s(self, node: TreeNode) -> tuple[float, ...]:
+        """A placed node's MoE all-to-alls per block kind as its work adds them (`placed_blocks`), those that
+        combined 1F1B pairs at their floor; what its layouts of every vp share is kept."""
+        key, paired = self.first_key(node)
+        costs = self.first_costs(node, key)
+        values = self.group_all_to_alls.get(key)
+        if values is None:
+            kinds = [kind for kind, _ in self.model.block_counts]
+            values = self.group_all_to_alls[key] = \
+                tuple(costs.paired_passes(kind, costs.compute_of(kind)) if kind.num_experts else None
+                      for kind in kinds) if paired else \
+                tuple(costs.ep_comm_s(kind, costs.compute_of(kind)) if kind.num_experts else 0.0 for kind in kinds)
+        if not paired:
+            return values
+        share = costs.paired_share(node.vp)
+        return tuple(0.0 if passes is None or not passes.per_pass_s else passes.exposed_floor_s(share)
+                     for passes in values)
 
     def communication_bound(self, node: TreeNode) -> float:
         """A placed node's bound: compute and exposed per-layer communication, as balanced as integers allow.
@@ -145,20 +174,33 @@ class NodeBounds:
         """A placed node's work per block kind before ZeRO, micro-batch count and hops: from its own layout's
         costs, or, where combined 1F1B pairs its passes, from `PairedWork` of the placement's first layout at
         the node's vp (at its floor with `floor`)."""
-        key = self.work_key(node)
-        hides, v_hides = key[4], key[5]
-        paired = hides and not v_hides   # (DualPipeV's pairs, where they hide the all-to-alls, take 1F1B's place)
+        key, paired = self.first_key(node)
         cache = self.paired_work if paired else self.unpaired_work
-        first = cache.get(key[:-1] if paired else key)
+        first = cache.get(key)
         if first is None:
-            layout = self.layout_of(node)
-            costs = MeshCosts(self.model, self.cluster, layout, self.stack, self.ep_imbalance, self.shared)
+            costs = self.first_costs(node, key)
             source = PairedWork(costs, self.bounds.fastest) if paired else work_before_zero(costs, self.bounds.fastest)
-            first = cache[key[:-1] if paired else key] = (source, layout.num_micro_batches, self.hops(node, costs))
+            first = cache[key] = (source, costs.layout.num_micro_batches, self.hops(node, costs))
         source, micro_batches, hops = first
         if paired:
             source = source.at(node.vp, floor)
         return source, micro_batches, hops
+
+    def first_key(self, node: TreeNode) -> tuple[tuple, bool]:
+        """The node's `work_key`, less vp where combined 1F1B pairs its passes (DualPipeV's pairs, where they hide
+        the all-to-alls, take 1F1B's place), and whether it does: what the layouts that share its work share."""
+        key = self.work_key(node)
+        paired = key[4] and not key[5]
+        return (key[:-1] if paired else key), paired
+
+    def first_costs(self, node: TreeNode, key: tuple) -> MeshCosts:
+        """The costs of the first layout of a `first_key`: a group's floor and bound and its children's work read
+        one, not a layout and costs each."""
+        costs = self.key_costs.get(key)
+        if costs is None:
+            costs = self.key_costs[key] = MeshCosts(self.model, self.cluster, self.layout_of(node), self.stack,
+                                                    self.ep_imbalance, self.shared)
+        return costs
 
     def hops(self, node: TreeNode, costs: MeshCosts) -> dict[tuple[int, bool], float]:
         """A pipeline hop's seconds at each (vp, DualPipeV) of the node's shape: the pipeline group's placement
@@ -177,8 +219,10 @@ class NodeBounds:
 
     def hidden_a2a(self, node: TreeNode) -> tuple[bool, bool]:
         """Whether the node's MoE all-to-alls hide behind combined 1F1B, and behind DualPipeV's pairs: the
-        stack's rules read from the node's first layout of that placement and schedule."""
-        key = (node.placement, node.moe_dispatcher, node.moe_a2a_overlap, node.shape.pp, node.vp, node.dualpipev)
+        stack's rules read from the node's first layout of that expert degree, dispatcher and schedule (they read
+        no other degree, nor the experts' folding or the mesh order: `SoftwareStack.hides_moe_a2a`; the rest is
+        pinned for the whole search)."""
+        key = (node.placement[1], node.moe_dispatcher, node.moe_a2a_overlap, node.shape.pp, node.vp, node.dualpipev)
         if key not in self.overlap_flags:
             layout = self.layout_of(node)
             self.overlap_flags[key] = (self.stack.hides_moe_a2a(layout), self.stack.dualpipev_hides(layout))
