@@ -117,21 +117,13 @@ class PairedWork:
         self.passes = [costs.paired_passes(kind, costs.compute_of(kind)) if kind.num_experts else None
                        for kind, _ in kinds]
         self.by_layers: dict[tuple[int, int], float] = {}
-        self.by_vp: dict[tuple[int, bool], tuple[tuple, tuple[float, float]]] = {}   # `at`'s answers
 
-    def at(self, vp: int, floor: bool = False) -> tuple[tuple, tuple[float, float]]:
-        """Per block kind at this vp; with `floor`, at or below that, each pair's exposure at its floor (no
-        streams run: `PairedPasses.exposed_floor_s`). A group's bound asks it again at each visit."""
-        if (vp, floor) not in self.by_vp:
-            self.by_vp[vp, floor] = self._at(vp, floor)
-        return self.by_vp[vp, floor]
-
-    def _at(self, vp: int, floor: bool) -> tuple[tuple, tuple[float, float]]:
+    def at(self, vp: int) -> tuple[tuple, tuple[float, float]]:
+        """Per block kind at this vp."""
         costs, layers = self.costs, self.costs.layers_per_chunk(vp)
         paired = costs.paired_share(vp)
         seconds = [rest if passes is None or not passes.per_pass_s else
-                   rest + (passes.exposed_floor_s(paired) if floor else
-                           passes.exposed_s(paired, self._paired_pass_s(i, passes, layers)))
+                   rest + passes.exposed_s(paired, self._paired_pass_s(i, passes, layers))
                    for i, (rest, passes) in enumerate(zip(self.rest_s, self.passes))]
         return tuple(zip(self.counts, seconds)), (seconds[-2], seconds[-1])
 

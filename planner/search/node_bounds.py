@@ -170,10 +170,10 @@ class NodeBounds:
         return (node.shape, node.micro_batch, node.placement, node.moe_dispatcher, hides, v_hides,
                 node.vp if hides else 0)
 
-    def placed_blocks(self, node: TreeNode, floor: bool = False) -> tuple[tuple, int, dict]:
+    def placed_blocks(self, node: TreeNode) -> tuple[tuple, int, dict]:
         """A placed node's work per block kind before ZeRO, micro-batch count and hops: from its own layout's
         costs, or, where combined 1F1B pairs its passes, from `PairedWork` of the placement's first layout at
-        the node's vp (at its floor with `floor`)."""
+        the node's vp."""
         key, paired = self.first_key(node)
         cache = self.paired_work if paired else self.unpaired_work
         first = cache.get(key)
@@ -183,7 +183,7 @@ class NodeBounds:
             first = cache[key] = (source, costs.layout.num_micro_batches, self.hops(node, costs))
         source, micro_batches, hops = first
         if paired:
-            source = source.at(node.vp, floor)
+            source = source.at(node.vp)
         return source, micro_batches, hops
 
     def first_key(self, node: TreeNode) -> tuple[tuple, bool]:
