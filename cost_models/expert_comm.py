@@ -73,13 +73,16 @@ class ExpertCommunication:
     def ep_pass_s(self, kind: LayerKind) -> float:
         return sum(self.ep_exchanges_s(kind))
 
-    def ep_comm_s(self, kind: LayerKind, compute: LayerCompute) -> float:
-        """The all-to-alls of a forward and a backward as the steady state pays them."""
+    def ep_comm_s(self, kind: LayerKind, compute: LayerCompute | None = None) -> float:
+        """The all-to-alls of a forward and a backward as the steady state pays them; `compute` (the layer's, read
+        only where compute runs beside them) is taken from the layout where not given."""
         dispatch, combine = self.ep_exchanges_s(kind)
         per_pass = dispatch + combine
         lay, stack = self.layout, self.stack
         if not (stack.dualpipev_hides(lay) or stack.hides_moe_a2a(lay) or stack.runs_shared_experts_beside_a2a(lay)):
             return 2 * per_pass
+        if compute is None:
+            compute = self.compute_of(kind)
         share = self.sm_share_held_by_dispatch() or 0.0   # what compute runs beside them holds the rest
         if stack.dualpipev_hides(lay):
             # every steady-state pass runs beside another's whole compute (the rest `dualpipev_seconds` bills

@@ -126,7 +126,7 @@ class NodeBounds:
             values = self.group_all_to_alls[key] = \
                 tuple(costs.paired_passes(kind, costs.compute_of(kind)) if kind.num_experts else None
                       for kind in kinds) if paired else \
-                tuple(costs.ep_comm_s(kind, costs.compute_of(kind)) if kind.num_experts else 0.0 for kind in kinds)
+                tuple(costs.ep_comm_s(kind) if kind.num_experts else 0.0 for kind in kinds)
         if not paired:
             return values
         share = costs.paired_share(node.vp)
