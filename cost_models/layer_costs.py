@@ -311,14 +311,14 @@ class MeshCosts(ExpertCommunication):
         rest = self._work_but_all_to_alls(kind)
         if not (all_to_alls and kind.num_experts):
             return rest
-        return replace(rest, ep_comm_s=self.ep_comm_s(kind, self.compute_of(kind)),
+        return replace(rest, ep_comm_s=self.ep_comm_s(kind),
                        ep_comm_alone_s=2 * self.ep_pass_s(kind))
 
     def work_before_zero_s(self, kind: LayerKind, recompute: Recompute) -> float:
         """`work(kind).work_before_zero_s(recompute)` without building its record (the search asks it of each
         placement it bounds)."""
         rest = self._work_but_all_to_alls(kind).work_but_all_to_alls_s(recompute)
-        return rest + self.ep_comm_s(kind, self.compute_of(kind)) if kind.num_experts else rest
+        return rest + self.ep_comm_s(kind) if kind.num_experts else rest
 
     def _work_but_all_to_alls(self, kind: LayerKind) -> LayerWork:
         """`work` less the all-to-alls: the same under every MoE dispatcher and all-to-all overlap of one
