@@ -5,6 +5,10 @@ shared/validation, read from its published degrees and its model (no prediction 
 - tokens_per_cp_rank: the sequence over cp (context parallelism's chunk; its per-chunk overheads grow as it shrinks)
 - hidden_per_tp_rank: the hidden size over tp (the width of each rank's GEMMs)
 - experts_per_ep_rank: routed experts over ep (MoE)
+- zero3_ranks_max: the most ranks (dp x cp: devices over tp x pp) any run sharded its parameters over with ZeRO-3 or
+  FSDP; 0 where none did (a sharded all-gather of every layer's weights, twice per micro-batch, that the model hides
+  under compute at the fabric's full rate, which Narayanan et al. 2021's DeepSpeed ZeRO-3 runs did not reach at 768
+  A100s and more: docs/ranking.md)
 - dispatchers: by device, the MoE dispatchers the runs' stacks and launchers ran (MoE; benchmarks/published.py
   run_stack)
 - a2a_overlap_devices: the devices whose MoE runs ran combined 1F1B (as their stacks and launchers set it)
@@ -76,6 +80,9 @@ def main(argv=None) -> int:
             low, high = region.setdefault(kind, {}).get(name, [value, value])
             region[kind][name] = [min(low, value), max(high, value)]
         region[kind]["runs"] = region[kind].get("runs", 0) + 1
+        sharded = run.cluster.num_devices // (run.known.get("tp", 1) * run.known.get("pp", 1)) \
+            if run.sharded_parameters else 0
+        region[kind]["zero3_ranks_max"] = max(region[kind].get("zero3_ranks_max", 0), sharded)
         if moe:
             stack, device = run_stack(run.id), run.cluster.device.name
             by_device = region[kind].setdefault("dispatchers", {})

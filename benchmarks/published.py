@@ -166,6 +166,7 @@ class PublishedRun:
     evidence: str
     flops_convention: str
     precision: str              # bf16 unless the row says fp8
+    sharded_parameters: bool = False   # the row's layout shards the parameters (ZeRO-3 or FSDP, stated or not a pin)
 
 
 # NVIDIA-NeMo/Megatron-Bridge scripts/performance/utils/executors.py @067f987d: on 4-GPU nodes (GB200) the
@@ -324,7 +325,8 @@ def load_runs(path: Path | str = DEFAULT_RUNS, model_fills: dict[str, dict] | No
             run["id"], cluster.num_devices, cluster.devices_per_node))
         precision = unstated_precision or ("fp8" if layout.get("precision") == "fp8" else "bf16")
         runs.append(PublishedRun(run["id"], model, cluster, gbs, seq, known, step, field, run.get("evidence", ""),
-                                 run["measured"].get("flops_convention", ""), precision))
+                                 run["measured"].get("flops_convention", ""), precision,
+                                 layout.get("zero") in (3, "fsdp")))
     return runs, skipped
 
 

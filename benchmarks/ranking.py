@@ -49,6 +49,7 @@ class Sweep:
     name: str
     source: str
     variants: tuple[Variant, ...]
+    note: str = ""         # what the sweep shows of the model, where it says something (benchmarks/sweeps.yaml)
 
     @property
     def pairs(self) -> list[tuple[Variant, Variant]]:
@@ -64,13 +65,24 @@ class Sweep:
         return chosen.measured_s / min(v.measured_s for v in self.variants) - 1
 
 
-def step_s(figure: float, unit: str, tokens_per_step: float, devices: int) -> float:
-    """A published figure as step seconds: tokens/s per GPU (higher is faster) or step seconds."""
+def narayanan_flops(model, global_batch: int, seq_len: int) -> float:
+    """A step's FLOPs as Narayanan et al. 2021 count them for their teraFLOP/s figures (arXiv 2104.04473, eq. 3:
+    matrix products only, activation recomputation included): 96 B s l h^2 (1 + s / 6h + V / 16lh)."""
+    l, h, v = model.num_layers, model.hidden_size, model.vocab_size
+    return 96 * global_batch * seq_len * l * h * h * (1 + seq_len / (6 * h) + v / (16 * l * h))
+
+
+def step_s(figure: float, unit: str, entry: dict) -> float:
+    """A published figure as step seconds: tokens/s per GPU (higher is faster), teraFLOP/s per GPU as Narayanan
+    et al. 2021 count FLOPs (higher is faster), or step seconds."""
+    devices, batch, seq = entry["num_devices"], entry["global_batch"], entry["seq_len"]
     if unit.startswith("tokens/s per GPU"):
-        return tokens_per_step / (figure * devices)
+        return batch * seq / (figure * devices)
+    if unit.startswith("TFLOP/s per GPU, Narayanan eq. 3"):
+        return narayanan_flops(resolve_model(entry["model"]), batch, seq) / (figure * 1e12 * devices)
     if unit.startswith("s"):
         return figure
-    raise ValueError(f"unit {unit!r}: expected 'tokens/s per GPU' or 's'")
+    raise ValueError(f"unit {unit!r}: expected 'tokens/s per GPU', 'TFLOP/s per GPU, Narayanan eq. 3' or 's'")
 
 
 def variant_layout(variant: dict) -> str:
@@ -81,17 +93,17 @@ def variant_layout(variant: dict) -> str:
 def published_sweeps(path: Path = SWEEPS, time_limit_s: float = 20.0) -> list[Sweep]:
     out = []
     for entry in yaml.safe_load(path.read_text()):
-        tokens = entry["global_batch"] * entry["seq_len"]
         variants = []
         for v in entry["variants"]:
-            stack = load_stack(entry["stack"]).model_copy(update={**entry["stack_flags"], **v.get("stack_flags", {})})
+            stack = load_stack(v.get("stack", entry["stack"])).model_copy(
+                update={**entry["stack_flags"], **v.get("stack_flags", {})})
             plan = evaluate(resolve_model(entry["model"]), layout=variant_layout(v), device=entry["device"],
                             num_devices=entry["num_devices"], global_batch=entry["global_batch"],
                             seq_len=entry["seq_len"], precision=v.get("precision", entry["precision"]), stack=stack,
                             time_limit_s=time_limit_s)
-            variants.append(Variant(v["label"], step_s(v["measured"], entry["unit"], tokens, entry["num_devices"]),
-                                    plan.step_time_s))
-        out.append(Sweep(entry["name"], " ".join(entry["source"].split()), tuple(variants)))
+            variants.append(Variant(v["label"], step_s(v["measured"], entry["unit"], entry), plan.step_time_s))
+        out.append(Sweep(entry["name"], " ".join(entry["source"].split()), tuple(variants),
+                         " ".join(entry.get("note", "").split())))
     return out
 
 
@@ -141,7 +153,8 @@ def write(published: list[Sweep], validation: list[Sweep], seconds: float, out: 
              "torchtitan's sweeps ran on Grand Teton H100s (96 GB HBM2e at 500 W), which the h100-sxm profile is "
              "not: their step times are compared by order only.", "",
              "## Published sweeps, never fitted (benchmarks/sweeps.yaml)", ""]
-    lines += [f"- {s.name}: {s.source}" for s in published] + [""] + table(published)
+    lines += [f"- {s.name}: {s.source}" + (f". What it shows: {s.note}" if s.note else "") for s in published]
+    lines += [""] + table(published)
     lines += ["", "## Jobs shared/validation holds under several layouts or settings", "",
               "Predicted with each run's recipe settings (docs/accuracy.md); the calibration fits one sustained "
               "fraction per device on half of these rows, which scales every variant of a job alike, so the order "

@@ -16,7 +16,7 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
 from .error_bands import band_for
-from .region import measured_bounds, measured_dispatchers, outside_notes, overlap_measured
+from .region import measured_bounds, measured_dispatchers, outside_notes, overlap_measured, zero3_ranks_max
 from .explain import (all_to_all_fraction_note, alternatives, dispatch_rate_note, dispatch_sm_notes,
                       dispatcher_reason, expert_load_note, fp8_recipe_reason, host_note, offload_reason, reasons,
                       state_notes, tp_overlap_reason)
@@ -96,7 +96,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, best: Estimate, outcome: Sea
         outside_measured=outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts, best.layout.tp,
                                        best.layout.cp, best.layout.ep, best.layout.moe_dispatcher,
                                        best.layout.offload_layers, cluster.device.name,
-                                       stack.hides_moe_a2a(best.layout)))
+                                       stack.hides_moe_a2a(best.layout), best.layout.zero,
+                                       best.layout.dp * best.layout.cp))
 
 
 def _band_fields(step_time_s: float, moe: bool) -> dict:
@@ -254,6 +255,7 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
     overlap_off = pins.a2a_overlap is None and not overlap_measured(graph.num_experts, device)
     inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts),
                           measured_dispatchers=measured_dispatchers(graph.num_experts, device),
+                          zero3_ranks_max=zero3_ranks_max(graph.num_experts),
                           a2a_overlap=False if overlap_off else pins.a2a_overlap,
                           offload_layers=0 if pins.offload_layers is None else pins.offload_layers)
     try:

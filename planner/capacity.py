@@ -13,7 +13,7 @@ from .api import InfeasibleError, check_time_limit, pin_values, plan_job
 from .goodput_report import plan_goodput
 from .views import token_text
 from .job import Job, job_of, resolve_cluster
-from .region import outside_shapes
+from .region import outside_shapes, zero3_outside
 
 SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -230,10 +230,13 @@ def _extrapolation(result, graph) -> str:
     """What a point's plan says of the measured region (planner/region.py): its shapes outside it, and the best
     plan a search found inside it; "" where the plan is inside."""
     lay = result.layout
-    outside = outside_shapes(graph.seq_len, graph.hidden_size, graph.num_experts, lay.tp, lay.cp, lay.ep)
+    outside = [shape.words for shape in outside_shapes(graph.seq_len, graph.hidden_size, graph.num_experts, lay.tp,
+                                                       lay.cp, lay.ep)]
+    if zero3_outside(graph.num_experts, lay.zero, lay.dp * lay.cp):
+        outside.append(f"ZeRO-3 over {lay.dp * lay.cp:,} ranks")
     if not outside:
         return ""
-    shapes = "; ".join(shape.words for shape in outside)
+    shapes = "; ".join(outside)
     inside = result.inside_measured
     if inside is None:
         return f"outside the measured region ({shapes}); no plan inside it found"

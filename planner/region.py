@@ -75,6 +75,34 @@ def outside_shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp
             if name in ranges and not ranges[name][0] <= value <= ranges[name][1]]
 
 
+def zero3_ranks_max(num_experts: int) -> int | None:
+    """The most ranks (dp x cp) a published run of the model's class sharded its parameters over (ZeRO-3, FSDP): 0
+    where none did, None for a table without the figure."""
+    return _region().get("MoE" if num_experts else "dense", {}).get("zero3_ranks_max")
+
+
+def zero3_outside(num_experts: int, zero: int, sharded_ranks: int) -> bool:
+    """Whether the layout shards its parameters (ZeRO-3) over more ranks than any published run of its class did."""
+    most = zero3_ranks_max(num_experts)
+    return zero >= 3 and sharded_ranks > 1 and most is not None and sharded_ranks > most
+
+
+def zero3_note(num_experts: int, zero: int, sharded_ranks: int) -> list[str]:
+    """Where the layout shards its parameters over more ranks than any published run of its class did: the model
+    hides each layer's all-gathers under its compute at the fabric's full rate, which DeepSpeed's ZeRO-3 runs of
+    Narayanan et al. 2021 fell far short of from 768 A100s (docs/ranking.md)."""
+    if not zero3_outside(num_experts, zero, sharded_ranks):
+        return []
+    most = zero3_ranks_max(num_experts)
+    kind = "MoE" if num_experts else "dense"
+    runs = _region().get(kind, {}).get("runs")
+    measured = f"at most {most:,}" if most else "none"
+    return [f"outside the measured region: ZeRO-3 parameter sharding over {sharded_ranks:,} ranks (dp x cp), where "
+            f"the {runs} published {kind} runs sharded over {measured}; the prediction extrapolates there (DeepSpeed's "
+            "ZeRO-3 runs without model parallelism on 768 to 2,240 A100s, never fitted, ran several times slower than "
+            "this model predicts them: docs/ranking.md)"]
+
+
 def measured_dispatchers(num_experts: int, device: str) -> tuple[str, ...]:
     """The MoE dispatchers the published MoE runs on `device` measured (their stacks' and launchers'), or, where
     none ran on it, those the runs on every device measured (a dispatcher's links and kernels differ by device:
@@ -116,9 +144,10 @@ def overlap_ab_note(device: str, credited_saving: float) -> list[str]:
 
 def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int,
                   dispatcher: str = "alltoall", offload_layers: int = 0, device: str = "",
-                  a2a_overlap: bool = False) -> list[str]:
+                  a2a_overlap: bool = False, zero: int = 0, sharded_ranks: int = 1) -> list[str]:
     """One line per shape outside what the published runs of the model's class measured, the MoE dispatcher
-    and combined 1F1B where none of them on the device ran so, and activation offloading, which none states."""
+    and combined 1F1B where none of them on the device ran so, ZeRO-3 over more ranks than any of them sharded
+    over, and activation offloading, which none states."""
     kind = "MoE" if num_experts else "dense"
     runs = _region().get(kind, {}).get("runs")
     notes = [f"outside the measured region: {shape.words}, where the {runs} published {kind} runs measured "
@@ -133,6 +162,7 @@ def outside_notes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp:
         notes.append(f"outside the measured region: combined 1F1B (MoE all-to-all overlap) on {device}, where the "
                      f"published MoE runs ran it on {devices} only (runs never fitted that did: "
                      "docs/accuracy-plain.md); the prediction extrapolates there")
+    notes += zero3_note(num_experts, zero, sharded_ranks)
     if offload_layers:
         notes.append(f"outside the measured region: activation offloading ({offload_layers} layers), which none of "
                      "the published runs the model was fitted on states (Megatron-Bridge's GB200 Megatron-FSDP "

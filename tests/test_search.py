@@ -321,6 +321,27 @@ def test_a_search_kept_to_shape_bounds_matches_the_enumeration_inside_them():
         assert lay.tp in (1, 2) and lay.ep in (1, 2, 4) and lay.cp == 1
 
 
+def test_a_search_kept_to_zero3_ranks_matches_the_enumeration_inside_them():
+    """The measured region's ZeRO-3 bound (`Pins.zero3_ranks_max`: parameters sharded over at most that many dp x
+    cp ranks, as the published runs did) narrows the search to exactly the layouts of the independent enumeration
+    that keep it: its best plan is the best of those, and none of its plans shards over more."""
+    graph = capture(dense_model(8))
+    cluster = small_cluster(8, 14)
+    per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16)
+    inside = [e for lay, e in per_layout.items() if lay.zero < 3 or lay.dp * lay.cp <= 2]
+    truth = min(inside, key=lambda e: e.step_time_s)
+    fastest = min(per_layout.values(), key=lambda e: e.step_time_s)
+    assert fastest.layout.zero == 3 and fastest.layout.dp * fastest.layout.cp > 2   # the bound is live here
+    assert truth.step_time_s > fastest.step_time_s
+    outcome = search(graph.costs(), cluster, 16, Pins(vp=1, zero3_ranks_max=2), graph=graph, top_k=3,
+                     time_limit_s=120, recompute_choices=(Recompute.none,))
+    assert outcome.unexplored == 0
+    assert outcome.ranked[0].estimate.step_time_s == pytest.approx(truth.step_time_s, rel=1e-4)
+    for solution in outcome.ranked:
+        lay = solution.estimate.layout
+        assert lay.zero < 3 or lay.dp * lay.cp <= 2
+
+
 def test_time_limit_without_a_plan_is_not_called_infeasible():
     with pytest.raises(InfeasibleError, match="time limit") as info:
         plan("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256, time_limit_s=0)

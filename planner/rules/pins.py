@@ -46,6 +46,7 @@ class _StackSpace:
     even_pipeline_split: bool = False             # whether it splits the layers evenly over the chunks
     shape_bounds: tuple = ()                      # region.ShapeBound per degree kept inside a range; () none
     measured_dispatchers: tuple = ()              # the MoE dispatchers a search is kept to (the region's); () any
+    zero3_ranks_max: int | None = None            # the most dp x cp ranks ZeRO-3 may shard over (the region's); None any
 
     def allows(self, name: str, value) -> bool:
         """Whether the search may give field `name` (a user key) this value: the pin's, or any the stack runs,

@@ -241,7 +241,9 @@ class TreeShape:
         key = (dp, tp, ep, dualpipev)
         if key not in self._zeros:
             runs = self.problem.stack.zero_stages_for(dp, tp, ep, dualpipev)
-            self._zeros[key] = tuple(zero for zero in self.problem.zeros if zero in runs)
+            most = self.problem.pins.zero3_ranks_max   # inside the measured region: ZeRO-3 over few enough ranks
+            self._zeros[key] = tuple(zero for zero in self.problem.zeros
+                                     if zero in runs and (zero < 3 or most is None or dp <= most))
         return self._zeros[key]
 
     def leaf_count(self, node: TreeNode) -> int:
