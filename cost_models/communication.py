@@ -54,6 +54,7 @@ class Links:
     inter_hop_s: float
     in_network_min_ranks: int
     full_mesh: bool
+    nccl_rings: bool = False      # NCCL (RCCL) rings and trees: `_across`
 
 
 def links_for(group: GroupPlacement, cluster: Cluster) -> Links:
@@ -71,7 +72,8 @@ def links_for(group: GroupPlacement, cluster: Cluster) -> Links:
                  inter_all_to_all_bps=inter_all_to_all,
                  base_latency_s=fabric.base_latency_us * US, intra_hop_s=fabric.hop_latency_us * US,
                  inter_hop_s=network.latency_us * US, in_network_min_ranks=fabric.in_network_min_ranks,
-                 full_mesh=fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh))
+                 full_mesh=fabric.kind in (FabricKind.full_mesh, FabricKind.xgmi_mesh),
+                 nccl_rings=cluster.device.collective_backend in ("nccl", "rccl"))
 
 
 def ring_factor(op: Collective, n: int) -> float:
@@ -126,13 +128,22 @@ def _across(op: Collective, size: float, group: GroupPlacement, links: Links,
     options.append(_cost(ring_factor(op, n) * size / links.inter_bps, flat_latency, "ring"))
     # hierarchical: inside each domain over k ranks, across domains over m ranks on S/k, pipelined
     for tree in (False, True):
+        if tree and links.nccl_rings and op is not Collective.all_reduce:
+            continue   # NCCL runs Tree for all-reduce only (NVIDIA/nccl src/graph/tuning.cc)
         inner = _intra(op, size, k, links, allow_in_network) if k > 1 else [CollectiveCost.free()]
         best_inner = min(inner, key=lambda c: c.seconds)
         outer_bw = ring_factor(op, m) * (size / k) / links.inter_bps
-        outer_latency = _inter_steps(op, m, tree) * links.inter_hop_s
         bandwidth = max(best_inner.bandwidth_seconds, outer_bw)
-        inner_steps_latency = max(0.0, best_inner.latency_seconds - links.base_latency_s)
-        latency = links.base_latency_s + inner_steps_latency + outer_latency
+        if links.nccl_rings and not tree:
+            # NCCL's channels spread a ring's domain crossings over the NICs (the bandwidth above), but each ring
+            # still passes every rank: n-1 steps (all-reduce 2(n-1)), m-1 (2(m-1)) of them between domains
+            # (NVIDIA/nccl src/graph/tuning.cc, ring latencies)
+            crossings = ring_steps(op, m)
+            latency = links.base_latency_s + (ring_steps(op, n) - crossings) * links.intra_hop_s \
+                + crossings * links.inter_hop_s
+        else:
+            inner_steps_latency = max(0.0, best_inner.latency_seconds - links.base_latency_s)
+            latency = links.base_latency_s + inner_steps_latency + _inter_steps(op, m, tree) * links.inter_hop_s
         options.append(_cost(bandwidth, latency, ("tree" if tree else "ring") + ("+hier" if k > 1 else "")))
     return options
 

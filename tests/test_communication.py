@@ -135,6 +135,27 @@ def test_single_rank_group_is_free():
     assert collective_time(Collective.all_reduce, GIB, group, cluster).seconds == 0.0
 
 
+@pytest.mark.parametrize("op", [Collective.all_gather, Collective.reduce_scatter, Collective.all_reduce])
+def test_nccl_rings_across_nodes_pass_every_rank_and_run_no_tree_for_gathers(op):
+    """NCCL's tuning model (NVIDIA/nccl src/graph/tuning.cc): all-gather and reduce-scatter run on rings (PAT, NVLS,
+    CollNet aside), never on Tree; a ring's latency counts every rank it passes, n - 1 steps (all-reduce 2(n - 1)),
+    of which m - 1 (2(m - 1)) cross between the m nodes, the rest inside them. 1,536 ranks over 192 nodes: a tiny
+    message costs the ring's steps alone, where a hierarchical count of (k - 1) + (m - 1) would give under a quarter."""
+    cluster = load_cluster("dgx-a100").with_devices(1536)
+    group = _group(cluster, 1536)
+    links = links_for(group, cluster)
+    n, m = 1536, 192
+    steps, crossings = (2 * (n - 1), 2 * (m - 1)) if op is Collective.all_reduce else (n - 1, m - 1)
+    ring = links.base_latency_s + (steps - crossings) * links.intra_hop_s + crossings * links.inter_hop_s
+    got = collective_time(op, 1024, group, cluster)
+    if op is Collective.all_reduce:
+        assert got.algorithm.startswith("tree") and got.latency_seconds < ring   # NCCL's Tree: all-reduce only
+    else:
+        assert got.algorithm == "ring+hier"
+        assert got.latency_seconds == pytest.approx(ring, rel=1e-12)
+        assert got.latency_seconds > 4 * (links.base_latency_s + 7 * links.intra_hop_s + 191 * links.inter_hop_s)
+
+
 def test_tree_latency_grows_with_log_of_nodes():
     cluster = load_cluster("dgx-h100").with_devices(16384)
     small = collective_time(Collective.all_reduce, 1024, _group(cluster, 2048, (8,)), cluster)
