@@ -132,19 +132,29 @@ def write_profile(device: str, sustained: float, scales: Scales) -> None:
     path.write_text(text)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", default=str(DEFAULT_RUNS))
-    parser.add_argument("--write", action="store_true", help="update the device and cluster YAML files")
-    parser.add_argument("--time-limit", type=float, default=10.0)
-    args = parser.parse_args(argv)
-    runs, _ = load_runs(args.runs)
+@dataclass(frozen=True)
+class DeviceFit:
+    """One device's fitted GEMM figures, and how well they predict its two halves of the runs."""
+    sustained: float
+    scales: Scales
+    fit_error: float               # capped mean error on the fitting half
+    fit_runs: int                  # the fitting half's runs the planner could predict
+    held_errors: tuple[float, ...]  # each held-out run's error
+    held_ids: tuple[str, ...]
+    measured: bool                 # the scales measured on the silicon (MEASURED_GEMMS)
+    shared: bool                   # the scales fitted with another device of the silicon (SAME_SILICON)
+
+
+def fit_devices(runs, time_limit_s: float, write_all_to_all: bool = False) -> dict[str, DeviceFit]:
+    """Per device, the figures the committed procedure fits: the clusters' all-to-all figure first
+    (benchmarks/calibrate_all_to_all.py), then the saturation scales (measured, shared by a silicon, or fitted)
+    and the sustained fraction on the fitting half."""
     halves = split_runs(runs)
-    fitted = {device: (fixed_layouts(fitting_runs, args.time_limit), fixed_layouts(held_runs, args.time_limit))
+    fitted = {device: (fixed_layouts(fitting_runs, time_limit_s), fixed_layouts(held_runs, time_limit_s))
               for device, (fitting_runs, held_runs) in halves.items()}
-    # the clusters' all-to-all figure first (benchmarks/calibrate_all_to_all.py): the GEMM figures are fitted
-    # on the MoE runs' predictions with it
-    fractions = all_to_all.calibrate([item for pair in fitted.values() for half in pair for item in half], args.write)
+    # the GEMM figures are fitted on the MoE runs' predictions with the all-to-all figure
+    fractions = all_to_all.calibrate([item for pair in fitted.values() for half in pair for item in half],
+                                     write_all_to_all)
     fitted = {device: tuple(all_to_all.with_fitted(half, fractions) for half in pair)
               for device, pair in fitted.items()}
     silicon_scales = {}
@@ -153,6 +163,7 @@ def main(argv=None) -> int:
         if len(members) > 1:
             shared = fit_silicon_scales({d: fitted[d][0] for d in members})
             silicon_scales.update({d: shared for d in members})
+    out = {}
     for device, (fitting_runs, held_runs) in sorted(halves.items()):
         profile = (fitting_runs + held_runs)[0].cluster.device
         fitting, held_out = fitted[device]
@@ -164,15 +175,34 @@ def main(argv=None) -> int:
             fixed = silicon_scales.get(device)
         score, sustained, scales = fit(fitting, fixed)
         held = errors_with(held_out, sustained, scales) if held_out else []
-        print(f"{device}: sustained_fraction={sustained} {scales.text()}"
-              f"{' (measured)' if measured else ' (silicon)' if device in silicon_scales else ''}  fit MAPE {score:.1%} on "
-              f"{len(fitting)} runs; held-out MAPE "
-              f"{(statistics.mean(held) if held else float('nan')):.1%} on {len(held)} runs "
-              f"({', '.join(run.id for run, _ in held_out)})")
-        if args.write:
-            # a same-silicon device takes this fit only where it has no runs of its own to fit
-            for name in (device, *(d for d in SAME_SILICON.get(device, ()) if d not in halves)):
-                write_profile(name, sustained, scales)
+        out[device] = DeviceFit(sustained, scales, score, len(fitting), tuple(held),
+                                tuple(run.id for run, _ in held_out), bool(measured), device in silicon_scales)
+    return out
+
+
+def profiles_of(fits: dict[str, DeviceFit]) -> dict[str, DeviceFit]:
+    """Every device profile a fit writes: the fitted devices, and a same-silicon device without runs of its own."""
+    return {name: fitted for device, fitted in fits.items()
+            for name in (device, *(d for d in SAME_SILICON.get(device, ()) if d not in fits))}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", default=str(DEFAULT_RUNS))
+    parser.add_argument("--write", action="store_true", help="update the device and cluster YAML files")
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    runs, _ = load_runs(args.runs)
+    fits = fit_devices(runs, args.time_limit, args.write)
+    for device, f in fits.items():
+        print(f"{device}: sustained_fraction={f.sustained} {f.scales.text()}"
+              f"{' (measured)' if f.measured else ' (silicon)' if f.shared else ''}  fit MAPE {f.fit_error:.1%} on "
+              f"{f.fit_runs} runs; held-out MAPE "
+              f"{(statistics.mean(f.held_errors) if f.held_errors else float('nan')):.1%} on {len(f.held_errors)} "
+              f"runs ({', '.join(f.held_ids)})")
+    if args.write:
+        for name, f in profiles_of(fits).items():
+            write_profile(name, f.sustained, f.scales)
     return 0
 
 
