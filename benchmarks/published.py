@@ -166,7 +166,7 @@ class PublishedRun:
     evidence: str
     flops_convention: str
     precision: str              # bf16 unless the row says fp8
-    sharded_parameters: bool = False   # the row's layout shards the parameters (ZeRO-3 or FSDP, stated or not a pin)
+    sharded_parameters: bool = False   # its layout shards the parameters: zero 3 or fsdp (a pin only where an int)
 
 
 # NVIDIA-NeMo/Megatron-Bridge scripts/performance/utils/executors.py @067f987d: on 4-GPU nodes (GB200) the

@@ -140,10 +140,8 @@ def test_zero3_over_more_ranks_than_any_run_sharded_is_said_and_the_plan_inside_
     assert len(said) == 1 and "ZeRO-3 parameter sharding over 1,536 ranks" in said[0]
     plan = planner.plan("llama3-8b", device="h100-sxm", num_devices=128, global_batch=256, seq_len=8192,
                         stack="torchtitan")
-    if plan.layout.zero == 3 and plan.layout.dp * plan.layout.cp > most:
-        assert any("ZeRO-3 parameter sharding" in note for note in plan.outside_measured)
-        inside = dict(item.split("=") for item in plan.inside_measured.layout.split(","))
-        assert int(inside["zero"]) < 3 or int(inside["dp"]) * int(inside["cp"]) <= most
-        assert plan.inside_measured.step_time_s >= plan.step_time_s * (1 - 1e-9)
-    else:
-        assert not any("ZeRO-3" in note for note in plan.outside_measured)
+    assert plan.layout.zero == 3 and plan.layout.dp * plan.layout.cp > most
+    assert any("ZeRO-3 parameter sharding" in note for note in plan.outside_measured)
+    inside = dict(item.split("=") for item in plan.inside_measured.layout.split(","))
+    assert int(inside["zero"]) < 3 or int(inside["dp"]) * int(inside["cp"]) <= most
+    assert plan.inside_measured.step_time_s >= plan.step_time_s * (1 - 1e-9)
