@@ -97,7 +97,6 @@ class LayerTerms:
         return self.state_bytes if gradients_held else self.state_bytes - self.gradient_bytes
 
 
-ZERO_TERMS = LayerTerms(**{f.name: 0.0 for f in fields(LayerTerms)})
 TERM_NAMES = tuple(f.name for f in fields(LayerTerms))
 TERM_UNITS = {f.name: f.metadata["unit"] for f in fields(LayerTerms)}
 
