@@ -142,7 +142,8 @@ CHOICES_MEASURED = [
                       ran_settings="dispatcher=deepep,a2a_overlap=false,zero=3,recompute=full",
                       known_gap="unexplained: the model bills each micro-batch's FSDP traffic of the rank's 28 B expert "
                       "parameters over EDP 32 across nodes (two bf16 all-gathers and an fp32 reduce-scatter, about "
-                      "19 s a step over one NIC) beyond what the measured 17.6 s step allows"),
+                      "19 s a step over one NIC), of which forward, backward and recomputation hide 14 s, beyond "
+                      "what the measured 17.6 s step allows"),
     ChoiceMeasurement("mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu", f"{ZOO}, main 1e057005",
                       "tp=2,pp=32,vp=3,cp=1,ep=8,mbs=1", "bf16", "NCCL all-to-all, recomputing the norms and the "
                       "experts' activation", 2048, 24.2, stack="megatron-core",

@@ -68,7 +68,17 @@ class StepParts:
     """What a layer's ZeRO stage sets of its cost (`MeshCosts.step_parts`)."""
     dp_reduce_s: float          # its share of the per-step dp reduction (its slope)
     optimizer_step_s: float     # its optimizer step on this rank
-    zero_exposed_s: float       # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
+    zero_traffic_s: float       # ZeRO-2/3 per-micro-batch traffic (`MeshCosts.sharded_dp_comm_s`)
+    compute_s: float            # the layer's forward and backward, which hide that traffic
+
+    def zero_exposed_s(self, recompute_s: float) -> float:
+        """The traffic the layer's compute does not hide. Its recomputation hides it too: FSDP prefetches the next
+        layer's all-gather at the pre-backward hook, before the recomputed forward runs inside the backward
+        (torch.distributed.fsdp._fully_shard._fsdp_state: _pre_forward returns early in PRE_BACKWARD)."""
+        return max(0.0, self.zero_traffic_s - self.compute_s - recompute_s)
+
+    def zero_exposed_by_method(self, recompute_s: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(self.zero_exposed_s(r) for r in recompute_s)
 
 
 @dataclass(frozen=True)
@@ -86,12 +96,13 @@ class LayerCost(LayerWork):
     forward_flops_model: float                     # matmul forward FLOPs per sample: what full recompute repeats
     selective_forward_flops: float                 # matmul forward FLOPs per sample that selective repeats
 
-    zero_exposed_s: float = 0.0                    # ZeRO-2/3 per-micro-batch traffic not hidden by this layer
+    zero_exposed_s: tuple[float, float, float] = (0.0, 0.0, 0.0)   # ZeRO-2/3 per-micro-batch traffic not hidden
+    #                                                by this layer, by RECOMPUTE_ORDER (`StepParts.zero_exposed_s`)
     weight_pass_recomputes: int = 0                # recomputations per split weight pass (the stack's
     #                                                dualpipev_weight_pass_recompute: its parameter groups)
 
     def work_s(self, recompute: Recompute) -> float:
-        return self.work_before_zero_s(recompute) + self.zero_exposed_s
+        return self.work_before_zero_s(recompute) + self.zero_exposed_s[RECOMPUTE_INDEX[recompute]]
 
     def dualpipev_bubble_s(self, recompute: Recompute, weight_factor: int, split_factor: float = 0.0) -> float:
         """This layer's part of DualPipeV's bubble term A + B - kW (`cost_models.pipeline.dualpipev_seconds`):
@@ -351,35 +362,33 @@ class MeshCosts(ExpertCommunication):
         selective_flops = sum(op.forward_flops for op in kind.ops
                               if op.kind in MATMUL_KINDS and op.recomputed_by(lay.recompute_modules))
         step = self.step_parts(kind)
+        work = self.work(kind)
         cost = LayerCost(
-            **vars(self.work(kind)), activation_bytes=activations, module_freed_bytes=freed,
+            **vars(work), activation_bytes=activations, module_freed_bytes=freed,
             working_bytes=activations[0],
             states=states, grad_reduce_bytes=dense_params * lay.gradient_bytes,
             dp_reduce_s=step.dp_reduce_s, optimizer_step_s=step.optimizer_step_s,
             weight_bytes_unsharded=(dense_params + expert_params) * 2,
             weight_pass_recomputes=kind.weight_pass_groups if self.stack.dualpipev_weight_pass_recompute else 0,
             forward_flops_model=sum(op.forward_flops for op in kind.ops if op.kind in MATMUL_KINDS),
-            selective_forward_flops=selective_flops, zero_exposed_s=step.zero_exposed_s)
+            selective_forward_flops=selective_flops, zero_exposed_s=step.zero_exposed_by_method(work.recompute_s))
         self._cache[kind.name] = cost
         return cost
 
     def step_parts(self, kind: LayerKind) -> "StepParts":
         """The parts of a layer's cost that its ZeRO stage sets: its share of the per-step reduction, its optimizer
-        step, and the ZeRO-2/3 traffic per micro-batch its compute does not hide. The search bounds a placement's
-        ZeRO stages by them without the layer's memory (`planner.search.bounds.ZeroExtras`)."""
+        step, and the ZeRO-2/3 traffic per micro-batch with the compute that hides it. The search bounds a
+        placement's ZeRO stages by them without the layer's memory (`planner.search.bounds.ZeroExtras`)."""
         lay = self.layout
         dense_params, expert_params = params_on_rank(kind, self.state_sharding)
         optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
             if lay.zero >= 1 else dense_params + expert_params
         grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
         (_, dense_slope), (_, expert_slope) = self.dp_lines
-        zero_exposed = 0.0
-        if lay.zero >= 2:
-            compute = self.compute_of(kind)
-            traffic = self.sharded_dp_comm_s(dense_params, expert_params)
-            zero_exposed = max(0.0, traffic - compute.forward_s - compute.backward_s)
+        compute = self.compute_of(kind)
+        traffic = self.sharded_dp_comm_s(dense_params, expert_params) if lay.zero >= 2 else 0.0
         return StepParts(dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
-                         self.optimizer_s(optimizer_params), zero_exposed)
+                         self.optimizer_s(optimizer_params), traffic, compute.forward_s + compute.backward_s)
 
     def _activations(self, kind: LayerKind) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """A layer's activation bytes by RECOMPUTE_ORDER, and what recomputing each module alone frees (the many

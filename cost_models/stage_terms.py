@@ -67,7 +67,7 @@ class LayerTerms:
         """Each term's formula, once (the layer's parts are `layer_costs.LayerCost`'s)."""
         index = RECOMPUTE_INDEX[method]
         return cls(work_s=c.work_s(method), compute_s=c.forward_s + c.backward_s, recompute_s=c.recompute_s[index],
-                   tp_s=c.tp_comm_s, cp_s=c.cp_comm_s, ep_s=c.ep_comm_s, zero_s=c.zero_exposed_s,
+                   tp_s=c.tp_comm_s, cp_s=c.cp_comm_s, ep_s=c.ep_comm_s, zero_s=c.zero_exposed_s[index],
                    host_s=c.host_excess_s, alone_s=c.work_s(method) + c.unpaired_extra_s,
                    bubble_s=c.dualpipev_bubble_s(method, context.weight_factor, context.split_factor),
                    dp_reduce_s=c.dp_reduce_s, optimizer_s=c.optimizer_step_s,
@@ -75,11 +75,12 @@ class LayerTerms:
                    gradient_bytes=c.states.gradients)
 
     @classmethod
-    def of_step(cls, step: StepParts, compute_s: float) -> "LayerTerms":
+    def of_step(cls, step: StepParts, most_recompute_s: float) -> "LayerTerms":
         """The terms a layer's ZeRO stage sets, and its compute (which hides the reduction), the rest 0: what the
-        search's bound on a placement's ZeRO stages reads without the layer's memory (`ZeroExtras`)."""
-        return cls(work_s=0.0, compute_s=compute_s, recompute_s=0.0, tp_s=0.0, cp_s=0.0, ep_s=0.0,
-                   zero_s=step.zero_exposed_s, host_s=0.0, alone_s=0.0, bubble_s=0.0, dp_reduce_s=step.dp_reduce_s,
+        search's bound on a placement's ZeRO stages reads without the layer's memory (`ZeroExtras`). The exposed
+        traffic at its least: under the recomputation that hides the most (`most_recompute_s`)."""
+        return cls(work_s=0.0, compute_s=step.compute_s, recompute_s=0.0, tp_s=0.0, cp_s=0.0, ep_s=0.0,
+                   zero_s=step.zero_exposed_s(most_recompute_s), host_s=0.0, alone_s=0.0, bubble_s=0.0, dp_reduce_s=step.dp_reduce_s,
                    optimizer_s=step.optimizer_step_s, activation_bytes=0.0, state_bytes=0.0, gradient_bytes=0.0)
 
     def __add__(self, other: "LayerTerms") -> "LayerTerms":

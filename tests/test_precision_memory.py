@@ -313,3 +313,52 @@ def test_zero2_all_gathers_per_micro_batch_unless_pipelined(one_rank_group):
         billed = costs.sharded_dp_comm_s(params, 0.0)
         assert billed == pytest.approx(gather + reduce if per_micro_batch else 0.0, rel=1e-12, abs=1e-15)
         assert runtime.gathers_per_micro_batch(layout) is per_micro_batch
+
+
+def test_recomputation_runs_between_zero3s_gathers_and_hides_them(one_rank_group):
+    """FSDP2 (ZeRO-3) under activation checkpointing: each block's recomputed forward runs inside the backward,
+    after its pre-backward all-gather and before the previous block's (the forward pre-hook sees the recompute;
+    FSDP2's `_pre_forward` returns early in PRE_BACKWARD), so recomputation gathers nothing more, two all-gathers
+    a micro-batch still, and it is compute the next gather and this block's reduce-scatter run beside. The
+    exposed ZeRO-3 traffic is what forward, backward and recomputation together do not hide."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+    from cost_models.layout import Layout
+    from hardware_profiles.loader import cluster_from_device, load_stack
+    blocks = _fsdp_linears(one_rank_group, reshard_after_forward=True)
+    index = {id(block._get_fsdp_state()._fsdp_param_group): i for i, block in enumerate(blocks)}
+    events: list[tuple[str, int]] = []
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda module, args, i=i: events.append(("forward", i)))
+    pre_backward = FSDPParamGroup.pre_backward
+
+    def logged(group, *args, **kwargs):
+        events.append(("pre_backward", index[id(group)]))
+        return pre_backward(group, *args, **kwargs)
+
+    def step():
+        events.clear()
+        x = torch.randn(2, 16, requires_grad=True)
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        (x ** 2).mean().backward()
+    FSDPParamGroup.pre_backward = logged
+    try:
+        counts = _gathers_per_module(blocks, step)
+    finally:
+        FSDPParamGroup.pre_backward = pre_backward
+    assert counts[:3] == [2] * 3 and counts[3] in (1, 2)   # the last block may keep its parameters into backward
+    backward = events[events.index(("pre_backward", 3)):]
+    assert backward == [event for i in (3, 2, 1, 0) for event in (("pre_backward", i), ("forward", i))]
+
+    graph = capture(MODEL, SEQ)
+    cluster = cluster_from_device("a100-80g", 64, devices_per_node=1)   # slow gathers: traffic beyond compute
+    costs = MeshCosts(graph.costs(), cluster, Layout(dp=64, global_batch=64, zero=3), load_stack("torchtitan"))
+    dense = graph.kind("dense")
+    layer, parts = costs.layer(dense), costs.step_parts(dense)
+    assert parts.zero_traffic_s > parts.compute_s + layer.forward_s > 0   # exposed under every method
+    for method, repeated in zip(RECOMPUTE_ORDER, layer.recompute_s):
+        assert layer.work_s(method) - layer.work_before_zero_s(method) == pytest.approx(
+            parts.zero_traffic_s - layer.forward_s - layer.backward_s - repeated, rel=1e-12)

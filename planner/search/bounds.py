@@ -174,12 +174,12 @@ class ZeroExtras:
 
     @classmethod
     def of(cls, costs: MeshCosts) -> "ZeroExtras":
-        """From each layer's `MeshCosts.step_parts` and compute: the same terms `balanced_bound` sums, none of
-        them read by recomputation."""
+        """From each layer's `MeshCosts.step_parts`: the same terms `balanced_bound` sums, the exposed traffic at
+        its least (under full recomputation, which repeats the whole forward and so hides the most)."""
         model = costs.model
         counted = list(model.block_counts) + [(model.embedding, 1), (model.head, 1)]
-        total = terms_sum((LayerTerms.of_step(costs.step_parts(kind), compute.forward_s + compute.backward_s), n)
-                          for kind, n in counted for compute in [costs.compute_of(kind)])
+        total = terms_sum((LayerTerms.of_step(costs.step_parts(kind), costs.compute_of(kind).forward_s), n)
+                          for kind, n in counted)
         return cls(total.zero_s, step_terms_s(costs, total * (1 / costs.layout.pp)))
 
     def bound_s(self, work: WorkFloor, shape: PipelineShape, hops_s: float) -> float:
