@@ -6,8 +6,8 @@ pinned (`plain_path.recipe_choices`): a band bounds the model's error for the co
 the plain path's own choices of those (which the plan states, with what the alternatives cost) are another
 configuration than the one a recipe ran. The runs split as `benchmarks/calibrate.py` splits them
 (per device, alternately by id): on the fitting half, the signed residuals (predicted / measured - 1) of each
-class (dense, MoE) give the band's ends, their 5th and 95th percentiles (a 90% band); a measured time lies inside the
-band when measured * (1 + low) <= predicted <= measured * (1 + high). Its coverage is then counted on the
+class (dense, MoE) give the band's ends by split conformal prediction (`band`: two order statistics whose
+finite-sample coverage is at least 90% for a run like them); a measured time lies inside the band when measured * (1 + low) <= predicted <= measured * (1 + high). Its coverage is then counted on the
 held-out half, which set nothing. Writes planner/error_bands.yaml (read by every plan: `Plan.step_time_band_s`).
 
     .venv/bin/python benchmarks/error_bands.py [--runs ../shared/validation/published_runs.yaml]
@@ -15,7 +15,6 @@ held-out half, which set nothing. Writes planner/error_bands.yaml (read by every
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,10 +29,7 @@ from benchmarks.plain_path import plain, recipe_choices  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, load_runs  # noqa: E402
 from planner.error_bands import BANDS_PATH  # noqa: E402
 
-LOW_QUANTILE, HIGH_QUANTILE = 1, 19   # the 5th and 95th percentiles (statistics.quantiles, n=20): a 90% band
-# a class with fewer fitting runs than this takes the band of every class's fitting runs pooled: the 5th and 95th
-# percentiles of a handful of residuals are their extremes, and say nothing of the next run
-MIN_CLASS_RUNS = 10
+MISS_PERCENT_EACH_SIDE = 5   # a 90% band: at most 5% of runs like the fitted ones above it, 5% below
 
 
 def residuals(runs, time_limit_s: float) -> dict[str, float]:
@@ -48,9 +44,24 @@ def residuals(runs, time_limit_s: float) -> dict[str, float]:
     return out
 
 
+def conformal_ranks(n: int) -> tuple[int, int] | None:
+    """The 1-based ranks, among n sorted residuals, of a split-conformal band's ends (Lei, G'Sell, Rinaldo, Tibshirani
+    and Wasserman 2018, JASA 113:1094, section 2.2; per side): the floor((n+1) a)-th and ceil((n+1)(1-a))-th
+    smallest, a = MISS_PERCENT_EACH_SIDE / 100, between which a next exchangeable residual lies with probability at
+    least 1 - 2a. None where n is too small for a finite band (n < 19 at 5% each side). The interpolated 5th and
+    95th percentiles this replaced carry no such guarantee: with 20 residuals they cover about 82%."""
+    low = (n + 1) * MISS_PERCENT_EACH_SIDE // 100
+    high = -(-(n + 1) * (100 - MISS_PERCENT_EACH_SIDE) // 100)
+    return (low, high) if 1 <= low and high <= n else None
+
+
+MIN_CLASS_RUNS = next(n for n in range(1, 1000) if conformal_ranks(n))   # fewer: every class's runs pooled
+
+
 def band(errors: list[float]) -> tuple[float, float]:
-    cuts = statistics.quantiles(errors, n=20, method="inclusive")
-    return cuts[LOW_QUANTILE - 1], cuts[HIGH_QUANTILE - 1]
+    ordered = sorted(errors)
+    low, high = conformal_ranks(len(ordered))
+    return ordered[low - 1], ordered[high - 1]
 
 
 def main(argv=None) -> int:
@@ -81,7 +92,7 @@ def main(argv=None) -> int:
                      f"covers {covered} of {len(held_errors)} held-out runs")
     total = sum(b["held_out_covered"] for b in bands.values())
     count = sum(b["held_out_runs"] for b in bands.values())
-    header = ("# Written by benchmarks/error_bands.py (do not edit): the 5th and 95th percentiles of the plain path's\n"
+    header = ("# Written by benchmarks/error_bands.py (do not edit): the split-conformal 90% band of the plain path's\n"
               "# residuals (predicted / measured - 1; MoE runs with their recipes' dispatcher and combined 1F1B) on\n"
               f"# the fitting half of shared/validation's usable runs, by class (pooled where a class has fewer than\n"
               f"# {MIN_CLASS_RUNS} fitting runs); held-out coverage {total} of {count}.\n")

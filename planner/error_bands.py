@@ -15,8 +15,8 @@ BANDS_PATH = Path(__file__).resolve().parent / "error_bands.yaml"
 @dataclass(frozen=True)
 class ErrorBand:
     kind: str                 # dense or MoE: the runs it was fitted on
-    low: float                # residual (predicted / measured - 1) at the 5th percentile
-    high: float               # and at the 95th
+    low: float                # residual (predicted / measured - 1) at the split-conformal 90% band's low end
+    high: float               # and at its high end (benchmarks/error_bands.py `band`)
     fitted_runs: int
     held_out_covered: int
     held_out_runs: int
@@ -29,7 +29,7 @@ class ErrorBand:
     def words(self) -> str:
         fitted = f"{self.fitted_runs} fitted, every class pooled: too few {self.kind} runs" if self.pooled else \
             f"{self.fitted_runs} fitted"
-        return (f"{self.kind} runs' 5-95% residuals {self.low:+.0%}..{self.high:+.0%} ({fitted}; "
+        return (f"{self.kind} runs' 90% conformal band of residuals {self.low:+.0%}..{self.high:+.0%} ({fitted}; "
                 f"{self.held_out_covered} of {self.held_out_runs} held-out {self.kind} runs inside)")
 
 

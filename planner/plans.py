@@ -169,8 +169,9 @@ class Plan(_Frozen):
     layout: LayoutRecord
     stages: list[StageRecord]
     step_time_s: float
-    # the measured step times this prediction is consistent with (planner/error_bands.py: the 5-95% residuals of
-    # published runs of its class, fitted on one half, coverage counted on the other); [] where none is known
+    # the measured step times this prediction is consistent with (planner/error_bands.py: the 90% conformal band
+    # of the residuals of published runs of its class, fitted on one half, coverage counted on the other); []
+    # where none is known
     step_time_band_s: list[float] = []
     band_basis: str = ""
     # per-rank shapes outside the range the published runs measured (planner/region.py): where it extrapolates
