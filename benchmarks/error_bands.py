@@ -49,7 +49,9 @@ def conformal_ranks(n: int) -> tuple[int, int] | None:
     and Wasserman 2018, JASA 113:1094, section 2.2; per side): the floor((n+1) a)-th and ceil((n+1)(1-a))-th
     smallest, a = MISS_PERCENT_EACH_SIDE / 100, between which a next exchangeable residual lies with probability at
     least 1 - 2a. None where n is too small for a finite band (n < 19 at 5% each side). The interpolated 5th and
-    95th percentiles this replaced carry no such guarantee: with 20 residuals they cover about 82%."""
+    95th percentiles this replaced carry no such guarantee: with 20 residuals they cover about 82%. The fitting
+    half's residuals are in-sample for calibrate.py's per-device fraction, so only nearly exchangeable with a next
+    run's: the held-out half says how nearly."""
     low = (n + 1) * MISS_PERCENT_EACH_SIDE // 100
     high = -(-(n + 1) * (100 - MISS_PERCENT_EACH_SIDE) // 100)
     return (low, high) if 1 <= low and high <= n else None
