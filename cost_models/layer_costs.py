@@ -74,7 +74,8 @@ class StepParts:
     def zero_exposed_s(self, recompute_s: float) -> float:
         """The traffic the layer's compute does not hide. Its recomputation hides it too: FSDP prefetches the next
         layer's all-gather at the pre-backward hook, before the recomputed forward runs inside the backward
-        (torch.distributed.fsdp._fully_shard._fsdp_state: _pre_forward returns early in PRE_BACKWARD)."""
+        (torch.distributed.fsdp._fully_shard._fsdp_state: _pre_forward returns early in PRE_BACKWARD; Megatron-Core's
+        custom FSDP the same, docs/source/api-guide/custom_fsdp.md section 4.1 @1e057005)."""
         return max(0.0, self.zero_traffic_s - self.compute_s - recompute_s)
 
     def zero_exposed_by_method(self, recompute_s: tuple[float, ...]) -> tuple[float, ...]:
