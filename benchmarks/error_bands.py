@@ -7,8 +7,9 @@ the plain path's own choices of those (which the plan states, with what the alte
 configuration than the one a recipe ran. The runs split as `benchmarks/calibrate.py` splits them
 (per device, alternately by id): on the fitting half, the signed residuals (predicted / measured - 1) of each
 class (dense, MoE) give the band's ends by split conformal prediction (`band`: two order statistics whose
-finite-sample coverage is at least 90% for a run like them); a measured time lies inside the band when measured * (1 + low) <= predicted <= measured * (1 + high). Its coverage is then counted on the
-held-out half, which set nothing. Writes planner/error_bands.yaml (read by every plan: `Plan.step_time_band_s`).
+finite-sample coverage is at least 90% for a run like them); a measured time lies inside the band when
+measured * (1 + low) <= predicted <= measured * (1 + high). Its coverage is then counted on the held-out half,
+which set nothing. Writes planner/error_bands.yaml (read by every plan: `Plan.step_time_band_s`).
 
     .venv/bin/python benchmarks/error_bands.py [--runs ../shared/validation/published_runs.yaml]
 """

@@ -72,10 +72,11 @@ class StepParts:
     compute_s: float            # the layer's forward and backward, which hide that traffic
 
     def zero_exposed_s(self, recompute_s: float) -> float:
-        """The traffic the layer's compute does not hide. Its recomputation hides it too: FSDP prefetches the next
-        layer's all-gather at the pre-backward hook, before the recomputed forward runs inside the backward
+        """The traffic the layer's compute does not hide. Its recomputation hides it too: the recomputed forward
+        runs inside the backward after the layer's pre-backward all-gather and gathers nothing itself
         (torch.distributed.fsdp._fully_shard._fsdp_state: _pre_forward returns early in PRE_BACKWARD; Megatron-Core's
-        custom FSDP the same, docs/source/api-guide/custom_fsdp.md section 4.1 @1e057005)."""
+        custom FSDP the same, docs/source/api-guide/custom_fsdp.md section 4.1 @1e057005), so it is compute on the
+        compute stream beside the collective stream's gathers and reduce-scatters, as forward and backward are."""
         return max(0.0, self.zero_traffic_s - self.compute_s - recompute_s)
 
     def zero_exposed_by_method(self, recompute_s: tuple[float, ...]) -> tuple[float, ...]:

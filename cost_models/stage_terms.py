@@ -80,8 +80,9 @@ class LayerTerms:
         search's bound on a placement's ZeRO stages reads without the layer's memory (`ZeroExtras`). The exposed
         traffic at its least: under the recomputation that hides the most (`most_recompute_s`)."""
         return cls(work_s=0.0, compute_s=step.compute_s, recompute_s=0.0, tp_s=0.0, cp_s=0.0, ep_s=0.0,
-                   zero_s=step.zero_exposed_s(most_recompute_s), host_s=0.0, alone_s=0.0, bubble_s=0.0, dp_reduce_s=step.dp_reduce_s,
-                   optimizer_s=step.optimizer_step_s, activation_bytes=0.0, state_bytes=0.0, gradient_bytes=0.0)
+                   zero_s=step.zero_exposed_s(most_recompute_s), host_s=0.0, alone_s=0.0, bubble_s=0.0,
+                   dp_reduce_s=step.dp_reduce_s, optimizer_s=step.optimizer_step_s, activation_bytes=0.0,
+                   state_bytes=0.0, gradient_bytes=0.0)
 
     def __add__(self, other: "LayerTerms") -> "LayerTerms":
         # positional, in field order (vars keeps it): the search's bounds sum these for every leaf
