@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts
+from .layer_costs import MeshCosts
+from .layer_records import RECOMPUTE_INDEX, LayerCost
 from .layout import Recompute
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from enum import Enum
 
-from .layer_costs import RECOMPUTE_INDEX, LayerCost, MeshCosts, StepParts
+from .layer_costs import MeshCosts
+from .layer_records import RECOMPUTE_INDEX, LayerCost, StepParts
 from .layout import Recompute
 from .pipeline import dualpipev_split_recompute_factor, dualpipev_weight_factor
 
@@ -64,7 +65,7 @@ class LayerTerms:
 
     @classmethod
     def of(cls, c: LayerCost, method: Recompute, context: TermContext) -> "LayerTerms":
-        """Each term's formula, once (the layer's parts are `layer_costs.LayerCost`'s)."""
+        """Each term's formula, once (the layer's parts are `layer_records.LayerCost`'s)."""
         index = RECOMPUTE_INDEX[method]
         return cls(work_s=c.work_s(method), compute_s=c.forward_s + c.backward_s, recompute_s=c.recompute_s[index],
                    tp_s=c.tp_comm_s, cp_s=c.cp_comm_s, ep_s=c.ep_comm_s, zero_s=c.zero_exposed_s[index],

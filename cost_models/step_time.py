@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 
 from hardware_profiles.schema import Cluster
 
-from .layer_costs import LayerCost, MeshCosts
+from .layer_costs import MeshCosts
+from .layer_records import LayerCost
 from hardware_profiles.loader import load_stack
 from hardware_profiles.stack import SoftwareStack
 

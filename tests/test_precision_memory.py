@@ -324,7 +324,8 @@ def test_recomputation_runs_between_zero3s_gathers_and_hides_them(one_rank_group
     from torch.utils.checkpoint import checkpoint
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layer_records import RECOMPUTE_ORDER
     from cost_models.layout import Layout
     from hardware_profiles.loader import cluster_from_device, load_stack
     blocks = _fsdp_linears(one_rank_group, reshard_after_forward=True)

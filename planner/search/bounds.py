@@ -12,7 +12,8 @@ import itertools
 from dataclasses import dataclass, replace
 
 from cost_models.compute import ShardSpec, layer_compute
-from cost_models.layer_costs import RECOMPUTE_INDEX, MeshCosts
+from cost_models.layer_costs import MeshCosts
+from cost_models.layer_records import RECOMPUTE_INDEX
 from cost_models.layout import MODULE_INDEX, Layout, Recompute, RecomputeModule, nested_modules
 from cost_models.offload import freed_bytes
 from hardware_profiles.stack import SoftwareStack

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from cost_models.layer_costs import RECOMPUTE_ORDER, MeshCosts
+from cost_models.layer_costs import MeshCosts
+from cost_models.layer_records import RECOMPUTE_ORDER
 from cost_models.memory import usable_bytes
 from cost_models.layout import Recompute, RecomputeModule, first_blocks_of_each_chunk, nested_modules
 from cost_models.pipeline import least_blocks, p2p_transfers_on_critical_path

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from cost_models.layer_costs import RECOMPUTE_ORDER, LayerCost, MeshCosts
+from cost_models.layer_costs import MeshCosts
+from cost_models.layer_records import RECOMPUTE_ORDER, LayerCost
 from cost_models.layout import MODULE_INDEX, Recompute, RecomputeModule, nested_modules
 from cost_models.memory import gradients_held_at_peak, usable_bytes
 from cost_models.pipeline import dualpipev_scaled, even_partition, least_blocks, pipeline_scaled, schedule_scale
