@@ -25,8 +25,9 @@ def test_agreement_and_regret_count_as_defined():
 # than PTD-P (Megatron-LM) on the same GPUs and batch (at 768 and 1536 A100s the 175B model's step took the same
 # 66.7 s, bound by something per GPU, not by compute), where the model bills ZeRO-3's all-gathers and
 # reduce-scatters at the fabric's node-level rate (NCCL's rings over all of a node's NICs) and hides them under
-# compute: predicted 1.4 to 4.5x too fast, where the PTD-P arm comes within 3% (the test below). A plan that shards over more ranks than any fitted run says so
-# (planner/region.py zero3_note)
+# compute: predicted 1.3 to 4.3x too fast, where the PTD-P arm comes within 3% (the test below). A candidate, unpriced:
+# DeepSpeed v0.3.15's list collectives copy one tensor per rank for each parameter (benchmarks/sweeps.yaml's note). A
+# plan that shards over more ranks than any fitted run says so (planner/region.py zero3_note)
 ZERO3 = {f"{model}, {n} A100, PTD-P against ZeRO-3" for model, n in (
     ("GPT-3 175B", 384), ("GPT-3 175B", 768), ("GPT-3 175B", 1536), ("Megatron 530B", 1120), ("Megatron 530B", 2240))}
 MISORDERED: set[str] = {"Qwen3-235B-A22B, 256 H100, Megatron-Core main 1e057005, expert groups inside a node"} | ZERO3

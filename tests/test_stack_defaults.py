@@ -9,7 +9,7 @@ from hardware_profiles.loader import list_stacks, load_stack
 from planner import api
 from planner.graph_capture.model_config import ModelConfig
 
-MEGATRON_LM_DEFAULTS = ("megatron-lm-2021", "megatron-lm-2022", "megatron-deepspeed-2021")
+MEGATRON_LM_DEFAULTS = ("megatron-lm-2021", "megatron-lm-2021-zero", "megatron-lm-2022", "megatron-deepspeed-2021")
 S, H, A, T, B = 2048, 6144, 64, 8, 4   # Korthikanti 22B's width, tp 8, micro-batch 4
 
 

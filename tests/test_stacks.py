@@ -16,7 +16,7 @@ from planner.plans import Plan
 from planner.rules.pins import pins_from
 from planner.rules.stack import layout_stack_problems, stack_problems
 
-BUILT_IN = {"megatron-lm-2021", "megatron-deepspeed-2021", "megatron-lm-2022", "megatron-core", "nemo", "nemo-2", "megatron-bridge", "torchtitan",
+BUILT_IN = {"megatron-lm-2021", "megatron-lm-2021-zero", "megatron-deepspeed-2021", "megatron-lm-2022", "megatron-core", "nemo", "nemo-2", "megatron-bridge", "torchtitan",
             "deepspeed", "llm-foundry", "mindspeed", "parallel-planner", "torchtitan-npu"}
 
 
@@ -40,6 +40,7 @@ def test_built_in_stacks_load_and_list():
     ("deepspeed", lambda p: p.layout.vp == 1 and p.layout.tp == 1),                      # no interleaving, no TP
     ("torchtitan", lambda p: p.layout.zero != 1),                                          # FSDP2 or DDP
     ("megatron-lm-2021", lambda p: p.layout.recompute != "per-layer" and not p.layout.sp),
+    ("megatron-lm-2021-zero", lambda p: p.layout.pp == 1 and p.layout.recompute != "per-layer"),   # ZeRO beside TP only
 ])
 def test_search_stays_inside_the_stack(stack, rule):
     result = api.plan("llama3-8b", device="h100-sxm", num_devices=16, global_batch=64, stack=stack, time_limit_s=60)
