@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from hardware_profiles.errors import UserInputError
 
 from .layout import (DEFAULT_RECOMPUTE_MODULES, MEGATRON_ORDER, Fp8Recipe, GradReduce, Layout, MoeDispatcher, Precision,
-                     Schedule)
+                     Recompute, Schedule, first_blocks_of_each_chunk)
 from .layout_domains import MODULES_WHAT, Choice, DomainError, LayoutField, Switch
 
 __all__ = ["FIELDS", "LAYOUT_KEYS", "FULL_KEYS", "ATTRIBUTES", "MODULES_WHAT", "Declared", "parse_text",
@@ -104,9 +104,15 @@ def values_of(layout: Layout, keys: tuple[str, ...] = LAYOUT_KEYS) -> dict:
     return {key: getattr(layout, ATTRIBUTES[key]) for key in keys}
 
 
-def text_of(layout: Layout) -> str:
-    """The layout as `--layout` text: every degree, and the other keys where they are not the default."""
-    parts = [f"{key}={value}" for key, value in values_of(layout, FULL_KEYS).items()]
+def text_of(layout: Layout, per_block: bool = True) -> str:
+    """The layout as `--layout` text: every degree, and the other keys where they are not the default.
+    `per_block`: the recomputation the search chose per block where the layout carries it (`recompute_text`);
+    False: the `recompute` field alone (the search's tie-break, which must not change with the chosen list)."""
+    values = values_of(layout, FULL_KEYS)
+    blocks_text = recompute_text(layout) if per_block else None
+    if blocks_text is not None:
+        values["recompute"] = blocks_text[0]
+    parts = [f"{key}={value}" for key, value in values.items()]
     if layout.mesh_order != MEGATRON_ORDER:
         parts.append("order=" + "-".join(layout.mesh_order))
     if layout.dualpipev:
@@ -123,11 +129,30 @@ def text_of(layout: Layout) -> str:
         parts.append(f"fp8_recipe={layout.fp8_recipe}")
     if layout.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
         parts.append(f"recompute_modules={modules_text(layout.recompute_modules)}")
-    if layout.recompute_layers is not None:
-        parts.append(f"recompute_layers={layout.recompute_layers}")
+    layers = blocks_text[1] if blocks_text is not None else layout.recompute_layers
+    if layers is not None:
+        parts.append(f"recompute_layers={layers}")
     if layout.offload_layers:
         parts.append(f"offload_layers={layout.offload_layers}")
     return ",".join(parts)
+
+
+def recompute_text(layout: Layout) -> tuple[str, int | None] | None:
+    """The per-block recomputation a searched layout carries (`Layout.layer_recompute`, which overrides
+    `recompute`) as the layout text's (recompute, recompute_layers): one method for every block, or Megatron's
+    block method (the first N blocks of each chunk fully, the rest none); any other mix is 'per-layer', which only
+    a plan file's stages can state. None: the layout carries no list."""
+    blocks = layout.layer_recompute
+    if not blocks:
+        return None
+    kinds = set(blocks)
+    if len(kinds) == 1:
+        return str(blocks[0]), None
+    if layout.stage_layers and kinds == {Recompute.full, Recompute.none}:
+        for count in range(1, max(layout.stage_layers)):
+            if first_blocks_of_each_chunk(layout.stage_layers, count) == tuple(blocks):
+                return str(Recompute.full), count
+    return "per-layer", None
 
 
 def modules_text(modules) -> str:

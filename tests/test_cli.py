@@ -104,6 +104,19 @@ def test_goodput_json_names_what_recovery_costs(capsys, monkeypatch):
     assert good["ettr"] * 86400 + sum(good["lost_s_per_day"].values()) == pytest.approx(86400, rel=1e-9)
 
 
+def test_next_best_layouts_are_the_layouts_their_step_times_are_for():
+    """An alternative's layout text, given back to `evaluate`, is predicted at the step time the table shows and
+    fits: its recomputation is the one the search chose per block (here every block, as megatron-lm-2021 recomputes
+    every layer or none), not the `recompute` field's default, which alone would say none and not fit."""
+    job = dict(device="a100-80g", num_devices=64, global_batch=512, stack="megatron-lm-2021", time_limit_s=60)
+    result = api.plan("gpt3-175b", **job)
+    assert result.alternatives and result.layout.recompute == "full"
+    for alternative in result.alternatives:
+        assert "recompute=full" in alternative.layout.split(",")
+        given = api.evaluate("gpt3-175b", layout=alternative.layout, **job)
+        assert given.fits and given.step_time_s == pytest.approx(alternative.step_time_s, rel=1e-9)
+
+
 def test_next_best_names_what_differs_from_the_plan():
     result = api.plan("llama3-8b", device="h100-sxm", num_devices=64, global_batch=256, tp=2, pp=2)
     best = result.layout

@@ -102,3 +102,26 @@ def test_evaluate_splits_evenly_and_recomputes_the_first_layers_of_each_chunk():
     plan = planner.evaluate(mixed_moe_model(seq=1024), device="h100-sxm", num_devices=16, global_batch=32,
                             layout=f"{PINS},recompute_layers=1")
     assert [s.recompute for s in plan.stages] == [["full", "none"]] * 4
+
+
+def test_a_searched_per_block_recomputation_is_written_as_text_that_means_it_again():
+    """Every per-block recomputation over small stage splits (chunks of 1-3 blocks, 6 at most; none, full and
+    selective): the layout text says it where the text can (one method everywhere, or Megatron's block method,
+    found here by trying every N), parses back to a layout whose blocks recompute exactly so, and says
+    'per-layer' (a plan file's stages) for every other list."""
+    methods = (Recompute.none, Recompute.full, Recompute.selective)
+    splits = itertools.chain.from_iterable(itertools.product((1, 2, 3), repeat=n) for n in (1, 2, 3))
+    for split in (s for s in splits if sum(s) <= 6):
+        for blocks in itertools.product(methods, repeat=sum(split)):
+            base = Layout(dp=4, pp=len(split), stage_layers=split, layer_recompute=blocks)
+            values = dict(item.split("=") for item in text_of(base).split(","))
+            expressible = len(set(blocks)) == 1 or any(
+                blocks == tuple(Recompute.full if i < n else Recompute.none for size in split for i in range(size))
+                for n in range(1, max(split)))
+            if not expressible:
+                assert values["recompute"] == "per-layer"
+                continue
+            parsed = parse_text(",".join(f"{k}={v}" for k, v in values.items() if k != "pp") + f",pp={len(split)}")
+            again = replace(Layout(dp=4, pp=len(split)), recompute=Recompute(parsed["recompute"]),
+                            recompute_layers=parsed.get("recompute_layers"))
+            assert again.block_recompute(split) == blocks, (split, blocks, values)

@@ -91,7 +91,8 @@ def rank_key(scored: Scored) -> tuple:
     and tensor ranks, lower ZeRO stage, larger micro-batch."""
     lay = scored.estimate.layout
     return (six_digits(scored.estimate.step_time_s), lay.cp, lay.pp * lay.vp, lay.tp, lay.ep, lay.etp, lay.zero,
-            lay.moe_a2a_overlap, lay.moe_dispatcher != MoeDispatcher.alltoall, -lay.micro_batch, text_of(lay))
+            lay.moe_a2a_overlap, lay.moe_dispatcher != MoeDispatcher.alltoall, -lay.micro_batch,
+            text_of(lay, per_block=False))
 
 
 @dataclass(frozen=True)
