@@ -97,7 +97,8 @@ def published_sweeps(path: Path = SWEEPS, time_limit_s: float = 20.0) -> list[Sw
         for v in entry["variants"]:
             stack = load_stack(v.get("stack", entry["stack"])).model_copy(
                 update={**entry["stack_flags"], **v.get("stack_flags", {})})
-            plan = evaluate(resolve_model(entry["model"]), layout=variant_layout(v), device=entry["device"],
+            model = resolve_model(entry["model"]).model_copy(update=entry.get("model_overrides", {}))
+            plan = evaluate(model, layout=variant_layout(v), device=entry["device"],
                             num_devices=entry["num_devices"], global_batch=entry["global_batch"],
                             seq_len=entry["seq_len"], precision=v.get("precision", entry["precision"]), stack=stack,
                             time_limit_s=time_limit_s)
