@@ -29,13 +29,16 @@ def within_band(result, step_time_s: float) -> bool:
     return abs(step_time_s - result.step_time_s) < (high - low) / 2
 
 
-def _differences(layout_text: str, best) -> str:
+def _differences(layout_text: str, plan: Plan) -> str:
     """'tp=1,pp=1,dp=16,cp=2,...' -> the fields that differ from the plan's layout, e.g. 'dp=16, cp=2'; a field
     the layout text leaves at its default (`text_of`: order, schedule, the overlaps, the dispatcher) compared as
-    that default."""
+    that default. The plan's recomputation is compared as the text writes its stages' (one method, Megatron's
+    block method or per-layer), as the alternatives' text writes theirs."""
+    best = plan.layout
     theirs = _pairs(layout_text)
-    plan_values = {**{key: str(value) for key, value in best.model_dump().items()}, "order": best.order}
-    plan_text = _pairs(text_of(best.as_layout()))
+    plan_text = _pairs(text_of(plan.to_layout()))
+    plan_values = {**{key: str(value) for key, value in best.model_dump().items()}, "order": best.order,
+                   "recompute": plan_text["recompute"]}
     changed = [f"{key}={value}" for key, value in theirs.items()
                if plan_values.get(key, plan_text.get(key, _default_text(key))) != value]
     changed += [f"{key}={_default_text(key)}" for key in plan_text if key not in theirs]
@@ -125,7 +128,7 @@ def show_plan(console: Console, result: Plan, goodput: dict | None = None) -> No
         alt.add_column("MFU", justify="right")
         alt.add_column("loses")
         for a in result.alternatives:
-            alt.add_row(_differences(a.layout, result.layout), f"{a.step_time_s:.3f}"
+            alt.add_row(_differences(a.layout, result), f"{a.step_time_s:.3f}"
                         + (" ~" if within_band(result, a.step_time_s) else ""), f"{a.mfu:.1%}", a.loses)
         console.print(alt)
         if any(within_band(result, a.step_time_s) for a in result.alternatives):

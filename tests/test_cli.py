@@ -113,6 +113,7 @@ def test_next_best_layouts_are_the_layouts_their_step_times_are_for():
     assert result.alternatives and result.layout.recompute == "full"
     for alternative in result.alternatives:
         assert "recompute=full" in alternative.layout.split(",")
+        assert "recompute" not in _differences(alternative.layout, result)   # the plan recomputes so too
         given = api.evaluate("gpt3-175b", layout=alternative.layout, **job)
         assert given.fits and given.step_time_s == pytest.approx(alternative.step_time_s, rel=1e-9)
 
@@ -122,7 +123,7 @@ def test_next_best_names_what_differs_from_the_plan():
     best = result.layout
     assert result.alternatives
     for alternative in result.alternatives:
-        shown = dict(item.split("=") for item in _differences(alternative.layout, best).split(", "))
+        shown = dict(item.split("=") for item in _differences(alternative.layout, result).split(", "))
         full = dict(item.split("=") for item in alternative.layout.split(","))
         # a key the alternative's text leaves out is at its default there (`text_of`)
         assert shown and all(full.get(key, _default_text(key)) == value for key, value in shown.items())
