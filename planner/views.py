@@ -193,20 +193,23 @@ def fitted_table(console: Console, title: str, columns: list[Column], rows: list
     return table, [c.name for i, c in enumerate(columns) if i not in kept]
 
 
-WHATIF_COLUMNS = [Column("point"), Column("layout", wraps=True), Column("step s"), Column("MFU"),
-                  Column("tokens/s", drop=3), Column("days"), Column("days 90%", drop=0),
+# the step time's 90% band stays beside it (issue 43: the band beside every step time); narrower terminals lose the
+# others first, each named under the table (goodput before tokens/s: it is MFU x ETTR)
+WHATIF_COLUMNS = [Column("point"), Column("layout", wraps=True), Column("step s"), Column("step 90%", drop=5),
+                  Column("MFU"), Column("tokens/s", drop=4), Column("days"), Column("days 90%", drop=0),
                   Column("device-hours", drop=2), Column("ETTR", drop=1),
-                  Column("goodput", drop=4), Column("ckpt min", drop=0)]
+                  Column("goodput", drop=3), Column("ckpt min", drop=0)]
 
 
 def show_whatif(console: Console, report) -> None:
     rows = []
     for r in report.rows:
         if r.note:
-            rows.append([r.point, r.note] + [""] * 9)
+            rows.append([r.point, r.note] + [""] * (len(WHATIF_COLUMNS) - 2))
             continue
         days_band = f"{r.days_band[0]:.1f}-{r.days_band[1]:.1f}" if r.days_band else "-"
-        rows.append([r.point, r.layout, f"{r.step_time_s:.2f}", f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
+        step_band = f"{r.step_band_s[0]:.2f}-{r.step_band_s[1]:.2f}" if r.step_band_s else "-"
+        rows.append([r.point, r.layout, f"{r.step_time_s:.2f}", step_band, f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
                      f"{r.days_to_train:.1f}", days_band, f"{r.device_hours:,.0f}", f"{r.ettr:.1%}", f"{r.goodput:.1%}",
                      f"{r.checkpoint_interval_min:.0f}"])
     table, left_out = fitted_table(console, f"What-if: {report.model}, {report.sweep_key}, "

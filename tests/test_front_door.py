@@ -60,6 +60,10 @@ def test_the_whatif_table_keeps_its_numbers_whole_in_an_80_column_pipe():
     assert "…" not in out and "..." not in out and "15T tokens" in out
     assert all(len(line) <= 80 for line in out.splitlines())
     assert re.search(r"\b\d{3},\d{3}\b", out) and "left out at 80 columns" in out
+    # each point's step time keeps its 90% band beside it (issue 43), whatever else the width leaves out
+    points = [line for line in out.splitlines() if re.match(r"│\s+\d+ │", line)]
+    assert "step 90%" in out and len(points) == 2
+    assert all(re.search(r"│\s+\d+\.\d\d │\s+\d+\.\d\d-\d+\.\d\d │", line) for line in points)
 
 
 @pytest.mark.parametrize("count", [1, 2, 4])
