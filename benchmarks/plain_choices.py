@@ -35,12 +35,42 @@ class ChoiceMeasurement:
     ran_settings: str = ""
     stack_settings: dict | None = None   # as ran: where its recipe set the stack's own settings (CUDA graphs)
     stack: str | None = None   # the stack by name, where it ran on another than the shared row's family's
+    seq_len: int | None = None   # where it ran another sequence length than the shared row's
+    # where the source gives Megatron's model TFLOP/s per GPU and no step time: the step is its FLOPs over that rate
+    model_tflops: float | None = None
     # where the prediction is beyond issue 43's 25% for a reason the model does not bill: that reason (the tests hold
     # every other row to 25%, and this one beyond 20% through the plain path or as ran, so the note stays true)
     known_gap: str = ""
 
     def measured_s(self, run) -> float:
+        if self.model_tflops is not None:
+            devices = self.num_devices or run.cluster.num_devices
+            tp = int(dict(item.split("=") for item in self.degrees.split(","))["tp"])
+            batch = run.global_batch if self.global_batch is None else self.global_batch
+            return batch * megatron_flops_per_sequence(run.model, self.seq_len or run.seq_len, tp) \
+                / (self.model_tflops * 1e12 * devices)
         return run.measured_step_s if self.measured_step_s is None else self.measured_step_s
+
+
+def megatron_flops_per_sequence(model, seq_len: int, tp: int) -> float:
+    """Megatron-LM's model FLOPs for one sequence of a GQA (not MLA) dense or MoE model, as its logs count them
+    (megatron/training/training.py num_floating_point_operations @1e057005): 3 passes x 2 GEMMs a block x 2 FLOPs
+    a multiply-add over the projections, the routed and shared experts, causal attention counted half (since
+    Megatron-LM 8873b55d6a, 2025-03) and the vocabulary padded to 128 x tp; no MTP modules."""
+    assert model.mla is None and not model.mtp_layers, "MLA and MTP are not counted here"
+    h, layers, moe = model.hidden_size, model.num_layers, model.moe
+    gated = 1.5 if model.activation == "swiglu" else 1.0
+    query_ratio = model.head_dim * model.num_attention_heads / h
+    attention = (1 + model.num_query_groups / model.num_attention_heads + seq_len / h / 2) * query_ratio * h * h
+    if moe is None:
+        mlp = model.ffn_hidden_size * gated * h
+    else:
+        shared = (moe.shared_expert_ffn_hidden_size or moe.moe_ffn_hidden_size) * moe.num_shared_experts
+        dense = sum(not model.is_moe_layer(index) for index in range(layers)) / layers
+        mlp = h * gated * (model.ffn_hidden_size * dense
+                           + (moe.moe_ffn_hidden_size * moe.router_topk + shared) * (1 - dense))
+    padded_vocab = -(-model.vocab_size // (128 * tp)) * 128 * tp
+    return seq_len * (12 * layers * (mlp + attention) + 6 * h * padded_vocab)
 
 
 CARD = ("skills/nemo-mbridge-perf-moe-hardware-configs/card.yaml, NVIDIA-NeMo/Megatron-Bridge 067f987d (validated "
@@ -154,6 +184,18 @@ CHOICES_MEASURED = [
                       stack="megatron-core", ran_settings="dispatcher=deepep,a2a_overlap=false,recompute=none",
                       known_gap="unexplained: 167 TFLOP/s where the model predicts 17.5 s (memory 60 of 78 GB, host "
                       "46% of the device's time); the same commit's all-to-all row at TP2 PP32 is within 20%"),
+    # the same readme's long-context sweep (its "Long Context" table, added 2026-03-10; the commands in
+    # best_practice/qwen3/run_235b.sh): 32 nodes, TP4 PP8 VP4 EP8, context parallelism growing with the sequence,
+    # GBS 256, BF16, DeepEP, no combined 1F1B, recomputing the norms and the MoE layers; model TFLOP/s per GPU with
+    # routing forced to balance, the routing the model bills unless --ep-imbalance says otherwise. Dropless routing
+    # measured 237 / 277 / 320 / 357: the busiest expert rank's load, which no source gives, is left out.
+    *(ChoiceMeasurement("mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu",
+                        f"{ZOO}, long context, sequence {seq:,}, routing forced to balance",
+                        f"tp=4,pp=8,vp=4,cp={cp},ep=8,mbs=1", "bf16",
+                        "DeepEP, recomputing the norms and the MoE layers", 256, stack="megatron-core", seq_len=seq,
+                        model_tflops=tflops, ran_settings="dispatcher=deepep,a2a_overlap=false,recompute=selective,"
+                        "recompute_modules=layernorm+moe")
+      for seq, cp, tflops in ((16384, 1, 295), (32768, 2, 335), (65536, 4, 368), (131072, 8, 389))),
     # the runs file's row, 25.09 table: DeepSeek-V3 on 1,024 H100, precision not stated (so in no figure),
     # launched with DeepEP and combined 1F1B (benchmarks/published.py RUN_STACK_SETTINGS)
     *(ChoiceMeasurement("mbridge-25p09-h100-deepseekv3-prec-na-1024gpu",
@@ -185,5 +227,5 @@ def plain_choice(entry: ChoiceMeasurement, runs: dict, time_limit_s: float, as_r
     degrees = f"{entry.degrees},{entry.ran_settings}" if as_ran and entry.ran_settings else entry.degrees
     if as_ran and entry.stack_settings:
         stack = load_stack(stack).model_copy(update=entry.stack_settings)
-    return evaluate(model, cluster, degrees, global_batch=batch, seq_len=run.seq_len,
+    return evaluate(model, cluster, degrees, global_batch=batch, seq_len=entry.seq_len or run.seq_len,
                     precision=entry.precision, stack=stack, time_limit_s=time_limit_s), run

@@ -158,7 +158,8 @@ def choices_section(choices) -> list[str]:
             chose += f", {lay.fp8_recipe}"
         ran = entry.ran + (f"; known gap: {entry.known_gap}" if entry.known_gap else "")
         name = run.id + (f" (model and devices; the {entry.stack} stack)" if entry.stack else "")
-        lines.append(f"| {name} | {entry.source} | {entry.degrees}, gbs {plan.layout.gbs} | "
+        seq = f", seq {entry.seq_len}" if entry.seq_len else ""
+        lines.append(f"| {name} | {entry.source} | {entry.degrees}, gbs {plan.layout.gbs}{seq} | "
                      f"{entry.precision} | {entry.measured_s(run):.3f} | {plan.step_time_s:.3f} | {error:+.1%} | "
                      f"{as_ran_errors[-1]:+.1%} | {chose} | {ran} |")
     worst = (lambda found: f"{max(found, key=abs):+.1%}" if found else "-")

@@ -236,6 +236,21 @@ def test_where_a_run_ran_the_plain_plans_dispatcher_and_combined_1f1b_the_plain_
     assert matched >= 4
 
 
+@pytest.mark.parametrize("run_id,tp,tflops,tokens_per_s", [
+    # Megatron-Bridge's 25.11 table (docs/performance-summary.md @5776a6d90): model TFLOP/s and tokens/s per GPU
+    ("mbridge-25p11-h100-qwen3-235b-a22b-fp8-256gpu", 2, 233, 1575),
+    ("mbridge-25p11-gb200-qwen3-235b-a22b-bf16-256gpu", 1, 728, 4916),
+    ("mbridge-25p11-b200-qwen3-235b-a22b-mxfp8-64gpu", 1, 484, 3269)])
+def test_megatron_model_flops_are_what_the_published_tables_divide_by(runs, run_id, tp, tflops, tokens_per_s):
+    """The long-context rows' steps come from the MoE model zoo's model TFLOP/s through Megatron-LM's FLOP count
+    (`megatron_flops_per_sequence`); Megatron-Bridge's table prints both a run's TFLOP/s and its tokens/s, whose
+    ratio is the FLOPs per token its logs counted: the count agrees within the table's three-digit rounding."""
+    from benchmarks.plain_choices import megatron_flops_per_sequence
+    run = runs[run_id]
+    per_token = megatron_flops_per_sequence(run.model, run.seq_len, tp) / run.seq_len
+    assert per_token == pytest.approx(tflops * 1e12 / tokens_per_s, rel=0.003)
+
+
 def assert_within_25_percent_or_known_gap(entry, error: float) -> None:
     """Issue 43's per-row bar, except where the table names a gap the model does not bill (benchmarks/plain_choices.py
     `known_gap`, docs/accuracy-plain.md), which must still be one: beyond 20%."""
