@@ -1,12 +1,11 @@
 """`planner`: the command line, a thin layer over the Python API (typer + rich)."""
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional, get_args
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -14,20 +13,21 @@ from rich.progress import Progress, TextColumn
 
 from cost_models.layout_codec import parse_text
 from hardware_profiles.errors import UserInputError
-from hardware_profiles.loader import list_stacks, load_stack, resolve_stack
-from hardware_profiles.stack import DEFAULT_STACK, MoeDispatcher
 
 from . import api, exports, views
 from . import __version__ as planner_version_text
+from .cli_catalog import models_app, profiles_app, stacks_app
+from .cli_errors import error_kinds, usage_error
+from .cli_options import (HELP, BatchOpt, ClusterOpt, DeviceOpt, DevicesOpt, DispatcherOpt, ImbalanceOpt, JsonOpt,
+                          LeafOpt, ModelOpt, MoeOverlapOpt, OverlapOpt, PerNodeOpt, SegmentOpt, SeqOpt, StackOpt,
+                          StrictOpt, flagged_stack as _stack, leaf_names as _leaves)
 from .entry import INTERRUPTED, recorded_interrupts
-from .graph_capture.model_sources import list_builtin_models
 from .goodput_report import goodput_summary, parse_recovery, plan_goodput
-from .job import Job, capture_for, job_of, plan_cluster
+from .job import Job, job_of, plan_cluster
 from .output_paths import check_plan_file, check_report_dir
 from .plans import Plan
 from .capacity import ClusterArguments, parse_sweep, parse_tokens, whatif_job, write_report
 
-HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings=HELP,
                   help="Plan, evaluate and export parallel layouts for LLM training.\n\n"
                        "Examples:\n\n"
@@ -37,17 +37,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                        "  planner whatif --model llama3-70b --device h100-sxm --sweep num-devices=512,1024,2048 "
                        "--global-batch 1024 --tokens 15T --out report/\n\n"
                        "  planner export plan.yaml --to megatron")
-profiles_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Device and cluster profiles.")
-stacks_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Software-stack profiles: what each "
-                         "framework runs, fuses, overlaps and holds.")
-models_app = typer.Typer(no_args_is_help=True, context_settings=HELP,
-                         help="Built-in models and what capture finds in them.")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(models_app, name="models")
 app.add_typer(stacks_app, name="stacks")
 out = Console()
 err = Console(stderr=True)
-JsonOpt = typer.Option(False, "--json", help="print the result as JSON (an error as {\"error\": {...}}, status 2)")
 
 
 def _show_version(value: bool) -> None:
@@ -60,55 +54,6 @@ def _show_version(value: bool) -> None:
 def _main_options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
                                                help="print the version and exit")) -> None:
     """Plan, evaluate and export parallel layouts for LLM training."""
-
-ModelOpt = typer.Option(..., "--model", help="built-in name, model .yaml, HF config.json or file.py:factory")
-ClusterOpt = typer.Option(None, "--cluster", help="cluster profile name or YAML path")
-DeviceOpt = typer.Option(None, "--device", help="build a cluster from a device profile (with --num-devices)")
-DevicesOpt = typer.Option(None, "--num-devices", help="number of devices")
-PerNodeOpt = typer.Option(None, "--devices-per-node", help="devices per node (with --device)")
-ImbalanceOpt = typer.Option(1.0, "--ep-imbalance", help="MoE: the busiest expert-parallel rank's routed tokens "
-                            "over the mean, as measured (1 = balanced routing, the default)")
-SegmentOpt = typer.Option(None, "--segment-devices", help="devices the job takes in each scale-up domain, in equal "
-                          "segments (Slurm --segment nodes x devices per node); default: domains filled in rank order")
-BatchOpt = typer.Option(..., "--global-batch", help="sequences per optimizer step")
-SeqOpt = typer.Option(None, "--seq-len", help="sequence length (default: the model's)")
-StackOpt = typer.Option(None, "--stack", help=f"software stack that trains the model: a name "
-                        f"({', '.join(list_stacks())}) or a YAML path; default {DEFAULT_STACK}. The search stays "
-                        "inside what it runs (planner stacks show NAME)")
-OverlapOpt = typer.Option(False, "--tp-comm-overlap", help="also overlap TP collectives with GEMMs where the stack "
-                          "does not (Megatron --tp-comm-overlap, NeMo ub_tp_comm_overlap)")
-DISPATCHERS = get_args(MoeDispatcher)
-DispatcherOpt = typer.Option(None, "--moe-dispatcher", help="the only MoE token dispatcher the stack runs (without it "
-                             "the search weighs each one the stack runs on the device; dispatcher=NAME in the layout "
-                             "pins one): alltoall "
-                             "(one copy per chosen expert), deepep (one per destination node, forwarded over "
-                             "NVLink, BF16 tokens as Megatron-Core sends them: --moe-token-dispatcher-type "
-                             "flex --moe-flex-dispatcher-backend deepep) or allgather (every token gathered to the "
-                             "expert tp x ep group and the outputs reduce-scattered back: Megatron-Core's default)")
-MoeOverlapOpt = typer.Option(False, "--moe-a2a-overlap", help="the stack runs Megatron's combined 1F1B "
-                             "(--overlap-moe-expert-parallel-comm: MoE all-to-alls beside another micro-batch's "
-                             "compute, one more forward's activations held; no pipeline or virtual stages): plan "
-                             "weighs it per layout, a2a_overlap=true|false in the layout pins it, evaluate of a "
-                             "whole layout takes it on")
-
-
-def _stack(name: str | None, tp_comm_overlap: bool, moe_a2a_overlap: bool, moe_dispatcher: str | None = None):
-    """The named stack, with the overlaps and the MoE dispatcher the flags add."""
-    stack = resolve_stack(name)
-    extra = {k: True for k, on in (("tp_comm_overlap", tp_comm_overlap), ("moe_a2a_overlap", moe_a2a_overlap)) if on}
-    if moe_dispatcher is not None:
-        if moe_dispatcher not in DISPATCHERS:
-            raise UserInputError(f"'{moe_dispatcher}'", field="--moe-dispatcher", expected=" or ".join(DISPATCHERS))
-        extra.update(moe_dispatcher=moe_dispatcher, moe_dispatchers=(moe_dispatcher,))
-    return stack.model_copy(update=extra) if extra else stack
-LeafOpt = typer.Option("", "--leaf-modules", help="comma-separated module names to measure as single ops")
-StrictOpt = typer.Option(False, "--strict-capture", help="refuse a model that capture can only bill in part "
-                         "(a leaf module, code that cannot run on meta) instead of noting it in the plan")
-
-
-def _leaves(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
 
 class SearchProgress:
     """The search's progress on stderr: one live line on a terminal, a plain line every PIPED_EVERY_S in a
@@ -347,74 +292,6 @@ def export(plan_file: Path = typer.Argument(..., help="a plan written by 'planne
         err.print(f"note: {note}")
 
 
-@profiles_app.command("list")
-def profiles_list(as_json: bool = JsonOpt) -> None:
-    """Every built-in device and cluster profile."""
-    if as_json:
-        out.print_json(json.dumps(views.profiles_summary()))
-    else:
-        views.show_profiles(out)
-
-
-@profiles_app.command("show")
-def profiles_show(name: str = typer.Argument(..., help="a device or cluster name, or a YAML path"),
-                  as_json: bool = JsonOpt) -> None:
-    """One profile, field by field."""
-    profile = views.load_profile(name)
-    if as_json:
-        out.print_json(json.dumps({"kind": type(profile).__name__.lower(), **profile.model_dump(mode="json")}))
-    else:
-        views.show_profile(out, profile)
-
-
-@stacks_app.command("list")
-def stacks_list(as_json: bool = JsonOpt) -> None:
-    """Every built-in software stack, one line each."""
-    stacks = [(name, load_stack(name)) for name in list_stacks()]
-    if as_json:
-        out.print_json(json.dumps([{"name": name, "display_name": stack.display_name, "default": name == DEFAULT_STACK}
-                                   for name, stack in stacks]))
-        return
-    for name, stack in stacks:
-        default = "  (default)" if name == DEFAULT_STACK else ""
-        out.print(f"{name:18s} {stack.display_name}{default}", highlight=False)
-
-
-@stacks_app.command("show")
-def stacks_show(name: str = typer.Argument(..., help="a stack name or a YAML path"),
-                as_json: bool = JsonOpt) -> None:
-    """One stack, field by field: what the search may use and what the cost models assume."""
-    stack = load_stack(name)
-    if as_json:
-        out.print_json(stack.model_dump_json())
-        return
-    for field, value in stack.model_dump().items():
-        shown = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-        out.print(f"{field:22s} {shown}", highlight=False)
-
-
-@models_app.command("list")
-def models_list(as_json: bool = JsonOpt) -> None:
-    """Built-in models."""
-    if as_json:
-        out.print_json(json.dumps(list_builtin_models()))
-    else:
-        views.show_models(out)
-
-
-@models_app.command("show")
-def models_show(name: str = typer.Argument(..., help="built-in name, YAML, config.json or file.py:factory"),
-                seq_len: Optional[int] = SeqOpt, as_json: bool = JsonOpt,
-                leaf_modules: str = LeafOpt, strict_capture: bool = StrictOpt) -> None:
-    """Parameters, layers by kind and FLOPs per token, from the captured graph."""
-    graph = capture_for(name, seq_len, _leaves(leaf_modules), resolve_stack(None), strict_capture)
-    summary = views.model_summary(graph)
-    if as_json:
-        out.print_json(json.dumps(summary))
-    else:
-        views.show_model(out, graph, summary)
-
-
 def main() -> None:
     as_json = "--json" in sys.argv[1:]
     try:
@@ -428,7 +305,7 @@ def main() -> None:
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
     except Exception as exc:   # an unknown flag, a missing option, a value of the wrong type (click's UsageError)
-        if not _kinds(exc) & {"UsageError"}:
+        if not error_kinds(exc) & {"UsageError"}:
             raise
         _refuse(usage_error(exc), as_json)
     if code == INTERRUPTED:
@@ -444,40 +321,6 @@ def _refuse(exc: UserInputError, as_json: bool) -> None:
                                              "expected": exc.expected, "text": str(exc)}}))
     err.print(f"error: {exc}", markup=False, highlight=False)
     sys.exit(2)
-
-
-def _kinds(exc: BaseException) -> set[str]:
-    """The names of an exception's classes: click's, whether typer vendors it or not."""
-    return {kind.__name__ for kind in type(exc).__mro__}
-
-
-def usage_error(exc) -> UserInputError:
-    """click's usage errors as the CLI's one paragraph: the flag named, the closest real one suggested."""
-    command = exc.ctx.command if exc.ctx else None
-    where = f"planner {exc.ctx.command_path.partition(' ')[2]}".strip() if exc.ctx else "planner"
-    options = sorted({opt for param in getattr(command, "params", []) for opt in param.opts if opt.startswith("-")})
-    kinds = _kinds(exc)
-    if "NoSuchOption" in kinds:
-        near = difflib.get_close_matches(exc.option_name, options, n=1, cutoff=0.5)
-        hint = f"{near[0]} (the closest option of {where})" if near else f"one of {', '.join(options)}"
-        return UserInputError(f"{where} has no option {exc.option_name}", field=exc.option_name, expected=hint)
-    if "MissingParameter" in kinds and exc.param is not None:
-        name = exc.param.opts[0] if exc.param.opts else exc.param.name
-        return UserInputError(f"{where} needs {name}", field=name, expected=exc.param.help or "a value")
-    if "BadParameter" in kinds:
-        name = exc.param.opts[0] if exc.param is not None and exc.param.opts else exc.param_hint
-        return UserInputError(exc.format_message(), field=str(name) if name else None,
-                              expected=(exc.param.help if exc.param is not None and exc.param.help else None)
-                              or f"a value {where} --help describes")
-    commands = sorted(getattr(command, "commands", {}) or {})
-    if commands:   # a group: the word given is no command of it
-        path = exc.ctx.command_path.split()[1:] if exc.ctx else []
-        words = [word for word in sys.argv[1:] if not word.startswith("-")]
-        given = words[len(path)] if len(words) > len(path) else ""
-        near = difflib.get_close_matches(given, commands, n=1, cutoff=0.5)
-        return UserInputError(f"{where} has no command '{given}'", field="command",
-                              expected=f"{near[0]} (the closest)" if near else f"one of {', '.join(commands)}")
-    return UserInputError(exc.format_message(), field=where, expected=f"what {where} --help describes")
 
 
 if __name__ == "__main__":
