@@ -69,6 +69,7 @@ def job_of(model, cluster=None, *, global_batch: int, seq_len: int | None = None
     graph = capture_for(model, seq_len, leaf_modules, resolved_stack, strict_capture)
     resolved = resolve_cluster(cluster, device, num_devices, devices_per_node, segment_devices)
     chosen = resolve_precision(precision, values)
+    check_recipe_beside(chosen, values.get("fp8_recipe"))
     check_model_on_stack(graph, resolved_stack)
     check_device_for(resolved, resolved_stack, chosen, values.get("fp8_recipe"), values.get("dispatcher"),
                      values.get("offload_layers"))
@@ -164,6 +165,14 @@ def given_once(field: str, argument, in_layout):
         raise UserInputError(f"{field.lstrip('-')} is given twice, as {argument} and as {in_layout} in the layout",
                              field=field, expected="one value, or the same value in both places")
     return in_layout if in_layout is not None else argument
+
+
+def check_recipe_beside(precision: Precision, fp8_recipe) -> None:
+    """An FP8 recipe the user gives applies to FP8 training only: beside another precision it would do nothing."""
+    if fp8_recipe is not None and precision != Precision.fp8:
+        raise UserInputError(f"fp8_recipe={fp8_recipe} with precision {precision}", field="fp8_recipe",
+                             expected="--precision fp8 (or precision=fp8 in the layout) beside an FP8 recipe, "
+                             "or no fp8_recipe")
 
 
 def resolve_precision(argument: str | None, values: dict) -> Precision:

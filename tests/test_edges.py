@@ -177,6 +177,9 @@ def test_a_module_that_calls_sys_exit_does_not_end_the_planner(tmp_path, capsys,
     ("--fix tp=2,tp=4", "given twice"),
     ("--fix pp=1,vp=2", "vp=2 needs pp > 1"),
     ("--fix ep=2", "ep=2 needs experts, and tiny-llama is a dense model"),
+    ("--fix dispatcher=deepep", "dispatcher=deepep moves routed tokens, and tiny-llama is a dense model"),
+    ("--fix a2a_overlap=true", "a2a_overlap=true overlaps MoE all-to-alls, and tiny-llama is a dense model"),
+    ("--fix fp8_recipe=mxfp8", "fp8_recipe=mxfp8 with precision bf16"),
     ("--fix tp=2,pp=2,dp=4,cp=4", "the degrees multiply to 64"),
     ("--time-limit nan", "time-limit"),
     ("--time-limit -5", "time-limit"),
@@ -186,6 +189,23 @@ def test_a_module_that_calls_sys_exit_does_not_end_the_planner(tmp_path, capsys,
 ])
 def test_plan_refuses_what_it_used_to_default_or_accept(args, named, capsys, monkeypatch):
     assert named in refused(f"plan {TINY} {args}", capsys, monkeypatch)
+
+
+def test_an_fp8_recipe_is_taken_beside_fp8_training_only():
+    """fp8_recipe= beside BF16 training did nothing and the plan did not say so. Every recipe against every
+    precision: refused exactly where the precision is not FP8 (the recipe's device rules aside: the CPU device
+    runs none of them, so the job is built on one that runs them all)."""
+    from cost_models.layout import Fp8Recipe, Precision
+    from planner.job import job_of
+    for recipe in Fp8Recipe:
+        for precision in Precision:
+            build = lambda: job_of("tiny-llama", device="b200", num_devices=8, global_batch=16,   # noqa: E731
+                                   precision=str(precision), layout_values={"fp8_recipe": recipe})
+            if precision == Precision.fp8:
+                assert build().pins.fp8_recipe == recipe
+            else:
+                with pytest.raises(UserInputError, match=f"fp8_recipe={recipe} with precision {precision}"):
+                    build()
 
 
 def test_cluster_with_device_flags_is_refused(capsys, monkeypatch):

@@ -7,7 +7,7 @@ read through the captured graph's attributes only (heads, kv groups, experts, bl
 """
 from __future__ import annotations
 
-from cost_models.layout import MEGATRON_ORDER, Layout, Recompute, RecomputeModule, Schedule, nested_modules
+from cost_models.layout import MEGATRON_ORDER, Layout, MoeDispatcher, Recompute, RecomputeModule, Schedule, nested_modules
 from cost_models.layout_codec import ATTRIBUTES, CHOICES
 from cost_models.pipeline import dualpipev_micro_batch_problem, most_chunks, partition_problem
 
@@ -98,6 +98,11 @@ def experts_divide(pins: Pins, graph) -> list[str]:
         problems.append(f"ep={pins.ep} does not divide the {experts} experts")
     if pins.etp and pins.etp > 1 and not experts:
         problems.append(f"etp={pins.etp} needs experts, and {graph.name} is a dense model")
+    # how routed tokens move: a pin that would do nothing on a dense model is refused, not dropped in silence
+    if pins.dispatcher is not None and pins.dispatcher != MoeDispatcher.alltoall and not experts:
+        problems.append(f"dispatcher={pins.dispatcher} moves routed tokens, and {graph.name} is a dense model")
+    if pins.a2a_overlap and not experts:
+        problems.append(f"a2a_overlap=true overlaps MoE all-to-alls, and {graph.name} is a dense model")
     if pins.etp and pins.tp and pins.etp > pins.tp:
         problems.append(f"etp={pins.etp} exceeds tp={pins.tp}")
     return problems
