@@ -147,6 +147,13 @@ def plan_job(job: Job, time_limit_s: float = 60.0, top_k: int = 3, progress=None
         result = result.model_copy(update={"reasons": result.reasons + [
             f"tp_overlap=true and a2a_overlap=true are both pinned: on {cluster.device.name} a layout runs only one of "
             "them at tp > 1 (one CUDA connection against several), so the search kept to tp = 1"]})
+    idle = [f"{key}=true" for key in ("sp", "tp_overlap") if getattr(pins, key)] if result.layout.tp == 1 else []
+    if idle:   # pins of the tensor-parallel group, which a tp = 1 plan has not: said, as Megatron turns them off
+        result = result.model_copy(update={"reasons": result.reasons + [
+            f"{' and '.join(idle)} pinned, and the plan runs tp = 1: there is no tensor-parallel group to split the "
+            f"sequence or overlap collectives over, so {'it does' if len(idle) == 1 else 'they do'} nothing here "
+            f"(Megatron turns --sequence-parallel off at tp 1); pin tp > 1 as well to keep "
+            f"{'it' if len(idle) == 1 else 'them'}"]})
     return _beside_inside(job, result, placed, pins, pins_field, deadline, caches)
 
 

@@ -208,6 +208,17 @@ def test_an_fp8_recipe_is_taken_beside_fp8_training_only():
                     build()
 
 
+@pytest.mark.parametrize("pinned", [dict(sp=True), dict(tp_overlap=True), dict(sp=True, tp_overlap=True)])
+def test_tensor_parallel_pins_a_tp1_plan_cannot_use_are_said(pinned):
+    """sp=true or tp_overlap=true pinned with tp left free, where the search chose tp = 1 (a tiny model on eight
+    devices), did nothing and the plan said nothing (tp_overlap=true beside a pinned tp=1 is refused)."""
+    result = api.plan("tiny-llama", device="h100-sxm", num_devices=8, global_batch=16, **pinned)
+    said = [r for r in result.reasons if "the plan runs tp = 1" in r]
+    assert result.layout.tp == 1 and len(said) == 1 and all(f"{key}=true" in said[0] for key in pinned)
+    assert not [r for r in api.plan("tiny-llama", device="h100-sxm", num_devices=8, global_batch=16, tp=2,
+                                    **pinned).reasons if "the plan runs tp = 1" in r]
+
+
 def test_cluster_with_device_flags_is_refused(capsys, monkeypatch):
     """With --cluster, --device and --devices-per-node were ignored."""
     for extra in ("--device h100-sxm", "--devices-per-node 4"):
