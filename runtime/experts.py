@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from planner.graph_capture.graph import ModelGraph
 from planner.graph_capture.expert_structure import indexed_experts
-from planner.graph_capture.graph_analysis import routed_experts
+from planner.graph_capture.module_kinds import routed_experts
 from planner.graph_capture.reference_model import activate
 
 from .dims import local_shard

@@ -15,7 +15,7 @@ import torch
 
 from planner.graph_capture.model_capture import capture
 from planner.graph_capture.model_sources import config_from_hf
-from planner.graph_capture.graph_analysis import is_linear_like
+from planner.graph_capture.module_kinds import is_linear_like
 from cost_models.records import MATMUL_KINDS
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import is_expert_container, is_norm_like, routed_experts
+from .module_kinds import is_expert_container, is_norm_like, routed_experts
 from .recording import record
 
 

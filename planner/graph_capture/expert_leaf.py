@@ -16,8 +16,8 @@ from torch import nn
 
 from cost_models.layout import RecomputeModule
 
-from .graph_analysis import (EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, routed_experts, shared_children,
-                             while_running)
+from .graph_analysis import EXPERT_ACTIVATION_BACKWARDS, GATE_ACTIVATION_BACKWARDS, while_running
+from .module_kinds import routed_experts, shared_children
 from .op_costs import expert_down_width, experts_gated, storage_key
 
 

@@ -6,7 +6,7 @@ import inspect
 
 from torch import nn
 
-from .graph_analysis import routed_experts
+from .module_kinds import routed_experts
 
 
 def router_topk(module: nn.Module) -> int:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .expert_structure import router_topk
-from .graph_analysis import may_be_activation
+from .module_kinds import may_be_activation
 
 
 class FlashAttention(torch.autograd.Function):

@@ -20,7 +20,8 @@ from .recording import record
 from .block_graphs import find_block_stack, trace
 from .tracing import Measured, _Analyzer, block_params, measure_block, weight_pass_groups
 from .graph import BlockStructure, LayerSlot, ModelGraph
-from .graph_analysis import block_window, signature
+from .graph_analysis import block_window
+from .module_kinds import signature
 from .model_config import MAX_SEQ, ModelConfig
 from .model_sources import UserModule, resolve_model
 from .op_costs import tensor_bytes

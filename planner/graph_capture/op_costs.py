@@ -12,8 +12,8 @@ from cost_models.layout import RecomputeModule
 from cost_models.records import OpCost, OpKind, Sharding
 
 from .expert_structure import router_topk
-from .graph_analysis import (ATTENTION_FUNCS, GROUPED_MM_FUNCS, MATMUL_FUNCS, is_linear_like, is_norm_like,
-                             is_varlen_attention, is_view_node, linear_features, routed_experts)
+from .graph_analysis import ATTENTION_FUNCS, GROUPED_MM_FUNCS, MATMUL_FUNCS, is_varlen_attention, is_view_node
+from .module_kinds import is_linear_like, is_norm_like, linear_features, routed_experts
 
 
 def tensor_bytes(value) -> float:

@@ -27,7 +27,8 @@ from cost_models.layout import RecomputeModule
 from cost_models.records import ATTENTION_CORE, OpCost, OpKind, SavedTensor, Sharding
 
 from .graph import TensorParallelPair
-from .graph_analysis import is_linear_node, is_norm_like, is_view_node, node_module, shared_children
+from .graph_analysis import is_linear_node, is_view_node, node_module
+from .module_kinds import is_norm_like, shared_children
 
 GRAPH_EDGES = ("placeholder", "get_attr", "output")
 

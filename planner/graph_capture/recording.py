@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hardware_profiles.errors import UserInputError
 
-from .graph_analysis import is_expert_container, is_linear_like, is_norm_like, may_be_activation
+from .module_kinds import is_expert_container, is_linear_like, is_norm_like, may_be_activation
 from .values import REAL_VALUE_MAX_ELEMENTS, TableOverrun, attention_layout, cpu_to_meta, query_key_value, run_call
 
 

@@ -23,9 +23,9 @@ from hardware_profiles.errors import UserInputError
 
 from .expert_leaf import ExpertLeafAttribution
 from .expert_structure import router_groups, router_topk, stacked_experts
-from .graph_analysis import (MATMUL_FUNCS, attention_heads, block_window, feeds_softmax, find_tp_pairs,
-                             function_name, graph_topk, head_norms, is_activation_node, is_expert_container,
-                             is_linear_like, is_multiply, is_norm_like, routed_experts)
+from .graph_analysis import (MATMUL_FUNCS, attention_heads, block_window, feeds_softmax, find_tp_pairs, function_name,
+                             graph_topk, head_norms, is_activation_node, is_multiply)
+from .module_kinds import is_expert_container, is_linear_like, is_norm_like, routed_experts
 from .graph import BlockStructure
 from .recompute_regions import found_modules, recompute_regions, tag_modules
 from .block_graphs import BlockGraph, block_graph
