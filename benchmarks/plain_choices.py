@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.published import DEFAULT_FAMILY_STACK, FAMILY_STACKS, load_runs, run_family
+from cost_models.layout_codec import parse_text
 from hardware_profiles.loader import load_stack
 
 SUMMARY = "docs/performance-summary.md, NVIDIA-NeMo/Megatron-Bridge 067f987d"
@@ -45,7 +46,7 @@ class ChoiceMeasurement:
     def measured_s(self, run) -> float:
         if self.model_tflops is not None:
             devices = self.num_devices or run.cluster.num_devices
-            tp = int(dict(item.split("=") for item in self.degrees.split(","))["tp"])
+            tp = parse_text(self.degrees)["tp"]
             batch = run.global_batch if self.global_batch is None else self.global_batch
             return batch * megatron_flops_per_sequence(run.model, self.seq_len or run.seq_len, tp) \
                 / (self.model_tflops * 1e12 * devices)
