@@ -141,7 +141,7 @@ def test_cuda_connections_and_tp_overlap_follow_megatron_bridges_own_launcher(tm
     import itertools
 
     from hardware_profiles.loader import load_device
-    from hardware_profiles.stack import cuda_device_max_connections
+    from hardware_profiles.stack_overlaps import cuda_device_max_connections
     from cost_models.layout import Layout
     devices = {"h100-sxm": False, "b200": True}   # Bridge's gpu_sm100_or_newer
     grid = list(itertools.product(devices, (1, 2), (1, 2), (1, 4), (1, 8), (False, True), (False, True)))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hardware_profiles.loader import load_device
-from hardware_profiles.stack import cuda_device_max_connections
+from hardware_profiles.stack_overlaps import cuda_device_max_connections
 
 from ..plans import Plan
 
