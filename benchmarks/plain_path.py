@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware_profiles.errors import UserInputError  # noqa: E402
 from planner.api import evaluate  # noqa: E402
-from benchmarks.accuracy_sources import NOT_USABLE  # noqa: E402
+from benchmarks.accuracy_sources import NOT_USABLE, PLAIN_MISS_NOTES  # noqa: E402
 from benchmarks.plain_choices import CHOICES_MEASURED, plain_choice, shared_runs  # noqa: E402
 from benchmarks.published import (DEFAULT_FAMILY_STACK, DEFAULT_RUNS, FAMILY_STACKS, RECIPE_SETTINGS, load_runs,  # noqa: E402
                                   predict, run_family, run_stack)
@@ -122,6 +122,7 @@ def write(rows, skipped, choices, seconds: float, out: Path, command: str) -> No
     lines += ["", f"{len(beyond)} of {len(usable)} usable rows beyond 25% given the degrees, {len(beyond_row)} given the "
               "row's layout; not usable (shown, not "
               "counted): " + "; ".join(f"{rid}: {why}" for rid, why in NOT_USABLE.items())]
+    lines += [f"- **{r[0].id}** ({r[2]:+.1%}): {PLAIN_MISS_NOTES.get(r[0].id, 'not yet explained.')}" for r in beyond]
     if skipped:
         lines += ["", "Not predicted:", *(f"- {rid}: {why}" for rid, why in skipped)]
     lines += ["", *choices_section(choices)]
