@@ -7,7 +7,8 @@ read through the captured graph's attributes only (heads, kv groups, experts, bl
 """
 from __future__ import annotations
 
-from cost_models.layout import MEGATRON_ORDER, Layout, MoeDispatcher, Recompute, RecomputeModule, Schedule, nested_modules
+from cost_models.layout import (MEGATRON_ORDER, Layout, MoeDispatcher, Recompute, RecomputeModule, Schedule,
+                                 nested_modules)
 from cost_models.layout_codec import ATTRIBUTES, CHOICES
 from cost_models.pipeline import dualpipev_micro_batch_problem, most_chunks, partition_problem
 
