@@ -63,8 +63,7 @@ def test_the_search_equals_the_enumeration_with_it_off_or_weighed(graphed):
         {"cuda_graphs": True, "cuda_graph_scope": "layers"} if graphed else {})})
     enumerated = stack if graphed else stack.model_copy(update={"moe_a2a_overlap": False})
     # experts spread over all 8 ranks (at ep = 1 nothing is exchanged and nothing to hide)
-    per_layout = {lay: est for lay, est in brute_force_degrees(graph.costs(), graph, cluster, 16, enumerated,
-                                                               (1, 2, 4)).items() if lay.ep == 8}
+    per_layout = brute_force_degrees(graph.costs(), graph, cluster, 16, enumerated, (1, 2, 4), eps=(8,))
     truth = min(per_layout.values(), key=lambda e: e.step_time_s)
     outcome = search(graph.costs(), cluster, 16, Pins(vp=None, ep=8), stack=stack, graph=graph, top_k=1,
                      time_limit_s=120, recompute_choices=(Recompute.none,))

@@ -217,7 +217,8 @@ def _check_leaf_names(model: nn.Module, leaf_names: tuple[str, ...], name: str) 
                                           + ", ".join(sample))
 
 
-@functools.lru_cache(maxsize=32)
+# a graph is tens of KB: 256 of them keep every model a calibration or a benchmark weighs (about 50) captured once
+@functools.lru_cache(maxsize=256)
 def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_kernels: bool,
                     fused_gated_activation: bool = False) -> ModelGraph:
     start = time.perf_counter()
