@@ -162,6 +162,25 @@ def test_unparseable_files(tmp_path, text, named):
         load_cluster(str(bad))
 
 
+def test_a_profile_rewritten_between_reads_is_read_again_and_no_caller_shares_its_data(tmp_path):
+    """Small YAML texts are parsed once per process (hardware_profiles.parsing): the parse is kept by the text
+    itself, so a file rewritten in place, even to the same size within one clock tick, reads as written, and a
+    caller that changes what it was given changes nothing another caller gets."""
+    from hardware_profiles.parsing import parse_yaml
+    text = (DEVICE_DIR / "h100-sxm.yaml").read_text()
+    assert "bf16: 989.4" in text   # rewritten below to a figure of the same width
+    path = tmp_path / "device.yaml"
+    path.write_text(text)
+    assert load_device(str(path)).peak_tflops.bf16 == 989.4
+    path.write_text(text.replace("bf16: 989.4", "bf16: 777.7", 1))
+    assert load_device(str(path)).peak_tflops.bf16 == 777.7
+    first = parse_yaml(text, "first")
+    first["name"] = "changed"
+    first["gemm"]["peak_fraction"] = -1
+    again = parse_yaml(text, "again")
+    assert again["name"] == "h100-sxm" and again["gemm"]["peak_fraction"] > 0
+
+
 def test_missing_file_and_unknown_name():
     with pytest.raises(UserInputError, match="file not found"):
         load_cluster("/nonexistent/cluster.yaml")
