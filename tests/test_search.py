@@ -177,7 +177,7 @@ def _check_tree_bounds(graph, cluster, stack, per_layout):
     search's caches shared across virtual-stage counts, equals the one computed from its layout alone: the
     roots in one order of vp and then the other, so that a cache reused across vp would show."""
     tol = 1 + 1e-9
-    def placement(lay):   # what a placed node fixes: everything but dp's split of the batch and ZeRO
+    def placement(lay):   # what a placed node fixes: every field its leaves share, all but the ZeRO stage
         return (lay.tp, lay.cp, lay.pp, lay.vp, lay.ep, lay.etp, lay.micro_batch, lay.mesh_order,
                 lay.moe_a2a_overlap, lay.moe_dispatcher, lay.tp_comm_overlap)
     best_under = {}   # the enumeration's best step of each placement
