@@ -478,7 +478,7 @@ def test_expert_and_data_groups_follow_the_mesh_order(order, domains):
     graph = capture(moe_model())
     layout = Layout(dp=8, pp=2, ep=8, global_batch=16, mesh_order=order)
     groups = MeshCosts(graph.costs(), small_cluster(16, 80), layout, load_stack()).placement
-    attention, dp_cp, experts = groups.attention, groups.dp_cp, groups.experts
+    dp_cp, experts = groups.dp_cp, groups.experts
     assert experts.of("ep").domains == domains and dp_cp.domains == domains
 
 
