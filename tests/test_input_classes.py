@@ -242,9 +242,24 @@ def test_config_json_of_every_family_with_keys_missing_or_wrong_names_the_key(wo
     path.write_text(json.dumps(config))
     outcome = run(command_reading("config-json", path))
     check(outcome, f"{family} without {dropped} with {changed}", valid=None)
-    if outcome.code == 2 and "field '" in outcome.err:   # a field named is one the user wrote, never ours
-        named = outcome.err.split("field '", 1)[1].split("'", 1)[0]
-        assert named in config or named in ("(top level)", "model_type", "name", "config.json"), outcome.err[:400]
+    if outcome.code == 2 and "field '" in outcome.err:   # a field named is a config.json key (written or to write),
+        named = outcome.err.split("field '", 1)[1].split("'", 1)[0]   # never one of the reader's own fields
+        assert named in config or named in dropped or named in ("(top level)", "model_type", "name", "config.json"), \
+            outcome.err[:400]
+
+
+def test_transformers_own_deepseek_v2_defaults_name_the_missing_top_k(workdir):
+    """transformers' DeepseekV2Config() has 64 routed experts and num_experts_per_tok null: the reader must not
+    assume a top-k (it took 2), and the error names the config.json key, not a module of the captured graph."""
+    transformers = pytest.importorskip("transformers")
+    path = workdir / "deepseek-v2-defaults.json"
+    path.write_text(json.dumps(transformers.DeepseekV2Config().to_dict()))
+    outcome = run(command_reading("config-json", path))
+    check(outcome, "DeepseekV2Config defaults", valid=False)
+    assert f"{path}: field 'num_experts_per_tok'" in " ".join(outcome.err.split()), outcome.err[:400]
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "num_experts_per_tok": 6, "num_hidden_layers": 2}))
+    check(run(command_reading("config-json", path)), "DeepseekV2Config with its top-k", valid=True)
 
 
 @SETTINGS

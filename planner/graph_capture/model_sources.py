@@ -160,9 +160,13 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
                        **{key: config[key] for key in MLA_KEYS}}
     experts = _first(config, "num_local_experts", "n_routed_experts", "num_experts")
     if experts:
+        if config.get("num_experts_per_tok") is None:   # transformers' DeepseekV2Config defaults it to null
+            raise UserInputError(f"{experts} routed experts but no number of experts per token", source=source,
+                                 field="num_experts_per_tok", expected="the router's top-k, a positive integer "
+                                 "(DeepSeek-V2: 6; Mixtral: 2)")
         data["moe"] = {
             "num_experts": experts,
-            "router_topk": _first(config, "num_experts_per_tok", default=2),
+            "router_topk": config["num_experts_per_tok"],
             "moe_ffn_hidden_size": _first(config, "moe_intermediate_size", "intermediate_size"),
             "num_shared_experts": config.get("n_shared_experts") or 0,
             "first_k_dense_layers": config.get("first_k_dense_replace") or 0,
