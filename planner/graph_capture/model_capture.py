@@ -236,6 +236,10 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
     analyzer = _TopAnalyzer(top, [n for n, _ in blocks], dict(blocks), seq_len, leaf_names, fused_kernels,
                             fused_gated_activation)
     parts = analyzer.measure(tokens)
+    if not analyzer.kinds:   # GIT's largest ModuleList is its image encoder's, idle without pixels
+        raise UserInputError(f"the {len(blocks)} repeated blocks found in {name} ({stack_name}) never run in its "
+                             "forward from token ids", expected="a model whose largest nn.ModuleList holds the "
+                             "layers the tokens pass through (for a multimodal model, pass its text decoder)")
 
     seen_params: set[int] = set()
     hidden = None
@@ -281,8 +285,27 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
                       capture_seconds=time.perf_counter() - start,
                       front_end=_front_end(front_end, analyzer.kinds.values()), model_class=model_class,
                       capture_notes=_notes([embed, head, *(k.measured for k in analyzer.kinds.values())])
-                      + _unbuilt_mtp_notes(source, heads - 1) + _stand_in_notes(source),
+                      + _unbuilt_mtp_notes(source, heads - 1) + _stand_in_notes(source)
+                      + _unrouted_stacked_notes(analyzer.kinds),
                       mtp_layers=heads - 1)
+
+
+def _unrouted_stacked_notes(kinds: dict[str, _Kind]) -> tuple[str, ...]:
+    """Stacked [E, in, out] weights in a layer kind where no router of E outputs was found (ZAYA's router is an
+    MLP scoring E + 1 choices): capture bills them as the layer's own weights, replicated, with no expert
+    parallelism; said, not silent."""
+    notes = []
+    for name, kind in kinds.items():
+        if kind.structure.num_experts:
+            continue
+        stacked = [(f"{owner}.{path}".lstrip("."), tuple(p.shape)) for owner, module in kind.block.named_modules()
+                   if not isinstance(module, nn.modules.conv._ConvNd)   # a convolution's [out, in, k] is not
+                   for path, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
+        if stacked:
+            shown = ", ".join(f"'{path}' {list(shape)}" for path, shape in stacked[:3])
+            notes.append(f"layer kind '{name}' holds stacked weights ({shown}) but no router with that many "
+                         "outputs was found: billed as the layer's own weights (no expert parallelism, no routing)")
+    return tuple(notes)
 
 
 def _unbuilt_mtp_notes(source, captured: int) -> tuple[str, ...]:

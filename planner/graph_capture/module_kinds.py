@@ -65,19 +65,20 @@ class RoutedExperts:
     module_list: nn.ModuleList | None
 
 
-def _router_sizes(module: nn.Module) -> set[int]:
-    """Output widths of the child modules that could be a router: a Linear, a module holding a 2-D
+def _router_sizes(module: nn.Module) -> set[tuple[int, int]]:
+    """(experts, input width) of the child modules that could be a router: a Linear, a module holding a 2-D
     `weight` [experts, hidden] it multiplies by itself (Hugging Face 5.x `*TopKRouter`), or a module
     around a gate Linear (torchtitan's `TokenChoiceTopKRouter.gate`)."""
     sizes = set()
     for child in module.children():
         weight = getattr(child, "weight", None)
         if isinstance(child, nn.Linear):
-            sizes.add(child.out_features)
+            sizes.add((child.out_features, child.in_features))
         elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and not isinstance(child, nn.Embedding):
-            sizes.add(weight.shape[0])
+            sizes.add((weight.shape[0], weight.shape[1]))
         elif _wraps_one_linear(child):   # a router module around its gate Linear (torchtitan)
-            sizes.add(next(g for g in child.children() if isinstance(g, nn.Linear)).out_features)
+            gate = next(g for g in child.children() if isinstance(g, nn.Linear))
+            sizes.add((gate.out_features, gate.in_features))
     return sizes
 
 
@@ -88,14 +89,18 @@ def _wraps_one_linear(module: nn.Module) -> bool:
 
 
 def routed_experts(module: nn.Module) -> RoutedExperts | None:
-    sizes = _router_sizes(module)
-    if not sizes:
+    routers = _router_sizes(module)
+    if not routers:
         return None
+    sizes = {experts for experts, _ in routers}
     for child in module.children():
         if isinstance(child, nn.ModuleList) and len(child) in sizes and len({signature(m) for m in child}) == 1:
             gemms = tuple((m.in_features, m.out_features) for m in child[0].modules() if isinstance(m, nn.Linear))
             return RoutedExperts(len(child), frozenset(id(p) for p in child.parameters()), gemms, child)
-    stacked = [p for p in module.parameters() if p.dim() == 3 and p.shape[0] in sizes and p.shape[0] > 1]
+    # an expert's GEMM reads or writes the width the router scores: Inkling2's depthwise conv weight
+    # [channels, 1, kernel] beside a Linear of as many outputs holds no experts
+    stacked = [p for p in module.parameters() if p.dim() == 3 and p.shape[0] > 1
+               and any(p.shape[0] == experts and width in p.shape[1:] for experts, width in routers)]
     if stacked:
         return RoutedExperts(stacked[0].shape[0], frozenset(id(p) for p in stacked),
                              tuple((p.shape[1], p.shape[2]) for p in stacked), None)

@@ -73,6 +73,9 @@ class _Recorder(TorchFunctionMode):
         self.graph = fx.Graph()
         self.node_of: dict[int, fx.Node] = {}
         self.keep_alive: list[object] = []     # ids key node_of: the tensors must outlive the recording
+        # each binding's (tensor id, the node it had): a folded module's bindings are undone with its nodes,
+        # since an op that returns its input (x.float() of a float x, an in-place op) rebinds that tensor
+        self.bindings: list[tuple[int, fx.Node | None]] = []
         self.attrs: dict[str, object] = {}     # get_attr targets: parameters, buffers, leaf modules, constants
         self.inside_leaf = 0
         self.module_path: list[str] = []
@@ -97,8 +100,18 @@ class _Recorder(TorchFunctionMode):
         return node
 
     def _remember(self, value, node: fx.Node) -> None:
+        self.bindings.append((id(value), self.node_of.get(id(value))))
         self.node_of[id(value)] = node
         self.keep_alive.append(value)
+
+    def _undo_bindings(self, mark: int) -> None:
+        """Bind each tensor again to the node it had before `mark` (or to none)."""
+        for key, previous in reversed(self.bindings[mark:]):
+            if previous is None:
+                self.node_of.pop(key, None)
+            else:
+                self.node_of[key] = previous
+        del self.bindings[mark:]
 
     def _bind_outputs(self, out, node: fx.Node) -> None:
         if isinstance(out, torch.Tensor):
@@ -136,7 +149,7 @@ class _Recorder(TorchFunctionMode):
         called with q, k, v shaped [b, heads, s, d] becomes one attention-core node (billed as a fused
         attention kernel, which is what flex, flash and cuDNN attention are)."""
         def forward(*args, **kwargs):
-            before = len(self.graph.nodes)
+            before = (len(self.graph.nodes), len(self.bindings))
             try:
                 out = original(*args, **kwargs)
             except Exception:
@@ -159,7 +172,7 @@ class _Recorder(TorchFunctionMode):
         router chose: `nonzero`, `torch.where(mask)`) cannot run on meta, and becomes one call_module
         node that the measurement runs with balanced routing (tracing._balanced_experts)."""
         def forward(*args, **kwargs):
-            before = len(self.graph.nodes)
+            before = (len(self.graph.nodes), len(self.bindings))
             try:
                 return original(*args, **kwargs)
             except Exception:
@@ -172,9 +185,12 @@ class _Recorder(TorchFunctionMode):
                 return self._fold(module, before, (first,), torch.empty_like(first, device="meta"))
         return forward
 
-    def _fold(self, module: nn.Module, before: int, inputs: tuple, out, attention_layout: str = ""):
-        for node in reversed(list(self.graph.nodes)[before:]):
+    def _fold(self, module: nn.Module, before: tuple[int, int], inputs: tuple, out, attention_layout: str = ""):
+        """One call_module node for what the module recorded since `before` (its node and binding counts)."""
+        nodes, bindings = before
+        for node in reversed(list(self.graph.nodes)[nodes:]):
             self.graph.erase_node(node)
+        self._undo_bindings(bindings)
         target = self.names.modules[id(module)]
         self.attrs[target] = module
         node = self.graph.call_module(target, tuple(self._arg(t) for t in inputs))

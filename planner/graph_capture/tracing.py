@@ -197,8 +197,7 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
     def call_module(self, target, args, kwargs):
         module = self.modules.get(target)
         args, kwargs = on_one_device(args, kwargs, module)
-        if self.fused_kernels and module is not None and is_norm_like(module) and args and \
-                isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        if self.fused_kernels and module is not None and is_norm_like(module) and _one_float_tensor(args, kwargs):
             self.stand_in = True
             return FusedNorm.apply(args[0], norm_statistics(module))
         if self.current is not None and self.current.meta.get("attention_core"):
@@ -283,6 +282,13 @@ class _Analyzer(ExpertLeafAttribution, fx.Interpreter):
         except UserInputError as exc:  # the interpreter decorates messages; keep ours one paragraph
             raise UserInputError(str(exc).split("\n")[0]) from None
         return self.results
+
+
+def _one_float_tensor(args, kwargs) -> bool:
+    """A module called on one floating tensor alone: what the fused-norm stand-in replaces. A norm of several
+    tensors (Zaya's qk_norm of q and k, returning both) runs its own code."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return len(tensors) == 1 and bool(args) and tensors[0] is args[0] and args[0].is_floating_point()
 
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, label: str,
