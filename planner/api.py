@@ -15,7 +15,7 @@ from hardware_profiles.errors import UserInputError
 from hardware_profiles.schema import Cluster
 from hardware_profiles.stack import A2A_OVERLAP_DISPATCHERS, SoftwareStack
 
-from .region import measured_bounds, measured_dispatchers, overlap_measured, zero3_ranks_max
+from .region import job_outside_notes, measured_bounds, measured_dispatchers, overlap_measured, zero3_ranks_max
 from .graph_capture.graph import ModelGraph
 from .job import Job, check_count, job_of, plan_cluster, plan_device
 from .placement import placement_choices, placement_reason
@@ -191,6 +191,9 @@ def _beside_inside(job: Job, result: Plan, cluster: Cluster, pins, pins_field: s
         return result
     graph = job.graph
     device = cluster.device.name
+    beyond = job_outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts)
+    if beyond:
+        return result.model_copy(update={"reasons": result.reasons + beyond})
     # combined 1F1B kept off inside where no published run on the device ran it (and the user left it open)
     overlap_off = pins.a2a_overlap is None and not overlap_measured(graph.num_experts, device)
     inside_pins = replace(pins, shape_bounds=measured_bounds(graph.seq_len, graph.hidden_size, graph.num_experts),

@@ -13,7 +13,7 @@ from .api import InfeasibleError, check_time_limit, pin_values, plan_job
 from .goodput_report import plan_goodput
 from .views import token_text
 from .job import Job, job_of, resolve_cluster
-from .region import outside_shapes, zero3_outside
+from .region import job_outside_notes, outside_shapes, zero3_outside
 
 SWEEP_KEYS = ("num-devices", "device", "inter-node-bandwidth-gbps", "seq-len", "global-batch")
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -239,7 +239,9 @@ def _extrapolation(result, graph) -> str:
     shapes = "; ".join(outside)
     inside = result.inside_measured
     if inside is None:
-        return f"outside the measured region ({shapes}); no plan inside it found"
+        job_itself = job_outside_notes(graph.seq_len, graph.hidden_size, graph.num_experts)
+        why = "the job itself lies outside it, at any layout" if job_itself else "no plan inside it found"
+        return f"outside the measured region ({shapes}); {why}"
     degrees = parse_text(inside.layout)
     best = " ".join(f"{key}{degrees[key]}" for key in ("tp", "pp", "dp", "cp", "ep") if key in degrees)
     return (f"outside the measured region ({shapes}); the best plan inside it: {best}, {inside.step_time_s:.2f} s "

@@ -39,6 +39,31 @@ def measured_bounds(seq_len: int, hidden_size: int, num_experts: int) -> tuple[S
                  if name in ranges and totals[name])
 
 
+def reachable(bound: ShapeBound) -> bool:
+    """Whether any degree gives a per-rank shape `total // degree` inside the bound (it only falls as the
+    degree grows, so the look stops below `low`)."""
+    for degree in range(1, bound.total + 1):
+        value = bound.total // degree
+        if value < bound.low:
+            return False
+        if value <= bound.high:
+            return True
+    return False
+
+
+def job_outside_notes(seq_len: int, hidden_size: int, num_experts: int) -> list[str]:
+    """Per-rank shapes no layout can bring inside the measured region: the job itself lies outside it (a
+    sequence shorter than any published run's), so no plan inside exists to show."""
+    kind = "MoE" if num_experts else "dense"
+    runs = _region().get(kind, {}).get("runs")
+    words = {degree: WORDS[name] for name, degree in SHAPE_DEGREES.items()}
+    whole = {"cp": "the job's sequence", "tp": "the model's hidden width", "ep": "the model's routed experts"}
+    return [f"the job itself lies outside the measured region: {words[b.degree]} is at most {b.total:,} at any "
+            f"{b.degree} ({whole[b.degree]}), where the {runs} published {kind} runs measured "
+            f"{b.low:,} to {b.high:,}; every layout extrapolates there, so no plan inside it is shown"
+            for b in measured_bounds(seq_len, hidden_size, num_experts) if not reachable(b)]
+
+
 def shapes(seq_len: int, hidden_size: int, num_experts: int, tp: int, cp: int, ep: int) -> dict[str, int]:
     """A layout's per-rank shapes, as the region records them."""
     measured = {"tokens_per_cp_rank": seq_len // cp, "hidden_per_tp_rank": hidden_size // tp}

@@ -5,7 +5,9 @@ import re
 import pytest
 
 import planner
-from planner.region import outside_notes, shapes
+from hypothesis import given, strategies as st
+
+from planner.region import ShapeBound, job_outside_notes, outside_notes, reachable, shapes
 
 pytestmark = pytest.mark.heavy
 
@@ -13,6 +15,26 @@ pytestmark = pytest.mark.heavy
 def test_shapes_are_the_layouts_per_rank_sizes():
     assert shapes(8192, 16384, 0, tp=8, cp=32, ep=1) == {"tokens_per_cp_rank": 256, "hidden_per_tp_rank": 2048}
     assert shapes(4096, 7168, 256, tp=1, cp=1, ep=8)["experts_per_ep_rank"] == 32
+
+
+@given(total=st.integers(1, 5000), low=st.integers(1, 6000), span=st.integers(0, 3000))
+def test_a_bound_is_reachable_where_some_degree_puts_the_shape_inside(total, low, span):
+    bound = ShapeBound("cp", total, low, low + span)
+    assert reachable(bound) == any(low <= total // degree <= low + span for degree in range(1, total + 1))
+
+
+def test_a_job_whose_own_sequence_lies_below_every_run_says_so_and_shows_no_plan_inside():
+    """1,024 tokens per sequence: tokens per cp rank is at most 1,024 whatever the layout, below the 2,048 the
+    published dense runs start at. The plan says the job itself lies outside; it does not search inside (where
+    it had reported that no layout divides the model: not why)."""
+    plan = planner.plan("llama3-8b", device="h100-sxm", num_devices=8, global_batch=64, seq_len=1024)
+    assert plan.outside_measured and plan.inside_measured is None
+    said = " ".join(plan.reasons)
+    assert "the job itself lies outside the measured region" in said and "at most 1,024 at any cp" in said
+    assert "no plan inside the measured region was found" not in said
+    assert not job_outside_notes(8192, 4096, 0) and job_outside_notes(1024, 4096, 0)
+    report = planner.whatif("llama3-8b", device="h100-sxm", num_devices=8, sweep="seq-len=1024", global_batch=64)
+    assert "the job itself lies outside it" in report.rows[0].extrapolates
 
 
 def test_llama3_405b_on_16384_h100_says_it_extrapolates_in_cp_and_tp():
