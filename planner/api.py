@@ -56,6 +56,11 @@ def _infeasible(graph: ModelGraph, cluster: Cluster, global_batch: int, outcome:
                                f"plan or a proof that none fits, and no plan was found for {graph.name} on "
                                f"{cluster.num_devices} x {cluster.device.name}", field=pins_field,
                                expected="pins (--fix) that narrow the space, e.g. the pipeline degree")
+    if need == float("inf") and pins.shape_bounds:   # the search inside the measured region (_beside_inside)
+        kept = ", ".join(f"{b.degree} with {b.total:,} // {b.degree} in {b.low:,}-{b.high:,}" for b in pins.shape_bounds)
+        return InfeasibleError(f"no layout of {cluster.num_devices} devices both divides this model and batch and "
+                               f"keeps its per-rank shapes inside the measured ranges ({kept})", field="layout",
+                               expected="a device count and batch that a layout inside the measured region divides")
     if need == float("inf"):
         return InfeasibleError(f"no layout of {cluster.num_devices} devices divides this model and batch "
                                f"({graph.attention_heads} heads, {graph.num_blocks} layers, global batch "
