@@ -5,12 +5,17 @@ fuses norms and activations captures it. Capture may refuse a module (UserInputE
 values, blocks that never run), but never fails otherwise: each crash class this sweep found stays closed
 (a norm of two tensors, an op returning its own input inside a folded module, a depthwise convolution beside a
 Linear taken for experts, a model whose largest ModuleList is an idle image encoder). Families whose small
-config transformers itself refuses to build are skipped, each named.
+config transformers itself refuses to build are skipped (36 of 196 at transformers 5.24).
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+
 import pytest
 import torch
+
+import planner
 
 from hardware_profiles.errors import UserInputError
 from planner.graph_capture.model_capture import capture
@@ -107,3 +112,41 @@ def test_zaya_experts_behind_an_mlp_router_are_said_not_silently_dense():
     graph = _capture_or_refuse(small_module("zaya"))
     assert graph is not None
     assert any("mlp.experts.gate_up_proj" in note and "no expert parallelism" in note for note in graph.capture_notes)
+
+
+def small_config_json(tmp_path, model_type: str, **extra) -> str:
+    """transformers' own config for the family, small, written as a config.json (its to_dict(), as a hub file)."""
+    base = transformers.AutoConfig.for_model(model_type)
+    sizes = {k: v for k, v in {**SMALL, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                "intermediate_size": 512, "vocab_size": 1024, "max_position_embeddings": 2048,
+                                **extra}.items() if hasattr(base, k)}
+    path = tmp_path / f"{model_type}.json"
+    path.write_text(json.dumps(transformers.AutoConfig.for_model(model_type, **sizes).to_dict(), default=str))
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "glm4_moe"])
+def test_a_config_json_of_a_family_the_reader_does_not_map_plans_as_transformers_class(tmp_path, model_type):
+    """OLMo 2 and GLM-4.5 (MoE) are no family config_from_hf maps: their config.json is built as transformers' own
+    class and captured as that module, with the module's own parameters and routed experts, at the config's
+    positions where no sequence is given."""
+    path = small_config_json(tmp_path, model_type)
+    module = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    graph = capture(path, fused_kernels=True)
+    assert graph.model_class == type(module).__name__ and graph.seq_len == 2048
+    assert graph.total_params == sum(p.numel() for p in module.parameters())
+    experts = config_experts(module)
+    assert {k.num_experts for k in graph.kinds if k.role == "block"} >= ({experts} if experts else {0})
+    result = planner.plan(path, device="h100-sxm", num_devices=8, global_batch=16, seq_len=256)
+    assert result.model == model_type and result.step_time_s > 0 and (experts or result.layout.ep == 1)
+
+
+def test_a_kernel_run_as_its_torch_reference_is_said_in_every_capture(tmp_path):
+    """Qwen3.5's Gated DeltaNet runs transformers' PyTorch reference where flash-linear-attention is not installed,
+    and transformers warns once per process: each capture says it (two sequence lengths, two captures)."""
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed: transformers runs its kernel, no reference")
+    path = small_config_json(tmp_path, "qwen3_5_moe_text")
+    for seq in (128, 256):
+        notes = " ".join(capture(path, seq_len=seq, fused_kernels=True).capture_notes)
+        assert "`chunk_gated_delta_rule` as its PyTorch reference" in notes, notes

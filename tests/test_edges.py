@@ -281,12 +281,14 @@ HF = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_
 
 
 @pytest.mark.parametrize("change,named", [
-    ({"model_type": "bert"}, "model_type"), ({"model_type": "t5"}, "model_type"), ({"model_type": None}, "model_type"),
+    ({"model_type": "no-such-family"}, "model_type"), ({"model_type": "t5"}, "model_type"),
+    ({"model_type": "vit"}, "model_type"), ({"model_type": None}, "model_type"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings"), ({"num_hidden_layers": True}, "num_hidden_layers"),
     ({"hidden_size": "256"}, "hidden_size"), ({"head_dim": 10 ** 15}, "head_dim"),
 ])
 def test_config_json_values_are_typed(change, named, tmp_path, capsys, monkeypatch):
-    """An unknown model_type was built as a Llama; "false" came out tied; true was 1; a string hidden size
+    """An unknown model_type was built as a Llama (one transformers knows as no causal LM, T5 or ViT, is refused
+    too; one it knows as a causal LM is built as its class: tests/test_capture_families.py); "false" came out tied; true was 1; a string hidden size
     built an ffn of 256256256256; a head_dim of 1e15 was blamed on --num-devices."""
     path = tmp_path / "config.json"
     import json

@@ -164,6 +164,8 @@ def _instantiate(source: ModelConfig | UserModule, seq_len: int) -> tuple[nn.Mod
     except SystemExit as exc:
         raise UserInputError(f"the factory called sys.exit({exc.code!r})", source=source.source,
                              expected="a factory that returns a torch.nn.Module") from None
+    except UserInputError:   # a config.json transformers refuses: said as such (transformers_models.py)
+        raise
     except Exception as exc:
         raise UserInputError(f"the factory failed: {type(exc).__name__}: {exc}", source=source.source) from None
     if not isinstance(module, nn.Module):
@@ -374,6 +376,8 @@ def _capture(model, seq_len, leaf_modules, attention_impl, fused_kernels, fused_
         source = source.model_copy(update={"dropout": dropout})
         assumed = (f"dropout {dropout:g} on hidden states and attention probabilities: the model does not state "
                    "it, the stack's default assumed (its masks billed; state `dropout: 0` for a model without)",)
+    if seq_len is None and isinstance(source, UserModule):
+        seq_len = source.seq_len   # a config.json built as transformers' class: its positions
     if seq_len is None:
         if not isinstance(source, ModelConfig):
             raise UserInputError("a user module needs a sequence length", field="seq_len",

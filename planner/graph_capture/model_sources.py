@@ -10,6 +10,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from hardware_profiles.loader import read_small_text, read_yaml_mapping
 from hardware_profiles.parsing import parse_json
 
 from .model_config import ModelConfig
+from .transformers_models import transformers_available, transformers_model
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models"
 MODULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -33,6 +35,7 @@ class UserModule:
     factory: Callable[[], nn.Module]
     source: str
     module: nn.Module | None = None   # an existing module object (captured from a meta copy)
+    seq_len: int | None = None        # the sequence a job without one takes (a config.json's positions)
 
 
 def list_builtin_models() -> list[str]:
@@ -180,6 +183,28 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         raise _in_config_json_keys(format_pydantic_error(source, exc, "model config"), config) from None
 
 
+def transformers_family(config: dict, source: str) -> UserModule | None:
+    """A config.json of a causal-LM family this reader does not map (HF_MODEL_TYPES), built as transformers' own
+    class where transformers is installed and knows its model_type: captured as that module, its structure read
+    from its graph; None otherwise (the reader maps it, or says it cannot)."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type in HF_MODEL_TYPES or not transformers_available():
+        return None
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        causal = CONFIG_MAPPING[model_type] in MODEL_FOR_CAUSAL_LM_MAPPING
+    except KeyError:   # a model_type transformers does not know
+        return None
+    if not causal:
+        return None
+    name = _plain_name(config.get("_name_or_path")) or (Path(source).stem if source.endswith(".json") else model_type)
+    positions = _first(config, "max_position_embeddings", "n_positions", "n_ctx", default=4096)   # as config_from_hf
+    return UserModule(name=name, factory=partial(transformers_model, config, None, name),
+                      source=f"{source} (transformers' class for model_type '{model_type}')",
+                      seq_len=positions if isinstance(positions, int) and not isinstance(positions, bool) else None)
+
+
 def _plain_name(name) -> str:
     """A `_name_or_path` as a plan names the model: its last path part, other characters as '-'."""
     if not isinstance(name, str) or not name.strip():
@@ -247,8 +272,9 @@ def resolve_model(spec) -> ModelConfig | UserModule:
     if isinstance(spec, ModelConfig | UserModule):
         return spec
     if isinstance(spec, dict):
-        return config_from_hf(spec, "config dict") if "model_type" in spec or "n_embd" in spec \
-            else _validate(spec, "model dict")
+        if "model_type" in spec or "n_embd" in spec:
+            return transformers_family(spec, "config dict") or config_from_hf(spec, "config dict")
+        return _validate(spec, "model dict")
     if isinstance(spec, nn.Module):
         return UserModule(name=type(spec).__name__, factory=lambda: spec, source="module object", module=spec)
     text = str(spec)
@@ -264,7 +290,7 @@ def resolve_model(spec) -> ModelConfig | UserModule:
         if not isinstance(config, dict):
             raise UserInputError("the file does not hold a JSON object", source=text,
                                  expected="a Hugging Face config.json")
-        return config_from_hf(config, text)
+        return transformers_family(config, text) or config_from_hf(config, text)
     if path.suffix in (".yaml", ".yml"):
         return load_model_yaml(path)
     if text in list_builtin_models():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -260,7 +261,7 @@ def record(root: nn.Module, args: tuple, kwargs: dict | None = None, leaf_ids: s
         module.forward = recorder.experts_forward(module, module.forward)
     patched += activations + experts
     try:
-        with recorder, _autocast_on_meta(recorder):
+        with recorder, _autocast_on_meta(recorder), _reference_kernels_heard(recorder):
             out = root(*args, **kwargs)
     except UserInputError:
         raise
@@ -328,6 +329,36 @@ def _autocast_on_meta(recorder: _Recorder):
         yield
     finally:
         torch.autocast = real
+
+
+FALLBACK = "is falling back to its reference PyTorch implementation"   # transformers' hub_kernels.py warning
+
+
+@contextlib.contextmanager
+def _reference_kernels_heard(recorder: _Recorder):
+    """transformers runs a kernel's PyTorch reference where its package (flash-linear-attention, causal-conv1d) is
+    not installed, and warns once per process: while recording, each such warning becomes a capture note instead
+    (every capture says it, not only a process's first), since the graph then holds the reference's many small
+    ops, billed one by one, where a training run's fused kernel is one."""
+    original = getattr(logging.Logger, "warning_once", None)   # transformers installs it on import
+    if original is None:
+        yield
+        return
+
+    def heard(logger, message, *args, **kwargs):
+        text = str(message)
+        if FALLBACK not in text:
+            return original(logger, message, *args, **kwargs)
+        names = text.split("`")
+        function, package = (names[1], names[3]) if len(names) > 4 else ("a kernel", "its package")
+        recorder.notes.add(f"transformers ran `{function}` as its PyTorch reference ({package} is not installed "
+                           "where the plan was made): its many small ops are billed one by one, slower than the fused "
+                           "kernel a training run uses")
+    logging.Logger.warning_once = heard
+    try:
+        yield
+    finally:
+        logging.Logger.warning_once = original
 
 
 def _module_path_hooks(recorder: _Recorder) -> list:
