@@ -32,7 +32,9 @@ SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, 
 # layer kind (None: a dense model), from the config transformers built
 FIXED = {"zaya": "norm of q and k under fused norms", "deepseek_v4": "x.float() of a float x inside a norm",
          "inkling2_text": "depthwise conv1d beside a Linear", "qwen3_5_moe_text": "Gated DeltaNet's conv1d",
-         "lara_mini": "linear attention's conv1d", "recurrent_gemma": "a recurrent block's conv1d"}
+         "lara_mini": "linear attention's conv1d", "recurrent_gemma": "a recurrent block's conv1d",
+         "mamba": "the mixer's conv1d beside dt_proj, a Linear of as many outputs reading dt_rank = kernel width",
+         "jamba": "Mamba layers beside MoE ones"}
 
 
 def small_module(model_type: str) -> torch.nn.Module:

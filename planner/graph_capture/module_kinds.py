@@ -97,9 +97,10 @@ def routed_experts(module: nn.Module) -> RoutedExperts | None:
         if isinstance(child, nn.ModuleList) and len(child) in sizes and len({signature(m) for m in child}) == 1:
             gemms = tuple((m.in_features, m.out_features) for m in child[0].modules() if isinstance(m, nn.Linear))
             return RoutedExperts(len(child), frozenset(id(p) for p in child.parameters()), gemms, child)
-    # an expert's GEMM reads or writes the width the router scores: Inkling2's depthwise conv weight
-    # [channels, 1, kernel] beside a Linear of as many outputs holds no experts
-    stacked = [p for p in module.parameters() if p.dim() == 3 and p.shape[0] > 1
+    # an expert's GEMM reads or writes the width the router scores, and is no convolution: Inkling2's and
+    # Mamba's depthwise conv weights [channels, 1, kernel] beside a Linear of as many outputs hold no experts
+    stacked = [p for m in module.modules() if not isinstance(m, nn.modules.conv._ConvNd)
+               for p in m.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1
                and any(p.shape[0] == experts and width in p.shape[1:] for experts, width in routers)]
     if stacked:
         return RoutedExperts(stacked[0].shape[0], frozenset(id(p) for p in stacked),
