@@ -21,7 +21,7 @@ from .block_graphs import find_block_stack, trace
 from .tracing import Measured, _Analyzer, block_params, measure_block, weight_pass_groups
 from .graph import BlockStructure, LayerSlot, ModelGraph
 from .graph_analysis import block_window
-from .module_kinds import signature
+from .module_kinds import signature, stacked_weights
 from .model_config import MAX_SEQ, ModelConfig
 from .model_sources import UserModule, resolve_model
 from .op_costs import tensor_bytes
@@ -300,11 +300,9 @@ def _unrouted_stacked_notes(kinds: dict[str, _Kind]) -> tuple[str, ...]:
     for name, kind in kinds.items():
         if kind.structure.num_experts:
             continue
-        stacked = [(f"{owner}.{path}".lstrip("."), tuple(p.shape)) for owner, module in kind.block.named_modules()
-                   if not isinstance(module, nn.modules.conv._ConvNd)   # a convolution's [out, in, k] is not
-                   for path, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
+        stacked = stacked_weights(kind.block)
         if stacked:
-            shown = ", ".join(f"'{path}' {list(shape)}" for path, shape in stacked[:3])
+            shown = ", ".join(f"'{path}' {list(p.shape)}" for path, p in stacked[:3])
             notes.append(f"layer kind '{name}' holds stacked weights ({shown}) but no router with that many "
                          "outputs was found: billed as the layer's own weights (no expert parallelism, no routing)")
     return tuple(notes)

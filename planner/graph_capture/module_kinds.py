@@ -88,6 +88,14 @@ def _wraps_one_linear(module: nn.Module) -> bool:
     return len(holders) == 1 and isinstance(holders[0], nn.Linear) and holders[0] is not module
 
 
+def stacked_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(path, parameter) of the module's [E, in, out] weights with E > 1: stacked experts, where a router scores E
+    (a convolution's [out, in, kernel] weight is none)."""
+    return [(f"{owner}.{name}".lstrip("."), p) for owner, m in module.named_modules()
+            if not isinstance(m, nn.modules.conv._ConvNd)
+            for name, p in m.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
+
+
 def routed_experts(module: nn.Module) -> RoutedExperts | None:
     routers = _router_sizes(module)
     if not routers:
@@ -97,11 +105,10 @@ def routed_experts(module: nn.Module) -> RoutedExperts | None:
         if isinstance(child, nn.ModuleList) and len(child) in sizes and len({signature(m) for m in child}) == 1:
             gemms = tuple((m.in_features, m.out_features) for m in child[0].modules() if isinstance(m, nn.Linear))
             return RoutedExperts(len(child), frozenset(id(p) for p in child.parameters()), gemms, child)
-    # an expert's GEMM reads or writes the width the router scores, and is no convolution: Inkling2's and
-    # Mamba's depthwise conv weights [channels, 1, kernel] beside a Linear of as many outputs hold no experts
-    stacked = [p for m in module.modules() if not isinstance(m, nn.modules.conv._ConvNd)
-               for p in m.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1
-               and any(p.shape[0] == experts and width in p.shape[1:] for experts, width in routers)]
+    # an expert's GEMM reads or writes the width the router scores: Inkling2's and Mamba's depthwise conv
+    # weights [channels, 1, kernel] beside a Linear of as many outputs hold no experts
+    stacked = [p for _, p in stacked_weights(module)
+               if any(p.shape[0] == experts and width in p.shape[1:] for experts, width in routers)]
     if stacked:
         return RoutedExperts(stacked[0].shape[0], frozenset(id(p) for p in stacked),
                              tuple((p.shape[1], p.shape[2]) for p in stacked), None)
