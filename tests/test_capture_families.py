@@ -151,4 +151,9 @@ def test_a_kernel_run_as_its_torch_reference_is_said_in_every_capture(tmp_path):
     path = small_config_json(tmp_path, "qwen3_5_moe_text")
     for seq in (128, 256):
         notes = " ".join(capture(path, seq_len=seq, fused_kernels=True).capture_notes)
-        assert "`chunk_gated_delta_rule` as its PyTorch reference" in notes, notes
+        assert "`chunk_gated_delta_rule` in 'linear_attn' as its PyTorch reference" in notes, notes
+    # the module named a leaf, as the note offers: one op of its counted FLOPs, far fewer kernels, nothing said
+    ops = sum(len(kind.ops) for kind in capture(path, seq_len=256, fused_kernels=True).kinds)
+    leaf = capture(path, seq_len=256, fused_kernels=True, leaf_modules=("linear_attn",))
+    assert not any("PyTorch reference" in note for note in leaf.capture_notes)
+    assert sum(len(kind.ops) for kind in leaf.kinds) < ops / 2

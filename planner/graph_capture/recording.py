@@ -349,11 +349,15 @@ def _reference_kernels_heard(recorder: _Recorder):
         text = str(message)
         if FALLBACK not in text:
             return original(logger, message, *args, **kwargs)
+        if recorder.inside_leaf:   # a leaf is billed as one op by its counted FLOPs: the reference's ops are not
+            return None
         names = text.split("`")
         function, package = (names[1], names[3]) if len(names) > 4 else ("a kernel", "its package")
-        recorder.notes.add(f"transformers ran `{function}` as its PyTorch reference ({package} is not installed "
-                           "where the plan was made): its many small ops are billed one by one, slower than the fused "
-                           "kernel a training run uses")
+        where = recorder.module_path[-1] if recorder.module_path else ""
+        recorder.notes.add(f"transformers ran `{function}` in '{where}' as its PyTorch reference ({package} is not "
+                           "installed where the plan was made): its many small ops are billed one by one, slower than "
+                           f"the fused kernel a training run uses; --leaf-modules {where} bills that module as one op "
+                           "of its counted FLOPs instead (replicated under tp)")
     logging.Logger.warning_once = heard
     try:
         yield
