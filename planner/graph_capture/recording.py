@@ -270,14 +270,15 @@ def record(root: nn.Module, args: tuple, kwargs: dict | None = None, leaf_ids: s
         raise UserInputError(f"cannot capture {label}: module '{where}': {exc}", field="seq_len",
                              expected="a sequence length the model's position table holds") from None
     except Exception as exc:
-        where = recorder.module_path[-1] if recorder.module_path else type(root).__name__
+        where = recorder.module_path[-1] if recorder.module_path else ""   # "": the root's own code
+        leaf = (f", or leaf_modules=['{where}'] (--leaf-modules {where}) to bill that module as one shape-preserving "
+                "op, reported in the plan (--strict-capture refuses it)") if where else ""
         raise UserInputError(
-            f"cannot capture {label}: running its forward on meta tensors failed in module '{where}' with "
+            f"cannot capture {label}: running its forward on meta tensors failed in "
+            f"{f'module {where!r}' if where else f'its own forward ({type(root).__name__})'} with "
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-            expected=f"a module whose forward runs without reading tensor values (no .item(), nonzero() or "
-                     f"branches on data; transformers MoE models: experts_implementation='grouped_mm'), or "
-                     f"leaf_modules=['{where}'] (--leaf-modules {where}) to bill that module as one "
-                     "shape-preserving op, reported in the plan (--strict-capture refuses it)"
+            expected="a module whose forward runs without reading tensor values (no .item(), nonzero() or "
+                     "branches on data; transformers MoE models: experts_implementation='grouped_mm')" + leaf
         ) from None
     finally:
         for module in patched:
