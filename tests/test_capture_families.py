@@ -50,6 +50,7 @@ def _capture_or_refuse(module: torch.nn.Module):
         return capture(module, seq_len=SEQ, fused_kernels=True, fused_gated_activation=True, attention_impl="flash")
     except UserInputError as exc:
         assert "\n" not in str(exc).strip(), str(exc)   # one paragraph
+        assert "module ''" not in str(exc), str(exc)   # it names where, or the class whose own code failed
         return None
 
 
