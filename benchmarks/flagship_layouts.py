@@ -53,9 +53,9 @@ JOBS = (
              19.9, "upper bound: 180K H800 GPU-hours per trillion tokens (the report's cluster-wide figure, every "
                    "overhead in it) at 62.9M tokens a step",
              "DualPipe (each micro-batch's expert all-to-alls hidden behind another's compute) and node-limited "
-             "routing with DeepEP's dispatch (each token sent to at most 4 nodes); through the plain path "
-             "Megatron-Core's stack bills its default `alltoall` dispatcher (the dispatcher is the stack's, not yet "
-             "a plan field the search chooses: issue 43) with nothing overlapping it: Megatron-Core pairs passes "
+             "routing with DeepEP's dispatch (each token sent to at most 4 nodes); through the plain path the "
+             "search chooses the dispatcher for the published degrees too (the layout row: DeepEP-style, one copy "
+             "per destination node, with no node limit) with nothing overlapping it: Megatron-Core pairs passes "
              "(combined 1F1B, which the search weighs where the stack can run it) only with virtual stages or "
              "without a pipeline, and the published PP 16 has no virtual stages; DualPipe is not a Megatron-Core "
              "schedule"),
@@ -71,8 +71,9 @@ def described(lay) -> str:
     """A plan's layout record in words: degrees, ZeRO, recomputation and the overlaps it runs."""
     overlaps = [name for name, on in (("TP overlap", lay.tp_comm_overlap), ("combined 1F1B", lay.moe_a2a_overlap))
                 if on]
+    dispatcher = f", {lay.moe_dispatcher} dispatcher" if lay.ep > 1 else ""
     return (f"{lay.tp} tp, {lay.pp} pp x {lay.vp}, {lay.dp} dp, {lay.cp} cp, {lay.ep} ep, mbs {lay.mbs}, ZeRO "
-            f"{lay.zero}, {lay.recompute}" + "".join(f", {name}" for name in overlaps))
+            f"{lay.zero}, {lay.recompute}{dispatcher}" + "".join(f", {name}" for name in overlaps))
 
 
 def band(result) -> str:
