@@ -135,7 +135,8 @@ def _top_graph(model: nn.Module, block_ids: set[int], tokens: torch.Tensor, leaf
         leaf_ids = block_ids | {id(m) for n, m in model.named_modules()
                                 if n and any(n == leaf or n.endswith("." + leaf) for leaf in leaf_names)}
         real_tokens = torch.zeros(tokens.shape, dtype=tokens.dtype)
-        return record(model, (real_tokens,), None, leaf_ids=leaf_ids, label=name).graph_module, "recorded"
+        return record(model, (real_tokens,), None, leaf_ids=leaf_ids, label=name,
+                      repeated=block_ids).graph_module, "recorded"
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ from hardware_profiles.errors import UserInputError, format_pydantic_error
 from hardware_profiles.loader import read_small_text, read_yaml_mapping
 from hardware_profiles.parsing import parse_json
 
-from .model_config import ModelConfig
+from .model_config import MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_SEQ, MAX_VOCAB, MAX_WIDTH, ModelConfig
 from .transformers_models import transformers_available, transformers_model
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models"
@@ -80,6 +80,31 @@ HF_INT_KEYS = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_hea
 MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")   # q_lora_rank may be null
 HF_BOOL_KEYS = ("tie_word_embeddings", "use_parallel_residual", "attention_bias")
 HF_FLOAT_KEYS = ("resid_pdrop", "hidden_dropout", "embd_pdrop", "attn_logit_softcapping", "final_logit_softcapping")
+
+
+# the largest value of each size key of any family's config.json (the reference decoder's own limits), checked
+# before transformers builds a class from it: a hand-edited 10^9 layers would build for hours
+HF_SIZE_LIMITS = {**dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), MAX_LAYERS),
+                  **dict.fromkeys(("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "head_dim",
+                                   "moe_intermediate_size", "shared_expert_intermediate_size", "kv_lora_rank",
+                                   "q_lora_rank"), MAX_WIDTH),
+                  **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads"), MAX_HEADS),
+                  **dict.fromkeys(("num_local_experts", "n_routed_experts", "num_experts", "num_experts_per_tok",
+                                   "n_shared_experts"), MAX_EXPERTS),
+                  "vocab_size": MAX_VOCAB,
+                  **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), MAX_SEQ)}
+
+
+def _check_hf_sizes(config: dict, source: str, prefix: str = "") -> None:
+    """Each size a config.json (or its text_config) states is an integer within the reference decoder's limits."""
+    for key, limit in HF_SIZE_LIMITS.items():
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit):
+            raise UserInputError(f"{value!r}", source=source, field=prefix + key,
+                                 expected=f"an integer from 0 to {limit:,}")
+    nested = config.get("text_config")
+    if isinstance(nested, dict) and not prefix:
+        _check_hf_sizes(nested, source, "text_config.")
 
 
 def _check_hf_types(config: dict, source: str) -> None:
@@ -198,6 +223,7 @@ def transformers_family(config: dict, source: str) -> UserModule | None:
         return None
     if not causal:
         return None
+    _check_hf_sizes(config, source)
     name = _plain_name(config.get("_name_or_path")) or (Path(source).stem if source.endswith(".json") else model_type)
     positions = _first(config, "max_position_embeddings", "n_positions", "n_ctx", default=4096)   # as config_from_hf
     return UserModule(name=name, factory=partial(transformers_model, config, None, name),

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hardware_profiles.errors import UserInputError
 
-from .module_kinds import is_expert_container, is_linear_like, is_norm_like, may_be_activation
+from .module_kinds import is_expert_container, is_linear_like, is_norm_like, may_be_activation, signature
 from .values import REAL_VALUE_MAX_ELEMENTS, TableOverrun, attention_layout, cpu_to_meta, query_key_value, run_call
 
 
@@ -66,8 +66,12 @@ class _Names:
 class _Recorder(TorchFunctionMode):
     """Writes each top-level torch call into `graph`; calls made inside a leaf module are not written."""
 
-    def __init__(self, root: nn.Module, leaf_ids: set[int], seq_len: int | None):
+    def __init__(self, root: nn.Module, leaf_ids: set[int], seq_len: int | None, repeated: set[int] = frozenset()):
         super().__init__()
+        # leaves alike by class, parameter shapes and arguments give alike outputs: a model's repeated blocks are
+        # run once per kind (a 126-layer model's top graph records in the time of a few layers, not 126)
+        self.repeated = repeated
+        self.outputs_of: dict[tuple, object] = {}
         self.seq_len = seq_len   # tells an attention kernel's sequence axis from its heads axis
         self.names = _Names.of(root)
         self.named_leaves = leaf_ids   # the user's leaf_modules (blocks too, at the top level)
@@ -205,6 +209,10 @@ class _Recorder(TorchFunctionMode):
         def forward(*args, **kwargs):
             if self.inside_leaf:
                 return original(*args, **kwargs)
+            key = (signature(module), _argument_shapes(args, kwargs)) if id(module) in self.repeated else None
+            if key is not None and key in self.outputs_of:
+                out = tree_map(_meta_like, self.outputs_of[key])
+                return self._leaf_node(module, args, kwargs, out)
             self.inside_leaf += 1
             try:
                 out = original(*args, **kwargs)
@@ -219,13 +227,34 @@ class _Recorder(TorchFunctionMode):
                 out = torch.empty_like(first, device="meta")
             finally:
                 self.inside_leaf -= 1
-            target = self.names.modules[id(module)]
-            self.attrs[target] = module
-            node = self.graph.call_module(target, tree_map(self._arg, args), tree_map(self._arg, kwargs))
-            self._annotate(node)
-            self._bind_outputs(out, node)
-            return out
+            if key is not None:
+                self.outputs_of[key] = out
+            return self._leaf_node(module, args, kwargs, out)
         return forward
+
+    def _leaf_node(self, module: nn.Module, args, kwargs, out):
+        target = self.names.modules[id(module)]
+        self.attrs[target] = module
+        node = self.graph.call_module(target, tree_map(self._arg, args), tree_map(self._arg, kwargs))
+        self._annotate(node)
+        self._bind_outputs(out, node)
+        return out
+
+
+def _argument_shapes(args, kwargs) -> tuple:
+    """What a leaf's output shapes may depend on: its tensors' shapes and dtypes, and its other arguments' plain
+    values (the type alone of anything else: a mask or cache object)."""
+    flat, spec = tree_flatten((args, kwargs))
+    return (str(spec), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
+                             else a if isinstance(a, (int, float, str, bool, type(None))) else type(a).__name__
+                             for a in flat))
+
+
+def _meta_like(value):
+    """A fresh meta tensor shaped like a leaf's earlier output (another node's value), anything else as it was."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
 
 
 def _forward_kwargs(root: nn.Module) -> dict:
@@ -238,20 +267,21 @@ def _forward_kwargs(root: nn.Module) -> dict:
 
 
 def record(root: nn.Module, args: tuple, kwargs: dict | None = None, leaf_ids: set[int] = frozenset(),
-           label: str = "model", seq_len: int | None = None) -> Recording:
+           label: str = "model", seq_len: int | None = None, repeated: set[int] = frozenset()) -> Recording:
     """Run `root(*args, **kwargs)` once and return the graph of what it called.
 
     `args`/`kwargs` hold meta tensors; every tensor among them becomes a placeholder, in order. Without
     kwargs a whole model is called as for training (no generation cache)."""
     kwargs = _forward_kwargs(root) if kwargs is None else dict(kwargs)
-    recorder = _Recorder(root, set(leaf_ids), seq_len)
+    recorder = _Recorder(root, set(leaf_ids), seq_len, set(repeated))
     flat, _ = tree_flatten((args, kwargs))
     inputs = tuple(t for t in flat if isinstance(t, torch.Tensor))
     for index, tensor in enumerate(inputs):
         recorder._remember(tensor, recorder.graph.placeholder(f"input{index}"))
     patched = [m for m in root.modules() if m is not root and (id(m) in leaf_ids or is_recorded_leaf(m))]
-    activations = [m for m in root.modules() if m is not root and m not in patched and may_be_activation(m)]
-    experts = [m for m in root.modules() if m is not root and m not in patched and is_expert_container(m)]
+    leaves = {id(m) for m in patched}   # a set: a 1,000-layer model has 15,000 modules to look up
+    activations = [m for m in root.modules() if m is not root and id(m) not in leaves and may_be_activation(m)]
+    experts = [m for m in root.modules() if m is not root and id(m) not in leaves and is_expert_container(m)]
     paths = _module_path_hooks(recorder)
     for module in patched:
         module.forward = recorder.leaf_forward(module, module.forward)
