@@ -20,6 +20,9 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 # written as GB, a fraction as a percentage inverted), and the times it gives leave what the solver's 64-bit
 # integers hold (1e-300 TFLOP/s is a step of 1e290 s; planner/search/partition_model.py counts in microseconds).
 SMALLEST_MAGNITUDE, LARGEST_MAGNITUDE = 1e-6, 1e15
+# a kernel's floor, a host call or a hop's latency past a second is no device's: a unit mistake (ms or ns written as
+# us); a floor of 3.8e10 us made every layout's terms pass the solver's horizon, and the search found none
+MAX_LATENCY_US = 1e6
 
 
 class Strict(BaseModel):
@@ -70,7 +73,7 @@ class GemmEfficiency(Strict):
     # MXFP8 block-scaled GEMMs' fraction where it is not the per-tensor FP8 one (the scales' loads in the
     # kernel); None: the FP8 fraction
     mxfp8_peak_fraction: float | None = Field(default=None, gt=0, le=1)
-    kernel_floor_us: float = Field(ge=0)
+    kernel_floor_us: float = Field(ge=0, le=MAX_LATENCY_US)
     # share of MAMF sustained inside a training step (fusions, launch gaps, non-ideal shapes); fitted on
     # published runs by benchmarks/calibrate.py, 1.0 where no run exists
     sustained_fraction: float = Field(default=1.0, gt=0, le=1)
@@ -83,8 +86,8 @@ class IntraNodeFabric(Strict):
     in_network_reduction: bool = False
     in_network_fraction: float | None = Field(default=None, gt=0, le=1)
     in_network_min_ranks: int = Field(default=2, ge=2)
-    base_latency_us: float = Field(ge=0)
-    hop_latency_us: float = Field(ge=0)
+    base_latency_us: float = Field(ge=0, le=MAX_LATENCY_US)
+    hop_latency_us: float = Field(ge=0, le=MAX_LATENCY_US)
     all_to_all_fraction: float = Field(gt=0, le=1)
     # measured by group size where a source gives a curve (DeepEP-style tables): ranks -> fraction,
     # interpolated in log2(ranks) between entries and held at the ends; all_to_all_fraction elsewhere
@@ -169,7 +172,7 @@ class Device(Strict):
     # CPU time of one torch.nn.Linear forward call issued from Python on the node's host CPU: the unit in which
     # a stack states its host time per call (`SoftwareStack.host_calls`, cost_models/host_time.py); None where
     # no source measured the node's CPU (host time is then not billed, and a plan says so)
-    host_call_us: float | None = Field(default=None, gt=0)
+    host_call_us: float | None = Field(default=None, gt=0, le=MAX_LATENCY_US)
     # tensor cores that apply MXFP8's per-block scales (Blackwell); the mxfp8 recipe needs them
     mxfp8: bool = False
     # per-tensor FP8 GEMMs take any operand layout (Blackwell: Transformer Engine's is_non_tn_fp8_gemm_supported),
@@ -205,7 +208,7 @@ class InterNodeNetwork(Strict):
     # (it cannot aggregate a node's NICs, NVIDIA/nccl-tests issue 267), short of the rings' `busbw_fraction`;
     # None where no figure is known: the rings' fraction is assumed and the plan says so
     all_to_all_fraction: float | None = Field(default=None, gt=0, le=1)
-    latency_us: float = Field(ge=0)
+    latency_us: float = Field(ge=0, le=MAX_LATENCY_US)
     pod_size_devices: int | None = Field(default=None, gt=0)
     oversubscription_above_pod: float = Field(default=1.0, ge=1)
     in_network_reduction: bool = False
