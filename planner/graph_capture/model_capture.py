@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from cost_models.records import LayerKind, OpCost, OpKind, ParamGroup, Sharding
 from hardware_profiles.errors import UserInputError
 
-from .recording import record
+from .recording import fresh_like, record
 from .block_graphs import find_block_stack, trace
 from .tracing import Measured, _Analyzer, block_params, measure_block, weight_pass_groups
 from .graph import BlockStructure, LayerSlot, ModelGraph
@@ -38,13 +38,6 @@ class _Kind:
     block: nn.Module
     input_bytes: float
     front_end: str
-
-
-def _fresh(value):
-    """A repeated block's output: a new meta tensor shaped like the measured one (the block is not rerun)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.dtype.is_floating_point)
 
 
 class _TopAnalyzer(_Analyzer):
@@ -115,7 +108,7 @@ class _TopAnalyzer(_Analyzer):
             self.kinds[name] = _Kind(measured, structure, block, tensor_bytes(args[0]), found.front_end)
         name = self.kind_of_signature[key]
         self.slots.append(LayerSlot(node.target, name))
-        return tree_map(_fresh, self.kinds[name].measured.output)
+        return tree_map(fresh_like, self.kinds[name].measured.output)
 
 
 def _hidden_width(output) -> int:

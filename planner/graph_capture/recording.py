@@ -211,7 +211,7 @@ class _Recorder(TorchFunctionMode):
                 return original(*args, **kwargs)
             key = (signature(module), _argument_shapes(args, kwargs)) if id(module) in self.repeated else None
             if key is not None and key in self.outputs_of:
-                out = tree_map(_meta_like, self.outputs_of[key])
+                out = tree_map(fresh_like, self.outputs_of[key])
                 return self._leaf_node(module, args, kwargs, out)
             self.inside_leaf += 1
             try:
@@ -250,11 +250,12 @@ def _argument_shapes(args, kwargs) -> tuple:
                              for a in flat))
 
 
-def _meta_like(value):
-    """A fresh meta tensor shaped like a leaf's earlier output (another node's value), anything else as it was."""
+def fresh_like(value):
+    """A repeated block's output (recorded or measured, the block not run again): a new meta tensor shaped like
+    the first one's, anything else as it was."""
     if not isinstance(value, torch.Tensor):
         return value
-    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
+    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.dtype.is_floating_point)
 
 
 def _forward_kwargs(root: nn.Module) -> dict:
@@ -408,4 +409,4 @@ def _module_path_hooks(recorder: _Recorder) -> list:
             nn.modules.module.register_module_forward_hook(pop)]
 
 
-__all__ = ["Recording", "record", "is_recorded_leaf"]
+__all__ = ["Recording", "fresh_like", "record", "is_recorded_leaf"]
