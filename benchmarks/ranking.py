@@ -29,6 +29,8 @@ from hardware_profiles.loader import load_stack  # noqa: E402
 from planner.api import evaluate  # noqa: E402
 from planner.graph_capture.model_sources import resolve_model  # noqa: E402
 from benchmarks.accuracy_sources import NOT_USABLE  # noqa: E402
+from benchmarks.plain_choices import megatron_flops_per_sequence  # noqa: E402
+from cost_models.layout_codec import parse_text  # noqa: E402
 from benchmarks.published import DEFAULT_RUNS, load_runs, predict  # noqa: E402
 
 SWEEPS = ROOT / "benchmarks" / "sweeps.yaml"
@@ -72,17 +74,23 @@ def narayanan_flops(model, global_batch: int, seq_len: int) -> float:
     return 96 * global_batch * seq_len * l * h * h * (1 + seq_len / (6 * h) + v / (16 * l * h))
 
 
-def step_s(figure: float, unit: str, entry: dict) -> float:
+def step_s(figure: float, unit: str, entry: dict, layout: str = "") -> float:
     """A published figure as step seconds: tokens/s per GPU (higher is faster), teraFLOP/s per GPU as Narayanan
-    et al. 2021 count FLOPs (higher is faster), or step seconds."""
+    et al. 2021 count FLOPs or as Megatron-LM's logs count them (at the variant's `layout` tp, which pads the
+    vocabulary; higher is faster), or step seconds."""
     devices, batch, seq = entry["num_devices"], entry["global_batch"], entry["seq_len"]
     if unit.startswith("tokens/s per GPU"):
         return batch * seq / (figure * devices)
     if unit.startswith("TFLOP/s per GPU, Narayanan eq. 3"):
         return narayanan_flops(resolve_model(entry["model"]), batch, seq) / (figure * 1e12 * devices)
+    if unit.startswith("model TFLOP/s per GPU, Megatron-LM"):
+        tp = parse_text(layout)["tp"] if "tp=" in layout else 1
+        flops = batch * megatron_flops_per_sequence(resolve_model(entry["model"]), seq, tp)
+        return flops / (figure * 1e12 * devices)
     if unit.startswith("s"):
         return figure
-    raise ValueError(f"unit {unit!r}: expected 'tokens/s per GPU', 'TFLOP/s per GPU, Narayanan eq. 3' or 's'")
+    raise ValueError(f"unit {unit!r}: expected 'tokens/s per GPU', 'TFLOP/s per GPU, Narayanan eq. 3', "
+                     "'model TFLOP/s per GPU, Megatron-LM' or 's'")
 
 
 def variant_layout(variant: dict) -> str:
@@ -102,7 +110,8 @@ def published_sweeps(path: Path = SWEEPS, time_limit_s: float = 20.0) -> list[Sw
                             num_devices=entry["num_devices"], global_batch=entry["global_batch"],
                             seq_len=entry["seq_len"], precision=v.get("precision", entry["precision"]), stack=stack,
                             time_limit_s=time_limit_s)
-            variants.append(Variant(v["label"], step_s(v["measured"], entry["unit"], entry), plan.step_time_s))
+            variants.append(Variant(v["label"], step_s(v["measured"], entry["unit"], entry, v["layout"]),
+                                    plan.step_time_s))
         out.append(Sweep(entry["name"], " ".join(entry["source"].split()), tuple(variants),
                          " ".join(entry.get("note", "").split())))
     return out
