@@ -226,3 +226,19 @@ def test_graphed_attention_and_router_leave_the_rest_to_the_host(factory, first_
     assert 0 < billed.backward_s < layer_host_seconds(kind, device, eager, spec).backward_s
     whole = partial.model_copy(update={"cuda_graph_scope": "layers"})
     assert layer_host_seconds(kind, device, whole, spec).forward_s == 0
+
+
+def test_graphs_of_attention_and_router_save_nothing_where_the_device_is_the_bound():
+    """Megatron-Bridge's eager/graph A/B (docs/training/cuda-graphs.md @067f987d, PR #3868; never fitted): Qwen3
+    30B-A3B on 16 H100, EP16, the alltoall dispatcher, Transformer Engine graphs of attention, router and the
+    dispatcher's preprocessing: 41.36 s eager, 42.00 s graphed, no gain. Through `planner.evaluate`, the host keeps
+    ahead of this layout's device in both arms, so the graphs save under 2% of the step, and each arm lies within
+    25% of its measured step."""
+    from benchmarks.setting_ab import AB, predict
+    ab = next(ab for ab in AB if ab.stack_arms is not None)
+    result = predict(ab)
+    graphed = [any("replayed as CUDA graphs" in reason for reason in plan.reasons) for plan in (result.off, result.on)]
+    assert graphed == [False, True]
+    assert abs(result.saved_predicted_s) <= 0.02 * result.off.step_time_s
+    assert result.off.step_time_s == pytest.approx(ab.measured_off_s, rel=0.25)
+    assert result.on.step_time_s == pytest.approx(ab.measured_on_s, rel=0.25)
