@@ -311,6 +311,16 @@ def test_full_recomputation_flops_equal_narayanan_96_form():
     assert hardware_flops == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V, rel=1e-9)
 
 
+def test_moonlight_counts_the_parameters_its_report_gives():
+    """Moonshot AI's technical report (Liu et al. 2025, arXiv 2502.16982) gives Moonlight-16B-A3B 15.29B parameters,
+    2.24B activated, counted without the untied input and output embeddings (2 x 163,840 x 2,048): the built-in
+    model's counts less those, within their rounding."""
+    graph = capture("moonlight-16b-a3b")
+    embeddings = 2 * 163840 * 2048
+    assert graph.total_params - embeddings == pytest.approx(15.29e9, abs=0.005e9)
+    assert graph.active_params - embeddings == pytest.approx(2.24e9, abs=0.005e9)
+
+
 def test_published_gpt_configurations_are_built_in():
     from planner.graph_capture.model_sources import list_builtin_models
     names = set(list_builtin_models())

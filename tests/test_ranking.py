@@ -38,8 +38,12 @@ MXFP8_FASTER = {"Qwen3-30B-A3B, 8 GB200, Megatron-Bridge 25.09, FP8 scaling",
 # Megatron-Bridge's Llama 3 70B SFT on 32 H100 at TP 8 ran 24% slower than at PP 8, which the model, crediting TP
 # overlap with hiding all but 0.15 s of the TP 8 collectives, predicts 1.3% faster (the sweep's note)
 TP8_OVERLAP = {"Llama 3 70B SFT, 32 H100, Megatron-Bridge, memory layouts"}
+# Megatron-Bridge's Moonlight recomputation study: recomputing the norms beside the experts' activation ran the
+# slowest of six choices (+10.8% of a 0.46 s step), which the model, billing a norm's recomputation at its memory
+# traffic, predicts among the cheapest; the step itself is predicted 70% fast (the sweep's note)
+MOONLIGHT = "Moonlight-16B-A3B, 8 H100, Megatron-Bridge, selective recomputation"
 MISORDERED: set[str] = ({"Qwen3-235B-A22B, 256 H100, Megatron-Core main 1e057005, expert groups inside a node"}
-                        | ZERO3 | MXFP8_FASTER | TP8_OVERLAP)
+                        | ZERO3 | MXFP8_FASTER | TP8_OVERLAP | {MOONLIGHT})
 SWEEP_NAMES = [entry["name"] for entry in yaml.safe_load(SWEEPS.read_text())]
 
 
@@ -97,3 +101,14 @@ def test_narayanans_ptd_p_runs_are_predicted_within_five_percent(predicted_sweep
     for name in ZERO3:
         (ptd_p,) = [v for v in predicted_sweeps[name].variants if v.label.startswith("PTD-P")]
         assert ptd_p.predicted_s == pytest.approx(ptd_p.measured_s, rel=0.05), name
+
+
+@pytest.mark.heavy
+def test_the_memory_moonlights_recomputation_runs_had(predicted_sweeps):
+    """Megatron-Bridge's Moonlight-16B-A3B study measured each selective-recomputation choice's peak allocated memory
+    on 8 H100 (35.9 to 36.6 GB; never fitted). The plan's fullest stage, with the recipe's optimizer (BF16 moments),
+    comes within 20% of each and below it: the memory model gives these runs 16-18% less than they held, a gap
+    whose cause no source decomposes (docs/ranking.md); a change that widens it fails here."""
+    sweep = predicted_sweeps[MOONLIGHT]
+    for variant in sweep.variants:
+        assert variant.predicted_peak_gb == pytest.approx(variant.measured_peak_gb, rel=0.20), variant
