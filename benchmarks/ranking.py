@@ -182,8 +182,9 @@ def write(published: list[Sweep], validation: list[Sweep], seconds: float, out: 
     memory = memory_table(published)
     if memory:
         lines += ["", "### Memory the sweeps' runs had", "",
-                  "Where a source measured its variants' peak allocated memory (torch's, after the optimizer step), "
-                  "the plan's fullest stage beside it: the memory model's own never-fitted check.", ""] + memory
+                  "Where a source measured its variants' peak allocated memory (torch's, as each source reports "
+                  "it: the sweep's source says which), the plan's fullest stage beside it: the memory model's own "
+                  "never-fitted check.", ""] + memory
     lines += ["", "## Jobs shared/validation holds under several layouts or settings", "",
               "Predicted with each run's recipe settings (docs/accuracy.md); the calibration fits one sustained "
               "fraction per device on half of these rows, which scales every variant of a job alike, so the order "
