@@ -86,7 +86,7 @@ def step_s(figure: float, unit: str, entry: dict, layout: str = "") -> float:
     if unit.startswith("TFLOP/s per GPU, Narayanan eq. 3"):
         return narayanan_flops(resolve_model(entry["model"]), batch, seq) / (figure * 1e12 * devices)
     if unit.startswith("model TFLOP/s per GPU, Megatron-LM"):
-        tp = parse_text(layout)["tp"] if "tp=" in layout else 1
+        tp = parse_text(layout).get("tp", 1) if layout else 1
         flops = batch * megatron_flops_per_sequence(resolve_model(entry["model"]), seq, tp)
         return flops / (figure * 1e12 * devices)
     if unit.startswith("s"):
