@@ -61,8 +61,7 @@ def megatron_flops_per_sequence(model, seq_len: int, tp: int) -> float:
     assert model.mla is None and not model.mtp_layers, "MLA and MTP are not counted here"
     h, layers, moe = model.hidden_size, model.num_layers, model.moe
     gated = 1.5 if model.activation == "swiglu" else 1.0
-    head_dim = model.head_dim or h // model.num_attention_heads   # a config without head_dim: h / heads
-    query_ratio = head_dim * model.num_attention_heads / h
+    query_ratio = model.kv_channels * model.num_attention_heads / h
     attention = (1 + model.num_query_groups / model.num_attention_heads + seq_len / h / 2) * query_ratio * h * h
     if moe is None:
         mlp = model.ffn_hidden_size * gated * h
