@@ -12,15 +12,15 @@ from hardware_profiles.schema import Cluster
 from hardware_profiles.topology import GroupPlacement, MeshDim, MeshPlacement, place_dims_together, place_mesh
 
 from .communication import ACTIVATION_BYTES, Collective, CollectiveCost, collective_time
-from .compute import LayerCompute, ShardSpec, layer_compute, memory_seconds
+from .compute import LayerCompute, ShardSpec, layer_compute
+from .data_parallel_comm import DataParallelCommunication
 from .expert_comm import ExpertCommunication
 from .host_time import host_excess_seconds, layer_host_seconds
 from hardware_profiles.stack import SoftwareStack
 
-from .layer_records import RECOMPUTE_ORDER, LayerCost, LayerWork, StepParts
+from .layer_records import RECOMPUTE_ORDER, LayerCost, LayerWork
 from .layout import Layout, Recompute, RecomputeModule
-from .memory import (WEIGHT_BYTES, StateSharding, activation_bytes, adam_bytes_touched,
-                     model_state_bytes, optimizer_state_bytes_per_param, params_on_rank)
+from .memory import StateSharding, activation_bytes, model_state_bytes, params_on_rank
 from .records import MATMUL_KINDS, LayerKind, ModelCosts
 
 EXPERT_DIMS = frozenset({"ep", "etpep", "edp"})   # the groups the experts' folding places (`_collective`)
@@ -50,7 +50,7 @@ class SharedCosts:
     dense_specs: dict = field(default_factory=dict)     # a shard spec -> as a layer without experts reads it
 
 
-class MeshCosts(ExpertCommunication):
+class MeshCosts(ExpertCommunication, DataParallelCommunication):
     """Costs of every layer kind for one layout's degrees (partition and recomputation left free)."""
 
     def __init__(self, model: ModelCosts, cluster: Cluster, layout: Layout, stack: SoftwareStack,
@@ -282,21 +282,6 @@ class MeshCosts(ExpertCommunication):
         self._cache[kind.name] = cost
         return cost
 
-    def step_parts(self, kind: LayerKind) -> "StepParts":
-        """The parts of a layer's cost that its ZeRO stage sets: its share of the per-step reduction, its optimizer
-        step, and the ZeRO-2/3 traffic per micro-batch with the compute that hides it. The search bounds a
-        placement's ZeRO stages by them without the layer's memory (`planner.search.bounds.ZeroExtras`)."""
-        lay = self.layout
-        dense_params, expert_params = params_on_rank(kind, self.state_sharding)
-        optimizer_params = dense_params / self.state_sharding.dp_cp + expert_params / self.state_sharding.expert_dp \
-            if lay.zero >= 1 else dense_params + expert_params
-        grad_bytes, expert_grad_bytes = dense_params * lay.gradient_bytes, expert_params * lay.gradient_bytes
-        (_, dense_slope), (_, expert_slope) = self.dp_lines
-        compute = self.compute_of(kind)
-        traffic = self.sharded_dp_comm_s(dense_params, expert_params) if lay.zero >= 2 else 0.0
-        return StepParts(dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
-                         self.optimizer_s(optimizer_params), traffic, compute.forward_s + compute.backward_s)
-
     def _activations(self, kind: LayerKind) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """A layer's activation bytes by RECOMPUTE_ORDER, and what recomputing each module alone frees (the many
         layouts of a search that share the shape of a micro-batch on a rank share them)."""
@@ -334,71 +319,3 @@ class MeshCosts(ExpertCommunication):
         share = self.placement.attention.of("pp").hop_crossing_share(virtual)
         hidden = self.stack.pp_hidden_interleaved if virtual > 1 else self.stack.pp_hidden
         return self.collective(Collective.send_recv, size, "pp", crossing_share=share).seconds * (1 - hidden)
-
-    def optimizer_s(self, params: float) -> float:
-        """The update of `params` optimizer-local parameters; where the stack swaps the states to host, each
-        chunk is copied in and out over the host link (both directions at once) beside the update of the one
-        before it, so the slower of the two paces the step, plus the first chunk's copy, which nothing hides."""
-        update = memory_seconds(self.cluster.device, params * adam_bytes_touched(self.state_sharding))
-        chunks = self.state_sharding.optimizer_swap_chunks
-        if not chunks:
-            return update
-        link = self.cluster.device.host_link_gbytes_per_s * 1e9
-        copy = params * optimizer_state_bytes_per_param(self.state_sharding) / link
-        return max(update, copy) + copy / chunks
-
-    @cached_property
-    def dp_lines(self) -> tuple[tuple[float, float], tuple[float, float]]:
-        """(latency, seconds per byte) of the per-step gradient reduction for dense and expert gradients,
-        taken at the size of one stage's share so that stage cost stays linear in its layers."""
-        lay = self.layout
-        counts = self.model.block_counts
-        dense = sum(n * params_on_rank(k, self.state_sharding)[0] for k, n in counts) * lay.gradient_bytes / lay.pp
-        expert = sum(n * params_on_rank(k, self.state_sharding)[1] for k, n in counts) * lay.gradient_bytes / lay.pp
-        return self._line(max(dense, 1.0), "dpcp"), self._line(max(expert, 1.0), "edp") if expert else (0.0, 0.0)
-
-    def _line(self, size: float, dim: str) -> tuple[float, float]:
-        """Once per step: ZeRO-0 all-reduces gradients; ZeRO-1 reduce-scatters them, as ZeRO-2/3 do where they
-        accumulate unsharded; ZeRO-1 and 2 all-gather the updated bf16 weights; ZeRO-2/3 reduce gradients per
-        micro-batch otherwise (sharded_dp_comm_s)."""
-        lay = self.layout
-        latency = per_byte = 0.0
-        if lay.zero <= 1 or self.state_sharding.unsharded_gradients:
-            op = Collective.all_reduce if lay.zero == 0 else Collective.reduce_scatter
-            cost = self.collective(op, size, dim)
-            per_byte, latency = cost.bandwidth_seconds / size, cost.latency_seconds
-        if lay.zero == 1 or (lay.zero == 2 and not self.stack.gathers_per_micro_batch(lay)):
-            # bf16 parameter all-gather after the optimizer step
-            gather = self.collective(Collective.all_gather, size * WEIGHT_BYTES / lay.gradient_bytes, dim)
-            per_byte += gather.bandwidth_seconds / size
-            latency += gather.latency_seconds
-        return latency, per_byte
-
-    @cached_property
-    def dp_latency_s(self) -> float:
-        """The per-step reduction's latency, paid by every stage whatever its layers."""
-        (a_dense, _), (a_expert, _) = self.dp_lines
-        return a_dense + a_expert
-
-    def dp_exposed_s(self, reduce_s: float, compute_s: float) -> float:
-        """A stage's per-step reduction (latency plus its layers' `dp_reduce_s`) not hidden behind the last
-        micro-batch's compute (Megatron overlap_grad_reduce). The estimate, the solver and the search
-        bound all use this form: it is linear in the layers up to the max with 0."""
-        return max(0.0, self.dp_latency_s + reduce_s - self.stack.dp_window_fraction * compute_s)
-
-    def sharded_dp_comm_s(self, dense_params: float, expert_params: float) -> float:
-        """Per micro-batch and layer: ZeRO-2/3 reduce-scatter the gradients (unless the stack accumulates them
-        unsharded, reducing once per step: `_line`); ZeRO-3 (FSDP) also all-gathers the bf16 weights for forward
-        and again for backward, and ZeRO-2 for forward where the stack reshards after backward
-        (`SoftwareStack.gathers_per_micro_batch`; tests/test_precision_memory.py counts both in torch)."""
-        seconds = 0.0
-        per_micro_batch = not self.state_sharding.unsharded_gradients
-        for params, dim in ((dense_params, "dpcp"), (expert_params, "edp")):
-            if not params:
-                continue
-            if per_micro_batch:
-                seconds += self.collective(Collective.reduce_scatter, params * self.layout.gradient_bytes, dim).seconds
-            if self.layout.zero >= 3 or self.stack.gathers_per_micro_batch(self.layout):
-                gathers = 2 if self.layout.zero >= 3 else 1   # ZeRO-2: the forward's, kept for the backward
-                seconds += gathers * self.collective(Collective.all_gather, params * 2, dim).seconds
-        return seconds

@@ -106,6 +106,9 @@ class SavedTensor:
 class ParamGroup:
     count: int
     sharding: Sharding          # tensor: split by tp; sequence: replicated over tp; expert: split by ep x etp
+    # the parameter tensors holding them (a weight, a bias, a norm's scale: capture's count), where a stack
+    # gathers and reduces each tensor apart (`SoftwareStack.zero3_collectives`)
+    tensors: int = 1
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,18 @@ class LayerKind:
         for group in self.params:
             counts[group.sharding] = counts.get(group.sharding, 0) + group.count
         return counts
+
+    def param_tensors_by(self, sharding: Sharding) -> int:
+        return sum(group.tensors for group in self.params if group.sharding is sharding)
+
+    @cached_property
+    def projections_per_input(self) -> float:
+        """Tensor-parallel GEMMs per distinct input they read (q, k and v read one): a stack that builds the
+        projections reading one input as one GEMM (`SoftwareStack.fused_projections`) holds their weights (and
+        biases) as one tensor each."""
+        ops = [op for op in self.ops if op.kind is OpKind.gemm and op.sharding is Sharding.tensor]
+        inputs = {op.reads or f"#{index}" for index, op in enumerate(ops)}
+        return len(ops) / len(inputs) if ops else 1.0
 
     @property
     def active_param_count(self) -> int:

@@ -219,6 +219,16 @@ class SoftwareStack(StackOverlaps, Strict):
     # micro-batch's forward all-gathers them again, not the step once, except where gradients accumulate unsharded
     # under pipelining, which keeps them to the step's end
     zero2_gathers_per_micro_batch: bool = False
+    # how ZeRO-3 issues its per-micro-batch gathers and reduce-scatters: a module's tensors in one collective each
+    # way ("coalesced": FSDP2's foreach all-gather and reduce-scatter per module), or one collective per parameter
+    # tensor, each paying a collective's latency ("per_tensor": DeepSpeed v0.3.15 partition_parameters.py
+    # _allgather_param and _reduce_scatter_gradient, one torch.distributed call per parameter)
+    zero3_collectives: Literal["coalesced", "per_tensor"] = "coalesced"
+    # whether ZeRO-3's traffic runs beside compute (a collective stream the compute stream does not wait on), or
+    # between it, where fetching a module's parameters blocks the host until the device is idle (DeepSpeed v0.3.15
+    # stage3.py fetch_sub_module, "This call is blocking": _synchronize_communication calls
+    # torch.cuda.synchronize(), as _allgather_param does before each parameter), so no compute is queued beside it
+    zero3_traffic_hidden: bool = True
     # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or into
     # the bf16 logits a fused kernel keeps (Megatron-Core --cross-entropy-fusion-impl te; cost_models/memory.py)
     loss_gradient: Literal["in_place", "eager", "fused"]

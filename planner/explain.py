@@ -205,6 +205,12 @@ def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:
     if best.layout.dualpipev and stack.dualpipev_weight_pass_recompute and Recompute.full in best.layer_recompute:
         out.append("DualPipeV's split weight passes recompute each recomputed layer once per parameter group "
                    "(torch's stage_backward_weight over non-reentrant checkpointing): billed in its bubble term")
+    if best.layout.zero >= 3 and not stack.zero3_traffic_hidden:
+        each = " one collective per parameter tensor, each paying its latency," \
+            if stack.zero3_collectives == "per_tensor" else ""
+        out.append(f"ZeRO-3's all-gathers and reduce-scatters run{each} between compute, not beside it: "
+                   f"{stack.display_name}'s parameter fetch waits for the device to idle (zero3_traffic_hidden: "
+                   "false), so the plan bills all of them")
     if sharding.unsharded_gradients:
         out.append(f"ZeRO-{best.layout.zero} under torch's pipelining keeps the gradients whole through the step "
                    "(pipeline_gradient_accumulation: unsharded): they are reduce-scattered once, after the last "

@@ -114,8 +114,8 @@ def zero3_outside(num_experts: int, zero: int, sharded_ranks: int) -> bool:
 
 def zero3_note(num_experts: int, zero: int, sharded_ranks: int) -> list[str]:
     """Where the layout shards its parameters over more ranks than any published run of its class did: the model
-    hides each layer's all-gathers under its compute at the fabric's full rate, which DeepSpeed's ZeRO-3 runs of
-    Narayanan et al. 2021 fell far short of from 768 A100s (docs/ranking.md)."""
+    runs a layer's all-gathers at the fabric's full rate, which DeepSpeed's ZeRO-3 runs of Narayanan et al. 2021
+    fell short of from 768 A100s, even billed as their v0.3.15 ran them (docs/ranking.md)."""
     if not zero3_outside(num_experts, zero, sharded_ranks):
         return []
     most = zero3_ranks_max(num_experts)
@@ -124,7 +124,7 @@ def zero3_note(num_experts: int, zero: int, sharded_ranks: int) -> list[str]:
     measured = f"at most {most:,}" if most else "none"
     return [f"outside the measured region: ZeRO-3 parameter sharding over {sharded_ranks:,} ranks (dp x cp), where "
             f"the {runs} published {kind} runs sharded over {measured}; the prediction extrapolates there (DeepSpeed's "
-            "ZeRO-3 runs without model parallelism on 768 to 2,240 A100s, never fitted, ran several times slower than "
+            "ZeRO-3 runs without model parallelism on 768 to 2,240 A100s, never fitted, ran up to twice as slow as "
             "this model predicts them: docs/ranking.md)"]
 
 

@@ -279,7 +279,7 @@ def test_pipelined_zero3_all_gathers_twice_per_micro_batch(one_rank_group):
                       runtime)
     params = float(graph.kind("dense").param_count)
     gather = costs.collective(Collective.all_gather, params * 2, "dpcp").seconds
-    assert costs.sharded_dp_comm_s(params, 0.0) == pytest.approx(2 * gather, rel=1e-12)
+    assert costs.sharded_dp_comm_s(graph.kind("dense")) == pytest.approx(2 * gather, rel=1e-12)
 
 
 def test_zero2_all_gathers_per_micro_batch_unless_pipelined(one_rank_group):
@@ -310,7 +310,7 @@ def test_zero2_all_gathers_per_micro_batch_unless_pipelined(one_rank_group):
         costs = MeshCosts(graph.costs(), cluster, layout, runtime)
         gather = costs.collective(Collective.all_gather, params * 2, "dpcp").seconds
         reduce = costs.collective(Collective.reduce_scatter, params * layout.gradient_bytes, "dpcp").seconds
-        billed = costs.sharded_dp_comm_s(params, 0.0)
+        billed = costs.sharded_dp_comm_s(graph.kind("dense"))
         assert billed == pytest.approx(gather + reduce if per_micro_batch else 0.0, rel=1e-12, abs=1e-15)
         assert runtime.gathers_per_micro_batch(layout) is per_micro_batch
 

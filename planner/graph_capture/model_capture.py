@@ -170,6 +170,7 @@ def _instantiate(source: ModelConfig | UserModule, seq_len: int) -> tuple[nn.Mod
 
 def _params_of(modules: list[nn.Module], seen: set[int]) -> list[ParamGroup]:
     counts = {Sharding.tensor: 0, Sharding.sequence: 0}
+    tensors = dict.fromkeys(counts, 0)
     for module in modules:
         for sub in module.modules():
             for param in sub.parameters(recurse=False):
@@ -177,8 +178,10 @@ def _params_of(modules: list[nn.Module], seen: set[int]) -> list[ParamGroup]:
                     continue
                 seen.add(id(param))
                 big = isinstance(sub, nn.Embedding | nn.Linear)  # vocab-parallel embedding and output layer
-                counts[Sharding.tensor if big else Sharding.sequence] += param.numel()
-    return [ParamGroup(c, s) for s, c in counts.items() if c]
+                sharding = Sharding.tensor if big else Sharding.sequence
+                counts[sharding] += param.numel()
+                tensors[sharding] += 1
+    return [ParamGroup(c, s, tensors[s]) for s, c in counts.items() if c]
 
 
 def _loss_op(seq_len: int, vocab: int) -> OpCost:
@@ -244,9 +247,8 @@ def _capture_cached(source, seq_len: int, leaf_names: tuple[str, ...], fused_ker
     block_param_ids = set()
     for kind_name, found in analyzer.kinds.items():
         measured, structure, block, input_bytes = found.measured, found.structure, found.block, found.input_bytes
-        counts = block_params(block, structure)
         kinds.append(LayerKind(kind_name, "block", tuple(measured.ops), tuple(measured.saved),
-                               tuple(ParamGroup(c, s) for s, c in counts.items() if c), input_bytes, seq_len,
+                               block_params(block, structure), input_bytes, seq_len,
                                _hidden_width(measured.output), structure.num_experts, structure.router_topk,
                                router_num_groups=structure.router_num_groups,
                                router_group_topk=structure.router_group_topk,

@@ -18,7 +18,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_models.records import OpCost, OpKind, SavedTensor, Sharding
+from cost_models.records import OpCost, OpKind, ParamGroup, SavedTensor, Sharding
 from hardware_profiles.errors import UserInputError
 
 from .expert_leaf import ExpertLeafAttribution
@@ -333,25 +333,29 @@ def measure_block(block: nn.Module, args: tuple, kwargs: dict, seq_len: int, lab
 
 
 
-def block_params(block: nn.Module, structure: BlockStructure) -> dict[Sharding, int]:
-    """Parameters by how tp/ep divide them: pair Linears by tp, routed experts by ep x etp."""
+def block_params(block: nn.Module, structure: BlockStructure) -> tuple[ParamGroup, ...]:
+    """Parameters (and the tensors holding them) by how tp/ep divide them: pair Linears by tp, routed experts by
+    ep x etp."""
     pair_linears = {name for pair in structure.tp_pairs for name in pair.columns + (pair.row,)}
     routed = set()
     if structure.expert_container:
         container = block.get_submodule(structure.expert_container)
         routed = set(routed_experts(container).param_ids)
     counts = {Sharding.tensor: 0, Sharding.sequence: 0, Sharding.expert: 0}
+    tensors = dict.fromkeys(counts, 0)
     for name, param in block.named_parameters():
         module_name = name.rsplit(".", 1)[0]
         in_shared_tp = structure.expert_container and module_name.startswith(structure.expert_container) \
             and param.dim() == 2 and id(param) not in routed and param.shape[0] != structure.num_experts
         if id(param) in routed:
-            counts[Sharding.expert] += param.numel()
+            sharding = Sharding.expert
         elif module_name in pair_linears or in_shared_tp:
-            counts[Sharding.tensor] += param.numel()
+            sharding = Sharding.tensor
         else:
-            counts[Sharding.sequence] += param.numel()
-    return counts
+            sharding = Sharding.sequence
+        counts[sharding] += param.numel()
+        tensors[sharding] += 1
+    return tuple(ParamGroup(count, sharding, tensors[sharding]) for sharding, count in counts.items() if count)
 
 
 def weight_pass_groups(block: nn.Module) -> int:
