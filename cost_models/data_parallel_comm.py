@@ -13,7 +13,8 @@ from .communication import Collective
 from .compute import memory_seconds
 from .layer_records import StepParts
 from .memory import WEIGHT_BYTES, adam_bytes_touched, optimizer_state_bytes_per_param, params_on_rank
-from .records import LayerKind, Sharding
+from .layout import RecomputeModule
+from .records import LayerKind, OpKind, Sharding
 
 
 class DataParallelCommunication:
@@ -33,7 +34,8 @@ class DataParallelCommunication:
         traffic = self.sharded_dp_comm_s(kind) if lay.zero >= 2 else 0.0
         hidden = lay.zero < 3 or self.stack.zero3_traffic_hidden
         return StepParts(dense_slope * grad_bytes + expert_slope * expert_grad_bytes,
-                         self.optimizer_s(optimizer_params), traffic, compute.forward_s + compute.backward_s, hidden)
+                         self.optimizer_s(optimizer_params), traffic, compute.forward_s + compute.backward_s, hidden,
+                         self.regather_s(kind))
 
     def optimizer_s(self, params: float) -> float:
         """The update of `params` optimizer-local parameters; where the stack swaps the states to host, each
@@ -106,6 +108,18 @@ class DataParallelCommunication:
                 seconds += gathers * self._split_collective_s(Collective.all_gather, params * 2, dim, calls)
         return seconds
 
+    def regather_s(self, kind: LayerKind) -> float:
+        """Under full recomputation, the all-gathers of the parameters a ZeRO-3 stack releases between a module's
+        recomputed forward and its backward (`SoftwareStack.zero3_reuse_distance_params`): 0 where it keeps them."""
+        distance = self.stack.zero3_reuse_distance_params
+        if self.layout.zero < 3 or distance is None:
+            return 0.0
+        params, tensors = regathered_dense(kind, distance, self.stack.fused_projections, self.layout.tp)
+        if not params:
+            return 0.0
+        calls = tensors if self.stack.zero3_collectives == "per_tensor" else 1
+        return self._split_collective_s(Collective.all_gather, params * WEIGHT_BYTES, "dpcp", max(1, calls))
+
     def _collectives_per_layer(self, kind: LayerKind, expert: bool) -> int:
         """The collectives one layer's dense (or expert) parameters take each way: one, or under ZeRO-3 where the
         stack issues one per parameter tensor (`SoftwareStack.zero3_collectives`), the tensors a rank holds."""
@@ -130,3 +144,40 @@ def param_tensors_on_rank(kind: LayerKind, fused_projections: bool, ep: int) -> 
         projections = round(projections / kind.projections_per_input)
     experts = kind.param_tensors_by(Sharding.expert)
     return projections + kind.param_tensors_by(Sharding.sequence), ceil(experts / ep) if experts else 0
+
+
+def regathered_dense(kind: LayerKind, reuse_distance_params: float, fused_projections: bool, tp: int
+                     ) -> tuple[float, int]:
+    """(parameters, tensors) of one layer's dense modules that a rank gathers again for the backward after its
+    recomputed forward, where the stack keeps a module's parameters only while fewer than `reuse_distance_params`
+    are fetched before their next use (DeepSpeed v0.3.15 stage3.py _keep_for_later over its module trace). Between
+    a module's recomputed forward and its backward run the recomputed forward and the backward of every module after
+    it in its layer, so a module is kept only where twice their parameters (on the rank: tp splits the projections)
+    fall short of the distance: the last module always, those before it as the sum allows. The modules: the norms
+    (sharing the replicated parameters and tensors) and the GEMM modules (sharing the projections' tensors; q, k and
+    v one where the stack fuses them), in forward order; expert modules are left out (no stack that releases them
+    runs experts)."""
+    norms = sum(1 for op in kind.ops if op.module is RecomputeModule.layernorm and op.kind is not OpKind.gemm)
+    modules: list[list] = []   # [input read, parameters on the rank, tensors or None for a GEMM module]
+    for op in kind.ops:
+        if op.module is RecomputeModule.layernorm and op.kind is not OpKind.gemm:
+            modules.append(["", kind.params_by(Sharding.sequence) / norms, kind.param_tensors_by(Sharding.sequence)
+                            / norms])
+        elif op.kind is OpKind.gemm and op.sharding is not Sharding.expert:
+            params = op.weight_bytes / WEIGHT_BYTES / (tp if op.sharding is Sharding.tensor else 1)
+            if fused_projections and modules and op.reads and modules[-1][0] == op.reads:
+                modules[-1][1] += params   # q, k and v as one module (Megatron's linear_qkv)
+            else:
+                modules.append([op.reads, params, None])
+    gemms = sum(1 for module in modules if module[2] is None)
+    dense, _ = param_tensors_on_rank(kind, fused_projections, 1)
+    per_gemm = (dense - kind.param_tensors_by(Sharding.sequence)) / gemms if gemms else 0.0
+    later, kept = 0.0, 0
+    for _, params, _ in reversed(modules):
+        if 2 * later >= reuse_distance_params:
+            break
+        kept += 1
+        later += params
+    released = modules[:len(modules) - kept]
+    tensors = sum(per_gemm if module_tensors is None else module_tensors for _, _, module_tensors in released)
+    return sum(params for _, params, _ in released), round(tensors)

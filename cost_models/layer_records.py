@@ -57,20 +57,27 @@ class StepParts:
     zero_traffic_s: float       # ZeRO-2/3 per-micro-batch traffic (`MeshCosts.sharded_dp_comm_s`)
     compute_s: float            # the layer's forward and backward, which hide that traffic
     hidden: bool = True         # whether compute runs beside the traffic (`SoftwareStack.zero3_traffic_hidden`)
+    # under full recomputation, the parameters gathered again between the recomputed forward and the backward
+    # (`SoftwareStack.zero3_reuse_distance_params`)
+    regather_s: float = 0.0
 
-    def zero_exposed_s(self, recompute_s: float) -> float:
+    def zero_exposed_s(self, recompute_s: float, full: bool = False) -> float:
         """The traffic the layer's compute does not hide. Its recomputation hides it too: the recomputed forward
         runs inside the backward after the layer's pre-backward all-gather and gathers nothing itself
         (torch.distributed.fsdp._fully_shard._fsdp_state: _pre_forward returns early in PRE_BACKWARD; Megatron-Core's
         custom FSDP the same, docs/source/api-guide/custom_fsdp.md section 4.1 @1e057005), so it is compute on the
         compute stream beside the collective stream's gathers and reduce-scatters, as forward and backward are.
-        Where the stack runs the traffic between compute (`hidden` false), all of it."""
+        Where the stack runs the traffic between compute (`hidden` false), all of it. Under full recomputation
+        (`full`), with what it gathers again. Without `full` it is at or below any method's: what the search's
+        bounds read."""
+        traffic = self.zero_traffic_s + (self.regather_s if full else 0.0)
         if not self.hidden:
-            return self.zero_traffic_s
-        return max(0.0, self.zero_traffic_s - self.compute_s - recompute_s)
+            return traffic
+        return max(0.0, traffic - self.compute_s - recompute_s)
 
     def zero_exposed_by_method(self, recompute_s: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(self.zero_exposed_s(r) for r in recompute_s)
+        return tuple(self.zero_exposed_s(r, method is Recompute.full)
+                     for r, method in zip(recompute_s, RECOMPUTE_ORDER))
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,11 @@ class SoftwareStack(StackOverlaps, Strict):
     # stage3.py fetch_sub_module, "This call is blocking": _synchronize_communication calls
     # torch.cuda.synchronize(), as _allgather_param does before each parameter), so no compute is queued beside it
     zero3_traffic_hidden: bool = True
+    # under full recomputation, whether a module's parameters gathered for its recomputed forward are kept for its
+    # backward: None, kept (FSDP2 and Megatron FSDP gather once for both); N, kept only where fewer than N parameters
+    # are fetched in between, else gathered again (DeepSpeed's stage3_max_reuse_distance, 1e9 by default in v0.3.15
+    # zero/constants.py; stage3.py release_sub_module and _keep_for_later)
+    zero3_reuse_distance_params: float | None = Field(default=None, gt=0)
     # cross-entropy backward: into its saved fp32 softmax, two new fp32 buffers of the logits' size, or into
     # the bf16 logits a fused kernel keeps (Megatron-Core --cross-entropy-fusion-impl te; cost_models/memory.py)
     loss_gradient: Literal["in_place", "eager", "fused"]

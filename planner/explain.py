@@ -211,6 +211,10 @@ def state_notes(best: Estimate, stack: SoftwareStack) -> list[str]:
         out.append(f"ZeRO-3's all-gathers and reduce-scatters run{each} between compute, not beside it: "
                    f"{stack.display_name}'s parameter fetch waits for the device to idle (zero3_traffic_hidden: "
                    "false), so the plan bills all of them")
+    if best.layout.zero >= 3 and stack.zero3_reuse_distance_params and Recompute.full in best.layer_recompute:
+        out.append("fully recomputed layers gather their modules again for the backward where the modules after them "
+                   f"fetch {stack.zero3_reuse_distance_params:,.0f} parameters or more in between "
+                   "(zero3_reuse_distance_params): billed")
     if sharding.unsharded_gradients:
         out.append(f"ZeRO-{best.layout.zero} under torch's pipelining keeps the gradients whole through the step "
                    "(pipeline_gradient_accumulation: unsharded): they are reduce-scattered once, after the last "

@@ -124,8 +124,8 @@ def zero3_note(num_experts: int, zero: int, sharded_ranks: int) -> list[str]:
     measured = f"at most {most:,}" if most else "none"
     return [f"outside the measured region: ZeRO-3 parameter sharding over {sharded_ranks:,} ranks (dp x cp), where "
             f"the {runs} published {kind} runs sharded over {measured}; the prediction extrapolates there (DeepSpeed's "
-            "ZeRO-3 runs without model parallelism on 768 to 2,240 A100s, never fitted, ran up to twice as slow as "
-            "this model predicts them: docs/ranking.md)"]
+            "ZeRO-3 runs without model parallelism on 768 to 2,240 A100s, never fitted, ran up to 1.8 times as slow "
+            "as this model predicts them: docs/ranking.md)"]
 
 
 def measured_dispatchers(num_experts: int, device: str) -> tuple[str, ...]:

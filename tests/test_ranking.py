@@ -23,12 +23,12 @@ def test_agreement_and_regret_count_as_defined():
 # makes the TP4 layout 40% slower than it predicts (memory 60 of 78 GB, host 46% of the device's time)
 # Narayanan et al. 2021's Table 2: DeepSpeed's ZeRO-3 without model parallelism ran slower than PTD-P (Megatron-LM)
 # on the same GPUs and batch at every size. The model bills ZeRO-3 as DeepSpeed v0.3.15 ran it (the
-# megatron-lm-2021-zero stack: a collective per parameter tensor, between compute) and orders four of the five
-# jobs; on 384 A100s it predicts ZeRO-3 4% faster than PTD-P, which ran 6% faster. The ZeRO-3 arm is still predicted
-# 10-50% fast (at 768 and 1536 A100s the 175B model's step took the same 66.7 s, which the model's 46 and 38 s do
-# not have); a candidate, unpriced: v0.3.15's list collectives copy one tensor per rank for each parameter
-# (benchmarks/sweeps.yaml's note). A plan that shards over more ranks than any fitted run says so
-# (planner/region.py zero3_note)
+# megatron-lm-2021-zero stack: a collective per parameter tensor, between compute, gathering again under
+# recomputation what its reuse distance releases) and orders four of the five jobs; on 384 A100s it predicts ZeRO-3
+# 0.5% faster than PTD-P, which ran 6% faster. The ZeRO-3 arm is still predicted 7-44% fast (at 768 and 1536 A100s
+# the 175B model's step took the same 66.7 s, which the model's 50 and 44 s do not have); a candidate, unpriced:
+# v0.3.15's list collectives copy one tensor per rank for each parameter (benchmarks/sweeps.yaml's note). A plan
+# that shards over more ranks than any fitted run says so (planner/region.py zero3_note)
 ZERO3 = {f"{model}, {n} A100, PTD-P against ZeRO-3" for model, n in (
     ("GPT-3 175B", 384), ("GPT-3 175B", 768), ("GPT-3 175B", 1536), ("Megatron 530B", 1120), ("Megatron 530B", 2240))}
 ZERO3_REVERSED = {"GPT-3 175B, 384 A100, PTD-P against ZeRO-3"}

@@ -150,7 +150,7 @@ def test_zero3_over_more_ranks_than_any_run_sharded_is_said_and_the_plan_inside_
     """The dense runs of shared/validation that shard their parameters (Megatron-Bridge's FSDP on 8 H100; the GB200
     rows' precision is unstated, so the region leaves them out) do so over 8 ranks at most: ZeRO-3 over more is
     outside what was measured, where Narayanan et al. 2021's DeepSpeed ZeRO-3 runs (benchmarks/sweeps.yaml) ran
-    up to twice as slow as the model predicts. Llama 3 8B on 128 H100 with torchtitan: the search shards over
+    up to 1.8 times as slow as the model predicts. Llama 3 8B on 128 H100 with torchtitan: the search shards over
     all 128 (FSDP, as torchtitan's own table ran it); the plan says so, and the best plan inside the region keeps
     ZeRO-3 to 8 ranks or shards only the optimizer states and gradients."""
     from planner.region import zero3_ranks_max

@@ -3,14 +3,16 @@ collective per parameter tensor, between compute rather than beside it. The tens
 code nobody here wrote (real transformers blocks, Megatron-Core's own layers); what the two settings do to a step
 is checked for its direction over a small grid; Narayanan et al.'s measured order is tests/test_ranking.py's."""
 import json
+import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from cost_models.data_parallel_comm import param_tensors_on_rank
+from cost_models.data_parallel_comm import param_tensors_on_rank, regathered_dense
 from hardware_profiles.loader import load_stack
 from planner.api import evaluate
 from planner.graph_capture.model_capture import capture
@@ -73,3 +75,47 @@ def test_blocking_and_per_tensor_zero3_never_predict_a_faster_step():
             assert steps[0] <= steps[1] <= steps[2], (layout, steps)
             exposed.append(plans[2].breakdown["zero_comm_s"])
         assert 0 < exposed[0] < exposed[1] < exposed[2], (mbs, recompute, exposed)
+
+
+def deepspeed_gathers(modules: list[tuple[int, int]], layers: int, reuse_distance: float) -> Counter:
+    """DeepSpeed v0.3.15's ZeRO-3 module fetches over one step of `layers` layers under full recomputation, written
+    here from its stage3.py: the trace runs every layer's modules forward, then from the last layer back each
+    layer's recomputed forward and its backward (modules reversed); a module is gathered where its parameters are
+    not available, and released after its turn unless fewer than `reuse_distance` parameters are fetched before its
+    next turn (_keep_for_later; no next turn: released). `modules`: (parameters, tensors) of a layer's modules in
+    forward order. Returns the gathers by (layer, module)."""
+    trace = [(layer, m) for layer in range(layers) for m in range(len(modules))]
+    for layer in reversed(range(layers)):
+        trace += [(layer, m) for m in range(len(modules))] + [(layer, m) for m in reversed(range(len(modules)))]
+    available, gathered = set(), Counter()
+    for i, step in enumerate(trace):
+        if step not in available:
+            gathered[step] += 1
+            available.add(step)
+        following = next((j for j in range(i + 1, len(trace)) if trace[j] == step), None)
+        distance = math.inf if following is None else sum(modules[trace[k][1]][0] for k in range(i + 1, following))
+        if distance >= reuse_distance:
+            available.discard(step)
+    return gathered
+
+
+@pytest.mark.parametrize("model,tp", [("gpt3-175b", 1), ("gpt3-175b", 8), ("mtnlg-530b", 1), ("mtnlg-530b", 8)])
+def test_what_deepspeed_gathers_again_under_recomputation(model, tp):
+    """Megatron-LM's GPT layer as modules with their parameters on a rank (closed forms: norms 2h, fused QKV 3h^2 +
+    3h, the projection h^2 + h, the MLP 4h^2 + 4h and 4h^2 + h, tp splitting the four GEMMs' weights), run through
+    DeepSpeed's fetch-and-release rule at its default reuse distance (1e9): what an early layer of eight gathers
+    beyond two gathers per module is what the planner bills as gathered again, in parameters (its GEMM weights and
+    norms: the biases, a few thousand, left out) and tensors (two per module)."""
+    h = capture(model).hidden_size
+    numels = [2 * h, (3 * h * h) // tp + 3 * h, (h * h) // tp + h, 2 * h, (4 * h * h) // tp + 4 * h,
+              (4 * h * h) // tp + h]
+    modules = [(n, 2) for n in numels]
+    gathered = deepspeed_gathers(modules, layers=8, reuse_distance=1e9)
+    middle = {m: gathered[(1, m)] for m in range(len(modules))}   # far from the last layers, which a shallow
+    # model's short distances can keep from their forward to their recomputed one
+    assert set(middle.values()) <= {2, 3}
+    extra_params = sum((count - 2) * modules[m][0] for m, count in middle.items())
+    extra_tensors = sum((count - 2) * modules[m][1] for m, count in middle.items())
+    params, tensors = regathered_dense(capture(model).kind("dense"), 1e9, fused_projections=True, tp=tp)
+    assert params == pytest.approx(extra_params, rel=1e-3) and tensors == extra_tensors
+    assert tp > 1 or tensors == 10   # unsplit, every module but the layer's last is released: 5 of 6, 2 tensors each
