@@ -2,11 +2,13 @@
 collective per parameter tensor, between compute rather than beside it. The tensors counted are checked against
 code nobody here wrote (real transformers blocks, Megatron-Core's own layers); what the two settings do to a step
 is checked for its direction over a small grid; Narayanan et al.'s measured order is tests/test_ranking.py's."""
+import itertools
 import json
 import math
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,46 @@ def test_what_deepspeed_gathers_again_under_recomputation(model, tp):
     params, tensors = regathered_dense(capture(model).kind("dense"), 1e9, fused_projections=True, tp=tp)
     assert params == pytest.approx(extra_params, rel=1e-3) and tensors == extra_tensors
     assert tp > 1 or tensors == 10   # unsplit, every module but the layer's last is released: 5 of 6, 2 tensors each
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_the_search_weighs_deepspeed_style_zero3_as_the_enumeration(hidden):
+    """ZeRO-3 gathered tensor by tensor, beside compute or between it, and gathered again under full recomputation
+    past a reuse distance small enough to release most of a layer's modules: over a pinned layout of a model with
+    dense and expert layers, in memory tight enough that recomputation trades against the split, the search's plan
+    is the best of every stage split and per-layer recomputation (none or full), enumerated through `estimate`.
+    (The search bounds the ZeRO traffic without the re-gathering, which only full recomputation pays.)"""
+    from test_search import compositions, mixed_moe_model, small_cluster
+
+    from cost_models.layer_costs import MeshCosts
+    from cost_models.layout import Layout, MoeDispatcher, Recompute
+    from cost_models.step_time import estimate
+    from planner.rules.pins import Pins
+    from planner.search.branch_and_bound import search
+
+    stack = load_stack().model_copy(update={"zero3_collectives": "per_tensor", "zero3_traffic_hidden": hidden,
+                                            "zero3_reuse_distance_params": 1e7})
+    graph = capture(mixed_moe_model(seq=2048))
+    choices = (Recompute.none, Recompute.full)
+    base = Layout(dp=16, tp=1, pp=2, ep=2, global_batch=16, zero=3)
+    roomy = small_cluster(32, 80)
+    splits = list(compositions(graph.num_blocks, 2))
+    least = [min(estimate(graph.costs(), roomy, replace(base, stage_layers=parts, recompute=r), stack=stack)
+                 .peak_memory_bytes for parts in splits) for r in choices]
+    reserve = roomy.device.memory_reserve
+    tight = (least[0] + least[1]) / 2   # no split fits without recomputing some layers
+    cluster = small_cluster(32, (tight / (1 - reserve.fragmentation_fraction) + reserve.runtime_context_bytes) / 1e9)
+    costs = MeshCosts(graph.costs(), cluster, base, stack)
+    assert any(costs.regather_s(kind) > 0 for kind in graph.costs().kinds)
+    best = None
+    for parts in splits:
+        for rec in itertools.product(choices, repeat=graph.num_blocks):
+            result = estimate(graph.costs(), cluster, replace(base, stage_layers=parts, layer_recompute=rec),
+                              mesh_costs=costs)
+            if result.fits and (best is None or result.step_time_s < best.step_time_s):
+                best = result
+    pins = Pins(dp=16, tp=1, pp=2, vp=1, cp=1, ep=2, etp=1, mbs=1, zero=3, dispatcher=MoeDispatcher.alltoall)
+    outcome = search(graph.costs(), cluster, 16, pins, stack=stack, graph=graph, top_k=1, recompute_choices=choices)
+    assert best is not None and outcome.unexplored == 0
+    assert Recompute.full in best.layer_recompute   # the re-gathering is part of the answer
+    assert outcome.ranked[0].estimate.step_time_s == pytest.approx(best.step_time_s, rel=1e-6)
