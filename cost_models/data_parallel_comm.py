@@ -14,7 +14,7 @@ from .compute import memory_seconds
 from .layer_records import StepParts
 from .memory import WEIGHT_BYTES, adam_bytes_touched, optimizer_state_bytes_per_param, params_on_rank
 from .layout import RecomputeModule
-from .records import LayerKind, OpKind, Sharding
+from .records import LayerKind, OpKind, Sharding, joins_previous_projection
 
 
 class DataParallelCommunication:
@@ -158,17 +158,17 @@ def regathered_dense(kind: LayerKind, reuse_distance_params: float, fused_projec
     v one where the stack fuses them), in forward order; expert modules are left out (no stack that releases them
     runs experts)."""
     norms = sum(1 for op in kind.ops if op.module is RecomputeModule.layernorm and op.kind is not OpKind.gemm)
-    modules: list[list] = []   # [input read, parameters on the rank, tensors or None for a GEMM module]
+    modules: list[list] = []   # [the module's last op, parameters on the rank, tensors or None for a GEMM module]
     for op in kind.ops:
         if op.module is RecomputeModule.layernorm and op.kind is not OpKind.gemm:
-            modules.append(["", kind.params_by(Sharding.sequence) / norms, kind.param_tensors_by(Sharding.sequence)
+            modules.append([op, kind.params_by(Sharding.sequence) / norms, kind.param_tensors_by(Sharding.sequence)
                             / norms])
         elif op.kind is OpKind.gemm and op.sharding is not Sharding.expert:
             params = op.weight_bytes / WEIGHT_BYTES / (tp if op.sharding is Sharding.tensor else 1)
-            if fused_projections and modules and op.reads and modules[-1][0] == op.reads:
-                modules[-1][1] += params   # q, k and v as one module (Megatron's linear_qkv)
+            if fused_projections and modules and joins_previous_projection(modules[-1][0], op):
+                modules[-1][0:2] = [op, modules[-1][1] + params]   # q, k and v as one module (Megatron's linear_qkv)
             else:
-                modules.append([op.reads, params, None])
+                modules.append([op, params, None])
     gemms = sum(1 for module in modules if module[2] is None)
     dense, _ = param_tensors_on_rank(kind, fused_projections, 1)
     per_gemm = (dense - kind.param_tensors_by(Sharding.sequence)) / gemms if gemms else 0.0

@@ -111,6 +111,12 @@ class ParamGroup:
     tensors: int = 1
 
 
+def joins_previous_projection(previous: OpCost, op: OpCost) -> bool:
+    """Whether GEMM `op` reads the input the GEMM before it read: one module where the stack fuses the projections
+    (Megatron's linear_qkv for q, k and v; linear_fc1 for gate and up)."""
+    return previous.kind is op.kind is OpKind.gemm and bool(op.reads) and previous.reads == op.reads
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """One distinct kind of layer (repeated layers share one record)."""
@@ -152,12 +158,12 @@ class LayerKind:
 
     @cached_property
     def projections_per_input(self) -> float:
-        """Tensor-parallel GEMMs per distinct input they read (q, k and v read one): a stack that builds the
-        projections reading one input as one GEMM (`SoftwareStack.fused_projections`) holds their weights (and
+        """Tensor-parallel GEMMs per module they make where a stack builds the projections reading one input as one
+        GEMM (`SoftwareStack.fused_projections`, `joins_previous_projection`), which holds their weights (and
         biases) as one tensor each."""
         ops = [op for op in self.ops if op.kind is OpKind.gemm and op.sharding is Sharding.tensor]
-        inputs = {op.reads or f"#{index}" for index, op in enumerate(ops)}
-        return len(ops) / len(inputs) if ops else 1.0
+        modules = sum(1 for i, op in enumerate(ops) if not (i and joins_previous_projection(ops[i - 1], op)))
+        return len(ops) / modules if ops else 1.0
 
     @property
     def active_param_count(self) -> int:
